@@ -1,0 +1,20 @@
+"""epochstream: exactly-once stateful stream operators through asynchronous epoch snapshots."""
+
+from .api.functions import KeyedProcessFunction
+from .api.pipeline import CheckpointConfig, JobResult, KeyedStream, Pipeline, Stream
+from .backends.sinks import FileSink
+from .graph.keygroups import ParallelismError
+from .runtime.context import Context
+from .runtime.errors import EpochStreamError, StateSerializationError, UserFunctionError
+from .runtime.sources import CollectionSource, GeneratorSource, Source
+from .runtime.state import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
+from .snapshot.manifest import CheckpointError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointConfig", "CheckpointError", "CollectionSource", "Context", "EpochStreamError", "FileSink",
+    "GeneratorSource", "JobResult", "KeyedProcessFunction", "KeyedStream", "ListStateDescriptor",
+    "MapStateDescriptor", "ParallelismError", "Pipeline", "Source", "StateSerializationError", "Stream",
+    "UserFunctionError", "ValueStateDescriptor",
+]

@@ -1,0 +1,32 @@
+"""User function base classes, named as in PyFlink."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from ..runtime.context import Context
+
+
+class KeyedProcessFunction:
+    """Per-key logic with keyed state.
+
+    Call order per subtask: ``open(ctx)`` once (declare state there with
+    ``ctx.state(descriptor)``), then ``process(value, ctx)`` per record with ``ctx.key`` set,
+    then ``close()``. ``process`` returns or yields the records to emit (or None).
+    After a failure the subtask is rebuilt, ``open`` runs again, and state is restored.
+    """
+
+    def open(self, ctx: "Context") -> None:  # noqa: D401 - hook
+        pass
+
+    def process(self, value: Any, ctx: "Context") -> Iterable[Any] | None:
+        # PyFlink names this process_element; accept either.
+        if type(self).process_element is not KeyedProcessFunction.process_element:
+            return self.process_element(value, ctx)
+        raise NotImplementedError(f"{type(self).__name__} must implement process(value, ctx)")
+
+    def process_element(self, value: Any, ctx: "Context") -> Iterable[Any] | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass

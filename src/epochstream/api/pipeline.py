@@ -1,0 +1,217 @@
+"""The pipeline builder: PySpark/Flink-style fluent streams over a logical graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Sequence
+
+from ..graph.plan import FORWARD, HASH, REBALANCE, Edge, Node, PhysicalPlan, build_plan
+from ..runtime.sources import CollectionSource, GeneratorSource, Source
+
+MODES = ("aligned", "at-least-once")
+DEPLOYMENTS = ("sim", "local")
+
+
+@dataclass
+class CheckpointConfig:
+    """Flink's checkpoint options, in seconds (``execution.checkpointing.*``)."""
+
+    interval: float | None = 1.0
+    max_concurrent: int = 1
+    min_pause: float = 0.0
+    timeout: float = 600.0
+    tolerable_failed: int = 0
+    num_retained: int = 3
+    incremental: bool = True
+    #: with incremental snapshots, every ``full_every``-th capture of an operator is full (compaction)
+    full_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.interval is not None and self.interval <= 0:
+            raise ValueError(f"checkpoint interval must be > 0 seconds or None, got {self.interval}")
+        if self.max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
+        if self.num_retained < 1:
+            raise ValueError(f"num_retained must be >= 1, got {self.num_retained}")
+        if self.full_every < 1:
+            raise ValueError(f"full_every must be >= 1, got {self.full_every}")
+        if self.min_pause < 0 or self.timeout <= 0 or self.tolerable_failed < 0:
+            raise ValueError("min_pause >= 0, timeout > 0 and tolerable_failed >= 0 are required")
+
+
+class Stream:
+    """A stream of records; each method adds an operator and returns the new stream."""
+
+    def __init__(self, pipeline: "Pipeline", heads: list[Edge]) -> None:
+        self._p = pipeline
+        self._heads = heads
+
+    # -- stateless transformations
+    def map(self, fn: Callable[[Any], Any], name: str = "map") -> "Stream":
+        return self._p._add("map", name, fn, self._heads)
+
+    def flat_map(self, fn: Callable[[Any], Iterable[Any]], name: str = "flat_map") -> "Stream":
+        return self._p._add("flat_map", name, fn, self._heads)
+
+    def filter(self, fn: Callable[[Any], bool], name: str = "filter") -> "Stream":
+        return self._p._add("filter", name, fn, self._heads)
+
+    # -- partitioning
+    def key_by(self, key_fn: Callable[[Any], Any]) -> "KeyedStream":
+        return KeyedStream(self._p, [Edge(e.src, HASH, key_fn) for e in self._heads])
+
+    def rebalance(self) -> "Stream":
+        return Stream(self._p, [Edge(e.src, REBALANCE, None) for e in self._heads])
+
+    def union(self, *others: "Stream") -> "Stream":
+        heads = list(self._heads)
+        for o in others:
+            if o._p is not self._p:
+                raise ValueError("union() needs streams of the same pipeline")
+            heads.extend(o._heads)
+        return Stream(self._p, heads)
+
+    # -- sinks
+    def sink(self, sink: Any, uid: str | None = None, name: str = "sink") -> "Stream":
+        """Write to a transactional sink: only committed epochs become visible."""
+        uid = uid or f"sink-{len(self._p._nodes)}"
+        return self._p._add("sink", name, sink, self._heads, uid=uid)
+
+    add_sink = sink
+
+    def process(self, fn: Any, uid: str | None = None, name: str | None = None) -> "Stream":
+        raise TypeError("process() needs keyed state: call key_by(...) first")
+
+
+class KeyedStream(Stream):
+    """A stream partitioned by key: keyed operators see every record of a key."""
+
+    def process(self, fn: Any, uid: str | None = None, name: str | None = None) -> Stream:
+        if not hasattr(fn, "process") and not hasattr(fn, "process_element"):
+            raise TypeError(f"process() needs a KeyedProcessFunction, got {type(fn).__name__}")
+        name = name or type(fn).__name__
+        uid = uid or f"{name}-{len(self._p._nodes)}"
+        return self._p._add("process", name, fn, self._heads, uid=uid)
+
+    def reduce(self, fn: Callable[[Any, Any], Any], uid: str | None = None) -> Stream:
+        """Running reduce per key, emitting the new aggregate for every record."""
+        from .builtin import ReduceFunction
+
+        return self.process(ReduceFunction(fn), uid=uid, name="reduce")
+
+
+@dataclass
+class JobResult:
+    """What ``Pipeline.run`` returns."""
+
+    job: str
+    checkpoint_dir: str
+    completed_epochs: list[int]
+    latest_checkpoint: str | None
+    restarts: int
+    records_in: int
+    seconds: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "checkpoint_dir": self.checkpoint_dir,
+            "completed_epochs": self.completed_epochs,
+            "latest_checkpoint": self.latest_checkpoint,
+            "restarts": self.restarts,
+            "records_in": self.records_in,
+            "seconds": round(self.seconds, 6),
+            "metrics": self.metrics,
+        }
+
+
+class Pipeline:
+    """A streaming job: sources, operators and sinks, run with exactly-once epochs.
+
+    ``mode``: ``aligned`` (barrier alignment, exactly-once) or ``at-least-once`` (barriers
+    without blocking). ``checkpoint_interval`` in seconds (None: only the final epoch of a
+    bounded job, and epochs asked for on demand).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        parallelism: int = 1,
+        max_parallelism: int | None = None,
+        mode: str = "aligned",
+        checkpoint_interval: float | None = 1.0,
+        checkpoint: CheckpointConfig | None = None,
+        batch_size: int = 1024,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.name = name
+        self.parallelism = parallelism
+        self.max_parallelism = max_parallelism
+        self.mode = mode
+        self.checkpoint = replace(checkpoint or CheckpointConfig(), interval=checkpoint_interval)
+        self.batch_size = batch_size
+        self._nodes: dict[int, Node] = {}
+
+    # -- sources
+    def from_collection(self, items: Sequence[Any], splits: int | None = None, uid: str | None = None) -> Stream:
+        """A bounded, replayable source over a collection; ``splits`` defaults to the parallelism."""
+        return self.from_source(CollectionSource(items, splits or self.parallelism), uid=uid, name="collection")
+
+    def generate(
+        self, fn: Callable[[int], Any], count: int | None = None, splits: int | None = None, uid: str | None = None
+    ) -> Stream:
+        """Deterministic source: record i is ``fn(i)``; ``count=None`` is unbounded."""
+        return self.from_source(GeneratorSource(fn, count, splits or self.parallelism), uid=uid, name="generate")
+
+    def from_source(self, source: Source, uid: str | None = None, name: str = "source") -> Stream:
+        uid = uid or f"source-{len(self._nodes)}"
+        return self._add("source", name, source, [], uid=uid)
+
+    # -- building
+    def _add(self, kind: str, name: str, payload: Any, inputs: list[Edge], uid: str | None = None) -> Stream:
+        nid = len(self._nodes)
+        self._nodes[nid] = Node(nid, kind, name, payload, uid, list(inputs))
+        return Stream(self, [Edge(nid, FORWARD, None)])
+
+    def plan(self, parallelism: int | None = None) -> PhysicalPlan:
+        return build_plan(self.name, self._nodes, parallelism or self.parallelism, self.max_parallelism)
+
+    @property
+    def sources(self) -> dict[str, Source]:
+        return {n.uid: n.payload for n in self._nodes.values() if n.kind == "source"}
+
+    @property
+    def sinks(self) -> dict[str, Any]:
+        return {n.uid: n.payload for n in self._nodes.values() if n.kind == "sink"}
+
+    def run(
+        self,
+        deployment: str = "local",
+        checkpoint_dir: str | None = None,
+        restore: str | None = None,
+        seed: int = 0,
+        allow_non_restored_state: bool = False,
+        duration: float | None = None,
+        **options: Any,
+    ) -> JobResult:
+        """Run the job until its bounded sources are done (or ``duration`` seconds pass).
+
+        ``restore``: None (fresh start), ``"latest"`` (newest completed checkpoint in
+        ``checkpoint_dir``) or the path of a checkpoint.
+        """
+        if deployment not in DEPLOYMENTS:
+            raise ValueError(f"deployment must be one of {DEPLOYMENTS}, got {deployment!r}")
+        from ..deploy import run_pipeline
+
+        return run_pipeline(
+            self,
+            deployment=deployment,
+            checkpoint_dir=checkpoint_dir,
+            restore=restore,
+            seed=seed,
+            allow_non_restored_state=allow_non_restored_state,
+            duration=duration,
+            **options,
+        )

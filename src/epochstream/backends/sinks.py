@@ -1,0 +1,102 @@
+"""Transactional sinks: output is staged per epoch (pre-commit) and made visible on commit.
+
+A FileSink writes each subtask's output of epoch n to
+``PATH/_staging/<uid>/e<n>-s<subtask>-a<attempt>.jsonl`` when the epoch's snapshot is taken,
+and renames it to ``PATH/part-e<n>-<uid>-s<subtask>.jsonl`` when the epoch commits.
+Readers (Spark, pandas, ``FileSink.read``) skip ``_``-prefixed folders, as Hadoop does, so
+they only ever see committed output. Commit is a rename, so re-issuing it after a failure
+is a no-op; recovery commits what the restored manifest names and deletes other staged
+files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from .local import _safe, atomic_write
+
+STAGING = "_staging"
+
+
+def _default_encoder(record: Any) -> str:
+    return json.dumps(record, default=repr, separators=(",", ":"))
+
+
+class FileSink:
+    """Exactly-once JSON-lines (or custom line format) files, one per subtask per epoch."""
+
+    def __init__(self, path: str | os.PathLike[str], encoder: Callable[[Any], str] | None = None,
+                 decoder: Callable[[str], Any] | None = None) -> None:
+        self.path = Path(path).expanduser().resolve()
+        self.encoder = encoder or _default_encoder
+        self.decoder = decoder or json.loads
+
+    def __repr__(self) -> str:
+        return f"FileSink({str(self.path)!r})"
+
+    # ------------------------------------------------------------ 2PC verbs
+    def pre_commit(self, uid: str, subtask: int, epoch: int, attempt: str, records: list[Any]) -> str | None:
+        """Stage records durably; returns the staged path relative to the sink root (None if empty)."""
+        if not records:
+            return None
+        enc = self.encoder
+        data = ("\n".join(map(enc, records)) + "\n").encode("utf-8")
+        rel = f"{STAGING}/{_safe(uid)}/e{epoch}-s{subtask}-a{attempt}.jsonl"
+        atomic_write(self.path / rel, data)
+        return rel
+
+    def final_name(self, staged: str) -> str:
+        m = re.search(r"/([^/]+)/e(\d+)-s(\d+)-a[^/]+\.jsonl$", staged)
+        if not m:
+            raise ValueError(f"not a staged file of this sink: {staged}")
+        uid, epoch, subtask = m.group(1), int(m.group(2)), int(m.group(3))
+        return f"part-e{epoch:08d}-{uid}-s{subtask}.jsonl"
+
+    def commit(self, staged: Iterable[str]) -> int:
+        """Make staged files visible; idempotent. Returns how many were moved now."""
+        moved = 0
+        for rel in staged:
+            src = self.path / rel
+            dst = self.path / self.final_name(rel)
+            if src.exists():
+                os.replace(src, dst)
+                moved += 1
+            elif not dst.exists():
+                raise FileNotFoundError(
+                    f"sink {self.path}: staged output {rel} is gone and was never committed; the epoch's output "
+                    f"is lost (was the staging folder deleted by hand?)"
+                )
+        return moved
+
+    def abort(self, staged: Iterable[str]) -> None:
+        for rel in staged:
+            (self.path / rel).unlink(missing_ok=True)
+
+    def recover(self, uid: str, committed: Iterable[str]) -> None:
+        """Re-issue the commit of the restored epoch and drop staged files of later epochs."""
+        keep = set(committed)
+        self.commit(keep)
+        folder = self.path / STAGING / _safe(uid)
+        if folder.is_dir():
+            for p in folder.iterdir():
+                if f"{STAGING}/{_safe(uid)}/{p.name}" not in keep:
+                    p.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ reading committed output
+    def committed_files(self) -> list[Path]:
+        if not self.path.is_dir():
+            return []
+        return sorted(p for p in self.path.glob("part-*.jsonl"))
+
+    def read(self) -> list[Any]:
+        """All committed records (epoch order, then subtask)."""
+        out: list[Any] = []
+        dec = self.decoder
+        for p in self.committed_files():
+            with open(p, encoding="utf-8") as f:
+                out.extend(dec(line) for line in f if line.strip())
+        return out

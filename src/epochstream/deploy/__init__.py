@@ -1,0 +1,64 @@
+"""Drivers: where the sans-IO core meets threads, processes, clocks and storage."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+from ..snapshot.manifest import CheckpointError
+
+
+def make_storage(checkpoint_dir: str | None):
+    from ..backends.local import LocalCheckpointStorage
+
+    if checkpoint_dir is None:
+        checkpoint_dir = tempfile.mkdtemp(prefix="epochstream-chk-")
+    return LocalCheckpointStorage(checkpoint_dir)
+
+
+def run_pipeline(
+    pipeline,
+    deployment: str,
+    checkpoint_dir: str | None,
+    restore: str | None,
+    seed: int,
+    allow_non_restored_state: bool,
+    duration: float | None,
+    parallelism: int | None = None,
+    sim: Any = None,
+    failures: Any = None,
+    **options: Any,
+):
+    from ..api.pipeline import JobResult
+
+    storage = make_storage(checkpoint_dir)
+    if restore is None and storage.list_checkpoints():
+        raise CheckpointError(
+            f"checkpoint dir {storage.root} already holds checkpoints {storage.list_checkpoints()[-3:]}; "
+            f"pass restore='latest' (--restore latest) to resume, or use an empty directory"
+        )
+    t0 = time.perf_counter()
+    if deployment == "sim":
+        from .sim import SimDriver
+
+        driver = SimDriver(pipeline, storage, seed=seed, config=sim, failures=failures, parallelism=parallelism)
+    elif deployment == "local":
+        from .local import LocalDriver
+
+        driver = LocalDriver(pipeline, storage, seed=seed, failures=failures, parallelism=parallelism, **options)
+    else:
+        raise ValueError(f"unknown deployment {deployment!r}")
+    driver.run(restore, allow_non_restored_state, duration)
+    latest = storage.list_checkpoints()
+    return JobResult(
+        job=pipeline.name,
+        checkpoint_dir=str(storage.root),
+        completed_epochs=list(driver.completed),
+        latest_checkpoint=str(storage.checkpoint_dir(latest[-1])) if latest else None,
+        restarts=driver.restarts,
+        records_in=driver.records_in,
+        seconds=time.perf_counter() - t0,
+        metrics={"epochs": driver.epoch_log, "failovers": driver.failover_log, "deployment": deployment,
+                 "parallelism": driver.plan.parallelism, "mode": pipeline.mode},
+    )

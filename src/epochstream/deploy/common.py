@@ -1,0 +1,322 @@
+"""Driver-side pieces every deployment shares: job master, persistence, restore.
+
+The job master wraps the sans-IO ``EpochCoordinator`` with the I/O it asks for: writing
+manifests, committing sinks, dropping old checkpoints. ``persist`` turns a task's capture
+into files (pre-commit). ``recover`` and ``build_tasks`` roll a job back to a completed
+checkpoint. Named *fail points* let the simulator and chaos runs crash the job master at
+the protocol's most delicate moments (before a manifest, between manifest and sink
+commit, in the middle of a sink commit).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..alignment import BarrierAligner
+from ..graph.plan import PhysicalPlan
+from ..runtime.chain import ChainRuntime
+from ..runtime.context import Context
+from ..runtime.messages import TaskCapture, TaskId
+from ..runtime.task import Task
+from ..snapshot.coordinator import (
+    AbortEpoch,
+    CommitEpoch,
+    CompleteEpoch,
+    CoordinatorConfig,
+    EpochCoordinator,
+    FailJob,
+    JobFinished,
+    TriggerEpoch,
+)
+from ..snapshot.manifest import AckInfo, CheckpointError, IncompleteChainError, ManifestBuilder
+
+log = logging.getLogger("epochstream")
+
+
+class InjectedFailure(Exception):
+    """A failure injected on purpose (simulator, chaos); recovered like a real crash."""
+
+
+class JobFailedError(Exception):
+    """The job failed and the restart strategy gave up; carries the last cause."""
+
+
+FailPoint = Callable[[str], None]
+
+
+def _no_fail(point: str) -> None:
+    return None
+
+
+# ---------------------------------------------------------------- restore
+
+
+@dataclass
+class Restored:
+    """A completed checkpoint chosen for (re)start."""
+
+    epoch: int
+    manifest: dict[str, Any]
+    root: Path
+    path: Path
+
+
+def find_restore(storage, restore: str | None) -> Restored | None:
+    if restore is None:
+        return None
+    if restore == "latest":
+        found = storage.latest()
+        if found is None:
+            return None
+    else:
+        found = storage.load_manifest(restore)
+    manifest, root = found
+    return Restored(int(manifest["epoch"]), manifest, root, root / f"chk-{manifest['epoch']}")
+
+
+def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non_restored_state: bool) -> None:
+    """Refuse a checkpoint this pipeline cannot take over, naming what differs."""
+    m = restored.manifest
+    if m["job"] != pipeline.name and not allow_non_restored_state:
+        raise CheckpointError(
+            f"checkpoint {restored.path} belongs to job {m['job']!r}, not {pipeline.name!r} "
+            f"(pass allow_non_restored_state=True to take it over anyway)"
+        )
+    if int(m["max_parallelism"]) != plan.max_parallelism:
+        raise CheckpointError(
+            f"checkpoint {restored.path} was taken with max_parallelism {m['max_parallelism']}, the job now has "
+            f"{plan.max_parallelism}: max parallelism fixes the key groups and cannot change once state exists"
+        )
+    known = {n.uid for n in plan.nodes.values() if n.uid}
+    unknown = sorted((set(m["operators"]) | set(m["sources"])) - known)
+    if unknown and not allow_non_restored_state:
+        raise CheckpointError(
+            f"checkpoint {restored.path} holds state of operator uid(s) {unknown} that the pipeline no longer has; "
+            f"pass allow_non_restored_state=True (--allow-non-restored-state) to drop that state"
+        )
+    for uid, src in pipeline.sources.items():
+        offs = m["sources"].get(uid, {}).get("offsets", {})
+        if offs and max(int(k) for k in offs) >= src.num_splits:
+            raise CheckpointError(
+                f"checkpoint {restored.path}: source {uid!r} had splits up to {max(int(k) for k in offs)}, "
+                f"the source now has {src.num_splits}"
+            )
+
+
+def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_point: FailPoint = _no_fail) -> None:
+    """Finish what the restored checkpoint promised and clear what came after it.
+
+    Sink commits named by the manifest are re-issued (idempotent), staged output of later
+    epochs is dropped, and state files no manifest names are deleted.
+    """
+    staged = restored.manifest["sinks"] if restored else {}
+    for uid, sink in sorted(sinks.items()):
+        fail_point("recovery")
+        sink.recover(uid, staged.get(uid, {}).get("staged", []))
+    retained = []
+    for epoch in storage.list_checkpoints():
+        try:
+            retained.append(storage.load_manifest(epoch)[0])
+        except CheckpointError:
+            continue
+    storage.remove_orphans(retained)
+
+
+def build_tasks(
+    pipeline,
+    plan: PhysicalPlan,
+    worker: int | None,
+    storage,
+    restored: Restored | None,
+    gate_factory: Callable[[list[int]], Any] | None = None,
+) -> dict[TaskId, Task]:
+    """The tasks of one worker (or all, if ``worker`` is None), with restored state."""
+    exactly_once = pipeline.mode != "at-least-once"
+    start_epoch = restored.epoch + 1 if restored else 1
+    offsets: dict[str, dict[int, int]] = {}
+    if restored:
+        for uid, s in restored.manifest["sources"].items():
+            offsets[uid] = {int(k): int(v) for k, v in s["offsets"].items()}
+    tasks: dict[TaskId, Task] = {}
+    cfg = pipeline.checkpoint
+    for tid in plan.tasks:
+        if worker is not None and plan.worker_of(tid) != worker:
+            continue
+        chain = ChainRuntime(plan, plan.chains[tid[0]], tid[1], Context)
+        if restored:
+            for uid, state in chain.states.items():
+                entry = restored.manifest["operators"].get(uid)
+                if entry is None:
+                    continue
+                rows = storage.read_operator_rows(restored.manifest, restored.root, uid, state.key_group_range)
+                state.restore_rows(rows, entry.get("states", {}))
+        chain.open(start_epoch)
+        gate = (gate_factory or (lambda chans: BarrierAligner(chans, exactly_once)))(plan.inputs[tid])
+        if isinstance(gate, BarrierAligner):
+            gate.reset(start_epoch - 1)
+        tasks[tid] = Task(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets)
+    return tasks
+
+
+# ---------------------------------------------------------------- persistence (pre-commit)
+
+
+class SinkStagingError(Exception):
+    """Staging sink output failed: the epoch's output would be lost, so the job fails over."""
+
+
+def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str) -> AckInfo:
+    """Write a task's capture: state files and staged sink output. Raises on failure."""
+    t0 = time.perf_counter()
+    files = []
+    chains: dict[str, tuple[int, ...]] = {}
+    kinds: dict[str, dict[str, str]] = {}
+    size = 0
+    for kc in capture.keyed:
+        ref = storage.write_state(kc.operator_uid, capture.task[1], capture.epoch, attempt, kc.rows,
+                                  kc.key_group_range, kc.full)
+        files.append(ref)
+        chains[kc.operator_uid] = kc.chain
+        kinds[kc.operator_uid] = dict(kc.kinds)
+        size += ref.bytes
+    staged: dict[str, tuple[str, ...]] = {}
+    for sc in capture.sinks:
+        try:
+            rel = sinks[sc.sink_uid].pre_commit(sc.sink_uid, capture.task[1], sc.epoch, attempt, sc.records)
+        except Exception as exc:
+            raise SinkStagingError(f"sink {sc.sink_uid!r} could not stage epoch {sc.epoch}: {exc}") from exc
+        staged[sc.sink_uid] = (rel,) if rel else ()
+    return AckInfo(
+        capture.task, capture.epoch, tuple(files), chains, kinds, capture.offsets, staged, size,
+        capture.alignment_seconds, time.perf_counter() - t0, capture.held_records,
+    )
+
+
+# ---------------------------------------------------------------- job master
+
+
+@dataclass
+class MasterOutput:
+    """What the job master wants the driver to do."""
+
+    triggers: list[TriggerEpoch] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)
+    failover: str | None = None
+
+
+class JobMaster:
+    def __init__(
+        self,
+        pipeline,
+        plan: PhysicalPlan,
+        storage,
+        restored: Restored | None,
+        now: float,
+        fail_point: FailPoint = _no_fail,
+        deployment: str = "sim",
+    ) -> None:
+        self.pipeline = pipeline
+        self.plan = plan
+        self.storage = storage
+        self.sinks = pipeline.sinks
+        cfg = pipeline.checkpoint
+        self.num_retained = cfg.num_retained
+        self.coordinator = EpochCoordinator(
+            plan.tasks,
+            CoordinatorConfig(cfg.interval, cfg.max_concurrent, cfg.min_pause, cfg.timeout, cfg.tolerable_failed),
+            last_completed=restored.epoch if restored else 0,
+            now=now,
+        )
+        job = {
+            "job": pipeline.name,
+            "parallelism": plan.parallelism,
+            "max_parallelism": plan.max_parallelism,
+            "mode": pipeline.mode,
+            "deployment": deployment,
+        }
+        self.builder = ManifestBuilder(job, restored.epoch if restored else 0)
+        self.fail_point = fail_point
+        self.manifests: dict[int, dict[str, Any]] = {}
+        self.retained: list[dict[str, Any]] = []
+        for epoch in storage.list_checkpoints():
+            try:
+                self.retained.append(storage.load_manifest(epoch)[0])
+            except CheckpointError:
+                continue
+        self.finished = False
+        self.completed: list[int] = []
+        self.epoch_log: list[dict[str, Any]] = []
+
+    # -- events from the driver
+    def poll(self, now: float) -> MasterOutput:
+        return self._run(self.coordinator.poll(now), now)
+
+    def request(self, now: float, kind: str) -> MasterOutput:
+        return self._run(self.coordinator.request(now, kind), now)
+
+    def ack(self, info: AckInfo, now: float) -> MasterOutput:
+        self.builder.record(info)
+        return self._run(self.coordinator.ack(info.task, info.epoch, info, now), now)
+
+    def decline(self, task: TaskId, epoch: int, reason: str, now: float) -> MasterOutput:
+        self.builder.record_decline(task, epoch)
+        return self._run(self.coordinator.decline(task, epoch, reason, now), now)
+
+    def next_deadline(self, now: float) -> float | None:
+        return self.coordinator.next_deadline(now)
+
+    # -- carrying out the coordinator's actions
+    def _run(self, actions: list[Any], now: float) -> MasterOutput:
+        out = MasterOutput()
+        queue = list(actions)
+        while queue:
+            a = queue.pop(0)
+            if isinstance(a, TriggerEpoch):
+                out.triggers.append(a)
+            elif isinstance(a, CompleteEpoch):
+                queue += self._write_manifest(a, now)
+            elif isinstance(a, CommitEpoch):
+                self._commit(a.epoch)
+                out.committed.append(a.epoch)
+            elif isinstance(a, AbortEpoch):
+                log.info("epoch %d aborted: %s", a.epoch, a.reason)
+                self.epoch_log.append({"epoch": a.epoch, "state": "aborted", "reason": a.reason})
+            elif isinstance(a, FailJob):
+                out.failover = a.reason
+            elif isinstance(a, JobFinished):
+                self.finished = True
+        return out
+
+    def _write_manifest(self, a: CompleteEpoch, now: float) -> list[Any]:
+        try:
+            manifest = self.builder.build(a.epoch, a.kind, a.acks, {})
+        except IncompleteChainError as exc:
+            return self.coordinator.manifest_failed(a.epoch, str(exc), now)
+        self.fail_point("before_manifest")
+        try:
+            self.storage.write_manifest(manifest)
+        except OSError as exc:
+            return self.coordinator.manifest_failed(a.epoch, f"{type(exc).__name__}: {exc}", now)
+        self.fail_point("after_manifest")
+        self.manifests[a.epoch] = manifest
+        return self.coordinator.manifest_written(a.epoch, now)
+
+    def _commit(self, epoch: int) -> None:
+        manifest = self.manifests.pop(epoch)
+        for i, (uid, entry) in enumerate(sorted(manifest["sinks"].items())):
+            if i:
+                self.fail_point("mid_commit")
+            self.sinks[uid].commit(entry["staged"])
+        self.fail_point("after_commit")
+        self.builder.completed(epoch, manifest)
+        self.completed.append(epoch)
+        self.epoch_log.append({"epoch": epoch, "state": "completed", **manifest["metrics"]})
+        self.retained.append(manifest)
+        while len(self.retained) > self.num_retained:
+            old = self.retained.pop(0)
+            self.storage.discard(int(old["epoch"]))
+        self.storage.collect_garbage(self.retained, keep_after=epoch)

@@ -1,0 +1,135 @@
+"""Key -> key group -> subtask, as pure functions (Flink's KeyGroupRangeAssignment).
+
+A key group is the unit of keyed state that moves when a job is rescaled. Keys map to
+one of ``max_parallelism`` key groups through a *stable* hash (never Python's salted
+``hash()``, which differs between processes); key groups map to subtasks in
+contiguous ranges, so restoring at another parallelism only re-slices ranges.
+
+Checks happen in the entry points (``check_parallelism``, ``key_group_range``); the
+per-record functions are single expressions.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import zlib
+from typing import Any
+
+#: Flink caps max parallelism at Short.MAX_VALUE + 1 because key groups are stored as
+#: shorts; we keep the same cap so savepoints stay comparable.
+UPPER_BOUND_MAX_PARALLELISM = 1 << 15
+DEFAULT_LOWER_BOUND_MAX_PARALLELISM = 1 << 7
+
+_MASK32 = 0xFFFFFFFF
+
+
+class ParallelismError(ValueError):
+    """A parallelism / max parallelism pair that cannot be used."""
+
+
+def default_max_parallelism(parallelism: int) -> int:
+    """Flink's default: ``min(max(roundUpToPowerOfTwo(p + p/2), 128), 32768)``."""
+    wanted = parallelism + parallelism // 2
+    rounded = 1 << max(wanted - 1, 0).bit_length()
+    return min(max(rounded, DEFAULT_LOWER_BOUND_MAX_PARALLELISM), UPPER_BOUND_MAX_PARALLELISM)
+
+
+def check_parallelism(parallelism: int, max_parallelism: int) -> None:
+    """Raise a ParallelismError naming the bad value; call once per job, not per record."""
+    if not isinstance(parallelism, int) or parallelism < 1:
+        raise ParallelismError(f"parallelism must be a positive integer, got {parallelism!r}")
+    if not isinstance(max_parallelism, int) or not 1 <= max_parallelism <= UPPER_BOUND_MAX_PARALLELISM:
+        raise ParallelismError(
+            f"max_parallelism must be in [1, {UPPER_BOUND_MAX_PARALLELISM}], got {max_parallelism!r}"
+        )
+    if parallelism > max_parallelism:
+        raise ParallelismError(
+            f"parallelism {parallelism} is above max_parallelism {max_parallelism}: every subtask needs at "
+            f"least one key group; lower the parallelism or start the job with a larger max_parallelism "
+            f"(max_parallelism cannot change once state exists)"
+        )
+
+
+def key_bytes(key: Any) -> bytes:
+    """Canonical bytes of a key: equal keys give equal bytes in every process and run.
+
+    str, bytes, int, float, bool and None have fixed encodings; tuples encode their items;
+    other values fall back to pickle protocol 4, which is deterministic for plain data.
+    """
+    t = type(key)
+    if t is str:
+        return b"s" + key.encode("utf-8")
+    if t is int:
+        return b"i" + key.to_bytes((key.bit_length() + 8) // 8 or 1, "little", signed=True)
+    if t is bytes:
+        return b"b" + key
+    if t is bool or key is None:
+        return b"n" if key is None else (b"T" if key else b"F")
+    if t is float:
+        return b"f" + struct.pack("<d", key)
+    if t is tuple:
+        return b"t" + b"".join(len(p).to_bytes(4, "little") + p for p in map(key_bytes, key))
+    return b"p" + pickle.dumps(key, protocol=4)
+
+
+def murmur_mix(code: int) -> int:
+    """Flink's MathUtils.murmurHash(int): one murmur3 round plus finalizer, non-negative."""
+    code = (code * 0xCC9E2D51) & _MASK32
+    code = ((code << 15) | (code >> 17)) & _MASK32
+    code = (code * 0x1B873593) & _MASK32
+    code = ((code << 13) | (code >> 19)) & _MASK32
+    code = (code * 5 + 0xE6546B64) & _MASK32
+    code ^= 4
+    code ^= code >> 16
+    code = (code * 0x85EBCA6B) & _MASK32
+    code ^= code >> 13
+    code = (code * 0xC2B2AE35) & _MASK32
+    code ^= code >> 16
+    # Java: if (code >= 0) code else if (code != MIN_VALUE) -code else 0
+    if code >= 0x80000000:
+        code = 0 if code == 0x80000000 else (0x100000000 - code)
+    return code
+
+
+def stable_hash(key: Any) -> int:
+    """32-bit stable hash of a key (crc32 of its canonical bytes)."""
+    return zlib.crc32(key_bytes(key))
+
+
+def key_group_for_hash(key_hash: int, max_parallelism: int) -> int:
+    """``0 <= result < max_parallelism``."""
+    return murmur_mix(key_hash) % max_parallelism
+
+
+def assign_to_key_group(key: Any, max_parallelism: int) -> int:
+    """The key group of a key: ``0 <= result < max_parallelism``."""
+    return murmur_mix(zlib.crc32(key_bytes(key))) % max_parallelism
+
+
+def operator_index_for_key_group(max_parallelism: int, parallelism: int, key_group: int) -> int:
+    """Subtask owning ``key_group`` (``0 <= key_group < max_parallelism``)."""
+    return key_group * parallelism // max_parallelism
+
+
+def assign_key_to_operator(key: Any, max_parallelism: int, parallelism: int) -> int:
+    return assign_to_key_group(key, max_parallelism) * parallelism // max_parallelism
+
+
+def key_group_range(max_parallelism: int, parallelism: int, operator_index: int) -> tuple[int, int]:
+    """Inclusive key-group range ``(start, end)`` of a subtask; agrees with operator_index_for_key_group.
+
+    start = ceil(i * M / p), end = floor(((i + 1) * M - 1) / p).
+    """
+    check_parallelism(parallelism, max_parallelism)
+    if not 0 <= operator_index < parallelism:
+        raise ParallelismError(f"operator index {operator_index} outside [0, {parallelism})")
+    start = (operator_index * max_parallelism + parallelism - 1) // parallelism
+    end = ((operator_index + 1) * max_parallelism - 1) // parallelism
+    return start, end
+
+
+def key_group_table(max_parallelism: int, parallelism: int) -> list[int]:
+    """Subtask of every key group, precomputed so routing is one list lookup per record."""
+    check_parallelism(parallelism, max_parallelism)
+    return [kg * parallelism // max_parallelism for kg in range(max_parallelism)]

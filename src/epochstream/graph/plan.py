@@ -1,0 +1,210 @@
+"""Logical graph -> physical plan: operator chains, channels, key-group routing.
+
+Operators joined by a *forward* edge run in the same task (a chain, as Flink chains them);
+a chain ends where records change subtask (``hash`` by key, ``rebalance``) or where
+several inputs meet. Every chain runs at the job's parallelism, and worker ``w`` hosts
+subtask ``w`` of every chain (FlameStream's layout): forward channels stay inside a
+worker, repartitioning channels cross workers all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .keygroups import check_parallelism, default_max_parallelism, key_group_range
+
+FORWARD, HASH, REBALANCE = "forward", "hash", "rebalance"
+
+
+@dataclass
+class Edge:
+    src: int
+    partition: str = FORWARD
+    key_fn: Callable[[Any], Any] | None = None
+
+
+@dataclass
+class Node:
+    """A logical operator. ``kind``: source, map, flat_map, filter, process, sink."""
+
+    id: int
+    kind: str
+    name: str
+    payload: Any
+    uid: str | None = None
+    inputs: list[Edge] = field(default_factory=list)
+
+
+class GraphError(ValueError):
+    """A pipeline that cannot be turned into a physical plan."""
+
+
+@dataclass(frozen=True)
+class OutEdge:
+    """An edge leaving a chain: from ``node`` to chain ``dst_chain`` (entering at ``dst_node``)."""
+
+    node: int
+    dst_chain: int
+    dst_node: int
+    partition: str
+    key_fn: Callable[[Any], Any] | None
+    index: int  # position in the source chain's out_edges
+
+
+@dataclass(frozen=True)
+class Chain:
+    id: int
+    name: str
+    nodes: tuple[int, ...]  # topological order; nodes[0] is a head
+    heads: tuple[int, ...]  # nodes fed from outside the chain (or sources)
+    out_edges: tuple[OutEdge, ...]
+    is_source: bool
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One FIFO channel between two tasks; ``id`` is dense, 0..n-1."""
+
+    id: int
+    src: tuple[int, int]  # (chain, subtask)
+    dst: tuple[int, int]
+    out_edge: int  # index in the source chain's out_edges
+    dst_node: int
+
+
+@dataclass
+class PhysicalPlan:
+    name: str
+    parallelism: int
+    max_parallelism: int
+    nodes: dict[int, Node]
+    chains: list[Chain]
+    channels: list[Channel]
+    #: chain -> subtask -> out edge index -> channel ids indexed by destination subtask
+    outputs: dict[tuple[int, int], list[list[int]]]
+    #: task -> its input channel ids
+    inputs: dict[tuple[int, int], list[int]]
+
+    @property
+    def tasks(self) -> list[tuple[int, int]]:
+        return [(c.id, s) for c in self.chains for s in range(self.parallelism)]
+
+    def key_group_range(self, subtask: int) -> tuple[int, int]:
+        return key_group_range(self.max_parallelism, self.parallelism, subtask)
+
+    def worker_of(self, task: tuple[int, int]) -> int:
+        return task[1]
+
+    def stateful_uids(self) -> list[str]:
+        return [n.uid for n in self.nodes.values() if n.kind in ("process", "sink", "source") and n.uid]
+
+    def consumers(self) -> dict[int, list[tuple[int, Edge]]]:
+        out: dict[int, list[tuple[int, Edge]]] = {nid: [] for nid in self.nodes}
+        for n in self.nodes.values():
+            for e in n.inputs:
+                out[e.src].append((n.id, e))
+        return out
+
+
+def build_plan(name: str, nodes: dict[int, Node], parallelism: int, max_parallelism: int | None) -> PhysicalPlan:
+    """Chain the logical graph and lay out channels for ``parallelism`` workers."""
+    max_parallelism = max_parallelism or default_max_parallelism(parallelism)
+    check_parallelism(parallelism, max_parallelism)
+    _check_graph(nodes)
+
+    consumers: dict[int, list[tuple[int, Edge]]] = {nid: [] for nid in nodes}
+    for n in nodes.values():
+        for e in n.inputs:
+            consumers[e.src].append((n.id, e))
+
+    # A node starts a new chain unless it has exactly one input and that input is forward.
+    def is_head(n: Node) -> bool:
+        return not (len(n.inputs) == 1 and n.inputs[0].partition == FORWARD)
+
+    order = _topological(nodes)
+    chain_of: dict[int, int] = {}
+    members: list[list[int]] = []
+    for nid in order:
+        n = nodes[nid]
+        if is_head(n):
+            chain_of[nid] = len(members)
+            members.append([nid])
+        else:
+            c = chain_of[n.inputs[0].src]
+            chain_of[nid] = c
+            members[c].append(nid)
+
+    chains: list[Chain] = []
+    for cid, ms in enumerate(members):
+        outs: list[OutEdge] = []
+        for nid in ms:
+            for dst, e in consumers[nid]:
+                if chain_of[dst] != cid or is_head(nodes[dst]):
+                    outs.append(OutEdge(nid, chain_of[dst], dst, e.partition, e.key_fn, len(outs)))
+        head = nodes[ms[0]]
+        chains.append(
+            Chain(
+                id=cid,
+                name=head.name if len(ms) == 1 else " -> ".join(nodes[m].name for m in ms),
+                nodes=tuple(ms),
+                heads=(ms[0],),
+                out_edges=tuple(outs),
+                is_source=head.kind == "source",
+            )
+        )
+
+    channels: list[Channel] = []
+    outputs: dict[tuple[int, int], list[list[int]]] = {
+        (c.id, s): [[] for _ in c.out_edges] for c in chains for s in range(parallelism)
+    }
+    inputs: dict[tuple[int, int], list[int]] = {(c.id, s): [] for c in chains for s in range(parallelism)}
+    for c in chains:
+        for oe in c.out_edges:
+            for s in range(parallelism):
+                targets = [s] if oe.partition == FORWARD else list(range(parallelism))
+                for d in targets:
+                    ch = Channel(len(channels), (c.id, s), (oe.dst_chain, d), oe.index, oe.dst_node)
+                    channels.append(ch)
+                    outputs[(c.id, s)][oe.index].append(ch.id)
+                    inputs[(oe.dst_chain, d)].append(ch.id)
+    return PhysicalPlan(name, parallelism, max_parallelism, dict(nodes), chains, channels, outputs, inputs)
+
+
+def _check_graph(nodes: dict[int, Node]) -> None:
+    uids: dict[str, int] = {}
+    for n in nodes.values():
+        if n.uid is not None:
+            if n.uid in uids:
+                raise GraphError(f"operator uid {n.uid!r} is used twice; uids must be unique in a pipeline")
+            uids[n.uid] = n.id
+        if n.kind == "source" and n.inputs:
+            raise GraphError(f"source {n.name!r} cannot have inputs")
+        if n.kind != "source" and not n.inputs:
+            raise GraphError(f"operator {n.name!r} has no input")
+        if n.kind == "process":
+            if len({id(e.key_fn) for e in n.inputs}) and any(e.partition != HASH for e in n.inputs):
+                raise GraphError(f"operator {n.name!r}: keyed process needs a key_by() before it")
+    if not any(n.kind == "source" for n in nodes.values()):
+        raise GraphError("a pipeline needs at least one source")
+
+
+def _topological(nodes: dict[int, Node]) -> list[int]:
+    indeg = {nid: len(n.inputs) for nid, n in nodes.items()}
+    succ: dict[int, list[int]] = {nid: [] for nid in nodes}
+    for n in nodes.values():
+        for e in n.inputs:
+            succ[e.src].append(n.id)
+    ready = sorted(nid for nid, d in indeg.items() if d == 0)
+    order: list[int] = []
+    while ready:
+        nid = ready.pop(0)
+        order.append(nid)
+        for m in succ[nid]:
+            indeg[m] -= 1
+            if indeg[m] == 0:
+                ready.append(m)
+    if len(order) != len(nodes):
+        cyclic = sorted(nodes[n].name for n, d in indeg.items() if d > 0)
+        raise GraphError(f"the pipeline has a cycle through {cyclic}; cycles are not supported yet")
+    return order

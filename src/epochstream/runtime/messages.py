@@ -1,0 +1,106 @@
+"""What travels on data channels and what the core asks its driver to do.
+
+Data channels carry only two kinds of message: a ``Batch`` of records that all belong to
+one epoch, and a ``Marker`` closing an epoch (aligned mode). Everything else is an
+*action*: a frozen value a task returns from ``step`` for the driver to carry out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TaskId = tuple[int, int]
+"""(chain id, subtask index): one process of the physical plan."""
+
+
+@dataclass(slots=True)
+class Batch:
+    """Records of one epoch on one channel, in FIFO order.
+
+    ``keys`` is set on hash-partitioned channels so the receiver does not recompute them.
+    """
+
+    epoch: int
+    records: list[Any]
+    keys: list[Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """Epoch ``epoch`` ends here on this channel (Carbone's barrier, Algorithms 5-6)."""
+
+    epoch: int
+
+
+# ---------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    channel: int
+    message: Batch | Marker
+
+
+@dataclass(frozen=True, slots=True)
+class KeyedCapture:
+    """Rows of one keyed operator at an epoch bound, already serialized.
+
+    ``rows`` are ``(key_group, key_bytes, state_name, value_bytes | None)``; ``None`` is a
+    tombstone in an incremental capture. ``chain`` lists the epochs whose files, applied
+    in order, rebuild this operator's state (first entry is the last full capture).
+    """
+
+    operator_uid: str
+    rows: list[tuple[int, bytes, str, bytes | None]]
+    full: bool
+    chain: tuple[int, ...]
+    key_group_range: tuple[int, int]
+    kinds: tuple[tuple[str, str], ...] = ()  # (state name, value | list | map)
+
+
+@dataclass(frozen=True, slots=True)
+class SinkCapture:
+    """Output of one sink subtask for one epoch, to be staged (pre-committed)."""
+
+    sink_uid: str
+    epoch: int
+    records: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskCapture:
+    """Everything a task hands over at an epoch bound; written off the processing path."""
+
+    task: TaskId
+    epoch: int
+    keyed: tuple[KeyedCapture, ...] = ()
+    sinks: tuple[SinkCapture, ...] = ()
+    offsets: dict[str, dict[int, int]] = field(default_factory=dict)
+    alignment_seconds: float = 0.0
+    held_records: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Persist ``capture``, then acknowledge epoch ``capture.epoch`` to the coordinator."""
+
+    capture: TaskCapture
+
+
+@dataclass(frozen=True, slots=True)
+class SourceExhausted:
+    """A bounded source task has emitted its last record."""
+
+    task: TaskId
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFailed:
+    """User code or state serialization failed inside a task; the driver fails over."""
+
+    task: TaskId
+    error: BaseException

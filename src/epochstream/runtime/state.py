@@ -1,0 +1,282 @@
+"""Keyed state: descriptors, PyFlink-style handles, and the heap backend that captures it.
+
+The heap backend keeps one dict per declared state (key -> value) and a *dirty set* of the
+keys written since the last capture. A capture at an epoch bound pickles only those keys
+(an incremental snapshot, a changelog) or every key (a full one), synchronously, so later
+in-place mutation cannot leak into a snapshot; the bytes are written in the background by
+the driver.
+
+As in Flink's heap backend, a value fetched with ``value()`` / ``get()`` and mutated in
+place is only recorded when written back (``update``, ``add``, ``put``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+from .errors import StateSerializationError
+from .messages import KeyedCapture
+
+_PICKLE = pickle.HIGHEST_PROTOCOL
+
+
+# ---------------------------------------------------------------- descriptors
+
+
+@dataclass(frozen=True)
+class StateDescriptor:
+    """Names a piece of keyed state; ``type_info`` is informational (typed columns later)."""
+
+    name: str
+    type_info: Any = None
+
+    kind = "value"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"state descriptor needs a non-empty name, got {self.name!r}")
+
+
+@dataclass(frozen=True)
+class ValueStateDescriptor(StateDescriptor):
+    """One value per key; ``value()`` returns ``default`` (None) when unset."""
+
+    default: Any = None
+    kind = "value"
+
+
+@dataclass(frozen=True)
+class ListStateDescriptor(StateDescriptor):
+    """A list per key."""
+
+    kind = "list"
+
+
+@dataclass(frozen=True)
+class MapStateDescriptor(StateDescriptor):
+    """A dict per key; ``type_info`` may be a (key type, value type) pair."""
+
+    kind = "map"
+
+
+# ---------------------------------------------------------------- handles
+
+
+class _KeyContext:
+    """The current key, shared by every handle of one operator instance."""
+
+    __slots__ = ("key",)
+
+    def __init__(self) -> None:
+        self.key: Any = None
+
+
+class _Table:
+    """Values of one declared state; ``dirty`` holds keys written since the last capture."""
+
+    __slots__ = ("name", "kind", "data", "dirty")
+
+    def __init__(self, name: str, kind: str) -> None:
+        self.name = name
+        self.kind = kind
+        self.data: dict[Any, Any] = {}
+        self.dirty: set[Any] = set()
+
+
+class ValueState:
+    __slots__ = ("_t", "_k", "_default")
+
+    def __init__(self, table: _Table, keys: _KeyContext, default: Any) -> None:
+        self._t, self._k, self._default = table, keys, default
+
+    def value(self) -> Any:
+        return self._t.data.get(self._k.key, self._default)
+
+    def update(self, value: Any) -> None:
+        k = self._k.key
+        self._t.data[k] = value
+        self._t.dirty.add(k)
+
+    def clear(self) -> None:
+        k = self._k.key
+        if self._t.data.pop(k, _MISSING) is not _MISSING:
+            self._t.dirty.add(k)
+
+
+class ListState:
+    __slots__ = ("_t", "_k")
+
+    def __init__(self, table: _Table, keys: _KeyContext) -> None:
+        self._t, self._k = table, keys
+
+    def get(self) -> list[Any]:
+        return self._t.data.get(self._k.key, [])
+
+    def add(self, value: Any) -> None:
+        k = self._k.key
+        lst = self._t.data.get(k)
+        if lst is None:
+            self._t.data[k] = [value]
+        else:
+            lst.append(value)
+        self._t.dirty.add(k)
+
+    def add_all(self, values: Iterable[Any]) -> None:
+        for v in values:
+            self.add(v)
+
+    def update(self, values: Iterable[Any]) -> None:
+        k = self._k.key
+        self._t.data[k] = list(values)
+        self._t.dirty.add(k)
+
+    def clear(self) -> None:
+        k = self._k.key
+        if self._t.data.pop(k, _MISSING) is not _MISSING:
+            self._t.dirty.add(k)
+
+
+class MapState:
+    __slots__ = ("_t", "_k")
+
+    def __init__(self, table: _Table, keys: _KeyContext) -> None:
+        self._t, self._k = table, keys
+
+    def _map(self) -> dict[Any, Any]:
+        return self._t.data.get(self._k.key, _EMPTY)
+
+    def get(self, key: Any) -> Any:
+        return self._map().get(key)
+
+    def put(self, key: Any, value: Any) -> None:
+        k = self._k.key
+        m = self._t.data.get(k)
+        if m is None:
+            self._t.data[k] = {key: value}
+        else:
+            m[key] = value
+        self._t.dirty.add(k)
+
+    def put_all(self, entries: dict[Any, Any]) -> None:
+        for key, value in entries.items():
+            self.put(key, value)
+
+    def contains(self, key: Any) -> bool:
+        return key in self._map()
+
+    def remove(self, key: Any) -> None:
+        k = self._k.key
+        m = self._t.data.get(k)
+        if m is not None and key in m:
+            del m[key]
+            if not m:
+                del self._t.data[k]
+            self._t.dirty.add(k)
+
+    def keys(self) -> Iterator[Any]:
+        return iter(list(self._map().keys()))
+
+    def values(self) -> Iterator[Any]:
+        return iter(list(self._map().values()))
+
+    def items(self) -> Iterator[tuple[Any, Any]]:
+        return iter(list(self._map().items()))
+
+    def is_empty(self) -> bool:
+        return not self._map()
+
+    def clear(self) -> None:
+        k = self._k.key
+        if self._t.data.pop(k, _MISSING) is not _MISSING:
+            self._t.dirty.add(k)
+
+
+_MISSING = object()
+_EMPTY: dict[Any, Any] = {}
+
+
+# ---------------------------------------------------------------- backend
+
+
+class HeapKeyedState:
+    """All keyed state of one operator instance (one subtask of one ``process`` operator)."""
+
+    def __init__(self, operator_uid: str, key_group_of, key_group_range: tuple[int, int]) -> None:
+        self.operator_uid = operator_uid
+        self.keys = _KeyContext()
+        self.tables: dict[str, _Table] = {}
+        self._key_group_of = key_group_of
+        self.key_group_range = key_group_range
+        #: epochs whose captures rebuild the state: [last full, increments...]
+        self.chain: list[int] = []
+        self.force_full = True
+
+    def handle(self, descriptor: StateDescriptor) -> ValueState | ListState | MapState:
+        kind = descriptor.kind
+        table = self.tables.get(descriptor.name)
+        if table is None:
+            table = self.tables[descriptor.name] = _Table(descriptor.name, kind)
+        elif table.kind != kind:
+            raise ValueError(
+                f"operator {self.operator_uid!r}: state {descriptor.name!r} is declared as {table.kind} "
+                f"state and again as {kind} state"
+            )
+        if kind == "value":
+            return ValueState(table, self.keys, getattr(descriptor, "default", None))
+        if kind == "list":
+            return ListState(table, self.keys)
+        if kind == "map":
+            return MapState(table, self.keys)
+        raise ValueError(f"unknown state kind {kind!r}")
+
+    def capture(self, epoch: int, incremental: bool = True, full_every: int = 10) -> KeyedCapture:
+        """Serialize the state at an epoch bound: the keys written since the last capture, or
+        every key when a full capture is due (not incremental, first after restore, or the
+        change chain reached ``full_every`` links: compaction)."""
+        full = not incremental or self.force_full or not self.chain or len(self.chain) >= full_every
+        rows: list[tuple[int, bytes, str, bytes | None]] = []
+        kg_of = self._key_group_of
+        dumps = pickle.dumps
+        for table in self.tables.values():
+            data = table.data
+            keys = data.keys() if full else table.dirty
+            name = table.name
+            for key in keys:
+                try:
+                    kbytes = dumps(key, _PICKLE)
+                    value = data.get(key, _MISSING)
+                    vbytes = None if value is _MISSING else dumps(value, _PICKLE)
+                except Exception as exc:  # pickling user values: report what and where
+                    raise StateSerializationError(
+                        f"operator {self.operator_uid!r}, state {name!r}, key {key!r}: value of type "
+                        f"{type(data.get(key)).__name__} cannot be pickled ({exc}); keyed state values "
+                        f"must be picklable"
+                    ) from exc
+                rows.append((kg_of(key), kbytes, name, vbytes))
+            table.dirty = set()
+        if full:
+            self.chain = [epoch]
+            self.force_full = False
+        else:
+            self.chain.append(epoch)
+        kinds = tuple((t.name, t.kind) for t in self.tables.values())
+        return KeyedCapture(self.operator_uid, rows, full, tuple(self.chain), self.key_group_range, kinds)
+
+    def restore_rows(self, rows: Iterable[tuple[int, bytes, str, bytes | None]], kinds: dict[str, str]) -> None:
+        """Apply rows of a file chain in order (later rows win; ``None`` deletes)."""
+        loads = pickle.loads
+        for _kg, kbytes, name, vbytes in rows:
+            table = self.tables.get(name)
+            if table is None:
+                table = self.tables[name] = _Table(name, kinds.get(name, "value"))
+            key = loads(kbytes)
+            if vbytes is None:
+                table.data.pop(key, None)
+            else:
+                table.data[key] = loads(vbytes)
+
+    def as_dict(self) -> dict[str, dict[Any, Any]]:
+        """Plain copy of all state (tests, queries)."""
+        return {name: dict(t.data) for name, t in self.tables.items() if t.data}

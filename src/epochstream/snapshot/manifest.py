@@ -1,0 +1,168 @@
+"""Manifests: what a completed epoch consists of, and how one is assembled from acks.
+
+A checkpoint is complete exactly when its manifest exists; everything it names (state
+files, staged sink output, source offsets) was written before it. This module is pure:
+it builds and checks the manifest's content; ``backends`` write and read the bytes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+from ..runtime.errors import EpochStreamError
+
+FORMAT = "epochstream-checkpoint"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(EpochStreamError):
+    """A checkpoint or savepoint that cannot be used, with the reason and the path."""
+
+
+class IncompleteChainError(CheckpointError):
+    """An incremental snapshot refers to a capture whose file was never written."""
+
+
+@dataclass(frozen=True)
+class StateFileRef:
+    """One written state file: rows of one keyed operator subtask captured at ``epoch``."""
+
+    operator: str
+    subtask: int
+    epoch: int
+    path: str  # relative to the checkpoint storage root
+    key_group_range: tuple[int, int]
+    full: bool
+    rows: int
+    bytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "operator": self.operator,
+            "subtask": self.subtask,
+            "epoch": self.epoch,
+            "path": self.path,
+            "key_group_range": list(self.key_group_range),
+            "full": self.full,
+            "rows": self.rows,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "StateFileRef":
+        return StateFileRef(
+            d["operator"], int(d["subtask"]), int(d["epoch"]), d["path"], tuple(d["key_group_range"]),
+            bool(d["full"]), int(d["rows"]), int(d["bytes"]), d["sha256"],
+        )
+
+
+@dataclass(frozen=True)
+class AckInfo:
+    """What a task reports once its capture of an epoch is pre-committed."""
+
+    task: tuple[int, int]
+    epoch: int
+    files: tuple[StateFileRef, ...] = ()
+    chains: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    kinds: dict[str, dict[str, str]] = field(default_factory=dict)
+    offsets: dict[str, dict[int, int]] = field(default_factory=dict)
+    staged: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    bytes: int = 0
+    alignment_seconds: float = 0.0
+    write_seconds: float = 0.0
+    held_records: int = 0
+
+
+class ManifestBuilder:
+    """Collects acks (of every epoch, aborted ones included) and assembles manifests.
+
+    Aborted epochs matter: an incremental capture at n+1 builds on the file of n, and the
+    staged output of an aborted n commits with the next completed epoch.
+    """
+
+    def __init__(self, job: dict[str, Any], last_completed: int = 0, previous: dict[str, Any] | None = None) -> None:
+        self.job = job
+        self.last_completed = last_completed
+        #: (task, epoch) -> ack; only epochs after ``last_completed``, plus chain links still in use
+        self.acks: dict[tuple[Hashable, int], AckInfo] = {}
+        self.declined: set[tuple[Hashable, int]] = set()
+
+    def record(self, info: AckInfo) -> None:
+        self.acks[(info.task, info.epoch)] = info
+
+    def record_decline(self, task: Hashable, epoch: int) -> None:
+        self.declined.add((task, epoch))
+
+    def build(self, epoch: int, kind: str, acks: dict[Hashable, AckInfo], extra: dict[str, Any]) -> dict[str, Any]:
+        operators: dict[str, dict[str, Any]] = {}
+        sources: dict[str, dict[str, Any]] = {}
+        sinks: dict[str, dict[str, Any]] = {}
+        metrics = {"bytes": 0, "files": 0, "alignment_seconds_max": 0.0, "write_seconds_max": 0.0, "held_records": 0}
+        for task, info in sorted(acks.items()):
+            for op, chain in info.chains.items():
+                entry = operators.setdefault(op, {"kind": "process", "states": {}, "files": []})
+                entry["states"].update(info.kinds.get(op, {}))
+                for link in chain:
+                    link_ack = info if link == epoch else self.acks.get((task, link))
+                    ref = None if link_ack is None else next((f for f in link_ack.files if f.operator == op), None)
+                    if ref is None:
+                        raise IncompleteChainError(
+                            f"epoch {epoch}: the incremental snapshot of operator {op!r} subtask {task[1]} builds on "
+                            f"epoch {link}, whose state file was not written"
+                        )
+                    entry["files"].append(ref.to_json())
+            for src, offs in info.offsets.items():
+                sources.setdefault(src, {"offsets": {}})["offsets"].update({str(k): v for k, v in offs.items()})
+            metrics["bytes"] += info.bytes
+            metrics["files"] += len(info.files)
+            metrics["alignment_seconds_max"] = max(metrics["alignment_seconds_max"], info.alignment_seconds)
+            metrics["write_seconds_max"] = max(metrics["write_seconds_max"], info.write_seconds)
+            metrics["held_records"] += info.held_records
+        # staged output of every epoch since the last completed one, aborted epochs included
+        for (task, e), info in sorted(self.acks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            if self.last_completed < e <= epoch:
+                for sink, paths in info.staged.items():
+                    sinks.setdefault(sink, {"staged": []})["staged"].extend(paths)
+        for task, info in acks.items():  # sinks with no output still appear
+            for sink in info.staged:
+                sinks.setdefault(sink, {"staged": []})
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            **self.job,
+            "epoch": epoch,
+            "kind": kind,
+            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+            "operators": operators,
+            "sources": sources,
+            "sinks": sinks,
+            "metrics": metrics,
+            **extra,
+        }
+
+    def completed(self, epoch: int, manifest: dict[str, Any]) -> None:
+        """Forget acks that no future manifest can need."""
+        self.last_completed = epoch
+        live = {f["path"] for op in manifest["operators"].values() for f in op["files"]}
+        self.acks = {k: v for k, v in self.acks.items() if k[1] > epoch or any(f.path in live for f in v.files)}
+        self.declined = {k for k in self.declined if k[1] > epoch}
+
+
+def validate_manifest(m: Any, where: str) -> dict[str, Any]:
+    """Check a parsed manifest's shape; raise CheckpointError naming ``where``."""
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: not an epochstream checkpoint manifest")
+    version = m.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: manifest format version {version} is not supported (this epochstream reads version "
+            f"{FORMAT_VERSION})"
+        )
+    for key in ("job", "epoch", "parallelism", "max_parallelism", "operators", "sources", "sinks"):
+        if key not in m:
+            raise CheckpointError(f"{where}: manifest lacks {key!r}; the file is damaged")
+    return m
