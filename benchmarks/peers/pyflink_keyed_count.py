@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import sysconfig
 import tempfile
 import time
 import uuid
@@ -83,7 +84,16 @@ def main() -> int:
     p.add_argument("--keys", type=int, default=1000)
     p.add_argument("--snapshot-interval", type=float, default=1.0, help="checkpoint interval, seconds; 0 = off")
     p.add_argument("--workers", type=int, default=2, help="parallelism")
+    p.add_argument("--python-mode", choices=["process", "loopback", "thread"], default="process",
+                   help="process: Beam worker processes (python.execution-mode=process, one per slot); "
+                        "loopback: PyFlink's local default, all UDFs in this client process; "
+                        "thread: python.execution-mode=thread, UDFs embedded in the JVM via PEMJA")
     args = p.parse_args()
+    # Read by StreamExecutionEnvironment._open(); unset means loopback for a local mini-cluster.
+    os.environ["_python_worker_execution_mode"] = "loopback" if args.python_mode == "loopback" else "process"
+    if args.python_mode == "thread":  # the JVM-embedded interpreter must see this venv's packages
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [sysconfig.get_paths()["purelib"],
+                                                                  os.environ.get("PYTHONPATH")]))
     started = process_start_time()
     n, keys = args.records, args.keys
 
@@ -91,6 +101,9 @@ def main() -> int:
         conf = Configuration()
         conf.set_string("execution.checkpointing.dir", Path(tmp, "checkpoints").as_uri())
         conf.set_string("state.backend.type", "hashmap")
+        conf.set_string("python.executable", sys.executable)  # workers default to `python` on PATH
+        conf.set_string("python.execution-mode", "thread" if args.python_mode == "thread" else "process")
+        conf.set_string("restart-strategy.type", "none")  # fail fast instead of restarting forever
         env = StreamExecutionEnvironment.get_execution_environment(conf)  # starts the JVM
         env.set_parallelism(args.workers)
         if args.snapshot_interval > 0:
@@ -115,7 +128,7 @@ def main() -> int:
         "system": "pyflink", "version": version("apache-flink"), "records": n, "keys": keys,
         "seconds": round(seconds, 3), "seconds_execute_wall": round(end - t0, 3),
         "seconds_incl_startup": round(end - started, 3), "records_per_s": round(n / seconds, 1),
-        "workers": args.workers, "snapshot_interval": args.snapshot_interval, "outputs": outputs,
+        "workers": args.workers, "python_mode": args.python_mode, "snapshot_interval": args.snapshot_interval, "outputs": outputs,
         "checkpoints_retained": checkpoints,
     }), flush=True)
     if outputs != n:

@@ -1,7 +1,8 @@
 """epochstream: exactly-once stateful stream operators through asynchronous epoch snapshots."""
 
 from .api.functions import KeyedProcessFunction
-from .api.pipeline import CheckpointConfig, JobResult, KeyedStream, Pipeline, Stream
+from .api.pipeline import CheckpointConfig, KeyedStream, Pipeline, Stream
+from .deploy.result import JobResult
 from .backends.sinks import FileSink
 from .graph.keygroups import ParallelismError
 from .runtime.context import Context

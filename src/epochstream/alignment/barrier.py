@@ -54,6 +54,10 @@ class BarrierAligner:
                 raise ProtocolError(
                     "BarrierAligner", f"aligning epoch {open_epochs[0]}", f"Marker({epoch})", f"on channel {channel}"
                 )
+            if epoch != self.last_aligned + 1:
+                raise ProtocolError(
+                    "BarrierAligner", f"aligned up to {self.last_aligned}", f"Marker({epoch})", "epoch skipped"
+                )
         seen = self.arrived.setdefault(epoch, set())
         if channel in seen:
             raise ProtocolError("BarrierAligner", f"aligning epoch {epoch}", f"Marker({epoch})", f"duplicate on {channel}")
@@ -64,8 +68,6 @@ class BarrierAligner:
             self.blocked.add(channel)
         if len(seen) < len(self.channels):
             return None
-        if epoch != self.last_aligned + 1 and self.exactly_once:
-            raise ProtocolError("BarrierAligner", f"aligned up to {self.last_aligned}", f"Marker({epoch})", "epoch skipped")
         del self.arrived[epoch]
         self.blocked.clear()
         self.last_aligned = epoch

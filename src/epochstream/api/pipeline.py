@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from ..graph.plan import FORWARD, HASH, REBALANCE, Edge, Node, PhysicalPlan, build_plan
+from ..deploy.result import JobResult
 from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
 MODES = ("aligned", "at-least-once")
+_UNSET = object()
 DEPLOYMENTS = ("sim", "local")
 
 
@@ -100,32 +102,6 @@ class KeyedStream(Stream):
         return self.process(ReduceFunction(fn), uid=uid, name="reduce")
 
 
-@dataclass
-class JobResult:
-    """What ``Pipeline.run`` returns."""
-
-    job: str
-    checkpoint_dir: str
-    completed_epochs: list[int]
-    latest_checkpoint: str | None
-    restarts: int
-    records_in: int
-    seconds: float
-    metrics: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "job": self.job,
-            "checkpoint_dir": self.checkpoint_dir,
-            "completed_epochs": self.completed_epochs,
-            "latest_checkpoint": self.latest_checkpoint,
-            "restarts": self.restarts,
-            "records_in": self.records_in,
-            "seconds": round(self.seconds, 6),
-            "metrics": self.metrics,
-        }
-
-
 class Pipeline:
     """A streaming job: sources, operators and sinks, run with exactly-once epochs.
 
@@ -140,9 +116,11 @@ class Pipeline:
         parallelism: int = 1,
         max_parallelism: int | None = None,
         mode: str = "aligned",
-        checkpoint_interval: float | None = 1.0,
+        checkpoint_interval: float | None | object = _UNSET,
         checkpoint: CheckpointConfig | None = None,
         batch_size: int = 1024,
+        restart_attempts: int = 10,
+        restart_delay: float = 0.5,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -150,7 +128,14 @@ class Pipeline:
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
         self.mode = mode
-        self.checkpoint = replace(checkpoint or CheckpointConfig(), interval=checkpoint_interval)
+        self.checkpoint = checkpoint or CheckpointConfig()
+        if checkpoint_interval is not _UNSET:
+            self.checkpoint = replace(self.checkpoint, interval=checkpoint_interval)
+        if restart_attempts < 0 or restart_delay < 0:
+            raise ValueError("restart_attempts and restart_delay must be >= 0")
+        #: fixed-delay restart strategy (Flink's ``restart-strategy.fixed-delay.*``)
+        self.restart_attempts = restart_attempts
+        self.restart_delay = restart_delay
         self.batch_size = batch_size
         self._nodes: dict[int, Node] = {}
 

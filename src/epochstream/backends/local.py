@@ -23,6 +23,7 @@ import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterable
+from urllib.parse import quote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -169,9 +170,11 @@ class LocalCheckpointStorage:
                         f"restore a chk-N folder or use restore='latest' with checkpoint_dir)"
                     )
         try:
-            text = path.read_text()
+            text = path.read_bytes().decode("utf-8")
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint manifest {path} does not exist") from None
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"checkpoint manifest {path} is corrupt: not UTF-8 text ({exc.reason})") from None
         try:
             manifest = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -243,4 +246,5 @@ class LocalCheckpointStorage:
 
 
 def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    """A file-name form of a uid that is distinct for distinct uids (percent-encoding)."""
+    return quote(name, safe="") if name not in (".", "..") else quote(name.replace(".", "%2E"), safe="%")

@@ -38,6 +38,10 @@ class FileSink:
     def __repr__(self) -> str:
         return f"FileSink({str(self.path)!r})"
 
+    def relocated(self, path: str | os.PathLike[str]) -> "FileSink":
+        """The same sink writing elsewhere (the oracle runs a job twice)."""
+        return type(self)(path, self.encoder, self.decoder)
+
     # ------------------------------------------------------------ 2PC verbs
     def pre_commit(self, uid: str, subtask: int, epoch: int, attempt: str, records: list[Any]) -> str | None:
         """Stage records durably; returns the staged path relative to the sink root (None if empty)."""
@@ -90,7 +94,11 @@ class FileSink:
     def committed_files(self) -> list[Path]:
         if not self.path.is_dir():
             return []
-        return sorted(p for p in self.path.glob("part-*.jsonl"))
+        def order(p: Path):
+            m = re.match(r"part-e(\d+)-(.*)-s(\d+)\.jsonl$", p.name)
+            return (int(m.group(1)), m.group(2), int(m.group(3))) if m else (1 << 62, p.name, 0)
+
+        return sorted(self.path.glob("part-*.jsonl"), key=order)
 
     def read(self) -> list[Any]:
         """All committed records (epoch order, then subtask)."""

@@ -30,7 +30,7 @@ def run_pipeline(
     failures: Any = None,
     **options: Any,
 ):
-    from ..api.pipeline import JobResult
+    from .result import JobResult
 
     storage = make_storage(checkpoint_dir)
     if restore is None and storage.list_checkpoints():

@@ -10,6 +10,7 @@ commit, in the middle of a sink commit).
 
 from __future__ import annotations
 
+import datetime as _dt
 import logging
 import time
 from dataclasses import dataclass, field
@@ -75,7 +76,15 @@ def find_restore(storage, restore: str | None) -> Restored | None:
     else:
         found = storage.load_manifest(restore)
     manifest, root = found
-    return Restored(int(manifest["epoch"]), manifest, root, root / f"chk-{manifest['epoch']}")
+    epoch = int(manifest["epoch"])
+    newer = [e for e in storage.list_checkpoints() if e > epoch]
+    if newer and root.resolve() == storage.root.resolve():
+        raise CheckpointError(
+            f"cannot restore chk-{epoch} into {storage.root}: it already holds newer checkpoints "
+            f"{newer[:5]} that new epochs would overwrite; restore it into a new checkpoint dir "
+            f"(checkpoint_dir=NEW, restore='{root / f'chk-{epoch}'}')"
+        )
+    return Restored(epoch, manifest, root, root / f"chk-{epoch}")
 
 
 def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non_restored_state: bool) -> None:
@@ -169,20 +178,18 @@ class SinkStagingError(Exception):
     """Staging sink output failed: the epoch's output would be lost, so the job fails over."""
 
 
-def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str) -> AckInfo:
-    """Write a task's capture: state files and staged sink output. Raises on failure."""
+class StateWriteError(Exception):
+    """Writing a state file failed: the task declines the epoch (a tolerable failure)."""
+
+
+def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
+            fail_state_write: Callable[[], None] | None = None) -> AckInfo:
+    """Pre-commit a task's capture: stage sink output first, then write state files.
+
+    Sink output goes first because it cannot be produced again without a rollback; a
+    failed state write only costs this epoch (the task's next capture is full).
+    """
     t0 = time.perf_counter()
-    files = []
-    chains: dict[str, tuple[int, ...]] = {}
-    kinds: dict[str, dict[str, str]] = {}
-    size = 0
-    for kc in capture.keyed:
-        ref = storage.write_state(kc.operator_uid, capture.task[1], capture.epoch, attempt, kc.rows,
-                                  kc.key_group_range, kc.full)
-        files.append(ref)
-        chains[kc.operator_uid] = kc.chain
-        kinds[kc.operator_uid] = dict(kc.kinds)
-        size += ref.bytes
     staged: dict[str, tuple[str, ...]] = {}
     for sc in capture.sinks:
         try:
@@ -190,6 +197,25 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str) 
         except Exception as exc:
             raise SinkStagingError(f"sink {sc.sink_uid!r} could not stage epoch {sc.epoch}: {exc}") from exc
         staged[sc.sink_uid] = (rel,) if rel else ()
+    files = []
+    chains: dict[str, tuple[int, ...]] = {}
+    kinds: dict[str, dict[str, str]] = {}
+    size = 0
+    for kc in capture.keyed:
+        try:
+            if fail_state_write is not None:
+                fail_state_write()
+            ref = storage.write_state(kc.operator_uid, capture.task[1], capture.epoch, attempt, kc.rows,
+                                      kc.key_group_range, kc.full)
+        except Exception as exc:
+            raise StateWriteError(
+                f"state of {kc.operator_uid!r} subtask {capture.task[1]} for epoch {capture.epoch}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        files.append(ref)
+        chains[kc.operator_uid] = kc.chain
+        kinds[kc.operator_uid] = dict(kc.kinds)
+        size += ref.bytes
     return AckInfo(
         capture.task, capture.epoch, tuple(files), chains, kinds, capture.offsets, staged, size,
         capture.alignment_seconds, time.perf_counter() - t0, capture.held_records,
@@ -293,7 +319,8 @@ class JobMaster:
 
     def _write_manifest(self, a: CompleteEpoch, now: float) -> list[Any]:
         try:
-            manifest = self.builder.build(a.epoch, a.kind, a.acks, {})
+            created = _dt.datetime.now(_dt.timezone.utc).isoformat()
+            manifest = self.builder.build(a.epoch, a.kind, a.acks, {"created_at": created})
         except IncompleteChainError as exc:
             return self.coordinator.manifest_failed(a.epoch, str(exc), now)
         self.fail_point("before_manifest")
@@ -307,10 +334,13 @@ class JobMaster:
 
     def _commit(self, epoch: int) -> None:
         manifest = self.manifests.pop(epoch)
-        for i, (uid, entry) in enumerate(sorted(manifest["sinks"].items())):
-            if i:
-                self.fail_point("mid_commit")
-            self.sinks[uid].commit(entry["staged"])
+        first = True
+        for uid, entry in sorted(manifest["sinks"].items()):
+            for rel in entry["staged"]:
+                if not first:
+                    self.fail_point("mid_commit")
+                first = False
+                self.sinks[uid].commit([rel])
         self.fail_point("after_commit")
         self.builder.completed(epoch, manifest)
         self.completed.append(epoch)

@@ -19,10 +19,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-import time
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..runtime.errors import EpochStreamError
 from ..runtime.messages import Send, Snapshot, SourceExhausted
 from ..snapshot.coordinator import FINAL
 from .common import (
@@ -30,6 +31,7 @@ from .common import (
     JobFailedError,
     JobMaster,
     SinkStagingError,
+    StateWriteError,
     build_tasks,
     check_compatible,
     find_restore,
@@ -49,7 +51,6 @@ class SimConfig:
     write_base: float = 0.001
     write_cost: float = 1e-8
     restart_delay: float = 0.01
-    max_restarts: int = 50
     check_invariants: bool = True
 
 
@@ -116,21 +117,25 @@ class SimDriver:
         restored = find_restore(self.storage, restore)
         if restored:
             check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state)
+        initial = restored
         self.attempt_index = 0
-        self.run_id = f"{self.rng.getrandbits(32):08x}"
+        self.run_id = secrets.token_hex(4)  # unique file names per run; not from the seeded rng
+        max_restarts = self.pipeline.restart_attempts
         while True:
             try:
                 recover(self.storage, self.pipeline.sinks, restored, self.fail_point)
                 if self._attempt(restored, duration):
                     return
-            except (_Failover, InjectedFailure, SinkStagingError) as exc:
-                reason = getattr(exc, "reason", str(exc))
+            except (_Failover, InjectedFailure, SinkStagingError, EpochStreamError) as exc:
+                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
                 self.failover_log.append({"time": self.now, "reason": reason})
                 self.restarts += 1
-                if self.restarts > self.cfg.max_restarts:
-                    raise JobFailedError(f"gave up after {self.restarts - 1} restarts; last failure: {reason}") from exc
+                if self.restarts > max_restarts:
+                    raise JobFailedError(
+                        f"job {self.pipeline.name!r} failed: gave up after {max_restarts} restarts; last failure: {reason}"
+                    ) from exc
                 self.now += self.cfg.restart_delay
-                restored = find_restore(self.storage, "latest")
+                restored = find_restore(self.storage, "latest") or initial
             self.attempt_index += 1
 
     def _attempt(self, restored, duration: float | None) -> bool:
@@ -251,18 +256,24 @@ class SimDriver:
             elif kind == "persisted":
                 capture = payload
                 self.writes += 1
-                if self.writes in self.failures.write_failures:
+                inject = self._injected_write_failure if self.writes in self.failures.write_failures else None
+                try:
+                    info = persist(self.storage, self.pipeline.sinks, capture, attempt, inject)
+                except StateWriteError as exc:
                     for st in tasks[capture.task].chain.states.values():
-                        st.force_full = True
-                    apply_master(master.decline(capture.task, capture.epoch, "injected state write failure", self.now))
+                        st.force_full = True  # the chain is broken: the next capture is full
+                    apply_master(master.decline(capture.task, capture.epoch, str(exc), self.now))
                     continue
-                info = persist(self.storage, self.pipeline.sinks, capture, attempt)
                 apply_master(master.ack(info, self.now))
             self._collect(master)
         self._collect(master)
         for t in tasks.values():
             t.chain.close()
         return True
+
+    @staticmethod
+    def _injected_write_failure() -> None:
+        raise OSError("injected state write failure")
 
     def _collect(self, master: JobMaster) -> None:
         if master.completed:

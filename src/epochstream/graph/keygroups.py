@@ -54,22 +54,27 @@ def check_parallelism(parallelism: int, max_parallelism: int) -> None:
 def key_bytes(key: Any) -> bytes:
     """Canonical bytes of a key: equal keys give equal bytes in every process and run.
 
-    str, bytes, int, float, bool and None have fixed encodings; tuples encode their items;
+    str, bytes, int, float, bool and None have fixed encodings (numbers that compare equal
+    encode equal, as they share a dict slot); tuples and frozensets encode their items;
     other values fall back to pickle protocol 4, which is deterministic for plain data.
     """
     t = type(key)
     if t is str:
         return b"s" + key.encode("utf-8")
+    if t is bool or (t is float and key.is_integer()):
+        key, t = int(key), int  # 1 == 1.0 == True share a dict slot, so they share a key group too
     if t is int:
         return b"i" + key.to_bytes((key.bit_length() + 8) // 8 or 1, "little", signed=True)
     if t is bytes:
         return b"b" + key
-    if t is bool or key is None:
-        return b"n" if key is None else (b"T" if key else b"F")
+    if key is None:
+        return b"n"
     if t is float:
         return b"f" + struct.pack("<d", key)
     if t is tuple:
         return b"t" + b"".join(len(p).to_bytes(4, "little") + p for p in map(key_bytes, key))
+    if t is frozenset:  # iteration order follows the salted hash: sort the encoded items
+        return b"z" + b"".join(len(p).to_bytes(4, "little") + p for p in sorted(map(key_bytes, key)))
     return b"p" + pickle.dumps(key, protocol=4)
 
 

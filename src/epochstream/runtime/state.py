@@ -12,6 +12,7 @@ place is only recorded when written back (``update``, ``add``, ``put``).
 
 from __future__ import annotations
 
+import copy
 import pickle
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -92,7 +93,12 @@ class ValueState:
         self._t, self._k, self._default = table, keys, default
 
     def value(self) -> Any:
-        return self._t.data.get(self._k.key, self._default)
+        v = self._t.data.get(self._k.key, _MISSING)
+        if v is _MISSING:
+            d = self._default
+            # a fresh copy per key, so mutating a default never leaks into other keys
+            return d if type(d) in _IMMUTABLE else copy.deepcopy(d)
+        return v
 
     def update(self, value: Any) -> None:
         k = self._k.key
@@ -194,6 +200,7 @@ class MapState:
 
 
 _MISSING = object()
+_IMMUTABLE = frozenset({type(None), int, float, str, bool, bytes, complex, tuple, frozenset})
 _EMPTY: dict[Any, Any] = {}
 
 

@@ -138,7 +138,7 @@ class EpochCoordinator:
             if self.final_requested:
                 times.append(now)
             elif cfg.interval is not None:
-                times.append(max(self.last_trigger + cfg.interval, self.last_completion + cfg.min_pause))
+                times.append(self._periodic_due())
         return min(times) if times else None
 
     # ------------------------------------------------------------ events
@@ -148,7 +148,7 @@ class EpochCoordinator:
         actions: list[Any] = []
         cfg = self.config
         for rec in list(self.epochs.values()):
-            if rec.state is EpochState.PENDING and now - rec.triggered_at >= cfg.timeout:
+            if rec.state is EpochState.PENDING and now >= rec.triggered_at + cfg.timeout:
                 actions += self._abort(rec, f"epoch {rec.epoch} timed out after {cfg.timeout}s", now)
         if self.failed:
             return actions
@@ -158,8 +158,7 @@ class EpochCoordinator:
             cfg.interval is not None
             and self.final_epoch is None
             and len(self.pending()) < cfg.max_concurrent
-            and now - self.last_trigger >= cfg.interval
-            and now - self.last_completion >= cfg.min_pause
+            and now >= self._periodic_due()
         ):
             actions.append(self._trigger(CHECKPOINT, now))
         return actions
@@ -175,10 +174,12 @@ class EpochCoordinator:
 
     def ack(self, task: Hashable, epoch: int, info: Any, now: float) -> list[Any]:
         rec = self._record(task, epoch, "ack")
+        if rec is not None and task in rec.acks:
+            raise ProtocolError("EpochCoordinator", f"epoch {epoch} {rec.state.value}", "ack", f"duplicate ack from {task}")
         if rec is None or rec.state is not EpochState.PENDING:
-            return []  # late ack of an aborted epoch: harmless
-        if task in rec.acks:
-            raise ProtocolError("EpochCoordinator", f"epoch {epoch} pending", "ack", f"duplicate ack from {task}")
+            if rec is not None:
+                rec.acks[task] = info  # late ack of an aborted epoch: harmless, but remembered
+            return []
         rec.acks[task] = info
         rec.ack_times[task] = now
         if len(rec.acks) < len(self.tasks):
@@ -225,6 +226,10 @@ class EpochCoordinator:
         return actions
 
     # ------------------------------------------------------------ internals
+    def _periodic_due(self) -> float:
+        # one expression for both poll and next_deadline, so they agree to the last bit
+        return max(self.last_trigger + self.config.interval, self.last_completion + self.config.min_pause)
+
     def _record(self, task: Hashable, epoch: int, event: str) -> EpochRecord | None:
         if task not in self.tasks:
             raise ProtocolError("EpochCoordinator", "running", event, f"unknown task {task}")

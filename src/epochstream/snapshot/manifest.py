@@ -7,7 +7,6 @@ it builds and checks the manifest's content; ``backends`` write and read the byt
 
 from __future__ import annotations
 
-import datetime as _dt
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -136,7 +135,6 @@ class ManifestBuilder:
             **self.job,
             "epoch": epoch,
             "kind": kind,
-            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
             "operators": operators,
             "sources": sources,
             "sinks": sinks,

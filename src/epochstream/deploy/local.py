@@ -1,0 +1,426 @@
+"""The local driver: one OS process per worker, real time, real pipes.
+
+Python runs one thread of bytecode at a time per process, so the local driver uses
+processes, one per worker (subtask index), forked from the driver so user lambdas need no
+pickling. Workers are joined all-to-all by duplex pipes; each worker hosts subtask ``w`` of
+every chain, so forward channels never leave a process.
+
+Inside a worker one loop owns the tasks (the sans-IO core): it reads every inbound pipe
+without blocking, steps the tasks, delivers local sends directly and queues remote ones.
+Sender threads write the queues to the pipes, so a full pipe never stalls the loop (two
+workers blocked on sending to each other would deadlock). A writer thread persists
+snapshots in the background (pre-commit) and the loop forwards its acks to the driver.
+
+Backpressure: a worker whose unprocessed backlog (mailboxes, held messages of blocked
+channels, send queues) crosses a high watermark tells its peers; sources stop reading
+while any worker is over it, and resume below the low watermark. Reading never stops, so
+markers always get through.
+
+The driver process runs the job master (coordinator, manifests, sink commits) and the
+restart strategy: when a worker dies or reports an error, every worker is killed and the
+job restarts from the latest completed checkpoint after ``restart_delay`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import random
+import secrets
+import signal
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from ..runtime.messages import Send, Snapshot, SourceExhausted
+from ..snapshot.coordinator import FINAL
+from .common import (
+    InjectedFailure,
+    JobFailedError,
+    JobMaster,
+    SinkStagingError,
+    StateWriteError,
+    build_tasks,
+    check_compatible,
+    find_restore,
+    persist,
+    recover,
+)
+
+log = logging.getLogger("epochstream")
+
+HIGH_WATERMARK = 256  # messages
+LOW_WATERMARK = 64
+STEP_BUDGET = 4096  # records per task step
+
+
+# ---------------------------------------------------------------- worker process
+
+
+class _Worker:
+    def __init__(self, index: int, pipeline, plan, storage, restored, attempt: str,
+                 control: Connection, peers: dict[int, Connection]) -> None:
+        self.index = index
+        self.pipeline = pipeline
+        self.plan = plan
+        self.storage = storage
+        self.attempt = attempt
+        self.control = control
+        self.peers = peers
+        self.tasks = build_tasks(pipeline, plan, index, storage, restored)
+        self.sources = [t for t in self.tasks.values() if t.is_source]
+        self.others = [t for t in self.tasks.values() if not t.is_source]
+        self.channel_dst = {c.id: c.dst for c in plan.channels}
+        self.outbox: dict[int, list] = {p: [] for p in peers}
+        self.send_queues: dict[int, queue.SimpleQueue] = {p: queue.SimpleQueue() for p in peers}
+        self.queued: dict[int, int] = {p: 0 for p in peers}
+        self.peer_pressure: set[int] = set()
+        self.pressured = False
+        self.writes: queue.SimpleQueue = queue.SimpleQueue()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending_writes = 0
+        self.stopping = False
+        self.records_in = 0
+
+    # -- threads
+    def _sender(self, peer: int) -> None:
+        conn, q = self.peers[peer], self.send_queues[peer]
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            try:
+                conn.send(item)
+            except (BrokenPipeError, OSError):
+                return
+            self.queued[peer] -= 1
+
+    def _writer(self) -> None:
+        sinks = self.pipeline.sinks
+        while True:
+            capture = self.writes.get()
+            if capture is None:
+                return
+            try:
+                info = persist(self.storage, sinks, capture, self.attempt)
+                self.results.put(("ack", info))
+            except StateWriteError as exc:
+                for st in self.tasks[capture.task].chain.states.values():
+                    st.force_full = True
+                self.results.put(("decline", capture.task, capture.epoch, str(exc)))
+            except Exception as exc:  # sink staging or anything else: the job must fail over
+                self.results.put(("error", f"worker {self.index}: {type(exc).__name__}: {exc}"))
+
+    # -- main loop
+    def run(self) -> None:
+        threads = [threading.Thread(target=self._sender, args=(p,), daemon=True) for p in self.peers]
+        threads.append(threading.Thread(target=self._writer, daemon=True))
+        for t in threads:
+            t.start()
+        self.control.send(("ready", self.index))
+        inbound = list(self.peers.values())
+        peer_of = {id(c): p for p, c in self.peers.items()}
+        batch = self.pipeline.batch_size
+        while not self.stopping:
+            did = self._control()
+            for conn in wait(inbound, timeout=0) if inbound else ():
+                did = True
+                try:
+                    while conn.poll():
+                        self._deliver(peer_of[id(conn)], conn.recv())
+                except EOFError:
+                    raise SystemExit(f"worker {self.index}: peer connection closed")
+            for task in self.others:
+                if task.mailbox:
+                    self._handle(task.step(time.monotonic(), STEP_BUDGET))
+                    did = True
+            throttled = self.pressured or bool(self.peer_pressure)
+            for task in self.sources:
+                if task.triggers or not task.exhausted_reported:
+                    had_triggers = bool(task.triggers)
+                    before = task.records_in
+                    self._handle(task.step(time.monotonic(), batch, read_source=not throttled))
+                    got = task.records_in - before
+                    self.records_in += got
+                    did = did or got > 0 or had_triggers
+            self._flush()
+            self._results()
+            self._pressure()
+            if not did:
+                wait(inbound + [self.control], timeout=0.002)
+        for q in self.send_queues.values():
+            q.put(None)
+        self.writes.put(None)
+        for t in threads:
+            t.join(timeout=5)
+        self._results()
+        self.control.send(("stopped", self.index, self.records_in))
+
+    def _control(self) -> bool:
+        did = False
+        while self.control.poll():
+            msg = self.control.recv()
+            did = True
+            if msg[0] == "trigger":
+                for s in self.sources:
+                    s.trigger(msg[1])
+            elif msg[0] == "stop":
+                self.stopping = True
+        return did
+
+    def _deliver(self, peer: int, envelope: list) -> None:
+        for ch, msg in envelope:
+            if ch < 0:  # backpressure signal from a peer
+                (self.peer_pressure.add if msg else self.peer_pressure.discard)(peer)
+            else:
+                self.tasks[self.channel_dst[ch]].receive(ch, msg)
+
+    def _handle(self, actions: list[Any]) -> None:
+        for a in actions:
+            if type(a) is Send:
+                dst = self.channel_dst[a.channel]
+                if dst[1] == self.index:
+                    self.tasks[dst].receive(a.channel, a.message)
+                else:
+                    self.outbox[dst[1]].append((a.channel, a.message))
+            elif type(a) is Snapshot:
+                self.pending_writes += 1
+                self.writes.put(a.capture)
+            elif type(a) is SourceExhausted:
+                self.control.send(("exhausted", a.task))
+
+    def _flush(self) -> None:
+        for peer, items in self.outbox.items():
+            if items:
+                self.queued[peer] += 1
+                self.send_queues[peer].put(items)
+                self.outbox[peer] = []
+
+    def _results(self) -> None:
+        while True:
+            try:
+                res = self.results.get_nowait()
+            except queue.Empty:
+                return
+            self.control.send(res)
+
+    def _pressure(self) -> None:
+        backlog = sum(len(t.mailbox) + len(t.held) for t in self.others) + sum(self.queued.values())
+        if not self.pressured and backlog > HIGH_WATERMARK:
+            self.pressured = True
+        elif self.pressured and backlog < LOW_WATERMARK:
+            self.pressured = False
+        else:
+            return
+        for peer in self.peers:
+            self.queued[peer] += 1
+            self.send_queues[peer].put([(-1, self.pressured)])
+
+
+def _worker_main(index, pipeline, plan, storage, restored, attempt, control, peers, close) -> None:
+    for c in close:
+        c.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when workers stop
+    try:
+        _Worker(index, pipeline, plan, storage, restored, attempt, control, peers).run()
+    except BaseException as exc:  # report, then die: the driver fails the job over
+        try:
+            control.send(("error", f"worker {index}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+        except Exception:
+            pass
+        os._exit(1)
+    os._exit(0)
+
+
+# ---------------------------------------------------------------- driver
+
+
+class _Failover(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class LocalDriver:
+    def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
+                 **options: Any) -> None:
+        if options:
+            raise TypeError(f"unknown option(s) for the local driver: {sorted(options)}")
+        self.pipeline = pipeline
+        self.plan = pipeline.plan(parallelism)
+        self.storage = storage
+        self.failures = failures
+        self.rng = random.Random(seed)
+        self.restarts = 0
+        self.completed: list[int] = []
+        self.epoch_log: list[dict[str, Any]] = []
+        self.failover_log: list[dict[str, Any]] = []
+        self.records_in = 0
+        self.point_counts: dict[str, int] = {}
+        self.kills_done = 0
+        self.recovery_seconds: list[float] = []
+        self._ctx = mp.get_context("fork")
+
+    def fail_point(self, name: str) -> None:
+        if self.failures is None:
+            return
+        n = self.point_counts[name] = self.point_counts.get(name, 0) + 1
+        if n in self.failures.fail_points.get(name, ()):
+            raise InjectedFailure(f"injected crash at {name} (occurrence {n})")
+
+    def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None) -> None:
+        restored = find_restore(self.storage, restore)
+        if restored:
+            check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state)
+        initial = restored
+        run_id = secrets.token_hex(4)
+        self.t0 = time.monotonic()
+        self.deadline = None if duration is None else self.t0 + duration
+        failed_at = None
+        while True:
+            try:
+                recover(self.storage, self.pipeline.sinks, restored, self.fail_point)
+                self._attempt(restored, f"{run_id}.{self.restarts}", failed_at)
+                return
+            except (_Failover, InjectedFailure, SinkStagingError) as exc:
+                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+                failed_at = time.monotonic()
+                self.failover_log.append({"time": failed_at - self.t0, "reason": reason})
+                log.warning("job %s failing over: %s", self.pipeline.name, reason.splitlines()[0])
+                self.restarts += 1
+                if self.restarts > self.pipeline.restart_attempts:
+                    raise JobFailedError(
+                        f"job {self.pipeline.name!r} failed: gave up after {self.pipeline.restart_attempts} "
+                        f"restarts; last failure: {reason}"
+                    ) from exc
+                time.sleep(self.pipeline.restart_delay)
+                restored = find_restore(self.storage, "latest") or initial
+
+    def _spawn(self, restored, attempt: str):
+        p = self.plan.parallelism
+        peer_ends: dict[int, dict[int, Connection]] = {w: {} for w in range(p)}
+        for i in range(p):
+            for j in range(i + 1, p):
+                a, b = self._ctx.Pipe(duplex=True)
+                peer_ends[i][j], peer_ends[j][i] = a, b
+        controls = [self._ctx.Pipe(duplex=True) for _ in range(p)]
+        procs = []
+        for w in range(p):
+            close = [controls[v][1] for v in range(p)] + [controls[v][0] for v in range(p) if v != w]
+            close += [c for v in range(p) if v != w for c in peer_ends[v].values()]
+            proc = self._ctx.Process(
+                target=_worker_main,
+                args=(w, self.pipeline, self.plan, self.storage, restored, attempt, controls[w][0],
+                      peer_ends[w], close),
+                name=f"epochstream-worker-{w}",
+                daemon=True,
+            )
+            proc.start()
+            procs.append(proc)
+        for w in range(p):
+            controls[w][0].close()
+            for c in peer_ends[w].values():
+                c.close()
+        return procs, [c[1] for c in controls]
+
+    def _attempt(self, restored, attempt: str, failed_at: float | None) -> None:
+        procs, conns = self._spawn(restored, attempt)
+        self.procs = procs
+        master = JobMaster(self.pipeline, self.plan, self.storage, restored, time.monotonic(), self.fail_point, "local")
+        n_sources = sum(1 for c in self.plan.chains if c.is_source) * self.plan.parallelism
+        exhausted: set = set()
+        ready = 0
+        final_requested = False
+        stopped: dict[int, int] = {}
+        kill_times = self.failures.kill_times if self.failures else []
+        try:
+            while True:
+                now = time.monotonic()
+                if self.kills_done < len(kill_times) and now - self.t0 >= kill_times[self.kills_done]:
+                    self.kills_done += 1
+                    victim = self.rng.randrange(len(procs))
+                    os.kill(procs[victim].pid, signal.SIGKILL)
+                if master.finished and len(stopped) == len(procs):
+                    break
+                if ready == len(procs) and not master.finished:
+                    if self.deadline is not None and now >= self.deadline and not final_requested:
+                        final_requested = True
+                        self._apply(master.request(now, FINAL), conns)
+                    self._apply(master.poll(now), conns)
+                deadline = master.next_deadline(now)
+                timeout = 0.05 if deadline is None else min(0.05, max(0.0, deadline - now))
+                for conn in wait(conns, timeout=timeout):
+                    try:
+                        msg = conn.recv()
+                    except EOFError:
+                        raise _Failover(f"worker {conns.index(conn)} died") from None
+                    kind = msg[0]
+                    now = time.monotonic()
+                    if kind == "ready":
+                        ready += 1
+                        if ready == len(procs) and failed_at is not None:
+                            self.recovery_seconds.append(now - failed_at)
+                    elif kind == "ack":
+                        self._apply(master.ack(msg[1], now), conns)
+                    elif kind == "decline":
+                        self._apply(master.decline(msg[1], msg[2], msg[3], now), conns)
+                    elif kind == "exhausted":
+                        exhausted.add(msg[1])
+                        if len(exhausted) == n_sources and not final_requested:
+                            final_requested = True
+                            self._apply(master.request(now, FINAL), conns)
+                    elif kind == "error":
+                        raise _Failover(msg[1])
+                    elif kind == "stopped":
+                        stopped[msg[1]] = msg[2]
+                for w, proc in enumerate(procs):
+                    if not proc.is_alive() and w not in stopped:
+                        raise _Failover(f"worker {w} (pid {proc.pid}) died with exit code {proc.exitcode}")
+                if master.finished and not getattr(self, "_stop_sent", False):
+                    self._stop_sent = True
+                    for c in conns:
+                        c.send(("stop",))
+                self._collect(master)
+        except BaseException:
+            master.coordinator.fail(time.monotonic(), "failover")
+            self._collect(master)
+            self._kill(procs)
+            raise
+        finally:
+            self._stop_sent = False
+            for c in conns:
+                c.close()
+        self._collect(master)
+        self.records_in += sum(stopped.values())
+        for proc in procs:
+            proc.join(timeout=5)
+
+    def _apply(self, out, conns) -> None:
+        if out.failover:
+            raise _Failover(out.failover)
+        for trig in out.triggers:
+            for c in conns:
+                c.send(("trigger", trig.epoch))
+
+    def _collect(self, master: JobMaster) -> None:
+        if master.completed:
+            self.completed.extend(master.completed)
+            master.completed = []
+        if master.epoch_log:
+            self.epoch_log.extend(master.epoch_log)
+            master.epoch_log = []
+
+    @staticmethod
+    def _kill(procs) -> None:
+        for proc in procs:
+            if proc.is_alive():
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in procs:
+            proc.join(timeout=5)

@@ -1,0 +1,272 @@
+"""The exactly-once oracle: does a run with failures commit what a run without them would?
+
+Three checks, none of which assumes one interleaving of channels:
+
+1. **Output**: the committed output of the chaos run equals, as a multiset, the committed
+   output of a failure-free run (no record lost, none duplicated).
+2. **Output per epoch** (exactly-once modes): for every completed epoch n, the output
+   committed in files of epochs <= n equals the output a sequential execution produces
+   from exactly the input prefix named by epoch n's source offsets.
+3. **State per epoch**: the committed keyed state of every operator at epoch n equals the
+   state of that sequential execution. Lists compare as multisets, since records of one
+   key from different splits may interleave either way; everything else compares exactly,
+   so state must not depend on the cross-split arrival order beyond list order.
+
+The sequential reference runs the logical graph in one thread with fresh copies of the
+user functions: the semantics the job promises, with no epochs, channels or failures.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .graph.plan import Node, _topological
+from .runtime.context import Context
+from .runtime.state import HeapKeyedState
+
+
+# ---------------------------------------------------------------- sequential reference
+
+
+def reference_run(pipeline, offsets: dict[str, dict[int, int]] | None = None) -> tuple[dict, dict]:
+    """Run the pipeline sequentially over a prefix of its sources.
+
+    ``offsets``: source uid -> split -> offset (None: the whole bounded input).
+    Returns (sink uid -> records, process uid -> {state name: {key: value}}).
+    """
+    nodes: dict[int, Node] = pipeline._nodes
+    outputs: dict[int, list[Any]] = {}
+    sinks: dict[str, list[Any]] = {}
+    states: dict[str, dict] = {}
+    for nid in _topological(nodes):
+        n = nodes[nid]
+        if n.kind == "source":
+            src = n.payload
+            if offsets is None:
+                limits = {s: src.split_length(s) for s in range(src.num_splits)}
+                if any(v is None for v in limits.values()):
+                    raise ValueError(f"source {n.uid!r} is unbounded: the reference needs offsets")
+            else:
+                limits = offsets.get(n.uid, {})
+            outputs[nid] = src.records_before(limits)
+            continue
+        inputs = [outputs[e.src] for e in n.inputs]
+        if n.kind == "map":
+            outputs[nid] = [n.payload(r) for recs in inputs for r in recs]
+        elif n.kind == "filter":
+            outputs[nid] = [r for recs in inputs for r in recs if n.payload(r)]
+        elif n.kind == "flat_map":
+            outputs[nid] = [o for recs in inputs for r in recs for o in n.payload(r)]
+        elif n.kind == "sink":
+            sinks.setdefault(n.uid, []).extend(r for recs in inputs for r in recs)
+            outputs[nid] = []
+        elif n.kind == "process":
+            state = HeapKeyedState(n.uid, lambda k: 0, (0, 0))
+            fn = copy.deepcopy(n.payload)
+            ctx = Context(state, 0, 1, n.uid)
+            fn.open(ctx)
+            out: list[Any] = []
+            for e, recs in zip(n.inputs, inputs):
+                for r in recs:
+                    state.keys.key = e.key_fn(r)
+                    res = fn.process(r, ctx)
+                    if res is not None:
+                        out.extend(res)
+            fn.close()
+            outputs[nid] = out
+            states[n.uid] = state.as_dict()
+        else:
+            raise ValueError(f"reference run: unknown operator kind {n.kind!r}")
+    return sinks, states
+
+
+# ---------------------------------------------------------------- comparison helpers
+
+
+def canonical(value: Any) -> Any:
+    """A hashable, order-normalized form: lists become sorted multisets."""
+    if isinstance(value, list):
+        return ("list", tuple(sorted((canonical(v) for v in value), key=repr)))
+    if isinstance(value, tuple):
+        return ("tuple", tuple(canonical(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted(((canonical(k), canonical(v)) for k, v in value.items()), key=repr)))
+    if isinstance(value, set | frozenset):
+        return ("set", tuple(sorted((canonical(v) for v in value), key=repr)))
+    return value
+
+
+def _as_json(records: list[Any]) -> collections.Counter:
+    """Records as FileSink would write and read them back (tuples become lists)."""
+    return collections.Counter(json.dumps(json.loads(json.dumps(r, default=repr)), sort_keys=True) for r in records)
+
+
+def _read_lines(files: list[Path]) -> collections.Counter:
+    c: collections.Counter = collections.Counter()
+    for p in files:
+        with open(p, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    c[json.dumps(json.loads(line), sort_keys=True)] += 1
+    return c
+
+
+def _epoch_of(path: Path) -> int:
+    return int(path.name.split("-")[1][1:])
+
+
+@dataclass
+class OracleReport:
+    lost: int = 0
+    duplicated: int = 0
+    mismatched_state: int = 0
+    mismatched_epoch_output: int = 0
+    epochs_checked: int = 0
+    restarts: int = 0
+    at_least_once: bool = False
+    records_expected: int = 0
+    records_committed: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        if self.at_least_once:  # duplicates are the contract there; loss is not
+            return not self.lost
+        return not (self.lost or self.duplicated or self.mismatched_state or self.mismatched_epoch_output)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "mode": "at-least-once" if self.at_least_once else "exactly-once",
+            "lost": self.lost,
+            "duplicated": self.duplicated,
+            "mismatched_state": self.mismatched_state,
+            "mismatched_epoch_output": self.mismatched_epoch_output,
+            "epochs_checked": self.epochs_checked,
+            "restarts": self.restarts,
+            "records_expected": self.records_expected,
+            "records_committed": self.records_committed,
+            "examples": self.examples[:10],
+        }
+
+    def note(self, text: str) -> None:
+        if len(self.examples) < 20:
+            self.examples.append(text)
+
+
+# ---------------------------------------------------------------- running and checking
+
+
+def relocated(pipeline, root: Path):
+    """A copy of ``pipeline`` whose sinks write under ``root/<sink uid>``."""
+    clone = copy.copy(pipeline)
+    clone._nodes = {}
+    for nid, n in pipeline._nodes.items():
+        payload = n.payload
+        if n.kind == "sink":
+            payload = payload.relocated(root / n.uid)
+        clone._nodes[nid] = Node(n.id, n.kind, n.name, payload, n.uid, list(n.inputs))
+    clone.checkpoint = copy.copy(pipeline.checkpoint)
+    return clone
+
+
+def committed_state(storage, manifest: dict[str, Any], root: Path) -> dict[str, dict]:
+    """Keyed state of every operator in a manifest, all subtasks merged."""
+    out = {}
+    for uid, entry in manifest["operators"].items():
+        st = HeapKeyedState(uid, lambda k: 0, (0, 0))
+        st.restore_rows(storage.read_operator_rows(manifest, root, uid), entry.get("states", {}))
+        out[uid] = st.as_dict()
+    return out
+
+
+def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, collections.Counter] | None,
+              exactly_once: bool = True, report: OracleReport | None = None) -> OracleReport:
+    """Check a finished run's committed output and every retained epoch against the reference."""
+    report = report or OracleReport()
+    sinks = {uid: sorted((sink_root / uid).glob("part-*.jsonl")) for uid in pipeline.sinks}
+    if expected_output is not None:
+        for uid, files in sinks.items():
+            got = _read_lines(files)
+            want = expected_output.get(uid, collections.Counter())
+            lost, dup = want - got, got - want
+            report.lost += sum(lost.values())
+            report.duplicated += sum(dup.values())
+            report.records_expected += sum(want.values())
+            report.records_committed += sum(got.values())
+            for rec in list(lost)[:3]:
+                report.note(f"sink {uid}: lost {rec}")
+            for rec in list(dup)[:3]:
+                report.note(f"sink {uid}: duplicated or unexpected {rec}")
+    for epoch in storage.list_checkpoints():
+        manifest, root = storage.load_manifest(epoch)
+        offsets = {uid: {int(k): int(v) for k, v in s["offsets"].items()} for uid, s in manifest["sources"].items()}
+        ref_sinks, ref_states = reference_run(pipeline, offsets)
+        report.epochs_checked += 1
+        got_states = committed_state(storage, manifest, root)
+        for uid in set(ref_states) | set(got_states):
+            want, got = ref_states.get(uid, {}), got_states.get(uid, {})
+            for name in set(want) | set(got):
+                w, g = want.get(name, {}), got.get(name, {})
+                for key in set(w) | set(g):
+                    if canonical(w.get(key)) != canonical(g.get(key)):
+                        if exactly_once:
+                            report.mismatched_state += 1
+                            report.note(f"epoch {epoch} {uid}.{name}[{key!r}]: committed {g.get(key)!r}, reference {w.get(key)!r}")
+        if exactly_once:
+            for uid, files in sinks.items():
+                got = _read_lines([f for f in files if _epoch_of(f) <= epoch])
+                want = _as_json(ref_sinks.get(uid, []))
+                if got != want:
+                    report.mismatched_epoch_output += 1
+                    report.note(f"epoch {epoch} sink {uid}: {sum((want - got).values())} missing, {sum((got - want).values())} extra")
+    return report
+
+
+def check_exactly_once(
+    build: Callable[[], Any],
+    run: Callable[[Any, str, Any], Any],
+    workdir: str | os.PathLike[str] | None = None,
+) -> OracleReport:
+    """Run ``build()`` once without failures and once with them, and check the second.
+
+    ``run(pipeline, checkpoint_dir, failures_on)`` runs a relocated pipeline; the oracle
+    keeps every checkpoint (num_retained is raised) so each epoch can be checked.
+    """
+    from .backends.local import LocalCheckpointStorage
+
+    work = Path(workdir or tempfile.mkdtemp(prefix="epochstream-oracle-"))
+    results = {}
+    for label, failing in (("reference", False), ("chaos", True)):
+        p = relocated(build(), work / label / "out")
+        p.checkpoint.num_retained = 1_000_000
+        results[label] = (p, run(p, str(work / label / "chk"), failing))
+    ref_p, _ = results["reference"]
+    expected = {uid: _read_lines(sorted((work / "reference" / "out" / uid).glob("part-*.jsonl"))) for uid in ref_p.sinks}
+    chaos_p, chaos_result = results["chaos"]
+    exactly_once = chaos_p.mode != "at-least-once"
+    report = OracleReport(restarts=getattr(chaos_result, "restarts", 0), at_least_once=not exactly_once)
+    bounded = _bounded(chaos_p)
+    if not bounded:
+        expected = None  # runs of an unbounded job stop at different points: check per epoch only
+    if exactly_once and bounded:
+        # the failure-free run must itself match the sequential reference on its full input
+        if bounded:
+            ref_sinks, _ = reference_run(chaos_p, None)
+            for uid, recs in ref_sinks.items():
+                if _as_json(recs) != expected.get(uid):
+                    report.mismatched_epoch_output += 1
+                    report.note(f"failure-free run of sink {uid} differs from the sequential reference")
+    storage = LocalCheckpointStorage(work / "chaos" / "chk")
+    return check_run(chaos_p, storage, work / "chaos" / "out", expected, exactly_once, report)
+
+
+def _bounded(pipeline) -> bool:
+    return all(s.bounded for s in pipeline.sources.values())

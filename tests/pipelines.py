@@ -1,0 +1,376 @@
+"""Shared pipeline builders for the test suites (import as ``from pipelines import ...``).
+
+Every builder returns a *fresh* ``Pipeline`` on each call (the exactly-once oracle calls a
+builder twice: once for the failure-free reference run and once for the chaos run), and
+takes the same keyword knobs (see ``make_pipeline``): ``parallelism``, ``mode``,
+``interval`` (checkpoint interval in *virtual* seconds), ``batch_size``,
+``max_concurrent``, ``tolerable_failed``, ``restart_attempts``, ``max_parallelism``, plus
+``n`` (input size) and ``out`` (where the sinks write).
+
+Input records are ``(key, id)`` tuples with a unique integer ``id`` so that a lost or
+doubled record is visible. Keys are strings ``"k0".."k{keys-1}"``; record ``i`` has key
+``"k{i % keys}"``. The sources are split across subtasks, so records of one key arrive
+at a keyed operator from several channels, in an order that depends on the schedule.
+
+What each builder emits is chosen so that it does **not** depend on that order (as the
+oracle requires, see docs/DESIGN "How correctness is shown"): running counts ``(key, n)``
+form the multiset ``{(key, 1..n_key)}`` whatever the order; lists are compared as
+multisets; histograms commute. The one exception is ``running_count(emit_ids=True)``,
+whose ``(key, n, id)`` output pins which id got which count: use it only with direct
+invariant checks (``check_running_counts``), never with the oracle's run-vs-run
+comparison.
+
+Sinks: ``out=None`` points the sinks at a placeholder folder; that is fine for the oracle,
+which relocates every sink of the pipeline it runs (``oracle.relocated``). When you run a
+pipeline yourself, pass ``out=tmp_path / "out"``; sink ``uid`` writes to ``out / uid``
+(read it back with ``committed_output``).
+
+Virtual time: with ``SimConfig(source_rate=SOURCE_RATE)`` a few hundred records take a few
+virtual milliseconds, so the default ``interval=0.0005`` gives several epochs per run.
+``sim_run`` runs a pipeline in the simulator with these defaults.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+from epochstream import (
+    CheckpointConfig,
+    FileSink,
+    KeyedProcessFunction,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    Pipeline,
+    ValueStateDescriptor,
+)
+from epochstream.deploy.sim import FailureSchedule, SimConfig
+
+__all__ = [
+    "BUILDERS",
+    "SOURCE_RATE",
+    "CollectIds",
+    "Histogram",
+    "RunningCount",
+    "check_running_counts",
+    "committed_output",
+    "histogram",
+    "input_records",
+    "list_state",
+    "make_pipeline",
+    "running_count",
+    "sim_run",
+    "two_sinks",
+    "two_stage",
+    "union_chain",
+]
+
+#: records/s per source subtask in ``sim_run``: 300 records take ~1-3 virtual milliseconds
+SOURCE_RATE = 100_000.0
+
+#: placeholder sink root for pipelines the oracle relocates anyway (never written when used that way)
+_UNRELOCATED = Path(tempfile.gettempdir()) / "epochstream-tests-unrelocated-sinks"
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def input_records(n: int, keys: int, start: int = 0) -> list[tuple[str, int]]:
+    """``n`` records ``(key, id)`` with ids ``start .. start+n-1`` and key ``"k{id % keys}"``."""
+    return [(f"k{i % keys}", i) for i in range(start, start + n)]
+
+
+def _gen_record(keys: int, start: int):
+    """A picklable-enough record function for ``Pipeline.generate``: i -> ``(key, start + i)``."""
+
+    def gen(i: int) -> tuple[str, int]:
+        rid = start + i
+        return (f"k{rid % keys}", rid)
+
+    return gen
+
+
+def _key(record: Any) -> Any:
+    return record[0]
+
+
+# ---------------------------------------------------------------- keyed functions
+
+
+class RunningCount(KeyedProcessFunction):
+    """ValueState ``count`` per key; emits ``(key, n)`` (or ``(key, n, id)`` with ``emit_ids``).
+
+    The DESIGN's invariant: for every key the emitted counts are exactly 1..n.
+    """
+
+    def __init__(self, emit_ids: bool = False) -> None:
+        self.emit_ids = emit_ids
+
+    def open(self, ctx) -> None:
+        self.count = ctx.state(ValueStateDescriptor("count", default=0))
+
+    def process(self, value, ctx):
+        n = self.count.value() + 1
+        self.count.update(n)
+        if self.emit_ids:
+            return ((ctx.key, n, value[1]),)
+        return ((ctx.key, n),)
+
+
+class CollectIds(KeyedProcessFunction):
+    """ListState ``ids`` per key (every id appended once); emits ``(key, len(ids))``."""
+
+    def open(self, ctx) -> None:
+        self.ids = ctx.state(ListStateDescriptor("ids"))
+
+    def process(self, value, ctx):
+        self.ids.add(value[1])
+        return ((ctx.key, len(self.ids.get())),)
+
+
+class Histogram(KeyedProcessFunction):
+    """MapState ``hist`` per key: bucket ``id % buckets`` -> count; emits ``(key, bucket, count)``."""
+
+    def __init__(self, buckets: int = 4) -> None:
+        self.buckets = buckets
+
+    def open(self, ctx) -> None:
+        self.hist = ctx.state(MapStateDescriptor("hist"))
+
+    def process(self, value, ctx):
+        b = value[1] % self.buckets
+        c = (self.hist.get(b) or 0) + 1
+        self.hist.put(b, c)
+        return ((ctx.key, b, c),)
+
+
+class TagWithCount(KeyedProcessFunction):
+    """First stage of ``two_stage``: ValueState ``seen`` per key; passes ``(key, id)`` on unchanged."""
+
+    def open(self, ctx) -> None:
+        self.seen = ctx.state(ValueStateDescriptor("seen", default=0))
+
+    def process(self, value, ctx):
+        self.seen.update(self.seen.value() + 1)
+        return (value,)
+
+
+# ---------------------------------------------------------------- pipelines
+
+
+def make_pipeline(
+    name: str,
+    *,
+    parallelism: int = 2,
+    mode: str = "aligned",
+    interval: float | None = 0.0005,
+    batch_size: int = 8,
+    max_concurrent: int = 1,
+    tolerable_failed: int = 0,
+    restart_attempts: int = 30,
+    max_parallelism: int | None = None,
+    incremental: bool = True,
+) -> Pipeline:
+    """An empty Pipeline with the test knobs applied (restart_delay 0: the sim has its own)."""
+    return Pipeline(
+        name,
+        parallelism=parallelism,
+        max_parallelism=max_parallelism,
+        mode=mode,
+        checkpoint=CheckpointConfig(
+            interval=interval,
+            max_concurrent=max_concurrent,
+            tolerable_failed=tolerable_failed,
+            incremental=incremental,
+        ),
+        batch_size=batch_size,
+        restart_attempts=restart_attempts,
+        restart_delay=0.0,
+    )
+
+
+def _sink(out: str | Path | None, uid: str) -> FileSink:
+    return FileSink(Path(out if out is not None else _UNRELOCATED) / uid)
+
+
+def running_count(*, n: int = 300, keys: int = 7, out=None, emit_ids: bool = False, **knobs: Any) -> Pipeline:
+    """collection -> key_by(key) -> RunningCount [uid "count"] -> sink "counts".
+
+    Emits ``(key, n)``; with ``emit_ids=True`` ``(key, n, id)`` (not for the oracle).
+    """
+    p = make_pipeline("running-count", **knobs)
+    (
+        p.from_collection(input_records(n, keys), uid="src")
+        .key_by(_key)
+        .process(RunningCount(emit_ids), uid="count")
+        .sink(_sink(out, "counts"), uid="counts")
+    )
+    return p
+
+
+def list_state(*, n: int = 300, keys: int = 7, out=None, **knobs: Any) -> Pipeline:
+    """collection -> key_by -> CollectIds [uid "ids"] (ListState of ids) -> sink "lengths"."""
+    p = make_pipeline("list-state", **knobs)
+    (
+        p.from_collection(input_records(n, keys), uid="src")
+        .key_by(_key)
+        .process(CollectIds(), uid="ids")
+        .sink(_sink(out, "lengths"), uid="lengths")
+    )
+    return p
+
+
+def histogram(*, n: int = 300, keys: int = 5, buckets: int = 4, out=None, **knobs: Any) -> Pipeline:
+    """generate -> key_by -> Histogram [uid "hist"] (MapState bucket -> count) -> sink "hist"."""
+    p = make_pipeline("histogram", **knobs)
+    (
+        p.generate(_gen_record(keys, 0), count=n, uid="gen")
+        .key_by(_key)
+        .process(Histogram(buckets), uid="hist")
+        .sink(_sink(out, "hist"), uid="hist-out")
+    )
+    return p
+
+
+def _explode(record: tuple[str, int]) -> list[tuple[str, int]]:
+    """flat_map: every id divisible by 5 also yields a derived record with id + 1_000_000."""
+    key, rid = record
+    return [(key, rid), (key, rid + 1_000_000)] if rid % 5 == 0 else [(key, rid)]
+
+
+def _relabel(record: tuple[str, int]) -> tuple[str, int]:
+    """map: re-key onto fewer keys (so both sources share keys)."""
+    key, rid = record
+    return (f"k{rid % 4}", rid)
+
+
+def union_chain(*, n: int = 300, out=None, **knobs: Any) -> Pipeline:
+    """Two sources, union, rebalance, map/flat_map/filter, then a keyed running count.
+
+    ``a`` = collection of ids 0..n-1; ``b`` = generate ids 100000..100000+n/2-1,
+    rebalanced, then map (re-key to 4 keys) -> flat_map (ids % 5 == 0 doubled) ->
+    filter (drops ids % 7 == 3). ``a.union(b)`` -> key_by -> RunningCount [uid "count"]
+    -> sink "counts".
+    """
+    p = make_pipeline("union-chain", **knobs)
+    a = p.from_collection(input_records(n, 4), uid="a")
+    b = (
+        p.generate(_gen_record(4, 100_000), count=max(n // 2, 1), uid="b")
+        .rebalance()
+        .map(_relabel)
+        .flat_map(_explode)
+        .filter(lambda r: r[1] % 7 != 3)
+    )
+    a.union(b).key_by(_key).process(RunningCount(), uid="count").sink(_sink(out, "counts"), uid="counts")
+    return p
+
+
+def two_stage(*, n: int = 300, keys: int = 7, out=None, **knobs: Any) -> Pipeline:
+    """Two keyed stages in sequence: process -> key_by -> process.
+
+    collection -> key_by(key) -> TagWithCount [uid "stage1"] (ValueState, passes records on)
+    -> key_by(id % 3) -> CollectIds [uid "stage2"] (ListState of ids) -> sink "stage2-out".
+    """
+    p = make_pipeline("two-stage", **knobs)
+    (
+        p.from_collection(input_records(n, keys), uid="src")
+        .key_by(_key)
+        .process(TagWithCount(), uid="stage1")
+        .key_by(lambda r: f"m{r[1] % 3}")
+        .process(CollectIds(), uid="stage2")
+        .sink(_sink(out, "stage2-out"), uid="stage2-out")
+    )
+    return p
+
+
+def two_sinks(*, n: int = 300, keys: int = 7, out=None, **knobs: Any) -> Pipeline:
+    """One source feeding two sinks: the raw records to sink "raw" (every id once) and a
+    keyed running count [uid "count"] to sink "counts"."""
+    p = make_pipeline("two-sinks", **knobs)
+    src = p.from_collection(input_records(n, keys), uid="src")
+    src.map(lambda r: ["raw", r[0], r[1]]).sink(_sink(out, "raw"), uid="raw")
+    src.key_by(_key).process(RunningCount(), uid="count").sink(_sink(out, "counts"), uid="counts")
+    return p
+
+
+#: name -> builder, for parametrized tests
+BUILDERS = {
+    "running_count": running_count,
+    "list_state": list_state,
+    "histogram": histogram,
+    "union_chain": union_chain,
+    "two_stage": two_stage,
+    "two_sinks": two_sinks,
+}
+
+
+# ---------------------------------------------------------------- running and reading
+
+
+def sim_run(
+    pipeline: Pipeline,
+    checkpoint_dir: str | Path,
+    *,
+    seed: int = 0,
+    failures: FailureSchedule | None = None,
+    restore: str | None = None,
+    source_rate: float = SOURCE_RATE,
+    **kwargs: Any,
+):
+    """``pipeline.run`` in the simulator with the tests' source rate; returns the JobResult."""
+    return pipeline.run(
+        deployment="sim",
+        checkpoint_dir=str(checkpoint_dir),
+        restore=restore,
+        seed=seed,
+        sim=SimConfig(source_rate=source_rate),
+        failures=failures,
+        **kwargs,
+    )
+
+
+def committed_output(sink_dir: str | Path) -> list[Any]:
+    """Committed records of one FileSink folder (``part-*.jsonl``; staging is ignored).
+
+    JSON turns tuples into lists; records come back in file-name order (epoch, subtask).
+    """
+    out: list[Any] = []
+    for p in sorted(Path(sink_dir).glob("part-*.jsonl")):
+        with open(p, encoding="utf-8") as f:
+            out.extend(json.loads(line) for line in f if line.strip())
+    return out
+
+
+def check_running_counts(records: Iterable[Any], expected_ids: Iterable[int] | None = None) -> list[str]:
+    """The DESIGN's invariant on ``(key, n, id)`` output; returns the violations (empty = fine).
+
+    Every id appears exactly once (and, given ``expected_ids``, exactly those ids), and for
+    every key the counts are exactly 1..n: no gap (lost state update), no repeat (doubled one).
+    """
+    problems: list[str] = []
+    ids = collections.Counter()
+    counts: dict[Any, list[int]] = collections.defaultdict(list)
+    for rec in records:
+        key, n, rid = rec
+        ids[rid] += 1
+        counts[key].append(n)
+    for rid, c in ids.items():
+        if c != 1:
+            problems.append(f"id {rid} appears {c} times")
+    if expected_ids is not None:
+        want = set(expected_ids)
+        missing = want - set(ids)
+        extra = set(ids) - want
+        if missing:
+            problems.append(f"{len(missing)} ids missing, e.g. {sorted(missing)[:5]}")
+        if extra:
+            problems.append(f"{len(extra)} unexpected ids, e.g. {sorted(extra)[:5]}")
+    for key, ns in counts.items():
+        if sorted(ns) != list(range(1, len(ns) + 1)):
+            dup = sorted(v for v, c in collections.Counter(ns).items() if c > 1)
+            gaps = sorted(set(range(1, max(ns) + 1)) - set(ns))
+            problems.append(f"key {key!r}: counts are not 1..{len(ns)} (repeated {dup[:5]}, missing {gaps[:5]})")
+    return problems

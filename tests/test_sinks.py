@@ -1,0 +1,151 @@
+"""The transactional FileSink (backends/sinks.py): stage, commit, abort, recover."""
+
+from __future__ import annotations
+
+import pytest
+
+from epochstream.backends.sinks import STAGING, FileSink
+
+
+@pytest.fixture
+def sink(tmp_path):
+    return FileSink(tmp_path / "out")
+
+
+def staged_files(sink: FileSink) -> set[str]:
+    root = sink.path / STAGING
+    if not root.is_dir():
+        return set()
+    return {p.relative_to(sink.path).as_posix() for p in root.rglob("*") if p.is_file()}
+
+
+def test_pre_commit_stages_invisibly(sink):
+    rel = sink.pre_commit("out", 0, 1, "0", [{"a": 1}, [2, "x"], "s"])
+    assert rel == f"{STAGING}/out/e1-s0-a0.jsonl"
+    assert (sink.path / rel).read_text().splitlines() == ['{"a":1}', '[2,"x"]', '"s"']
+    assert sink.read() == []
+    assert sink.committed_files() == []
+    assert staged_files(sink) == {rel}  # durable, and no temp file left
+
+
+def test_commit_makes_output_visible(sink):
+    rel = sink.pre_commit("out", 0, 1, "0", [1, 2, 3])
+    assert sink.commit([rel]) == 1
+    assert sink.read() == [1, 2, 3]
+    assert [p.name for p in sink.committed_files()] == ["part-e00000001-out-s0.jsonl"]
+    assert staged_files(sink) == set()
+
+
+def test_commit_twice_is_a_no_op(sink):
+    rels = [sink.pre_commit("out", s, 1, "0", [s, s + 10]) for s in (0, 1)]
+    assert sink.commit(rels) == 2
+    before = sink.read()
+    files_before = {p.name: p.read_bytes() for p in sink.committed_files()}
+    assert sink.commit(rels) == 0  # re-issued after a crash between manifest and commit
+    assert sink.read() == before == [0, 10, 1, 11]
+    assert {p.name: p.read_bytes() for p in sink.committed_files()} == files_before
+
+
+def test_commit_of_a_partially_committed_epoch_finishes_it(sink):
+    a = sink.pre_commit("out", 0, 3, "0", ["a"])
+    b = sink.pre_commit("out", 1, 3, "0", ["b"])
+    sink.commit([a])  # crash in the middle of the commit
+    assert sink.commit([a, b]) == 1
+    assert sink.read() == ["a", "b"]
+
+
+def test_read_returns_epochs_in_order(sink):
+    for epoch in (10, 2, 1):
+        sink.commit([sink.pre_commit("out", 0, epoch, "0", [epoch])])
+    assert sink.read() == [1, 2, 10]
+
+
+def test_empty_record_list_stages_nothing(sink):
+    assert sink.pre_commit("out", 0, 1, "0", []) is None
+    assert staged_files(sink) == set()
+    assert sink.commit([]) == 0
+    assert sink.read() == []
+
+
+def test_commit_of_vanished_never_committed_file_raises_clearly(sink):
+    rel = sink.pre_commit("out", 0, 1, "0", [1])
+    (sink.path / rel).unlink()
+    with pytest.raises(FileNotFoundError) as ei:
+        sink.commit([rel])
+    msg = str(ei.value)
+    assert rel in msg and "never committed" in msg and str(sink.path) in msg
+
+
+def test_commit_of_a_path_that_is_not_a_staged_file_raises(sink):
+    with pytest.raises(ValueError, match="not a staged file"):
+        sink.commit(["somewhere/else.txt"])
+
+
+def test_abort_drops_staged_output(sink):
+    rel = sink.pre_commit("out", 0, 1, "0", [1])
+    sink.abort([rel])
+    sink.abort([rel])  # idempotent
+    assert staged_files(sink) == set()
+    assert sink.read() == []
+
+
+def test_recover_commits_listed_files_and_drops_other_staged_files_of_that_uid(sink):
+    e1 = sink.pre_commit("out", 0, 1, "0", ["e1"])
+    e2 = sink.pre_commit("out", 0, 2, "0", ["e2"])  # epoch 2 never completed
+    e2_retry = sink.pre_commit("out", 0, 2, "1", ["e2-retry"])
+    other = sink.pre_commit("audit", 0, 2, "0", ["other uid"])
+    sink.recover("out", [e1])
+    assert sink.read() == ["e1"]
+    assert staged_files(sink) == {other}  # another uid's staged output is not ours to drop
+    # the other uid recovers on its own
+    sink.recover("audit", [])
+    assert staged_files(sink) == set()
+    assert sink.read() == ["e1"]
+    assert not (sink.path / e2).exists() and not (sink.path / e2_retry).exists()
+
+
+def test_recover_after_the_commit_already_happened_is_a_no_op(sink):
+    e1 = sink.pre_commit("out", 0, 1, "0", ["e1"])
+    sink.commit([e1])
+    sink.recover("out", [e1])
+    sink.recover("out", [e1])
+    assert sink.read() == ["e1"]
+
+
+def test_recover_drops_leftover_temp_files(sink):
+    sink.pre_commit("out", 0, 1, "0", ["x"])
+    tmp = sink.path / STAGING / "out" / ".e2-s0-a0.jsonl.tmp-99"
+    tmp.write_text("half a reco")
+    sink.recover("out", [])
+    assert staged_files(sink) == set()
+
+
+def test_recover_with_nothing_staged(sink):
+    sink.recover("out", [])
+    assert sink.read() == []
+
+
+def test_custom_encoder_and_decoder(tmp_path):
+    s = FileSink(tmp_path / "csv", encoder=lambda r: f"{r[0]},{r[1]}", decoder=lambda line: tuple(line.strip().split(",")))
+    s.commit([s.pre_commit("out", 0, 1, "0", [("a", 1), ("b", 2)])])
+    assert s.read() == [("a", "1"), ("b", "2")]
+
+
+def test_default_encoder_keeps_non_json_values_readable(sink):
+    sink.commit([sink.pre_commit("out", 0, 1, "0", [{1, 2}, ("t", 1)])])
+    assert sink.read() == ["{1, 2}", ["t", 1]]
+
+
+def test_sink_uids_that_differ_only_in_unsafe_characters_do_not_share_files(sink):
+    a = sink.pre_commit("out 1", 0, 1, "0", ["from out 1"])
+    b = sink.pre_commit("out_1", 0, 1, "0", ["from out_1"])
+    sink.recover("out 1", [a])
+    assert (sink.path / b).exists(), "recover of one uid deleted another uid's staged output"
+    sink.commit([b])
+    assert sorted(sink.read()) == ["from out 1", "from out_1"]
+
+
+def test_read_orders_subtasks_numerically(sink):
+    for subtask in (2, 10):
+        sink.commit([sink.pre_commit("out", subtask, 1, "0", [f"s{subtask}"])])
+    assert sink.read() == ["s2", "s10"]

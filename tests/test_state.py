@@ -1,0 +1,377 @@
+"""Keyed state (runtime/state.py): PyFlink-style handles and the heap backend's captures."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epochstream.graph.keygroups import assign_to_key_group
+from epochstream.runtime.context import Context
+from epochstream.runtime.errors import StateSerializationError
+from epochstream.runtime.state import (
+    HeapKeyedState,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ValueStateDescriptor,
+)
+
+M = 128
+
+
+def backend(uid: str = "op-1") -> HeapKeyedState:
+    return HeapKeyedState(uid, lambda k: assign_to_key_group(k, M), (0, M - 1))
+
+
+def decode(capture) -> dict:
+    """{(state, key): value or None (tombstone)} of a capture's rows."""
+    return {(name, pickle.loads(kb)): None if vb is None else pickle.loads(vb) for _kg, kb, name, vb in capture.rows}
+
+
+def rebuild(files: dict[int, object], chain: tuple[int, ...], kinds: dict[str, str]) -> HeapKeyedState:
+    fresh = backend()
+    for epoch in chain:
+        fresh.restore_rows(files[epoch].rows, kinds)
+    return fresh
+
+
+# ---------------------------------------------------------------- handles
+
+
+def test_value_state():
+    s = backend()
+    v = s.handle(ValueStateDescriptor("v"))
+    d = s.handle(ValueStateDescriptor("d", default=0))
+    s.keys.key = "k1"
+    assert v.value() is None and d.value() == 0
+    v.update("x")
+    d.update(d.value() + 5)
+    assert v.value() == "x" and d.value() == 5
+    s.keys.key = "k2"  # per-key isolation
+    assert v.value() is None and d.value() == 0
+    v.update("y")
+    s.keys.key = "k1"
+    assert v.value() == "x"
+    v.clear()
+    assert v.value() is None
+    v.clear()  # clearing twice is fine
+    v.update(None)  # None is a value, not a deletion
+    assert s.as_dict()["v"] == {"k1": None, "k2": "y"}
+
+
+def test_mutable_default_is_not_shared_between_keys():
+    s = backend()
+    acc = s.handle(ValueStateDescriptor("acc", default=[]))
+    s.keys.key = "k1"
+    a = acc.value()
+    a.append(1)
+    acc.update(a)
+    s.keys.key = "k2"
+    assert acc.value() == []
+    b = acc.value()
+    b.append(2)
+    acc.update(b)
+    s.keys.key = "k1"
+    assert acc.value() == [1]
+
+
+def test_list_state():
+    s = backend()
+    lst = s.handle(ListStateDescriptor("l"))
+    s.keys.key = 1
+    assert list(lst.get()) == []
+    lst.add("a")
+    lst.add("b")
+    lst.add_all(["c", "d"])
+    assert list(lst.get()) == ["a", "b", "c", "d"]
+    s.keys.key = 2
+    assert list(lst.get()) == []
+    lst.update(["z"])
+    assert list(lst.get()) == ["z"]
+    s.keys.key = 1
+    lst.update(["q", "r"])
+    assert list(lst.get()) == ["q", "r"]
+    lst.clear()
+    assert list(lst.get()) == []
+    s.keys.key = 2
+    assert list(lst.get()) == ["z"]
+
+
+def test_map_state():
+    s = backend()
+    m = s.handle(MapStateDescriptor("m"))
+    s.keys.key = ("user", 1)
+    assert m.get("a") is None and not m.contains("a") and m.is_empty()
+    m.put("a", 1)
+    m.put_all({"b": 2, "c": 3})
+    assert m.get("a") == 1 and m.contains("b") and not m.is_empty()
+    assert sorted(m.keys()) == ["a", "b", "c"]
+    assert sorted(m.values()) == [1, 2, 3]
+    assert sorted(m.items()) == [("a", 1), ("b", 2), ("c", 3)]
+    # iterating while writing is safe: the views are snapshots
+    for k in m.keys():
+        m.remove(k) if k == "b" else m.put(k, 0)
+    assert sorted(m.items()) == [("a", 0), ("c", 0)]
+    m.remove("missing")  # no error
+    s.keys.key = ("user", 2)
+    assert m.is_empty() and list(m.items()) == []
+    m.put("a", 9)
+    s.keys.key = ("user", 1)
+    assert m.get("a") == 0
+    m.clear()
+    assert m.is_empty()
+    s.keys.key = ("user", 2)
+    m.remove("a")  # removing the last entry removes the key
+    assert s.as_dict() == {}
+
+
+def test_handles_of_one_name_share_data_and_kinds_cannot_change():
+    s = backend("my-op")
+    a = s.handle(ValueStateDescriptor("count"))
+    b = s.handle(ValueStateDescriptor("count"))
+    s.keys.key = "k"
+    a.update(3)
+    assert b.value() == 3
+    with pytest.raises(ValueError) as ei:
+        s.handle(ListStateDescriptor("count"))
+    msg = str(ei.value)
+    assert "my-op" in msg and "count" in msg and "value" in msg and "list" in msg
+
+
+def test_descriptor_needs_a_name():
+    with pytest.raises(ValueError):
+        ValueStateDescriptor("")
+
+
+def test_context_exposes_pyflink_names():
+    s = backend("ctx-op")
+    ctx = Context(s, subtask_index=1, parallelism=4, operator_uid="ctx-op")
+    v = ctx.get_state(ValueStateDescriptor("v"))
+    lst = ctx.get_list_state(ListStateDescriptor("l"))
+    m = ctx.get_map_state(MapStateDescriptor("m"))
+    s.keys.key = "k"
+    assert ctx.key == "k" == ctx.get_current_key()
+    v.update(1)
+    lst.add(2)
+    m.put(3, 4)
+    assert s.as_dict() == {"v": {"k": 1}, "l": {"k": [2]}, "m": {"k": {3: 4}}}
+
+
+# ---------------------------------------------------------------- captures
+
+
+def test_first_capture_is_full_then_only_dirty_keys_with_tombstones():
+    s = backend()
+    v = s.handle(ValueStateDescriptor("v"))
+    m = s.handle(MapStateDescriptor("m"))
+    for k in ("a", "b", "c"):
+        s.keys.key = k
+        v.update(k * 2)
+        m.put("n", k)
+    first = s.capture(1)
+    assert first.full and first.chain == (1,)
+    assert first.operator_uid == "op-1" and first.key_group_range == (0, M - 1)
+    assert dict(first.kinds) == {"v": "value", "m": "map"}
+    assert decode(first) == {**{("v", k): k * 2 for k in "abc"}, **{("m", k): {"n": k} for k in "abc"}}
+
+    s.keys.key = "a"
+    v.update("changed")
+    s.keys.key = "b"
+    v.clear()  # tombstone
+    m.remove("n")  # map emptied: tombstone
+    s.keys.key = "c"
+    assert v.value() == "cc"  # a read does not make a key dirty
+    s.keys.key = "never-existed"
+    v.clear()  # clearing nothing writes nothing
+    second = s.capture(2)
+    assert not second.full and second.chain == (1, 2)
+    assert decode(second) == {("v", "a"): "changed", ("v", "b"): None, ("m", "b"): None}
+
+    third = s.capture(3)  # nothing written since
+    assert not third.full and third.chain == (1, 2, 3) and third.rows == []
+
+
+def test_rows_carry_the_key_group_of_their_key():
+    s = backend()
+    v = s.handle(ValueStateDescriptor("v"))
+    keys = ["a", 17, ("t", 2), b"raw", None]
+    for k in keys:
+        s.keys.key = k
+        v.update(1)
+    rows = s.capture(1).rows
+    assert len(rows) == len(keys)
+    for kg, kb, _n, _v in rows:
+        assert kg == assign_to_key_group(pickle.loads(kb), M)
+
+
+@pytest.mark.parametrize("full_every", [1, 3, 10])
+def test_full_capture_every_full_every(full_every):
+    s = backend()
+    v = s.handle(ValueStateDescriptor("v"))
+    fulls = []
+    for epoch in range(1, 13):
+        s.keys.key = epoch % 2
+        v.update(epoch)
+        cap = s.capture(epoch, incremental=True, full_every=full_every)
+        fulls.append(cap.full)
+        assert cap.chain[0] == max(e for e, f in zip(range(1, epoch + 1), fulls) if f)
+        assert cap.chain == tuple(range(cap.chain[0], epoch + 1))
+        assert len(cap.chain) <= full_every
+    assert [e for e, f in zip(range(1, 13), fulls) if f] == list(range(1, 13, full_every))
+
+
+def test_non_incremental_captures_are_always_full():
+    s = backend()
+    v = s.handle(ValueStateDescriptor("v"))
+    s.keys.key = "k"
+    v.update(1)
+    s.capture(1, incremental=False)
+    cap = s.capture(2, incremental=False)
+    assert cap.full and cap.chain == (2,) and decode(cap) == {("v", "k"): 1}
+
+
+def test_capture_is_a_copy_later_mutation_does_not_leak():
+    s = backend()
+    lst = s.handle(ListStateDescriptor("l"))
+    s.keys.key = "k"
+    lst.add([1])
+    cap = s.capture(1)
+    lst.get()[0].append(2)  # in-place mutation of the live value
+    lst.add([3])
+    assert decode(cap) == {("l", "k"): [[1]]}
+
+
+def test_first_capture_after_restore_is_full():
+    s = backend()
+    v = s.handle(ValueStateDescriptor("v"))
+    for k in "ab":
+        s.keys.key = k
+        v.update(k)
+    files = {1: s.capture(1)}
+    restored = rebuild(files, (1,), {"v": "value"})
+    rv = restored.handle(ValueStateDescriptor("v"))
+    restored.keys.key = "a"
+    assert rv.value() == "a"
+    rv.update("A")
+    cap = restored.capture(2)
+    assert cap.full and cap.chain == (2,)
+    assert decode(cap) == {("v", "a"): "A", ("v", "b"): "b"}
+
+
+def test_restore_creates_tables_of_the_recorded_kind():
+    s = backend()
+    m = s.handle(MapStateDescriptor("m"))
+    s.keys.key = "k"
+    m.put("x", 1)
+    cap = s.capture(1)
+    restored = rebuild({1: cap}, (1,), dict(cap.kinds))
+    restored.handle(MapStateDescriptor("m"))  # same kind: fine
+    with pytest.raises(ValueError, match="map"):
+        restored.handle(ValueStateDescriptor("m"))
+
+
+# ---------------------------------------------------------------- the property: chain rebuild == live state
+
+KEYS = st.sampled_from(["a", 1, ("t", 1)])
+VALS = st.integers(-3, 3)
+OPS = st.one_of(
+    st.tuples(st.just("v.update"), KEYS, VALS),
+    st.tuples(st.just("v.clear"), KEYS, st.none()),
+    st.tuples(st.just("l.add"), KEYS, VALS),
+    st.tuples(st.just("l.update"), KEYS, st.lists(VALS, max_size=3)),
+    st.tuples(st.just("l.clear"), KEYS, st.none()),
+    st.tuples(st.just("m.put"), KEYS, st.tuples(st.sampled_from("xyz"), VALS)),
+    st.tuples(st.just("m.remove"), KEYS, st.sampled_from("xyz")),
+    st.tuples(st.just("m.clear"), KEYS, st.none()),
+)
+CAPTURE = ("capture", None, None)
+STEPS = st.one_of(OPS, OPS, st.just(CAPTURE))  # about one capture in three steps
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(STEPS, max_size=60), st.booleans(), st.integers(1, 4))
+def test_rebuilding_from_the_captured_chain_reproduces_the_live_state(ops, incremental, full_every):
+    s = backend()
+    h = {
+        "v": s.handle(ValueStateDescriptor("v")),
+        "l": s.handle(ListStateDescriptor("l")),
+        "m": s.handle(MapStateDescriptor("m")),
+    }
+    model: dict[str, dict] = {"v": {}, "l": {}, "m": {}}  # an independent reference
+    files: dict[int, object] = {}
+    epoch = 0
+    for op, key, arg in ops + [CAPTURE]:
+        if op == "capture":
+            epoch += 1
+            cap = s.capture(epoch, incremental, full_every)
+            files[epoch] = cap
+            assert cap.chain[-1] == epoch and all(files[e] is not None for e in cap.chain)
+            assert files[cap.chain[0]].full and not any(files[e].full for e in cap.chain[1:])
+            restored = rebuild(files, cap.chain, dict(cap.kinds))
+            assert restored.as_dict() == s.as_dict() == {n: t for n, t in model.items() if t}
+            continue
+        name, method = op.split(".")
+        s.keys.key = key
+        table = model[name]
+        if op == "m.put":
+            getattr(h[name], method)(*arg)
+        elif arg is None:
+            getattr(h[name], method)()
+        else:
+            getattr(h[name], method)(arg)
+        # the reference semantics
+        if method == "clear":
+            table.pop(key, None)
+        elif op == "v.update":
+            table[key] = arg
+        elif op == "l.add":
+            table.setdefault(key, []).append(arg)
+        elif op == "l.update":
+            table[key] = list(arg)
+        elif op == "m.put":
+            table.setdefault(key, {})[arg[0]] = arg[1]
+        elif op == "m.remove":
+            if arg in table.get(key, {}):
+                del table[key][arg]
+                if not table[key]:
+                    del table[key]
+
+
+# ---------------------------------------------------------------- serialization errors
+
+
+def test_unpicklable_value_names_operator_state_and_key():
+    s = backend("orders-by-user")
+    v = s.handle(ValueStateDescriptor("last_seen"))
+    s.keys.key = "user-42"
+    v.update(threading.Lock())
+    with pytest.raises(StateSerializationError) as ei:
+        s.capture(1)
+    msg = str(ei.value)
+    assert "'orders-by-user'" in msg and "'last_seen'" in msg and "'user-42'" in msg and "lock" in msg
+    assert "picklable" in msg
+    assert isinstance(ei.value.__cause__, Exception)
+
+
+def test_unpicklable_value_nested_in_map_state_is_reported():
+    s = backend("op")
+    m = s.handle(MapStateDescriptor("cache"))
+    s.keys.key = 7
+    m.put("fn", lambda x: x)
+    with pytest.raises(StateSerializationError, match=r"'op'.*'cache'.*key 7"):
+        s.capture(1)
+
+
+def test_unpicklable_value_in_an_incremental_capture_is_reported():
+    s = backend("op")
+    v = s.handle(ValueStateDescriptor("v"))
+    s.keys.key = "fine"
+    v.update(1)
+    s.capture(1)
+    s.keys.key = "bad"
+    v.update(threading.Lock())
+    with pytest.raises(StateSerializationError, match="'bad'"):
+        s.capture(2)
