@@ -4,8 +4,13 @@ Every builder returns a *fresh* ``Pipeline`` on each call (the exactly-once orac
 builder twice: once for the failure-free reference run and once for the chaos run), and
 takes the same keyword knobs (see ``make_pipeline``): ``parallelism``, ``mode``,
 ``interval`` (checkpoint interval in *virtual* seconds), ``batch_size``,
-``max_concurrent``, ``tolerable_failed``, ``restart_attempts``, ``max_parallelism``, plus
-``n`` (input size) and ``out`` (where the sinks write).
+``max_concurrent``, ``tolerable_failed``, ``restart_attempts``, ``max_parallelism``,
+``incremental``, plus ``n`` (input size) and ``out`` (where the sinks write).
+
+    from pipelines import BUILDERS, running_count, sim_run, committed_output
+    p = running_count(parallelism=3, interval=0.0005, out=tmp_path / "out")
+    result = sim_run(p, tmp_path / "chk", seed=7)
+    records = committed_output(tmp_path / "out" / "counts")
 
 Input records are ``(key, id)`` tuples with a unique integer ``id`` so that a lost or
 doubled record is visible. Keys are strings ``"k0".."k{keys-1}"``; record ``i`` has key
@@ -13,27 +18,32 @@ doubled record is visible. Keys are strings ``"k0".."k{keys-1}"``; record ``i`` 
 at a keyed operator from several channels, in an order that depends on the schedule.
 
 What each builder emits is chosen so that it does **not** depend on that order (as the
-oracle requires, see docs/DESIGN "How correctness is shown"): running counts ``(key, n)``
+oracle requires, see DESIGN.md "How correctness is shown"): running counts ``(key, n)``
 form the multiset ``{(key, 1..n_key)}`` whatever the order; lists are compared as
-multisets; histograms commute. The one exception is ``running_count(emit_ids=True)``,
-whose ``(key, n, id)`` output pins which id got which count: use it only with direct
-invariant checks (``check_running_counts``), never with the oracle's run-vs-run
-comparison.
+multisets; histograms commute. The exception is ``emit_ids=True`` (``running_count``,
+``union_chain``), whose ``(key, n, id)`` output pins which id got which count: use it only
+with direct invariant checks (``check_running_counts``), never with the oracle's
+run-vs-run comparison.
 
-Sinks: ``out=None`` points the sinks at a placeholder folder; that is fine for the oracle,
-which relocates every sink of the pipeline it runs (``oracle.relocated``). When you run a
+Sinks: with ``out=None`` the sinks are placeholders that the oracle relocates
+(``oracle.relocated``) and that refuse to stage output if run as they are. When you run a
 pipeline yourself, pass ``out=tmp_path / "out"``; sink ``uid`` writes to ``out / uid``
 (read it back with ``committed_output``).
 
-Virtual time: with ``SimConfig(source_rate=SOURCE_RATE)`` a few hundred records take a few
-virtual milliseconds, so the default ``interval=0.0005`` gives several epochs per run.
-``sim_run`` runs a pipeline in the simulator with these defaults.
+Virtual time: ``sim_run`` runs a pipeline in the simulator at ``SOURCE_RATE`` records/s
+per source subtask, so 200-300 records take a few virtual milliseconds and the default
+``interval=0.0005`` gives several epochs per run (fewer at higher parallelism, where a run
+is shorter; each epoch costs about 1-3 virtual ms of alignment and snapshot writing).
+
+Speed: ``without_fsync()`` skips fsync in the storage while a test runs (see there).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
@@ -55,6 +65,7 @@ __all__ = [
     "CollectIds",
     "Histogram",
     "RunningCount",
+    "TagWithCount",
     "check_running_counts",
     "committed_output",
     "histogram",
@@ -66,13 +77,28 @@ __all__ = [
     "two_sinks",
     "two_stage",
     "union_chain",
+    "union_chain_ids",
+    "without_fsync",
 ]
 
-#: records/s per source subtask in ``sim_run``: 300 records take ~1-3 virtual milliseconds
-SOURCE_RATE = 100_000.0
+#: records/s per source subtask in ``sim_run``: 200 records take ~2.5 (parallelism 4) to 10
+#: (parallelism 1) virtual milliseconds
+SOURCE_RATE = 20_000.0
 
-#: placeholder sink root for pipelines the oracle relocates anyway (never written when used that way)
-_UNRELOCATED = Path(tempfile.gettempdir()) / "epochstream-tests-unrelocated-sinks"
+
+
+class _PlaceholderSink(FileSink):
+    """The sink of a pipeline built with ``out=None``: relocating it gives a real FileSink;
+    staging output through it fails, so no test writes to a shared folder by mistake."""
+
+    def relocated(self, path) -> FileSink:
+        return FileSink(path, self.encoder, self.decoder)
+
+    def pre_commit(self, uid, subtask, epoch, attempt, records):
+        raise RuntimeError(
+            f"sink {uid!r} of a pipeline built with out=None: pass out=tmp_path / 'out' to the builder, "
+            f"or run it through the oracle (which relocates sinks)"
+        )
 
 
 # ---------------------------------------------------------------- inputs
@@ -84,7 +110,7 @@ def input_records(n: int, keys: int, start: int = 0) -> list[tuple[str, int]]:
 
 
 def _gen_record(keys: int, start: int):
-    """A picklable-enough record function for ``Pipeline.generate``: i -> ``(key, start + i)``."""
+    """The record function for ``Pipeline.generate``: i -> ``(key, start + i)``."""
 
     def gen(i: int) -> tuple[str, int]:
         rid = start + i
@@ -193,7 +219,9 @@ def make_pipeline(
 
 
 def _sink(out: str | Path | None, uid: str) -> FileSink:
-    return FileSink(Path(out if out is not None else _UNRELOCATED) / uid)
+    if out is None:
+        return _PlaceholderSink(Path(tempfile.gettempdir()) / "epochstream-placeholder-sink" / uid)
+    return FileSink(Path(out) / uid)
 
 
 def running_count(*, n: int = 300, keys: int = 7, out=None, emit_ids: bool = False, **knobs: Any) -> Pipeline:
@@ -247,14 +275,16 @@ def _relabel(record: tuple[str, int]) -> tuple[str, int]:
     return (f"k{rid % 4}", rid)
 
 
-def union_chain(*, n: int = 300, out=None, **knobs: Any) -> Pipeline:
+def union_chain(*, n: int = 300, out=None, emit_ids: bool = False, **knobs: Any) -> Pipeline:
     """Two sources, union, rebalance, map/flat_map/filter, then a keyed running count.
 
     ``a`` = collection of ids 0..n-1; ``b`` = generate ids 100000..100000+n/2-1,
     rebalanced, then map (re-key to 4 keys) -> flat_map (ids % 5 == 0 doubled) ->
     filter (drops ids % 7 == 3). ``a.union(b)`` -> key_by -> RunningCount [uid "count"]
-    -> sink "counts".
+    -> sink "counts". ``union_chain_ids(n)`` is the set of ids that reach the count.
     """
+    if n >= 100_000:
+        raise ValueError("union_chain keeps ids unique only for n < 100000")
     p = make_pipeline("union-chain", **knobs)
     a = p.from_collection(input_records(n, 4), uid="a")
     b = (
@@ -264,8 +294,18 @@ def union_chain(*, n: int = 300, out=None, **knobs: Any) -> Pipeline:
         .flat_map(_explode)
         .filter(lambda r: r[1] % 7 != 3)
     )
-    a.union(b).key_by(_key).process(RunningCount(), uid="count").sink(_sink(out, "counts"), uid="counts")
+    a.union(b).key_by(_key).process(RunningCount(emit_ids), uid="count").sink(_sink(out, "counts"), uid="counts")
     return p
+
+
+def union_chain_ids(n: int = 300) -> set[int]:
+    """The ids ``union_chain(n=n)`` feeds into its keyed count, computed without the framework."""
+    ids = set(range(n))
+    for i in range(max(n // 2, 1)):
+        for _, rid in _explode(_relabel(("", 100_000 + i))):
+            if rid % 7 != 3:
+                ids.add(rid)
+    return ids
 
 
 def two_stage(*, n: int = 300, keys: int = 7, out=None, **knobs: Any) -> Pipeline:
@@ -374,3 +414,40 @@ def check_running_counts(records: Iterable[Any], expected_ids: Iterable[int] | N
             gaps = sorted(set(range(1, max(ns) + 1)) - set(ns))
             problems.append(f"key {key!r}: counts are not 1..{len(ns)} (repeated {dup[:5]}, missing {gaps[:5]})")
     return problems
+
+
+# ---------------------------------------------------------------- speed
+
+
+class _OsWithoutFsync:
+    """``os`` with a no-op ``fsync``: every other attribute is the real one."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    @staticmethod
+    def fsync(fd: int) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def without_fsync():
+    """Skip fsync in the local checkpoint storage (and the FileSink, which shares its writer).
+
+    On the test machines an fsync costs 3-6 ms, and a simulated run does hundreds of them;
+    it dominates the suite's runtime. The simulator injects crashes as exceptions inside one
+    process, which sees its own writes whether or not they reached the disk, so skipping the
+    flush changes no observable behaviour here (durability across power loss is not what these
+    tests check). Set ``EPOCHSTREAM_TEST_FSYNC=1`` to keep real fsyncs.
+    """
+    from epochstream.backends import local
+
+    if os.environ.get("EPOCHSTREAM_TEST_FSYNC") == "1":
+        yield
+        return
+    real = local.os
+    local.os = _OsWithoutFsync()
+    try:
+        yield
+    finally:
+        local.os = real

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -37,18 +38,10 @@ from bytewax.inputs import FixedPartitionedSource, StatefulSourcePartition
 from bytewax.outputs import DynamicSink, StatelessSinkPartition
 from bytewax.recovery import RecoveryConfig, init_db_dir
 
+from _procinfo import TreeCpuSampler, process_start_time
+
 BATCH = 1000  # records per source batch (next_batch call)
 PARTS_PER_WORKER = 4  # several input partitions per worker so assignment balances
-
-
-def process_start_time() -> float:
-    """Epoch time this process was exec'd (Linux /proc), to report startup cost."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return btime + start_ticks / ticks
 
 
 class _RangePart(StatefulSourcePartition[Tuple[str, int], int]):
@@ -60,6 +53,8 @@ class _RangePart(StatefulSourcePartition[Tuple[str, int], int]):
     def next_batch(self) -> List[Tuple[str, int]]:
         if self.i >= self.n:
             raise StopIteration()
+        if not FIRST:
+            FIRST.append(time.time())
         end = self.i + BATCH * self.step
         keys = self.keys
         batch = [(f"k{j % keys}", 1) for j in range(self.i, min(end, self.n), self.step)]
@@ -84,7 +79,11 @@ class RangeSource(FixedPartitionedSource[Tuple[str, int], int]):
         return _RangePart(start, self.parts, self.n, self.keys)
 
 
-OUTPUTS: List[int] = []  # outputs seen by the sink partitions of this process
+# Per-process measurements: outputs per sink partition, time the first record was
+# generated and time of the last sink write ("seconds" = first record -> last output).
+OUTPUTS: List[int] = []
+FIRST: List[float] = []
+LAST: List[float] = [0.0]
 
 
 class _CountPart(StatelessSinkPartition[Tuple[str, int]]):
@@ -93,6 +92,7 @@ class _CountPart(StatelessSinkPartition[Tuple[str, int]]):
 
     def write_batch(self, items: List[Tuple[str, int]]) -> None:
         OUTPUTS[self.slot] += len(items)
+        LAST[0] = time.time()
 
 
 class CountingSink(DynamicSink[Tuple[str, int]]):
@@ -125,10 +125,16 @@ def run_here(args: argparse.Namespace, workers_here: int, proc_id: Optional[int]
     recovery = RecoveryConfig(args.db_dir, timedelta(0)) if args.snapshot_interval > 0 else None
     # Same as `python -m bytewax.run`: with recovery, epoch == snapshot interval.
     epoch = timedelta(seconds=args.snapshot_interval) if recovery else timedelta(seconds=10)
-    t0 = time.time()
     cli_main(flow, workers_per_process=workers_here, process_id=proc_id,
              addresses=addresses, epoch_interval=epoch, recovery_config=recovery)
-    return {"outputs": sum(OUTPUTS), "t_start": t0, "t_end": time.time()}
+    return {"outputs": sum(OUTPUTS), "t_first": min(FIRST, default=time.time()), "t_last": LAST[0]}
+
+
+def last_snapshot_epoch(db_dir: Path) -> Optional[int]:
+    """Highest epoch with a state snapshot in the SQLite recovery partitions (~ number of snapshots)."""
+    epochs = [sqlite3.connect(f).execute("SELECT max(snap_epoch) FROM snaps").fetchone()[0]
+              for f in db_dir.glob("*.sqlite3")]
+    return max((e for e in epochs if e is not None), default=None)
 
 
 def _free_ports(k: int) -> List[int]:
@@ -161,6 +167,7 @@ def main() -> int:
         return 0
 
     started = process_start_time()
+    cpu = TreeCpuSampler()
     with tempfile.TemporaryDirectory(prefix="bytewax-recovery-") as tmp:
         args.db_dir = Path(tmp)
         if args.snapshot_interval > 0:
@@ -179,14 +186,16 @@ def main() -> int:
                 print(f"bytewax worker process failed: {[c.returncode for c in children]}", file=sys.stderr)
                 return 1
             parts = [json.loads(o.strip().splitlines()[-1]) for o in outs]
-    end = time.time()
-    seconds = max(r["t_end"] for r in parts) - min(r["t_start"] for r in parts)
+        end = time.time()
+        snap_epoch = last_snapshot_epoch(args.db_dir) if args.snapshot_interval > 0 else None
+    seconds = max(r["t_last"] for r in parts) - min(r["t_first"] for r in parts)
     outputs = sum(r["outputs"] for r in parts)
     print(json.dumps({
         "system": "bytewax", "version": version("bytewax"), "records": args.records, "keys": args.keys,
         "seconds": round(seconds, 3), "seconds_incl_startup": round(end - started, 3),
         "records_per_s": round(args.records / seconds, 1), "workers": args.workers, "mode": args.mode,
-        "snapshot_interval": args.snapshot_interval, "outputs": outputs,
+        "snapshot_interval": args.snapshot_interval, "last_snapshot_epoch": snap_epoch, "outputs": outputs,
+        "cpu_seconds": round(cpu.stop(), 2),
     }), flush=True)
     if outputs != args.records:
         print(f"outputs {outputs} != records {args.records}", file=sys.stderr)

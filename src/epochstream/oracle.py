@@ -35,56 +35,94 @@ from .runtime.state import HeapKeyedState
 # ---------------------------------------------------------------- sequential reference
 
 
-def reference_run(pipeline, offsets: dict[str, dict[int, int]] | None = None) -> tuple[dict, dict]:
-    """Run the pipeline sequentially over a prefix of its sources.
+class Reference:
+    """A sequential execution of the pipeline that can be fed its input prefix by prefix.
 
-    ``offsets``: source uid -> split -> offset (None: the whole bounded input).
-    Returns (sink uid -> records, process uid -> {state name: {key: value}}).
+    Feeding offsets o1 <= o2 <= ... processes each source's new records (per split, from the
+    previous offset to the new one) through the whole graph in one thread. Any such order is
+    a valid sequential execution: the checks compare multisets and order-normalized state.
     """
-    nodes: dict[int, Node] = pipeline._nodes
-    outputs: dict[int, list[Any]] = {}
-    sinks: dict[str, list[Any]] = {}
-    states: dict[str, dict] = {}
-    for nid in _topological(nodes):
-        n = nodes[nid]
-        if n.kind == "source":
+
+    def __init__(self, pipeline) -> None:
+        self.nodes: dict[int, Node] = pipeline._nodes
+        self.order = _topological(self.nodes)
+        self.consumers: dict[int, list[tuple[Node, int]]] = {nid: [] for nid in self.nodes}
+        for n in self.nodes.values():
+            for i, e in enumerate(n.inputs):
+                self.consumers[e.src].append((n, i))
+        self.offsets: dict[str, dict[int, int]] = {}
+        self.sinks: dict[str, list[Any]] = {n.uid: [] for n in self.nodes.values() if n.kind == "sink"}
+        self.states: dict[str, HeapKeyedState] = {}
+        self.fns: dict[int, tuple[Any, Context]] = {}
+        for n in self.nodes.values():
+            if n.kind == "process":
+                state = HeapKeyedState(n.uid, lambda k: 0, (0, 0))
+                fn = copy.deepcopy(n.payload)
+                ctx = Context(state, 0, 1, n.uid)
+                fn.open(ctx)
+                self.states[n.uid] = state
+                self.fns[n.id] = (fn, ctx)
+
+    def feed(self, offsets: dict[str, dict[int, int]] | None) -> None:
+        """Advance every source to ``offsets`` (None: to the end of bounded sources)."""
+        for n in self.nodes.values():
+            if n.kind != "source":
+                continue
             src = n.payload
             if offsets is None:
-                limits = {s: src.split_length(s) for s in range(src.num_splits)}
-                if any(v is None for v in limits.values()):
+                target = {s: src.split_length(s) for s in range(src.num_splits)}
+                if any(v is None for v in target.values()):
                     raise ValueError(f"source {n.uid!r} is unbounded: the reference needs offsets")
             else:
-                limits = offsets.get(n.uid, {})
-            outputs[nid] = src.records_before(limits)
-            continue
-        inputs = [outputs[e.src] for e in n.inputs]
-        if n.kind == "map":
-            outputs[nid] = [n.payload(r) for recs in inputs for r in recs]
-        elif n.kind == "filter":
-            outputs[nid] = [r for recs in inputs for r in recs if n.payload(r)]
-        elif n.kind == "flat_map":
-            outputs[nid] = [o for recs in inputs for r in recs for o in n.payload(r)]
-        elif n.kind == "sink":
-            sinks.setdefault(n.uid, []).extend(r for recs in inputs for r in recs)
-            outputs[nid] = []
-        elif n.kind == "process":
-            state = HeapKeyedState(n.uid, lambda k: 0, (0, 0))
-            fn = copy.deepcopy(n.payload)
-            ctx = Context(state, 0, 1, n.uid)
-            fn.open(ctx)
-            out: list[Any] = []
-            for e, recs in zip(n.inputs, inputs):
-                for r in recs:
-                    state.keys.key = e.key_fn(r)
-                    res = fn.process(r, ctx)
-                    if res is not None:
-                        out.extend(res)
-            fn.close()
-            outputs[nid] = out
-            states[n.uid] = state.as_dict()
+                target = offsets.get(n.uid, {})
+            done = self.offsets.setdefault(n.uid, {})
+            for split in range(src.num_splits):
+                start, stop = done.get(split, 0), target.get(split, 0)
+                if stop > start:
+                    self._push(n, src.read(split, start, stop - start))
+                    done[split] = stop
+
+    def _push(self, node: Node, records: list[Any], edge: int = 0) -> None:
+        kind = node.kind
+        if kind == "source":
+            out = records
+        elif kind == "map":
+            out = [node.payload(r) for r in records]
+        elif kind == "filter":
+            out = [r for r in records if node.payload(r)]
+        elif kind == "flat_map":
+            out = [o for r in records for o in node.payload(r)]
+        elif kind == "sink":
+            self.sinks[node.uid].extend(records)
+            return
+        elif kind == "process":
+            fn, ctx = self.fns[node.id]
+            keyslot = self.states[node.uid].keys
+            key_fn = node.inputs[edge].key_fn
+            out = []
+            for r in records:
+                keyslot.key = key_fn(r)
+                res = fn.process(r, ctx)
+                if res is not None:
+                    out.extend(res)
         else:
-            raise ValueError(f"reference run: unknown operator kind {n.kind!r}")
-    return sinks, states
+            raise ValueError(f"reference run: unknown operator kind {kind!r}")
+        if out:
+            for consumer, i in self.consumers[node.id]:
+                self._push(consumer, out, i)
+
+    def state(self) -> dict[str, dict]:
+        return {uid: st.as_dict() for uid, st in self.states.items()}
+
+
+def reference_run(pipeline, offsets: dict[str, dict[int, int]] | None = None) -> tuple[dict, dict]:
+    """Run the pipeline sequentially over a prefix of its sources (None: all bounded input).
+
+    Returns (sink uid -> records, process uid -> {state name: {key: value}}).
+    """
+    ref = Reference(pipeline)
+    ref.feed(offsets)
+    return ref.sinks, ref.state()
 
 
 # ---------------------------------------------------------------- comparison helpers
@@ -103,23 +141,28 @@ def canonical(value: Any) -> Any:
     return value
 
 
-def _as_json(records: list[Any]) -> collections.Counter:
-    """Records as FileSink would write and read them back (tuples become lists)."""
-    return collections.Counter(json.dumps(json.loads(json.dumps(r, default=repr)), sort_keys=True) for r in records)
+def _encoded(records: list[Any], encoder: Callable[[Any], str]) -> collections.Counter:
+    """Records as the sink writes them: the oracle compares the sink's own lines."""
+    return collections.Counter(map(encoder, records))
 
 
 def _read_lines(files: list[Path]) -> collections.Counter:
     c: collections.Counter = collections.Counter()
     for p in files:
         with open(p, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    c[json.dumps(json.loads(line), sort_keys=True)] += 1
+            c.update(line.rstrip("\n") for line in f if line.strip())
     return c
 
 
 def _epoch_of(path: Path) -> int:
     return int(path.name.split("-")[1][1:])
+
+
+def _lines_by_epoch(files: list[Path]) -> dict[int, collections.Counter]:
+    out: dict[int, collections.Counter] = {}
+    for f in files:
+        out.setdefault(_epoch_of(f), collections.Counter()).update(_read_lines([f]))
+    return out
 
 
 @dataclass
@@ -205,10 +248,17 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
                 report.note(f"sink {uid}: lost {rec}")
             for rec in list(dup)[:3]:
                 report.note(f"sink {uid}: duplicated or unexpected {rec}")
+    by_epoch = {uid: _lines_by_epoch(files) for uid, files in sinks.items()}
+    ref = Reference(pipeline)
+    want_out = {uid: collections.Counter() for uid in sinks}  # reference output so far, as JSON lines
+    seen_out = {uid: 0 for uid in sinks}
+    got_out = {uid: collections.Counter() for uid in sinks}  # committed output of epochs <= n
+    seen_epoch = {uid: 0 for uid in sinks}
     for epoch in storage.list_checkpoints():
         manifest, root = storage.load_manifest(epoch)
         offsets = {uid: {int(k): int(v) for k, v in s["offsets"].items()} for uid, s in manifest["sources"].items()}
-        ref_sinks, ref_states = reference_run(pipeline, offsets)
+        ref.feed(offsets)
+        ref_states = ref.state()
         report.epochs_checked += 1
         got_states = committed_state(storage, manifest, root)
         for uid in set(ref_states) | set(got_states):
@@ -221,9 +271,15 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
                             report.mismatched_state += 1
                             report.note(f"epoch {epoch} {uid}.{name}[{key!r}]: committed {g.get(key)!r}, reference {w.get(key)!r}")
         if exactly_once:
-            for uid, files in sinks.items():
-                got = _read_lines([f for f in files if _epoch_of(f) <= epoch])
-                want = _as_json(ref_sinks.get(uid, []))
+            for uid in sinks:
+                got = got_out[uid]
+                for e in sorted(e for e in by_epoch[uid] if seen_epoch[uid] < e <= epoch):
+                    got.update(by_epoch[uid][e])
+                seen_epoch[uid] = max(seen_epoch[uid], epoch)
+                recs = ref.sinks.get(uid, [])
+                want_out[uid].update(_encoded(recs[seen_out[uid]:], pipeline.sinks[uid].encoder))
+                seen_out[uid] = len(recs)
+                want = want_out[uid]
                 if got != want:
                     report.mismatched_epoch_output += 1
                     report.note(f"epoch {epoch} sink {uid}: {sum((want - got).values())} missing, {sum((got - want).values())} extra")
@@ -261,7 +317,7 @@ def check_exactly_once(
         if bounded:
             ref_sinks, _ = reference_run(chaos_p, None)
             for uid, recs in ref_sinks.items():
-                if _as_json(recs) != expected.get(uid):
+                if _encoded(recs, chaos_p.sinks[uid].encoder) != expected.get(uid):
                     report.mismatched_epoch_output += 1
                     report.note(f"failure-free run of sink {uid} differs from the sequential reference")
     storage = LocalCheckpointStorage(work / "chaos" / "chk")

@@ -59,6 +59,14 @@ def run_pipeline(
         restarts=driver.restarts,
         records_in=driver.records_in,
         seconds=time.perf_counter() - t0,
-        metrics={"epochs": driver.epoch_log, "failovers": driver.failover_log, "deployment": deployment,
-                 "parallelism": driver.plan.parallelism, "mode": pipeline.mode},
+        metrics={
+            "epochs": driver.epoch_log,
+            "failovers": driver.failover_log,
+            "failures_injected": driver.injected,
+            "recovery_seconds": getattr(driver, "recovery_seconds", []),
+            "virtual_seconds": driver.now if deployment == "sim" else None,
+            "deployment": deployment,
+            "parallelism": driver.plan.parallelism,
+            "mode": pipeline.mode,
+        },
     )

@@ -262,6 +262,7 @@ class LocalDriver:
         self.records_in = 0
         self.point_counts: dict[str, int] = {}
         self.kills_done = 0
+        self.injected = 0  # failures actually injected (kills, fail points, write failures)
         self.recovery_seconds: list[float] = []
         self._ctx = mp.get_context("fork")
 
@@ -270,6 +271,7 @@ class LocalDriver:
             return
         n = self.point_counts[name] = self.point_counts.get(name, 0) + 1
         if n in self.failures.fail_points.get(name, ()):
+            self.injected += 1
             raise InjectedFailure(f"injected crash at {name} (occurrence {n})")
 
     def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None) -> None:
@@ -342,6 +344,7 @@ class LocalDriver:
                 now = time.monotonic()
                 if self.kills_done < len(kill_times) and now - self.t0 >= kill_times[self.kills_done]:
                     self.kills_done += 1
+                    self.injected += 1
                     victim = self.rng.randrange(len(procs))
                     os.kill(procs[victim].pid, signal.SIGKILL)
                 if master.finished and len(stopped) == len(procs):
@@ -356,8 +359,8 @@ class LocalDriver:
                 for conn in wait(conns, timeout=timeout):
                     try:
                         msg = conn.recv()
-                    except EOFError:
-                        raise _Failover(f"worker {conns.index(conn)} died") from None
+                    except (EOFError, OSError) as exc:
+                        raise _Failover(f"worker {conns.index(conn)} died ({type(exc).__name__})") from None
                     kind = msg[0]
                     now = time.monotonic()
                     if kind == "ready":
@@ -382,8 +385,7 @@ class LocalDriver:
                         raise _Failover(f"worker {w} (pid {proc.pid}) died with exit code {proc.exitcode}")
                 if master.finished and not getattr(self, "_stop_sent", False):
                     self._stop_sent = True
-                    for c in conns:
-                        c.send(("stop",))
+                    self._send_all(conns, ("stop",))
                 self._collect(master)
         except BaseException:
             master.coordinator.fail(time.monotonic(), "failover")
@@ -403,8 +405,15 @@ class LocalDriver:
         if out.failover:
             raise _Failover(out.failover)
         for trig in out.triggers:
-            for c in conns:
-                c.send(("trigger", trig.epoch))
+            self._send_all(conns, ("trigger", trig.epoch))
+
+    @staticmethod
+    def _send_all(conns, msg) -> None:
+        for w, c in enumerate(conns):
+            try:
+                c.send(msg)
+            except OSError as exc:
+                raise _Failover(f"worker {w} unreachable ({type(exc).__name__})") from None
 
     def _collect(self, master: JobMaster) -> None:
         if master.completed:

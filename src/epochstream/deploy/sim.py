@@ -100,6 +100,7 @@ class SimDriver:
         self.point_counts: dict[str, int] = {}
         self.writes = 0
         self.kills_done = 0
+        self.injected = 0  # failures actually injected (kills, fail points, write failures)
         self.failover_log: list[dict[str, Any]] = []
         self.epoch_log: list[dict[str, Any]] = []
         self.completed: list[int] = []
@@ -110,6 +111,7 @@ class SimDriver:
     def fail_point(self, name: str) -> None:
         n = self.point_counts[name] = self.point_counts.get(name, 0) + 1
         if n in self.failures.fail_points.get(name, ()):
+            self.injected += 1
             raise InjectedFailure(f"injected crash at {name} (occurrence {n})")
 
     # ------------------------------------------------------------ run
@@ -199,6 +201,7 @@ class SimDriver:
         while not master.finished:
             if self.kills_done < len(kill_times) and kill_times[self.kills_done] <= self.now:
                 self.kills_done += 1
+                self.injected += 1
                 worker = rng.randrange(plan.parallelism)
                 raise _Failover(f"worker {worker} killed at t={self.now:.6f}")
             if stop_at is not None and self.now >= stop_at and not final_requested:
@@ -271,8 +274,8 @@ class SimDriver:
             t.chain.close()
         return True
 
-    @staticmethod
-    def _injected_write_failure() -> None:
+    def _injected_write_failure(self) -> None:
+        self.injected += 1
         raise OSError("injected state write failure")
 
     def _collect(self, master: JobMaster) -> None:

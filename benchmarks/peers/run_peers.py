@@ -1,0 +1,174 @@
+"""Run the peer baselines (Bytewax, PyFlink) in their own virtualenvs.
+
+Each peer lives in benchmarks/.venv-<name>, created on first use, because
+apache-flink pins old numpy/pandas/pyarrow that would break the main environment
+(and Bytewax is kept out of it too, so the benchmark never changes the project env).
+
+    from benchmarks.peers.run_peers import run_peer
+    run_peer("bytewax", records=3_000_000, snapshot_interval=1)   # -> dict
+    run_peer("pyflink", records=300_000, python_mode="thread")
+
+or from the shell (extra flags go to the peer script unchanged):
+
+    python benchmarks/peers/run_peers.py bytewax --records 3000000 --snapshot-interval 1
+    python benchmarks/peers/run_peers.py matrix 3 results.jsonl   # the README table
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import venv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+PEERS_DIR = Path(__file__).resolve().parent
+BENCH_DIR = PEERS_DIR.parent
+
+
+@dataclass(frozen=True)
+class Peer:
+    requirement: str  # pinned pip requirement installed into the venv
+    script: str  # peer script in benchmarks/peers/
+    venv: str  # venv dir name under benchmarks/
+
+
+PEERS: Dict[str, Peer] = {
+    "bytewax": Peer("bytewax==0.21.1", "bytewax_keyed_count.py", ".venv-bytewax"),
+    # 2.3.0 is the newest apache-flink with cp311 wheels (pulls apache-beam, pemja, numpy 2.1, pyarrow 16).
+    "pyflink": Peer("apache-flink==2.3.0", "pyflink_keyed_count.py", ".venv-pyflink"),
+}
+
+
+def ensure_venv(system: str) -> Path:
+    """Create benchmarks/.venv-<system> with the pinned peer installed; return its python.
+
+    A marker file records what was installed, so later calls are a cheap no-op
+    and a changed pin triggers a re-install.
+    """
+    peer = PEERS[system]
+    root = BENCH_DIR / peer.venv
+    python = root / "bin" / "python"
+    marker = root / ".peer-installed"
+    if marker.exists() and marker.read_text().strip() == peer.requirement and python.exists():
+        return python
+    if system == "pyflink" and shutil.which("java") is None:
+        raise RuntimeError("PyFlink needs a Java runtime (java on PATH); install e.g. openjdk-17-jre-headless")
+    if not python.exists():
+        venv.EnvBuilder(with_pip=True, clear=True).create(root)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", peer.requirement], check=True)
+    marker.write_text(peer.requirement + "\n")
+    return python
+
+
+def _busy_jiffies() -> int:
+    """Non-idle CPU time of the whole host so far, in clock ticks (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4]  # minus idle and iowait
+
+
+def _flags(kw: Dict[str, Any]) -> List[str]:
+    """records=5, snapshot_interval=1 -> ["--records", "5", "--snapshot-interval", "1"]."""
+    out: List[str] = []
+    for k, v in kw.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+def run_peer_args(system: str, args: List[str], timeout: float = 3600) -> Dict[str, Any]:
+    """Run a peer script with raw CLI args; return its JSON line plus host-load info.
+
+    Adds "cpu_cores_host" (whole machine, average busy cores during the run),
+    "cpu_cores_peer" (the peer's own process tree) and "cpu_cores_other" (the rest:
+    other work on the machine), so a disturbed run can be spotted: on a 2-core box
+    anything much above 0.1 in cpu_cores_other means the numbers are pessimistic.
+    """
+    python = ensure_venv(system)
+    cmd = [str(python), str(PEERS_DIR / PEERS[system].script), *args]
+    busy0, t0 = _busy_jiffies(), time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    wall = time.time() - t0
+    busy = (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}\n"
+                           f"stdout tail:\n{proc.stdout[-2000:]}\nstderr tail:\n{proc.stderr[-4000:]}")
+    result: Dict[str, Any] = json.loads(lines[-1])
+    result["cpu_cores_host"] = round(busy / wall, 2)
+    result["cpu_cores_peer"] = round(result["cpu_seconds"] / wall, 2)
+    result["cpu_cores_other"] = round(max(0.0, busy - result["cpu_seconds"]) / wall, 2)
+    result["command"] = " ".join(cmd)
+    return result
+
+
+def run_peer(system: str, *, records: int, keys: int = 1000, snapshot_interval: float = 1.0,
+             workers: int = 2, timeout: float = 3600, **extra: Any) -> Dict[str, Any]:
+    """Run one peer (``"bytewax"`` or ``"pyflink"``) and return its result dict.
+
+    ``extra`` goes to the script as flags, e.g. ``mode="threads"`` (bytewax) or
+    ``python_mode="thread"`` (pyflink). Raises RuntimeError if the run fails or the
+    output count does not match.
+    """
+    kw = dict(records=records, keys=keys, snapshot_interval=snapshot_interval, workers=workers, **extra)
+    return run_peer_args(system, _flags(kw), timeout=timeout)
+
+
+# The configurations measured for README.md: (system, records, extra flags).
+MATRIX: List[Tuple[str, int, Dict[str, Any]]] = [
+    ("bytewax", 5_000_000, {"mode": "processes"}),
+    ("bytewax", 5_000_000, {"mode": "threads"}),
+    ("pyflink", 500_000, {"python_mode": "thread"}),
+    ("pyflink", 200_000, {"python_mode": "process"}),
+]
+
+
+def run_matrix(reps: int = 3, out: Path | None = None) -> List[Dict[str, Any]]:
+    """Run every MATRIX config with snapshots every 1 s and off, `reps` times, interleaved
+    (so slow drifts in machine load hit all configs alike); print a median table."""
+    results: List[Dict[str, Any]] = []
+    for _ in range(reps):
+        for system, n, extra in MATRIX:
+            for interval in (1, 0):
+                r = run_peer(system, records=n, snapshot_interval=interval, **extra)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+                if out:
+                    with out.open("a") as f:
+                        f.write(json.dumps(r) + "\n")
+    print("\n| system | mode | N | rec/s, 1 s snapshots | rec/s, no snapshots | ratio | other load (cores) |")
+    print("|---|---|---|---|---|---|---|")
+    for system, n, extra in MATRIX:
+        mode = next(iter(extra.values()))
+        def med(interval: int) -> float:
+            return statistics.median(r["records_per_s"] for r in results if r["system"] == system
+                                     and mode in (r.get("mode"), r.get("python_mode"))
+                                     and r["snapshot_interval"] == interval)
+        other = statistics.median(r["cpu_cores_other"] for r in results if r["system"] == system
+                                  and mode in (r.get("mode"), r.get("python_mode")))
+        on, off = med(1), med(0)
+        print(f"| {system} | {mode} | {n:,} | {on:,.0f} | {off:,.0f} | {on / off:.2f} | {other:.2f} |")
+    return results
+
+
+def _main(argv: List[str]) -> int:
+    if argv[:1] == ["matrix"]:
+        reps = int(argv[1]) if len(argv) > 1 else 3
+        run_matrix(reps, Path(argv[2]) if len(argv) > 2 else None)
+        return 0
+    if not argv or argv[0] not in PEERS:
+        print(f"usage: run_peers.py {{{','.join(PEERS)}}} [peer script flags...]\n"
+              f"       run_peers.py matrix [REPS [OUT.jsonl]]", file=sys.stderr)
+        return 2
+    print(json.dumps(run_peer_args(argv[0], argv[1:])), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,258 @@
+"""The ``epochstream`` command line: run jobs, inspect checkpoints, run chaos checks.
+
+Pipelines are named as ``FILE.py:FUNCTION``: a Python file and a function in it that
+returns a ``Pipeline``; flags override the pipeline's own settings. ``--json`` prints one
+JSON document on stdout (logs go to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
+
+
+def load_pipeline_factory(spec: str) -> Callable[[], Any]:
+    """``path/to/file.py:function`` -> the function (called to build a fresh Pipeline)."""
+    if ":" not in spec:
+        raise SystemExit(f"epochstream: expected FILE.py:FUNCTION, got {spec!r}")
+    path, func = spec.rsplit(":", 1)
+    file = Path(path)
+    if not file.is_file():
+        raise SystemExit(f"epochstream: no such file: {path}")
+    mod_spec = importlib.util.spec_from_file_location(f"_epochstream_job_{file.stem}", file)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.path.insert(0, str(file.parent.resolve()))
+    mod_spec.loader.exec_module(module)
+    factory = getattr(module, func, None)
+    if not callable(factory):
+        raise SystemExit(f"epochstream: {path} has no function {func!r}")
+    return factory
+
+
+def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
+    """Wrap a factory so every pipeline it builds carries the command-line overrides."""
+    from dataclasses import replace
+
+    from .api.pipeline import MODES
+    from .graph.keygroups import check_parallelism, default_max_parallelism
+
+    def build():
+        p = factory()
+        if args.mode:
+            if args.mode not in MODES:
+                raise SystemExit(f"epochstream: --mode must be one of {MODES}")
+            p.mode = args.mode
+        if args.parallelism:
+            p.parallelism = args.parallelism
+        if args.max_parallelism:
+            p.max_parallelism = args.max_parallelism
+        check_parallelism(p.parallelism, p.max_parallelism or default_max_parallelism(p.parallelism))
+        if args.interval is not None:
+            p.checkpoint = replace(p.checkpoint, interval=args.interval if args.interval > 0 else None)
+        return p
+
+    return build
+
+
+def _add_run_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("pipeline", metavar="FILE.py:FUNCTION", help="a function that returns a Pipeline")
+    ap.add_argument("--deployment", choices=["sim", "local"], default="local", help="where to run (default: local)")
+    ap.add_argument("--mode", help="aligned (exactly-once, default) or at-least-once")
+    ap.add_argument("--parallelism", "-p", type=int, help="number of workers")
+    ap.add_argument("--max-parallelism", type=int, help="number of key groups (fixed once state exists)")
+    ap.add_argument("--checkpoint-dir", help="where checkpoints go (default: a new temporary directory)")
+    ap.add_argument("--interval", type=float, help="seconds between epochs (0: only the final epoch)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the simulator's schedule and of chaos")
+    ap.add_argument("--duration", type=float, help="stop after this many seconds with a final epoch")
+    ap.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+
+
+def cmd_run(args) -> int:
+    from .deploy.common import JobFailedError
+    from .runtime.errors import EpochStreamError
+
+    build = _configured(load_pipeline_factory(args.pipeline), args)
+    p = build()
+    try:
+        result = p.run(
+            deployment=args.deployment,
+            checkpoint_dir=args.checkpoint_dir,
+            restore=args.restore,
+            seed=args.seed,
+            allow_non_restored_state=args.allow_non_restored_state,
+            duration=args.duration,
+        )
+    except (EpochStreamError, JobFailedError) as exc:
+        print(f"epochstream: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    doc = result.to_json()
+    doc["sinks"] = {uid: str(getattr(s, "path", s)) for uid, s in p.sinks.items()}
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(f"job {result.job!r} finished in {result.seconds:.2f}s: {result.records_in} records read, "
+              f"{len(result.completed_epochs)} epochs completed, {result.restarts} restarts")
+        print(f"  committed output: {', '.join(doc['sinks'].values()) or '(no sinks)'}")
+        print(f"  checkpoints:      {result.checkpoint_dir} (latest: {result.latest_checkpoint})")
+    return EXIT_OK
+
+
+def cmd_checkpoints_list(args) -> int:
+    from .backends.local import LocalCheckpointStorage
+    from .snapshot.manifest import CheckpointError
+
+    storage = LocalCheckpointStorage(args.checkpoint_dir)
+    if not storage.root.is_dir():
+        print(f"epochstream: checkpoint dir {storage.root} does not exist", file=sys.stderr)
+        return EXIT_USAGE
+    rows = []
+    for epoch in storage.list_checkpoints():
+        try:
+            m, _root = storage.load_manifest(epoch)
+        except CheckpointError as exc:
+            rows.append({"epoch": epoch, "path": str(storage.checkpoint_dir(epoch)), "status": "damaged",
+                         "error": str(exc)})
+            continue
+        files = [f for op in m["operators"].values() for f in op["files"]]
+        rows.append({
+            "epoch": epoch,
+            "path": str(storage.checkpoint_dir(epoch)),
+            "status": "completed",
+            "kind": m.get("kind"),
+            "job": m["job"],
+            "created_at": m.get("created_at"),
+            "parallelism": m["parallelism"],
+            "max_parallelism": m["max_parallelism"],
+            "mode": m.get("mode"),
+            "state_files": len(files),
+            "state_bytes": sum(f["bytes"] for f in files),
+            "incremental_files": sum(1 for f in files if not f["full"]),
+            "staged_outputs": sum(len(s["staged"]) for s in m["sinks"].values()),
+            "sources": {u: s["offsets"] for u, s in m["sources"].items()},
+            "metrics": m.get("metrics", {}),
+        })
+    if args.json:
+        print(json.dumps({"checkpoint_dir": str(storage.root), "checkpoints": rows}, indent=1))
+        return EXIT_OK
+    if not rows:
+        print(f"no checkpoints in {storage.root}")
+        return EXIT_OK
+    print(f"{'epoch':>6}  {'status':<9} {'kind':<10} {'files':>5} {'bytes':>10}  created")
+    for r in rows:
+        print(f"{r['epoch']:>6}  {r['status']:<9} {r.get('kind') or '-':<10} {r.get('state_files', 0):>5} "
+              f"{r.get('state_bytes', 0):>10}  {r.get('created_at') or r.get('error', '')}")
+    return EXIT_OK
+
+
+def cmd_chaos(args) -> int:
+    from .deploy.common import JobFailedError
+    from .deploy.sim import FailureSchedule
+    from .oracle import check_exactly_once
+
+    build = _configured(load_pipeline_factory(args.pipeline), args)
+    rng = random.Random(args.seed)
+    horizon: dict[str, float] = {}
+    results: dict[str, Any] = {}
+
+    def run(p, chk: str, failing: bool):
+        p.restart_attempts = max(p.restart_attempts, 2 * args.kills + 5)
+        failures = None
+        if failing:
+            span = horizon["seconds"]
+            failures = FailureSchedule.random(rng, args.kills, span) if args.deployment == "sim" else \
+                FailureSchedule(kill_times=sorted(rng.uniform(0.1 * span, 0.9 * span) for _ in range(args.kills)))
+        if args.deployment == "local":
+            p.restart_delay = min(p.restart_delay, 0.2)
+        t0 = time.perf_counter()
+        r = p.run(deployment=args.deployment, checkpoint_dir=chk, seed=args.seed, failures=failures,
+                  duration=args.duration)
+        if not failing:
+            horizon["seconds"] = r.metrics.get("virtual_seconds") or (time.perf_counter() - t0)
+        results["chaos" if failing else "reference"] = r
+        return r
+
+    work = args.workdir or tempfile.mkdtemp(prefix="epochstream-chaos-")
+    try:
+        report = check_exactly_once(build, run, work)
+    except JobFailedError as exc:
+        print(f"epochstream: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    chaos = results.get("chaos")
+    doc = report.to_json()
+    doc.update({
+        "kills_requested": args.kills,
+        "failures_injected": chaos.metrics.get("failures_injected") if chaos else None,
+        "recovery_seconds": chaos.metrics.get("recovery_seconds", []) if chaos else [],
+        "completed_epochs": len(chaos.completed_epochs) if chaos else 0,
+        "deployment": args.deployment,
+        "seed": args.seed,
+        "workdir": str(work),
+        "failovers": [f["reason"].splitlines()[0] for f in chaos.metrics.get("failovers", [])] if chaos else [],
+    })
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        verdict = "PASS" if report.ok else "FAIL"
+        print(f"chaos {verdict}: {doc['restarts']} restarts after {doc['failures_injected']} injected failures, "
+              f"{doc['epochs_checked']} epochs checked")
+        print(f"  lost={report.lost} duplicated={report.duplicated} mismatched_state={report.mismatched_state} "
+              f"mismatched_epoch_output={report.mismatched_epoch_output} "
+              f"(committed {report.records_committed} of {report.records_expected} expected records)")
+        for ex in report.examples[:10]:
+            print(f"  - {ex}")
+        print(f"  work dir: {work}")
+    return EXIT_OK if report.ok else EXIT_VIOLATION
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="epochstream", description=__doc__.split("\n")[0])
+    ap.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a pipeline until its bounded input is done (or --duration)")
+    _add_run_flags(run)
+    run.add_argument("--restore", help="'latest' or the path of a checkpoint (chk-N folder or its _metadata.json)")
+    run.add_argument("--allow-non-restored-state", action="store_true",
+                     help="drop state of operators that are no longer in the pipeline")
+    run.set_defaults(func=cmd_run)
+
+    chk = sub.add_parser("checkpoints", help="inspect checkpoints")
+    chk_sub = chk.add_subparsers(dest="checkpoints_command", required=True)
+    lst = chk_sub.add_parser("list", help="list the checkpoints in a checkpoint dir")
+    lst.add_argument("--checkpoint-dir", required=True)
+    lst.add_argument("--json", action="store_true")
+    lst.set_defaults(func=cmd_checkpoints_list)
+
+    chaos = sub.add_parser("chaos", help="run with injected failures and check exactly-once against a failure-free run")
+    _add_run_flags(chaos)
+    chaos.add_argument("--kills", type=int, default=3, help="failures to inject (default 3)")
+    chaos.add_argument("--workdir", help="keep both runs' output and checkpoints here")
+    chaos.set_defaults(func=cmd_chaos, restore=None, allow_non_restored_state=False)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .runtime.errors import EpochStreamError
+
+    try:
+        return args.func(args)
+    except (EpochStreamError, ValueError) as exc:  # bad input: say what, exit 2
+        print(f"epochstream: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
