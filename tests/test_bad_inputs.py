@@ -163,10 +163,6 @@ def test_latest_skips_a_damaged_newest_manifest_when_loading(tmp_path, damage, c
     assert f"skipping checkpoint {newest}" in caplog.text
 
 
-@pytest.mark.xfail(strict=True, raises=CheckpointError, reason=(
-    "BUG-C: restore='latest' with a damaged newest manifest: storage.latest() skips it, but "
-    "find_restore then counts the damaged chk-N (list_checkpoints does not validate) as a newer "
-    "checkpoint and raises 'cannot restore chk-(N-1) ... already holds newer checkpoints'"))
 def test_restore_latest_skips_a_damaged_newest_manifest(tmp_path):
     _p, out, chk, storage, _r = completed_job(tmp_path)
     *_, prev, newest = storage.list_checkpoints()
@@ -252,10 +248,6 @@ def test_restore_with_a_damaged_state_file_fails_naming_it(tmp_path, damage):
     assert committed_output(out / "counts") == before
 
 
-@pytest.mark.xfail(strict=True, raises=JobFailedError, reason=(
-    "BUG-D: a damaged state file in the checkpoint being restored is treated as a transient "
-    "failure: the driver retries restart_attempts times and raises JobFailedError instead of "
-    "the CheckpointError (bad input is not fixed by restarting)"))
 def test_restore_with_a_flipped_state_file_raises_checkpoint_error(tmp_path):
     _p, out, _chk, storage, _r = completed_job(tmp_path)
     epoch = storage.list_checkpoints()[-1]
@@ -432,10 +424,6 @@ def test_impossible_parallelism_values(parallelism, max_parallelism, words):
         p.plan()
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "BUG-F (minor): max_parallelism=0 is silently replaced by the default (128): build_plan "
-    "uses `max_parallelism or default_max_parallelism(p)`, so the explicit 0 never reaches "
-    "check_parallelism"))
 def test_max_parallelism_zero_is_rejected():
     p = Pipeline("bad", parallelism=2, max_parallelism=0)
     p.from_collection([1], uid="src").map(lambda x: x)
@@ -549,11 +537,6 @@ def test_restore_an_older_checkpoint_into_a_new_dir_works(tmp_path):
     assert state_counts(LocalCheckpointStorage(tmp_path / "chk-new")) == full_counts()
 
 
-@pytest.mark.xfail(strict=True, raises=FileNotFoundError, reason=(
-    "BUG-E: restoring a checkpoint into a pipeline whose FileSink writes elsewhere (new output "
-    "folder, or a copied savepoint) fails with a raw FileNotFoundError claiming 'the epoch's "
-    "output is lost': recovery re-commits the manifest's staged paths against the new sink "
-    "folder, where they never existed (the output was committed in the old folder)"))
 def test_restore_into_a_new_sink_folder(tmp_path):
     _p, _out, _chk, storage, _r = completed_job(tmp_path)
     old = storage.list_checkpoints()[0]

@@ -252,8 +252,6 @@ def test_exactly_once_tolerable_failed_without_write_failures(builder_name, c, w
 # -- known bugs, as properties: these become plain tests once the bugs are fixed
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="BUG-A: a declined (tolerated) state write loses the task's staged sink output")
 @settings(max_examples=40, **FIND_ONLY)
 # pipelines whose stateful task also holds the sink (the bug needs a declined write on such a task)
 @given(builder_name=st.sampled_from(["running_count", "list_state", "histogram", "two_sinks"]),
@@ -263,8 +261,6 @@ def test_exactly_once_tolerated_write_failures(builder_name, c, workdirs):
     _exactly_once_property(builder_name, c, workdirs)
 
 
-@pytest.mark.xfail(strict=True, raises=(CheckpointError, JobFailedError, AssertionError),
-                   reason="BUG-B: with max_concurrent > 1, GC deletes state files of in-flight epochs")
 @settings(max_examples=40, **FIND_ONLY)
 @given(builder_name=st.sampled_from(sorted(BUILDERS)),
        c=chaos(parallelism=st.integers(2, 4), max_concurrent=st.integers(2, 3)))
@@ -575,10 +571,6 @@ def test_declined_write_scenario_declines_an_epoch(tmp_path):
     assert aborted and "declined" in aborted[0]["reason"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG-A: when a state write fails and the epoch is declined within tolerable_failed, "
-    "persist() has already staged the task's sink output but the decline drops the AckInfo, "
-    "so no manifest ever names that staged file and recovery deletes it: output is lost"))
 def test_tolerated_write_failure_loses_no_output(tmp_path):
     _result, records = _declined_write_run(tmp_path)
     assert check_running_counts(records, set(range(N))) == []
@@ -596,11 +588,6 @@ def test_concurrent_epochs_scenario_overlaps_epochs(tmp_path):
     assert len(result.completed_epochs) >= 3
 
 
-@pytest.mark.xfail(strict=True, raises=CheckpointError, reason=(
-    "BUG-B: LocalCheckpointStorage.collect_garbage keeps files of epochs > keep_after only if "
-    "their name matches r'e(\\d+)-a[^.]+\\.parquet$', but attempt ids are '<run>.<n>' (with a dot), "
-    "so with max_concurrent > 1 the state files of in-flight epochs are deleted and the next "
-    "manifests name missing files: completed checkpoints cannot be restored"))
 def test_every_completed_checkpoint_is_readable_with_concurrent_epochs(tmp_path):
     _concurrent_epochs_run(tmp_path)
     storage = LocalCheckpointStorage(tmp_path / "chk")

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
 from datetime import timedelta
 from importlib.metadata import version
 from pathlib import Path
@@ -42,6 +42,12 @@ from _procinfo import TreeCpuSampler, process_start_time
 
 BATCH = 1000  # records per source batch (next_batch call)
 PARTS_PER_WORKER = 4  # several input partitions per worker so assignment balances
+
+# Per-process measurements: outputs per sink partition, time the first record was
+# generated and time of the last sink write ("seconds" = first record -> last output).
+OUTPUTS: List[int] = []
+FIRST: List[float] = []
+LAST: List[float] = [0.0]
 
 
 class _RangePart(StatefulSourcePartition[Tuple[str, int], int]):
@@ -79,13 +85,6 @@ class RangeSource(FixedPartitionedSource[Tuple[str, int], int]):
         return _RangePart(start, self.parts, self.n, self.keys)
 
 
-# Per-process measurements: outputs per sink partition, time the first record was
-# generated and time of the last sink write ("seconds" = first record -> last output).
-OUTPUTS: List[int] = []
-FIRST: List[float] = []
-LAST: List[float] = [0.0]
-
-
 class _CountPart(StatelessSinkPartition[Tuple[str, int]]):
     def __init__(self, slot: int) -> None:
         self.slot = slot
@@ -109,6 +108,7 @@ def _count(state: Optional[int], rec: Tuple[str, int]) -> Tuple[int, int]:
 
 
 def build_flow(n: int, keys: int, parts: int) -> Dataflow:
+    """source -> map -> key_on -> stateful_map (running count) -> counting sink."""
     flow = Dataflow("keyed_count")
     s = op.input("inp", flow, RangeSource(n, keys, parts))
     s = op.map("map", s, lambda r: (r[0], r[1] * 1))
@@ -132,8 +132,10 @@ def run_here(args: argparse.Namespace, workers_here: int, proc_id: Optional[int]
 
 def last_snapshot_epoch(db_dir: Path) -> Optional[int]:
     """Highest epoch with a state snapshot in the SQLite recovery partitions (~ number of snapshots)."""
-    epochs = [sqlite3.connect(f).execute("SELECT max(snap_epoch) FROM snaps").fetchone()[0]
-              for f in db_dir.glob("*.sqlite3")]
+    epochs = []
+    for f in db_dir.glob("*.sqlite3"):
+        with closing(sqlite3.connect(f)) as db:
+            epochs.append(db.execute("SELECT max(snap_epoch) FROM snaps").fetchone()[0])
     return max((e for e in epochs if e is not None), default=None)
 
 

@@ -41,7 +41,7 @@ class Peer:
 
 PEERS: Dict[str, Peer] = {
     "bytewax": Peer("bytewax==0.21.1", "bytewax_keyed_count.py", ".venv-bytewax"),
-    # 2.3.0 is the newest apache-flink with cp311 wheels (pulls apache-beam, pemja, numpy 2.1, pyarrow 16).
+    # 2.3.0: newest apache-flink; installs on CPython 3.11 (pulls apache-beam 2.61, pemja, numpy 2.1, pyarrow 16).
     "pyflink": Peer("apache-flink==2.3.0", "pyflink_keyed_count.py", ".venv-pyflink"),
 }
 

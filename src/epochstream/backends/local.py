@@ -120,10 +120,15 @@ class LocalCheckpointStorage:
             data = path.read_bytes()
         except FileNotFoundError:
             raise CheckpointError(f"state file {path} of operator {ref.operator!r} (epoch {ref.epoch}) is missing") from None
-        if len(data) != ref.bytes or hashlib.sha256(data).hexdigest() != ref.sha256:
+        if len(data) != ref.bytes:
             raise CheckpointError(
                 f"state file {path} of operator {ref.operator!r} (epoch {ref.epoch}) is damaged: expected "
-                f"{ref.bytes} bytes with sha256 {ref.sha256[:12]}..., found {len(data)} bytes"
+                f"{ref.bytes} bytes, found {len(data)} (truncated or overwritten)"
+            )
+        if hashlib.sha256(data).hexdigest() != ref.sha256:
+            raise CheckpointError(
+                f"state file {path} of operator {ref.operator!r} (epoch {ref.epoch}) is damaged: its sha256 "
+                f"differs from the one the manifest recorded ({ref.sha256[:12]}...)"
             )
         try:
             return pq.read_table(pa.BufferReader(data))
@@ -224,7 +229,7 @@ class LocalCheckpointStorage:
             return 0
         for path in shared.rglob("*.parquet"):
             rel = path.relative_to(self.root).as_posix()
-            m = re.match(r"e(\d+)-a[^.]+\.parquet$", path.name)
+            m = re.match(r"e(\d+)-a.+\.parquet$", path.name)
             if rel in live or (m and int(m.group(1)) > keep_after):
                 continue
             path.unlink(missing_ok=True)

@@ -12,6 +12,7 @@ files.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Any, Callable, Iterable
 from .local import _safe, atomic_write
 
 STAGING = "_staging"
+
+log = logging.getLogger(__name__)
 
 
 def _default_encoder(record: Any) -> str:
@@ -81,9 +84,19 @@ class FileSink:
             (self.path / rel).unlink(missing_ok=True)
 
     def recover(self, uid: str, committed: Iterable[str]) -> None:
-        """Re-issue the commit of the restored epoch and drop staged files of later epochs."""
+        """Re-issue the commit of the restored epoch and drop staged files of later epochs.
+
+        A staged file that is neither here nor committed here means the sink's folder moved
+        since the checkpoint: that output was committed (or is still staged) in the old
+        folder. It cannot be recovered here, so it is reported, not treated as fatal.
+        """
         keep = set(committed)
-        self.commit(keep)
+        for rel in sorted(keep):
+            if not (self.path / rel).exists() and not (self.path / self.final_name(rel)).exists():
+                log.warning("sink %s: output %s of the restored checkpoint is not in this folder (did the sink "
+                            "move?); it stays wherever the earlier run wrote it", self.path, rel)
+                continue
+            self.commit([rel])
         folder = self.path / STAGING / _safe(uid)
         if folder.is_dir():
             for p in folder.iterdir():

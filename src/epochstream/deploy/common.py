@@ -78,7 +78,7 @@ def find_restore(storage, restore: str | None) -> Restored | None:
     manifest, root = found
     epoch = int(manifest["epoch"])
     newer = [e for e in storage.list_checkpoints() if e > epoch]
-    if newer and root.resolve() == storage.root.resolve():
+    if restore != "latest" and newer and root.resolve() == storage.root.resolve():
         raise CheckpointError(
             f"cannot restore chk-{epoch} into {storage.root}: it already holds newer checkpoints "
             f"{newer[:5]} that new epochs would overwrite; restore it into a new checkpoint dir "
@@ -179,7 +179,15 @@ class SinkStagingError(Exception):
 
 
 class StateWriteError(Exception):
-    """Writing a state file failed: the task declines the epoch (a tolerable failure)."""
+    """Writing a state file failed: the task declines the epoch (a tolerable failure).
+
+    ``staged`` is the sink output already pre-committed for the epoch: it must still
+    commit with the next completed epoch, so the decline carries it to the job master.
+    """
+
+    def __init__(self, message: str, staged: dict[str, tuple[str, ...]]) -> None:
+        super().__init__(message)
+        self.staged = staged
 
 
 def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
@@ -210,7 +218,8 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
         except Exception as exc:
             raise StateWriteError(
                 f"state of {kc.operator_uid!r} subtask {capture.task[1]} for epoch {capture.epoch}: "
-                f"{type(exc).__name__}: {exc}"
+                f"{type(exc).__name__}: {exc}",
+                staged,
             ) from exc
         files.append(ref)
         chains[kc.operator_uid] = kc.chain
@@ -288,8 +297,11 @@ class JobMaster:
         self.builder.record(info)
         return self._run(self.coordinator.ack(info.task, info.epoch, info, now), now)
 
-    def decline(self, task: TaskId, epoch: int, reason: str, now: float) -> MasterOutput:
+    def decline(self, task: TaskId, epoch: int, reason: str, now: float,
+                staged: dict[str, tuple[str, ...]] | None = None) -> MasterOutput:
         self.builder.record_decline(task, epoch)
+        if staged:  # output staged before the failed state write still commits later
+            self.builder.record(AckInfo(task, epoch, staged=staged))
         return self._run(self.coordinator.decline(task, epoch, reason, now), now)
 
     def next_deadline(self, now: float) -> float | None:

@@ -38,6 +38,7 @@ from typing import Any
 
 from ..runtime.messages import Send, Snapshot, SourceExhausted
 from ..snapshot.coordinator import FINAL
+from ..snapshot.manifest import CheckpointError
 from .common import (
     InjectedFailure,
     JobFailedError,
@@ -53,8 +54,8 @@ from .common import (
 
 log = logging.getLogger("epochstream")
 
-HIGH_WATERMARK = 256  # messages
-LOW_WATERMARK = 64
+HIGH_WATERMARK = 8  # messages
+LOW_WATERMARK = 2
 STEP_BUDGET = 4096  # records per task step
 
 
@@ -111,7 +112,7 @@ class _Worker:
             except StateWriteError as exc:
                 for st in self.tasks[capture.task].chain.states.values():
                     st.force_full = True
-                self.results.put(("decline", capture.task, capture.epoch, str(exc)))
+                self.results.put(("decline", capture.task, capture.epoch, str(exc), exc.staged))
             except Exception as exc:  # sink staging or anything else: the job must fail over
                 self.results.put(("error", f"worker {self.index}: {type(exc).__name__}: {exc}"))
 
@@ -228,8 +229,9 @@ def _worker_main(index, pipeline, plan, storage, restored, attempt, control, pee
     try:
         _Worker(index, pipeline, plan, storage, restored, attempt, control, peers).run()
     except BaseException as exc:  # report, then die: the driver fails the job over
+        kind = "fatal" if isinstance(exc, CheckpointError) else "error"
         try:
-            control.send(("error", f"worker {index}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+            control.send((kind, f"worker {index}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
         except Exception:
             pass
         os._exit(1)
@@ -370,7 +372,7 @@ class LocalDriver:
                     elif kind == "ack":
                         self._apply(master.ack(msg[1], now), conns)
                     elif kind == "decline":
-                        self._apply(master.decline(msg[1], msg[2], msg[3], now), conns)
+                        self._apply(master.decline(msg[1], msg[2], msg[3], now, msg[4]), conns)
                     elif kind == "exhausted":
                         exhausted.add(msg[1])
                         if len(exhausted) == n_sources and not final_requested:
@@ -378,6 +380,8 @@ class LocalDriver:
                             self._apply(master.request(now, FINAL), conns)
                     elif kind == "error":
                         raise _Failover(msg[1])
+                    elif kind == "fatal":  # a damaged checkpoint: restarting cannot help
+                        raise CheckpointError(msg[1].split(": ", 2)[-1].split("\n")[0])
                     elif kind == "stopped":
                         stopped[msg[1]] = msg[2]
                 for w, proc in enumerate(procs):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..runtime.errors import EpochStreamError
+from ..snapshot.manifest import CheckpointError
 from ..runtime.messages import Send, Snapshot, SourceExhausted
 from ..snapshot.coordinator import FINAL
 from .common import (
@@ -128,6 +129,8 @@ class SimDriver:
                 recover(self.storage, self.pipeline.sinks, restored, self.fail_point)
                 if self._attempt(restored, duration):
                     return
+            except CheckpointError:
+                raise  # a damaged checkpoint stays damaged: restarting cannot help
             except (_Failover, InjectedFailure, SinkStagingError, EpochStreamError) as exc:
                 reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
                 self.failover_log.append({"time": self.now, "reason": reason})
@@ -265,7 +268,7 @@ class SimDriver:
                 except StateWriteError as exc:
                     for st in tasks[capture.task].chain.states.values():
                         st.force_full = True  # the chain is broken: the next capture is full
-                    apply_master(master.decline(capture.task, capture.epoch, str(exc), self.now))
+                    apply_master(master.decline(capture.task, capture.epoch, str(exc), self.now, exc.staged))
                     continue
                 apply_master(master.ack(info, self.now))
             self._collect(master)

@@ -109,7 +109,8 @@ class PhysicalPlan:
 
 def build_plan(name: str, nodes: dict[int, Node], parallelism: int, max_parallelism: int | None) -> PhysicalPlan:
     """Chain the logical graph and lay out channels for ``parallelism`` workers."""
-    max_parallelism = max_parallelism or default_max_parallelism(parallelism)
+    if max_parallelism is None:
+        max_parallelism = default_max_parallelism(parallelism)
     check_parallelism(parallelism, max_parallelism)
     _check_graph(nodes)
 
