@@ -3,7 +3,7 @@
 from .api.functions import KeyedProcessFunction
 from .api.pipeline import CheckpointConfig, KeyedStream, Pipeline, Stream
 from .deploy.result import JobResult
-from .backends.sinks import FileSink
+from .backends.sinks import DiscardingSink, FileSink
 from .graph.keygroups import ParallelismError
 from .runtime.context import Context
 from .runtime.errors import EpochStreamError, StateSerializationError, UserFunctionError
@@ -14,7 +14,8 @@ from .snapshot.manifest import CheckpointError
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointConfig", "CheckpointError", "CollectionSource", "Context", "EpochStreamError", "FileSink",
+    "CheckpointConfig", "CheckpointError", "CollectionSource", "Context", "DiscardingSink", "EpochStreamError",
+    "FileSink",
     "GeneratorSource", "JobResult", "KeyedProcessFunction", "KeyedStream", "ListStateDescriptor",
     "MapStateDescriptor", "ParallelismError", "Pipeline", "Source", "StateSerializationError", "Stream",
     "UserFunctionError", "ValueStateDescriptor",

@@ -54,8 +54,8 @@ from .common import (
 
 log = logging.getLogger("epochstream")
 
-HIGH_WATERMARK = 8  # messages
-LOW_WATERMARK = 2
+HIGH_WATERMARK = 32  # messages
+LOW_WATERMARK = 8
 STEP_BUDGET = 4096  # records per task step
 
 
@@ -358,7 +358,8 @@ class LocalDriver:
                     self._apply(master.poll(now), conns)
                 deadline = master.next_deadline(now)
                 timeout = 0.05 if deadline is None else min(0.05, max(0.0, deadline - now))
-                for conn in wait(conns, timeout=timeout):
+                live = [c for w, c in enumerate(conns) if w not in stopped]
+                for conn in wait(live, timeout=timeout) if live else ():
                     try:
                         msg = conn.recv()
                     except (EOFError, OSError) as exc:
@@ -386,6 +387,8 @@ class LocalDriver:
                         stopped[msg[1]] = msg[2]
                 for w, proc in enumerate(procs):
                     if not proc.is_alive() and w not in stopped:
+                        if proc.exitcode == 0 and getattr(self, "_stop_sent", False):
+                            continue  # stopped cleanly; its "stopped" message is still in the pipe
                         raise _Failover(f"worker {w} (pid {proc.pid}) died with exit code {proc.exitcode}")
                 if master.finished and not getattr(self, "_stop_sent", False):
                     self._stop_sent = True

@@ -54,7 +54,8 @@ class ChainRuntime:
         self.chain = chain
         self.subtask = subtask
         self.states: dict[str, HeapKeyedState] = {}
-        self.sink_buffers: dict[str, list[Any]] = {}
+        #: per sink uid: the writer collecting this subtask's output of the current epoch
+        self.sink_writers: dict[str, Any] = {}
         self.functions: list[tuple[Any, Any]] = []  # (user fn, ctx) to open/close
         self.contexts: list[Any] = []
         out_channels = plan.outputs[(chain.id, subtask)]
@@ -167,12 +168,13 @@ class ChainRuntime:
 
             return op_flat_map
         if kind == "sink":
-            self.sink_buffers.setdefault(node.uid, [])
-            sink_buffers = self.sink_buffers
-            uid = node.uid
+            make = getattr(fn, "writer", None)
+            writer = make() if make is not None else ListWriter()
+            self.sink_writers[node.uid] = writer
+            write = writer.write
 
             def op_sink(records: list[Any], keys: list[Any] | None) -> None:
-                sink_buffers[uid].extend(records)
+                write(records)
 
             return op_sink
         if kind == "process":
@@ -235,12 +237,25 @@ class ChainRuntime:
         self, epoch: int, incremental: bool, full_every: int
     ) -> tuple[tuple[KeyedCapture, ...], tuple[SinkCapture, ...]]:
         keyed = tuple(s.capture(epoch, incremental, full_every) for s in self.states.values())
-        sinks = []
-        for uid, buf in self.sink_buffers.items():
-            sinks.append(SinkCapture(uid, epoch, buf))
-            self.sink_buffers[uid] = []
-        return keyed, tuple(sinks)
+        sinks = tuple(SinkCapture(uid, epoch, w.take()) for uid, w in self.sink_writers.items())
+        return keyed, sinks
 
 
 def _discard(records: list[Any], keys: list[Any] | None) -> None:
     return None
+
+
+class ListWriter:
+    """Default sink writer: keep the epoch's records until the epoch's capture."""
+
+    __slots__ = ("records",)
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+    def write(self, records: list[Any]) -> None:
+        self.records.extend(records)
+
+    def take(self) -> list[Any]:
+        out, self.records = self.records, []
+        return out
