@@ -1,0 +1,85 @@
+"""The protocol core stays sans-IO and imports flow one way (STYLE.md, DESIGN.md "Layout").
+
+Protocol packages take time as an argument and return actions; clocks, randomness, threads,
+sockets and the filesystem belong to ``deploy/`` and ``backends/``. This test reads every
+module's imports with ``ast`` (nothing is executed), so a violation names file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "epochstream"
+PROTOCOL = ("runtime", "alignment", "tracker", "loops", "snapshot")
+IO_MODULES = {"time", "random", "threading", "socket", "multiprocessing", "asyncio", "subprocess", "os",
+              "shutil", "tempfile", "datetime", "secrets", "io", "pathlib", "boto3", "pyspark"}
+#: package -> packages of epochstream it may import (besides itself)
+ALLOWED = {
+    "graph": set(),
+    "runtime": {"graph"},
+    "alignment": {"runtime"},
+    "tracker": {"runtime", "graph"},
+    "loops": {"runtime", "graph"},
+    "snapshot": {"runtime"},
+    "backends": {"snapshot", "runtime"},
+    "deploy": {"graph", "runtime", "alignment", "tracker", "loops", "snapshot", "backends"},
+    "api": {"graph", "runtime", "deploy", "backends"},
+}
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text(), str(path))
+    pkg_parts = path.relative_to(SRC).parts[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(pkg_parts[: len(pkg_parts) - (node.level - 1)])
+                mod = ".".join(["epochstream", *base, *([node.module] if node.module else [])])
+                if node.module is None:  # from . import x
+                    for alias in node.names:
+                        yield node.lineno, f"{mod}.{alias.name}"
+                    continue
+                yield node.lineno, mod
+            else:
+                yield node.lineno, node.module
+
+
+def _modules(package: str):
+    return sorted((SRC / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", PROTOCOL)
+def test_protocol_packages_do_no_io(package):
+    bad = []
+    for path in _modules(package):
+        for line, name in _imports(path):
+            if name.split(".")[0] in IO_MODULES:
+                bad.append(f"{path.relative_to(SRC)}:{line} imports {name}")
+    assert not bad, "sans-IO core imports I/O, clocks or threads:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_flow_one_way(package):
+    bad = []
+    for path in _modules(package):
+        for line, name in _imports(path):
+            parts = name.split(".")
+            if parts[0] != "epochstream" or len(parts) < 2:
+                continue
+            target = parts[1]
+            if target != package and target in ALLOWED and target not in ALLOWED[package]:
+                bad.append(f"{path.relative_to(SRC)}:{line} imports {name}")
+    assert not bad, f"{package}/ imports upward:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_imports():
+    """The walker must find the relative imports it is meant to police (a checker that sees
+    nothing would pass everything)."""
+    found = {name for _line, name in _imports(SRC / "runtime" / "task.py")}
+    assert "epochstream.runtime.chain" in found and "epochstream.graph.plan" in found
