@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import random
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ from ..alignment import BarrierAligner
 from ..graph.plan import PhysicalPlan
 from ..runtime.chain import ChainRuntime
 from ..runtime.context import Context
+from ..runtime.errors import EpochStreamError
 from ..runtime.messages import TaskCapture, TaskId
 from ..runtime.task import Task
 from ..snapshot.coordinator import (
@@ -47,6 +50,40 @@ class JobFailedError(Exception):
 
 
 FailPoint = Callable[[str], None]
+
+
+@dataclass
+class FailureSchedule:
+    """What goes wrong, and when. Occurrence numbers count from 1 over the whole run."""
+
+    kill_times: list[float] = field(default_factory=list)
+    fail_points: dict[str, set[int]] = field(default_factory=dict)
+    write_failures: set[int] = field(default_factory=set)
+
+    @classmethod
+    def random(cls, rng: random.Random, kills: int, horizon: float) -> "FailureSchedule":
+        """``kills`` failures spread over ``horizon`` virtual seconds, a mix of worker kills
+        and job-master crashes at fail points."""
+        sched = cls()
+        points = ["before_manifest", "after_manifest", "mid_commit", "after_commit", "recovery"]
+        for _ in range(kills):
+            r = rng.random()
+            if r < 0.6:
+                sched.kill_times.append(rng.uniform(0, horizon))
+            elif r < 0.9:
+                sched.fail_points.setdefault(rng.choice(points), set()).add(rng.randint(1, 4))
+            else:
+                sched.write_failures.add(rng.randint(1, 20))
+        sched.kill_times.sort()
+        return sched
+
+
+class Failover(Exception):
+    """A failure the restart strategy handles by rolling back to the latest completed epoch."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def _no_fail(point: str) -> None:
@@ -356,9 +393,96 @@ class JobMaster:
         self.fail_point("after_commit")
         self.builder.completed(epoch, manifest)
         self.completed.append(epoch)
-        self.epoch_log.append({"epoch": epoch, "state": "completed", **manifest["metrics"]})
+        rec = self.coordinator.epochs[epoch]
+        self.epoch_log.append({
+            "epoch": epoch, "state": "completed", "kind": rec.kind,
+            "prepare_seconds": None if rec.prepared_at is None else rec.prepared_at - rec.triggered_at,
+            "trigger_to_commit_seconds": rec.completed_at - rec.triggered_at,
+            **manifest["metrics"],
+        })
         self.retained.append(manifest)
         while len(self.retained) > self.num_retained:
             old = self.retained.pop(0)
             self.storage.discard(int(old["epoch"]))
         self.storage.collect_garbage(self.retained, keep_after=epoch)
+
+
+# ---------------------------------------------------------------- drivers
+
+
+class Driver:
+    """What every driver shares: failure injection, run bookkeeping, the restart strategy.
+
+    A subclass supplies ``attempt`` (run the job once from ``restored`` until it finishes or
+    raises), ``clock`` (seconds since the run began, real or virtual) and ``pause`` (wait
+    the restart delay).
+    """
+
+    def __init__(self, pipeline, storage, failures: FailureSchedule | None, parallelism: int | None) -> None:
+        self.pipeline = pipeline
+        self.plan = pipeline.plan(parallelism)
+        self.storage = storage
+        self.failures = failures or FailureSchedule()
+        self.restarts = 0
+        self.point_counts: dict[str, int] = {}
+        self.kills_done = 0
+        self.injected = 0  # failures actually injected (kills, fail points, write failures)
+        self.failover_log: list[dict[str, Any]] = []
+        self.epoch_log: list[dict[str, Any]] = []
+        self.completed: list[int] = []
+        self.records_in = 0
+        self.last_failure: float | None = None
+
+    def fail_point(self, name: str) -> None:
+        n = self.point_counts[name] = self.point_counts.get(name, 0) + 1
+        if n in self.failures.fail_points.get(name, ()):
+            self.injected += 1
+            raise InjectedFailure(f"injected crash at {name} (occurrence {n})")
+
+    def clock(self) -> float:
+        raise NotImplementedError
+
+    def pause(self) -> None:
+        raise NotImplementedError
+
+    def attempt(self, restored: Restored | None, attempt_id: str, duration: float | None) -> None:
+        raise NotImplementedError
+
+    def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None) -> None:
+        """Run with Flink's fixed-delay restart strategy: on a failure, roll back to the latest
+        completed checkpoint (or the one the run started from) and try again, up to
+        ``pipeline.restart_attempts`` times. A damaged checkpoint is not retried."""
+        restored = find_restore(self.storage, restore)
+        if restored:
+            check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state)
+        initial = restored
+        run_id = secrets.token_hex(4)  # unique file names per run, never from a seeded rng
+        attempts = self.pipeline.restart_attempts
+        while True:
+            try:
+                recover(self.storage, self.pipeline.sinks, restored, self.fail_point)
+                self.attempt(restored, f"{run_id}.{self.restarts}", duration)
+                return
+            except CheckpointError:
+                raise  # a damaged checkpoint stays damaged: restarting cannot help
+            except (Failover, InjectedFailure, SinkStagingError, EpochStreamError) as exc:
+                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+                self.last_failure = self.clock()
+                self.failover_log.append({"time": self.last_failure, "reason": reason})
+                log.warning("job %s failing over: %s", self.pipeline.name, reason.splitlines()[0])
+                self.restarts += 1
+                if self.restarts > attempts:
+                    raise JobFailedError(
+                        f"job {self.pipeline.name!r} failed: gave up after {attempts} restarts; last failure: {reason}"
+                    ) from exc
+                self.pause()
+                restored = find_restore(self.storage, "latest") or initial
+
+    def collect(self, master: JobMaster) -> None:
+        """Move what the job master finished into the run's record."""
+        if master.completed:
+            self.completed.extend(master.completed)
+            master.completed = []
+        if master.epoch_log:
+            self.epoch_log.extend(master.epoch_log)
+            master.epoch_log = []

@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import queue
 import random
-import secrets
 import signal
 import threading
 import time
@@ -39,18 +38,7 @@ from typing import Any
 from ..runtime.messages import Send, Snapshot, SourceExhausted
 from ..snapshot.coordinator import FINAL
 from ..snapshot.manifest import CheckpointError
-from .common import (
-    InjectedFailure,
-    JobFailedError,
-    JobMaster,
-    SinkStagingError,
-    StateWriteError,
-    build_tasks,
-    check_compatible,
-    find_restore,
-    persist,
-    recover,
-)
+from .common import Driver, Failover, JobMaster, StateWriteError, build_tasks, persist
 
 log = logging.getLogger("epochstream")
 
@@ -241,68 +229,28 @@ def _worker_main(index, pipeline, plan, storage, restored, attempt, control, pee
 # ---------------------------------------------------------------- driver
 
 
-class _Failover(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class LocalDriver:
+class LocalDriver(Driver):
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  **options: Any) -> None:
         if options:
             raise TypeError(f"unknown option(s) for the local driver: {sorted(options)}")
-        self.pipeline = pipeline
-        self.plan = pipeline.plan(parallelism)
-        self.storage = storage
-        self.failures = failures
+        super().__init__(pipeline, storage, failures, parallelism)
         self.rng = random.Random(seed)
-        self.restarts = 0
-        self.completed: list[int] = []
-        self.epoch_log: list[dict[str, Any]] = []
-        self.failover_log: list[dict[str, Any]] = []
-        self.records_in = 0
-        self.point_counts: dict[str, int] = {}
-        self.kills_done = 0
-        self.injected = 0  # failures actually injected (kills, fail points, write failures)
         self.recovery_seconds: list[float] = []
         self._ctx = mp.get_context("fork")
+        self.t0 = time.monotonic()
+        self.deadline: float | None = None
 
-    def fail_point(self, name: str) -> None:
-        if self.failures is None:
-            return
-        n = self.point_counts[name] = self.point_counts.get(name, 0) + 1
-        if n in self.failures.fail_points.get(name, ()):
-            self.injected += 1
-            raise InjectedFailure(f"injected crash at {name} (occurrence {n})")
+    def clock(self) -> float:
+        return time.monotonic() - self.t0
+
+    def pause(self) -> None:
+        time.sleep(self.pipeline.restart_delay)
 
     def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None) -> None:
-        restored = find_restore(self.storage, restore)
-        if restored:
-            check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state)
-        initial = restored
-        run_id = secrets.token_hex(4)
         self.t0 = time.monotonic()
         self.deadline = None if duration is None else self.t0 + duration
-        failed_at = None
-        while True:
-            try:
-                recover(self.storage, self.pipeline.sinks, restored, self.fail_point)
-                self._attempt(restored, f"{run_id}.{self.restarts}", failed_at)
-                return
-            except (_Failover, InjectedFailure, SinkStagingError) as exc:
-                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-                failed_at = time.monotonic()
-                self.failover_log.append({"time": failed_at - self.t0, "reason": reason})
-                log.warning("job %s failing over: %s", self.pipeline.name, reason.splitlines()[0])
-                self.restarts += 1
-                if self.restarts > self.pipeline.restart_attempts:
-                    raise JobFailedError(
-                        f"job {self.pipeline.name!r} failed: gave up after {self.pipeline.restart_attempts} "
-                        f"restarts; last failure: {reason}"
-                    ) from exc
-                time.sleep(self.pipeline.restart_delay)
-                restored = find_restore(self.storage, "latest") or initial
+        super().run(restore, allow_non_restored_state, duration)
 
     def _spawn(self, restored, attempt: str):
         p = self.plan.parallelism
@@ -331,7 +279,7 @@ class LocalDriver:
                 c.close()
         return procs, [c[1] for c in controls]
 
-    def _attempt(self, restored, attempt: str, failed_at: float | None) -> None:
+    def attempt(self, restored, attempt: str, duration: float | None) -> None:
         procs, conns = self._spawn(restored, attempt)
         self.procs = procs
         master = JobMaster(self.pipeline, self.plan, self.storage, restored, time.monotonic(), self.fail_point, "local")
@@ -363,13 +311,13 @@ class LocalDriver:
                     try:
                         msg = conn.recv()
                     except (EOFError, OSError) as exc:
-                        raise _Failover(f"worker {conns.index(conn)} died ({type(exc).__name__})") from None
+                        raise Failover(f"worker {conns.index(conn)} died ({type(exc).__name__})") from None
                     kind = msg[0]
                     now = time.monotonic()
                     if kind == "ready":
                         ready += 1
-                        if ready == len(procs) and failed_at is not None:
-                            self.recovery_seconds.append(now - failed_at)
+                        if ready == len(procs) and self.last_failure is not None:
+                            self.recovery_seconds.append(self.clock() - self.last_failure)
                     elif kind == "ack":
                         self._apply(master.ack(msg[1], now), conns)
                     elif kind == "decline":
@@ -380,7 +328,7 @@ class LocalDriver:
                             final_requested = True
                             self._apply(master.request(now, FINAL), conns)
                     elif kind == "error":
-                        raise _Failover(msg[1])
+                        raise Failover(msg[1])
                     elif kind == "fatal":  # a damaged checkpoint: restarting cannot help
                         raise CheckpointError(msg[1].split(": ", 2)[-1].split("\n")[0])
                     elif kind == "stopped":
@@ -389,28 +337,28 @@ class LocalDriver:
                     if not proc.is_alive() and w not in stopped:
                         if proc.exitcode == 0 and getattr(self, "_stop_sent", False):
                             continue  # stopped cleanly; its "stopped" message is still in the pipe
-                        raise _Failover(f"worker {w} (pid {proc.pid}) died with exit code {proc.exitcode}")
+                        raise Failover(f"worker {w} (pid {proc.pid}) died with exit code {proc.exitcode}")
                 if master.finished and not getattr(self, "_stop_sent", False):
                     self._stop_sent = True
                     self._send_all(conns, ("stop",))
-                self._collect(master)
+                self.collect(master)
         except BaseException:
             master.coordinator.fail(time.monotonic(), "failover")
-            self._collect(master)
+            self.collect(master)
             self._kill(procs)
             raise
         finally:
             self._stop_sent = False
             for c in conns:
                 c.close()
-        self._collect(master)
+        self.collect(master)
         self.records_in += sum(stopped.values())
         for proc in procs:
             proc.join(timeout=5)
 
     def _apply(self, out, conns) -> None:
         if out.failover:
-            raise _Failover(out.failover)
+            raise Failover(out.failover)
         for trig in out.triggers:
             self._send_all(conns, ("trigger", trig.epoch))
 
@@ -420,15 +368,7 @@ class LocalDriver:
             try:
                 c.send(msg)
             except OSError as exc:
-                raise _Failover(f"worker {w} unreachable ({type(exc).__name__})") from None
-
-    def _collect(self, master: JobMaster) -> None:
-        if master.completed:
-            self.completed.extend(master.completed)
-            master.completed = []
-        if master.epoch_log:
-            self.epoch_log.extend(master.epoch_log)
-            master.epoch_log = []
+                raise Failover(f"worker {w} unreachable ({type(exc).__name__})") from None
 
     @staticmethod
     def _kill(procs) -> None:

@@ -19,26 +19,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..runtime.errors import EpochStreamError
-from ..snapshot.manifest import CheckpointError
 from ..runtime.messages import Send, Snapshot, SourceExhausted
 from ..snapshot.coordinator import FINAL
-from .common import (
-    InjectedFailure,
-    JobFailedError,
-    JobMaster,
-    SinkStagingError,
-    StateWriteError,
-    build_tasks,
-    check_compatible,
-    find_restore,
-    persist,
-    recover,
-)
+from .common import Driver, Failover, FailureSchedule, JobMaster, StateWriteError, build_tasks, persist
+
+__all__ = ["FailureSchedule", "SimConfig", "SimDriver"]
 
 
 @dataclass
@@ -55,97 +43,27 @@ class SimConfig:
     check_invariants: bool = True
 
 
-@dataclass
-class FailureSchedule:
-    """What goes wrong, and when. Occurrence numbers count from 1 over the whole run."""
-
-    kill_times: list[float] = field(default_factory=list)
-    fail_points: dict[str, set[int]] = field(default_factory=dict)
-    write_failures: set[int] = field(default_factory=set)
-
-    @classmethod
-    def random(cls, rng: random.Random, kills: int, horizon: float) -> "FailureSchedule":
-        """``kills`` failures spread over ``horizon`` virtual seconds, a mix of worker kills
-        and job-master crashes at fail points."""
-        sched = cls()
-        points = ["before_manifest", "after_manifest", "mid_commit", "after_commit", "recovery"]
-        for _ in range(kills):
-            r = rng.random()
-            if r < 0.6:
-                sched.kill_times.append(rng.uniform(0, horizon))
-            elif r < 0.9:
-                sched.fail_points.setdefault(rng.choice(points), set()).add(rng.randint(1, 4))
-            else:
-                sched.write_failures.add(rng.randint(1, 20))
-        sched.kill_times.sort()
-        return sched
-
-
-class _Failover(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class SimDriver:
+class SimDriver(Driver):
     def __init__(self, pipeline, storage, seed: int = 0, config: SimConfig | None = None,
                  failures: FailureSchedule | None = None, parallelism: int | None = None) -> None:
-        self.pipeline = pipeline
-        self.plan = pipeline.plan(parallelism)
-        self.storage = storage
+        super().__init__(pipeline, storage, failures, parallelism)
         self.rng = random.Random(seed)
         self.cfg = config or SimConfig()
-        self.failures = failures or FailureSchedule()
         self.now = 0.0
-        self.restarts = 0
-        self.point_counts: dict[str, int] = {}
         self.writes = 0
-        self.kills_done = 0
-        self.injected = 0  # failures actually injected (kills, fail points, write failures)
-        self.failover_log: list[dict[str, Any]] = []
-        self.epoch_log: list[dict[str, Any]] = []
-        self.completed: list[int] = []
-        self.records_in = 0
         self.events_processed = 0
 
-    # ------------------------------------------------------------ failure injection
-    def fail_point(self, name: str) -> None:
-        n = self.point_counts[name] = self.point_counts.get(name, 0) + 1
-        if n in self.failures.fail_points.get(name, ()):
-            self.injected += 1
-            raise InjectedFailure(f"injected crash at {name} (occurrence {n})")
+    def clock(self) -> float:
+        return self.now
 
-    # ------------------------------------------------------------ run
-    def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None) -> None:
-        restored = find_restore(self.storage, restore)
-        if restored:
-            check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state)
-        initial = restored
-        self.attempt_index = 0
-        self.run_id = secrets.token_hex(4)  # unique file names per run; not from the seeded rng
-        max_restarts = self.pipeline.restart_attempts
-        while True:
-            try:
-                recover(self.storage, self.pipeline.sinks, restored, self.fail_point)
-                if self._attempt(restored, duration):
-                    return
-            except CheckpointError:
-                raise  # a damaged checkpoint stays damaged: restarting cannot help
-            except (_Failover, InjectedFailure, SinkStagingError, EpochStreamError) as exc:
-                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-                self.failover_log.append({"time": self.now, "reason": reason})
-                self.restarts += 1
-                if self.restarts > max_restarts:
-                    raise JobFailedError(
-                        f"job {self.pipeline.name!r} failed: gave up after {max_restarts} restarts; last failure: {reason}"
-                    ) from exc
-                self.now += self.cfg.restart_delay
-                restored = find_restore(self.storage, "latest") or initial
-            self.attempt_index += 1
+    def pause(self) -> None:
+        self.now += self.cfg.restart_delay
 
-    def _attempt(self, restored, duration: float | None) -> bool:
+    def attempt(self, restored, attempt: str, duration: float | None) -> None:
+        self._attempt(restored, attempt, duration)
+
+    def _attempt(self, restored, attempt: str, duration: float | None) -> None:
         plan, cfg, rng = self.plan, self.cfg, self.rng
-        attempt = f"{self.run_id}.{self.attempt_index}"
         tasks = build_tasks(self.pipeline, plan, None, self.storage, restored)
         master = JobMaster(self.pipeline, plan, self.storage, restored, self.now, self.fail_point, "sim")
         self.master = master
@@ -192,7 +110,7 @@ class SimDriver:
 
         def apply_master(out) -> None:
             if out.failover:
-                raise _Failover(out.failover)
+                raise Failover(out.failover)
             for trig in out.triggers:
                 for s in sources:
                     s.trigger(trig.epoch)
@@ -206,7 +124,7 @@ class SimDriver:
                 self.kills_done += 1
                 self.injected += 1
                 worker = rng.randrange(plan.parallelism)
-                raise _Failover(f"worker {worker} killed at t={self.now:.6f}")
+                raise Failover(f"worker {worker} killed at t={self.now:.6f}")
             if stop_at is not None and self.now >= stop_at and not final_requested:
                 final_requested = True
                 apply_master(master.request(self.now, FINAL))
@@ -271,20 +189,11 @@ class SimDriver:
                     apply_master(master.decline(capture.task, capture.epoch, str(exc), self.now, exc.staged))
                     continue
                 apply_master(master.ack(info, self.now))
-            self._collect(master)
-        self._collect(master)
+            self.collect(master)
+        self.collect(master)
         for t in tasks.values():
             t.chain.close()
-        return True
 
     def _injected_write_failure(self) -> None:
         self.injected += 1
         raise OSError("injected state write failure")
-
-    def _collect(self, master: JobMaster) -> None:
-        if master.completed:
-            self.completed.extend(master.completed)
-            master.completed = []
-        if master.epoch_log:
-            self.epoch_log.extend(master.epoch_log)
-            master.epoch_log = []

@@ -1,0 +1,210 @@
+"""Segments: the dataflow graph condensed into the units the tracking agent tracks.
+
+Theory of operation. The agent decides "no record of epoch n is left for s" per segment
+(paper 000 §4.1). A segment is one logical operator, except that the operators of one
+strongly connected component (a cycle) form a single segment: records of a cycle can
+stay in flight inside it for any time, and nothing upstream of the cycle can tell when
+they stop, so the cycle must be judged as a whole, by its own XOR. Condensing the SCCs
+leaves a DAG, so segments can be numbered in topological order and the agent can compute
+bounds in one pass from sources to sinks: every edge goes from a segment to itself or to
+a later one.
+
+Pure functions, no state. Tarjan's algorithm is written with an explicit stack, so
+graphs of any depth work (a path of 100,000 operators is fine; Python's recursion limit
+would stop a recursive version near 1,000).
+
+Choice: the order of segments is deterministic (Kahn's algorithm over the condensation,
+breaking ties by the earliest position of a member in the ``vertices`` argument), so the
+same graph always gives the same segment numbers and a source listed first is segment 0.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterable, Mapping, Sequence
+
+
+class SegmentError(ValueError):
+    """A graph description that cannot be segmented (unknown or duplicate vertex)."""
+
+
+@dataclass(frozen=True)
+class Segmentation:
+    """Segments of a graph in topological order.
+
+    Invariants: ``segment_of[v] == s`` iff ``v in segments[s]``; every edge (a, b) has
+    ``segment_of[a] <= segment_of[b]``; ``upstream[s]`` is the set of segments t != s with
+    an edge into s (so every member of ``upstream[s]`` is < s).
+    """
+
+    #: members of each segment, in the order the vertices were given
+    segments: tuple[tuple[Hashable, ...], ...]
+    segment_of: Mapping[Hashable, int]
+    upstream: tuple[frozenset[int], ...]
+    #: True for an SCC of several vertices or a vertex with a self-loop
+    cyclic: tuple[bool, ...]
+
+    def __len__(self) -> int:
+        return len(self.segments)
+
+    @property
+    def downstream(self) -> tuple[frozenset[int], ...]:
+        out: list[set[int]] = [set() for _ in self.segments]
+        for s, ups in enumerate(self.upstream):
+            for u in ups:
+                out[u].add(s)
+        return tuple(frozenset(d) for d in out)
+
+    @property
+    def roots(self) -> tuple[int, ...]:
+        """Segments nothing flows into from another segment (the sources' segments)."""
+        return tuple(s for s, ups in enumerate(self.upstream) if not ups)
+
+
+def strongly_connected_components(
+    vertices: Sequence[Hashable], edges: Iterable[tuple[Hashable, Hashable]]
+) -> list[list[Hashable]]:
+    """Tarjan's SCCs, iteratively, in Tarjan's output order (reverse topological).
+
+    >>> strongly_connected_components(["a", "b", "c"], [("a", "b"), ("b", "a"), ("b", "c")])
+    [['c'], ['b', 'a']]
+    """
+    index_of = _index(vertices)
+    n = len(vertices)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for a, b in edges:
+        succ[_lookup(index_of, a, (a, b))].append(_lookup(index_of, b, (a, b)))
+    index = [-1] * n
+    low = [0] * n
+    on_stack = [False] * n
+    stack: list[int] = []
+    out: list[list[Hashable]] = []
+    counter = 0
+    for root in range(n):
+        if index[root] != -1:
+            continue
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack[root] = True
+        work = [(root, 0)]  # (vertex, next successor to look at): the recursion, made explicit
+        while work:
+            v, i = work[-1]
+            if i < len(succ[v]):
+                work[-1] = (v, i + 1)
+                w = succ[v][i]
+                if index[w] == -1:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack[w] = True
+                    work.append((w, 0))
+                elif on_stack[w]:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[v])
+            if low[v] == index[v]:
+                comp: list[Hashable] = []
+                while True:
+                    w = stack.pop()
+                    on_stack[w] = False
+                    comp.append(vertices[w])
+                    if w == v:
+                        break
+                out.append(comp)
+    return out
+
+
+def build_segments(vertices: Iterable[Hashable], edges: Iterable[tuple[Hashable, Hashable]]) -> Segmentation:
+    """Condense ``(vertices, edges)`` into segments in topological order.
+
+    ``vertices``: distinct hashable ids (logical operators, or chains). ``edges``: pairs
+    (src, dst) of ids from ``vertices``; duplicates and self-loops are allowed.
+
+    >>> s = build_segments(["src", "a", "b", "sink"],
+    ...                    [("src", "a"), ("a", "b"), ("b", "a"), ("b", "sink")])
+    >>> s.segments
+    (('src',), ('a', 'b'), ('sink',))
+    >>> s.upstream
+    (frozenset(), frozenset({0}), frozenset({1}))
+    >>> s.cyclic
+    (False, True, False)
+    """
+    vs = list(vertices)
+    es = list(edges)
+    position = _index(vs)
+    comps = strongly_connected_components(vs, es)
+    comp_of: dict[Hashable, int] = {}
+    for c, members in enumerate(comps):
+        for v in members:
+            comp_of[v] = c
+    k = len(comps)
+    succ: list[set[int]] = [set() for _ in range(k)]
+    indeg = [0] * k
+    self_loop = [False] * k
+    for a, b in es:
+        ca, cb = comp_of[a], comp_of[b]
+        if ca == cb:
+            if a == b:
+                self_loop[ca] = True
+        elif cb not in succ[ca]:
+            succ[ca].add(cb)
+            indeg[cb] += 1
+    first = [min(position[v] for v in members) for members in comps]
+    ready = [(first[c], c) for c in range(k) if indeg[c] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, c = heapq.heappop(ready)
+        order.append(c)
+        for d in succ[c]:
+            indeg[d] -= 1
+            if indeg[d] == 0:
+                heapq.heappush(ready, (first[d], d))
+    assert len(order) == k, "the condensation of a graph is acyclic"
+    number = {c: s for s, c in enumerate(order)}
+    segments = tuple(tuple(sorted(comps[c], key=position.__getitem__)) for c in order)
+    segment_of = {v: number[comp_of[v]] for v in vs}
+    upstream: list[set[int]] = [set() for _ in range(k)]
+    for c in range(k):
+        for d in succ[c]:
+            upstream[number[d]].add(number[c])
+    cyclic = tuple(len(comps[c]) > 1 or self_loop[c] for c in order)
+    return Segmentation(segments, segment_of, tuple(frozenset(u) for u in upstream), cyclic)
+
+
+def chain_graph(plan: Any) -> tuple[list[int], list[tuple[int, int]]]:
+    """Vertices and edges of a ``graph.plan.PhysicalPlan`` at the level of chains.
+
+    A task is one subtask of one chain, records enter a chain only at its head, and hops
+    inside a chain are function calls (no channel, nothing to track), so a chain is the
+    unit the tracker needs: segment ``segment_of[chain.id]`` is what every task of that
+    chain reports RCV under and waits a NEOSS for. (Duck-typed: reads ``plan.chains``,
+    ``chain.id`` and ``chain.out_edges[*].dst_chain``.)
+    """
+    vertices = [c.id for c in plan.chains]
+    edges = [(c.id, oe.dst_chain) for c in plan.chains for oe in c.out_edges]
+    return vertices, edges
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _index(vertices: Sequence[Hashable]) -> dict[Hashable, int]:
+    index: dict[Hashable, int] = {}
+    for i, v in enumerate(vertices):
+        if v in index:
+            raise SegmentError(f"vertex {v!r} is listed twice (positions {index[v]} and {i})")
+        index[v] = i
+    return index
+
+
+def _lookup(index: Mapping[Hashable, int], v: Hashable, edge: tuple[Hashable, Hashable]) -> int:
+    try:
+        return index[v]
+    except KeyError:
+        raise SegmentError(f"edge {edge!r} names vertex {v!r}, which is not in the vertex list") from None
