@@ -12,7 +12,7 @@ sequential reference over the input prefix its source offsets name. Here:
   key's counts exactly 1..n) and the final committed state, without the oracle;
 * determinism: a seed and a schedule replay the same run;
 * oracle self-tests: sabotaged runs the oracle must catch, or a green oracle proves nothing;
-* known bugs, as strict xfails with minimal repros.
+* oracle self-tests; the bugs they once pinned as strict xfails are fixed and are plain tests now.
 
 Sizes: the default run does a few hundred seeded runs in about two minutes on two cores.
 ``pytest -m long tests/test_exactly_once.py`` runs the same properties with

@@ -1,7 +1,7 @@
 """epochstream: exactly-once stateful stream operators through asynchronous epoch snapshots."""
 
 from .api.functions import KeyedProcessFunction
-from .api.pipeline import CheckpointConfig, KeyedStream, Pipeline, Stream
+from .api.pipeline import CheckpointConfig, KeyedStream, Pipeline, Stream, TrackerConfig
 from .deploy.result import JobResult
 from .backends.sinks import DiscardingSink, FileSink
 from .graph.keygroups import ParallelismError
@@ -18,5 +18,5 @@ __all__ = [
     "FileSink",
     "GeneratorSource", "JobResult", "KeyedProcessFunction", "KeyedStream", "ListStateDescriptor",
     "MapStateDescriptor", "ParallelismError", "Pipeline", "Source", "StateSerializationError", "Stream",
-    "UserFunctionError", "ValueStateDescriptor",
+    "TrackerConfig", "UserFunctionError", "ValueStateDescriptor",
 ]

@@ -21,21 +21,25 @@ from typing import Any, Callable
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 
 
+class UsageError(ValueError):
+    """Bad command-line input (exit code 2)."""
+
+
 def load_pipeline_factory(spec: str) -> Callable[[], Any]:
     """``path/to/file.py:function`` -> the function (called to build a fresh Pipeline)."""
     if ":" not in spec:
-        raise SystemExit(f"epochstream: expected FILE.py:FUNCTION, got {spec!r}")
+        raise UsageError(f"expected FILE.py:FUNCTION, got {spec!r}")
     path, func = spec.rsplit(":", 1)
     file = Path(path)
     if not file.is_file():
-        raise SystemExit(f"epochstream: no such file: {path}")
+        raise UsageError(f"no such file: {path}")
     mod_spec = importlib.util.spec_from_file_location(f"_epochstream_job_{file.stem}", file)
     module = importlib.util.module_from_spec(mod_spec)
     sys.path.insert(0, str(file.parent.resolve()))
     mod_spec.loader.exec_module(module)
     factory = getattr(module, func, None)
     if not callable(factory):
-        raise SystemExit(f"epochstream: {path} has no function {func!r}")
+        raise UsageError(f"{path} has no function {func!r}")
     return factory
 
 
@@ -50,7 +54,7 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
         p = factory()
         if args.mode:
             if args.mode not in MODES:
-                raise SystemExit(f"epochstream: --mode must be one of {MODES}")
+                raise UsageError(f"--mode must be one of {MODES}, got {args.mode!r}")
             p.mode = args.mode
         if args.parallelism:
             p.parallelism = args.parallelism
@@ -80,6 +84,7 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
 def cmd_run(args) -> int:
     from .deploy.common import JobFailedError
     from .runtime.errors import EpochStreamError
+    from .snapshot.manifest import CheckpointError
 
     build = _configured(load_pipeline_factory(args.pipeline), args)
     p = build()
@@ -92,6 +97,9 @@ def cmd_run(args) -> int:
             allow_non_restored_state=args.allow_non_restored_state,
             duration=args.duration,
         )
+    except CheckpointError as exc:  # a checkpoint that cannot be used is bad input
+        print(f"epochstream: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (EpochStreamError, JobFailedError) as exc:
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -181,9 +189,10 @@ def cmd_chaos(args) -> int:
         results["chaos" if failing else "reference"] = r
         return r
 
-    work = args.workdir or tempfile.mkdtemp(prefix="epochstream-chaos-")
+    work = args.workdir or args.checkpoint_dir or tempfile.mkdtemp(prefix="epochstream-chaos-")
     try:
-        report = check_exactly_once(build, run, work)
+        # runs cut by --duration stop at different points: compare per epoch, not whole outputs
+        report = check_exactly_once(build, run, work, whole_output=args.duration is None)
     except JobFailedError as exc:
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -236,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos = sub.add_parser("chaos", help="run with injected failures and check exactly-once against a failure-free run")
     _add_run_flags(chaos)
     chaos.add_argument("--kills", type=int, default=3, help="failures to inject (default 3)")
-    chaos.add_argument("--workdir", help="keep both runs' output and checkpoints here")
+    chaos.add_argument("--workdir", help="keep both runs' output and checkpoints here (--checkpoint-dir is the same)")
     chaos.set_defaults(func=cmd_chaos, restore=None, allow_non_restored_state=False)
     return ap
 
@@ -249,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (EpochStreamError, ValueError) as exc:  # bad input: say what, exit 2
+    except (EpochStreamError, ValueError, TypeError) as exc:  # bad input: say what, exit 2
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -9,7 +9,7 @@ from ..graph.plan import FORWARD, HASH, REBALANCE, Edge, Node, PhysicalPlan, bui
 from ..deploy.result import JobResult
 from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
-MODES = ("aligned", "at-least-once")
+MODES = ("aligned", "at-least-once", "tracker")
 _UNSET = object()
 DEPLOYMENTS = ("sim", "local")
 
@@ -39,6 +39,17 @@ class CheckpointConfig:
             raise ValueError(f"full_every must be >= 1, got {self.full_every}")
         if self.min_pause < 0 or self.timeout <= 0 or self.tolerable_failed < 0:
             raise ValueError("min_pause >= 0, timeout > 0 and tolerable_failed >= 0 are required")
+
+
+@dataclass
+class TrackerConfig:
+    """trAcker mode's local trackers: XOR-fold SND/RCV reports per (segment, epoch) and flush
+    every ``flush_interval`` seconds or ``flush_count`` events; ``aggregate=False`` sends one
+    report per event (the paper's "without optimisation")."""
+
+    aggregate: bool = True
+    flush_interval: float | None = 0.005
+    flush_count: int | None = 1000
 
 
 class Stream:
@@ -105,8 +116,9 @@ class KeyedStream(Stream):
 class Pipeline:
     """A streaming job: sources, operators and sinks, run with exactly-once epochs.
 
-    ``mode``: ``aligned`` (barrier alignment, exactly-once) or ``at-least-once`` (barriers
-    without blocking). ``checkpoint_interval`` in seconds (None: only the final epoch of a
+    ``mode``: ``aligned`` (barrier alignment, exactly-once), ``at-least-once`` (barriers
+    without blocking) or ``tracker`` (trAcker firm bounds: a central agent tells each task
+    when an epoch has no records left upstream; exactly-once, no markers on data channels). ``checkpoint_interval`` in seconds (None: only the final epoch of a
     bounded job, and epochs asked for on demand).
     """
 
@@ -121,6 +133,7 @@ class Pipeline:
         batch_size: int = 1024,
         restart_attempts: int = 10,
         restart_delay: float = 0.5,
+        tracker: TrackerConfig | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -136,6 +149,7 @@ class Pipeline:
         #: fixed-delay restart strategy (Flink's ``restart-strategy.fixed-delay.*``)
         self.restart_attempts = restart_attempts
         self.restart_delay = restart_delay
+        self.tracker = tracker or TrackerConfig()
         self.batch_size = batch_size
         self._nodes: dict[int, Node] = {}
 

@@ -42,6 +42,8 @@ def run_pipeline(
     if deployment == "sim":
         from .sim import SimDriver
 
+        if options:
+            raise TypeError(f"unknown option(s) for the sim driver: {sorted(options)}")
         driver = SimDriver(pipeline, storage, seed=seed, config=sim, failures=failures, parallelism=parallelism)
     elif deployment == "local":
         from .local import LocalDriver
@@ -65,6 +67,7 @@ def run_pipeline(
             "failures_injected": driver.injected,
             "recovery_seconds": getattr(driver, "recovery_seconds", []),
             "virtual_seconds": driver.now if deployment == "sim" else None,
+            "service_traffic": driver.traffic.as_dict(),
             "deployment": deployment,
             "parallelism": driver.plan.parallelism,
             "mode": pipeline.mode,

@@ -11,6 +11,7 @@ commit, in the middle of a sink commit).
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import logging
 import random
 import secrets
@@ -26,6 +27,12 @@ from ..runtime.context import Context
 from ..runtime.errors import EpochStreamError
 from ..runtime.messages import TaskCapture, TaskId
 from ..runtime.task import Task
+from ..runtime.tracking import TaskTracking
+from ..tracker.agent import TrackingAgent
+from ..tracker.gate import FirmBoundGate
+from ..tracker.local import BatchIds, LocalTracker
+from ..tracker.segments import build_segments, chain_graph
+from ..tracker.traffic import ServiceTraffic
 from ..snapshot.coordinator import (
     AbortEpoch,
     CommitEpoch,
@@ -172,6 +179,44 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
     storage.remove_orphans(retained)
 
 
+@dataclass
+class Tracking:
+    """trAcker mode's driver-side objects for one attempt: segments and the tracking agent."""
+
+    segmentation: Any
+    agent: TrackingAgent
+    traffic: ServiceTraffic
+
+    def tasks_of(self, segment: int, parallelism: int) -> list[TaskId]:
+        return [(cid, s) for cid in self.segmentation.segments[segment] for s in range(parallelism)]
+
+
+def make_tracking(plan: PhysicalPlan, restored: Restored | None, traffic: ServiceTraffic) -> Tracking:
+    """Segments of the chain graph and a tracking agent that starts at the restored epoch."""
+    segmentation = build_segments(*chain_graph(plan))
+    seg_of = segmentation.segment_of
+    p = plan.parallelism
+    promisers: dict[int, list[TaskId]] = {}
+    processes: dict[int, list[TaskId]] = {}
+    for c in plan.chains:
+        processes.setdefault(seg_of[c.id], []).extend((c.id, s) for s in range(p))
+        if c.is_source:
+            promisers.setdefault(seg_of[c.id], []).extend((c.id, s) for s in range(p))
+    agent = TrackingAgent(segmentation, promisers, last_closed=restored.epoch if restored else 0,
+                          processes=processes, traffic=traffic)
+    return Tracking(segmentation, agent, traffic)
+
+
+def new_local_tracker(pipeline, worker: int, now: float) -> LocalTracker:
+    cfg = pipeline.tracker
+    return LocalTracker(worker, aggregate=cfg.aggregate, flush_interval=cfg.flush_interval,
+                        flush_count=cfg.flush_count, now=now)
+
+
+def _ids_seed(attempt: str, tid: TaskId) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{attempt}/{tid}".encode(), digest_size=8).digest(), "little")
+
+
 def build_tasks(
     pipeline,
     plan: PhysicalPlan,
@@ -179,8 +224,12 @@ def build_tasks(
     storage,
     restored: Restored | None,
     gate_factory: Callable[[list[int]], Any] | None = None,
+    trackers: dict[int, LocalTracker] | None = None,
+    attempt: str = "",
 ) -> dict[TaskId, Task]:
-    """The tasks of one worker (or all, if ``worker`` is None), with restored state."""
+    """The tasks of one worker (or all, if ``worker`` is None), with restored state.
+
+    In trAcker mode ``trackers`` maps each worker to its local tracker."""
     exactly_once = pipeline.mode != "at-least-once"
     start_epoch = restored.epoch + 1 if restored else 1
     offsets: dict[str, dict[int, int]] = {}
@@ -189,6 +238,9 @@ def build_tasks(
             offsets[uid] = {int(k): int(v) for k, v in s["offsets"].items()}
     tasks: dict[TaskId, Task] = {}
     cfg = pipeline.checkpoint
+    tracker_mode = pipeline.mode == "tracker"
+    if tracker_mode:
+        seg_of = build_segments(*chain_graph(plan)).segment_of
     for tid in plan.tasks:
         if worker is not None and plan.worker_of(tid) != worker:
             continue
@@ -201,10 +253,16 @@ def build_tasks(
                 rows = storage.read_operator_rows(restored.manifest, restored.root, uid, state.key_group_range)
                 state.restore_rows(rows, entry.get("states", {}))
         chain.open(start_epoch)
-        gate = (gate_factory or (lambda chans: BarrierAligner(chans, exactly_once)))(plan.inputs[tid])
-        if isinstance(gate, BarrierAligner):
-            gate.reset(start_epoch - 1)
-        tasks[tid] = Task(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets)
+        tracking = None
+        if tracker_mode:
+            gate = FirmBoundGate(seg_of[tid[0]], last_closed=start_epoch - 1)
+            out_segment = {ch: seg_of[plan.channels[ch].dst[0]] for chans in plan.outputs[tid] for ch in chans}
+            tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(_ids_seed(attempt, tid)))
+        else:
+            gate = (gate_factory or (lambda chans: BarrierAligner(chans, exactly_once)))(plan.inputs[tid])
+            if isinstance(gate, BarrierAligner):
+                gate.reset(start_epoch - 1)
+        tasks[tid] = Task(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets, tracking)
     return tasks
 
 
@@ -432,6 +490,8 @@ class Driver:
         self.completed: list[int] = []
         self.records_in = 0
         self.last_failure: float | None = None
+        #: service messages of the whole run (markers, SND/RCV reports, promises, NEOSS)
+        self.traffic = ServiceTraffic()
 
     def fail_point(self, name: str) -> None:
         n = self.point_counts[name] = self.point_counts.get(name, 0) + 1

@@ -35,10 +35,13 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ..runtime.messages import Send, Snapshot, SourceExhausted
+from ..runtime.errors import EpochStreamError
+from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted
 from ..snapshot.coordinator import FINAL
 from ..snapshot.manifest import CheckpointError
-from .common import Driver, Failover, JobMaster, StateWriteError, build_tasks, persist
+from ..tracker.traffic import ServiceTraffic
+from .common import Driver, Failover, JobMaster, StateWriteError, build_tasks, make_tracking, new_local_tracker, persist
+from .sim import MARKER_BYTES
 
 log = logging.getLogger("epochstream")
 
@@ -60,13 +63,21 @@ class _Worker:
         self.attempt = attempt
         self.control = control
         self.peers = peers
-        self.tasks = build_tasks(pipeline, plan, index, storage, restored)
+        self.tracker = new_local_tracker(pipeline, index, time.monotonic()) if pipeline.mode == "tracker" else None
+        self.tasks = build_tasks(pipeline, plan, index, storage, restored,
+                                 trackers={index: self.tracker} if self.tracker else None, attempt=attempt)
+        #: chain id -> this worker's task of it (NEOSS for a segment goes to its chains' tasks)
+        self.task_of_chain = {tid[0]: t for tid, t in self.tasks.items()}
+        self.markers_sent = 0
         self.sources = [t for t in self.tasks.values() if t.is_source]
         self.others = [t for t in self.tasks.values() if not t.is_source]
         self.channel_dst = {c.id: c.dst for c in plan.channels}
         self.outbox: dict[int, list] = {p: [] for p in peers}
         self.send_queues: dict[int, queue.SimpleQueue] = {p: queue.SimpleQueue() for p in peers}
+        #: envelopes queued per peer by the loop, and sent per peer by the sender thread; each
+        #: counter has one writer, so the backlog (queued - sent) needs no lock
         self.queued: dict[int, int] = {p: 0 for p in peers}
+        self.sent: dict[int, int] = {p: 0 for p in peers}
         self.peer_pressure: set[int] = set()
         self.pressured = False
         self.writes: queue.SimpleQueue = queue.SimpleQueue()
@@ -86,7 +97,7 @@ class _Worker:
                 conn.send(item)
             except (BrokenPipeError, OSError):
                 return
-            self.queued[peer] -= 1
+            self.sent[peer] += 1
 
     def _writer(self) -> None:
         sinks = self.pipeline.sinks
@@ -121,10 +132,12 @@ class _Worker:
                 try:
                     while conn.poll():
                         self._deliver(peer_of[id(conn)], conn.recv())
-                except EOFError:
-                    raise SystemExit(f"worker {self.index}: peer connection closed")
+                except (EOFError, OSError):
+                    # the peer exited: after a clean stop that is expected, after a crash the
+                    # driver sees the death on its own pipe and fails the job over
+                    inbound.remove(conn)
             for task in self.others:
-                if task.mailbox:
+                if task.mailbox or task.neoss:
                     self._handle(task.step(time.monotonic(), STEP_BUDGET))
                     did = True
             throttled = self.pressured or bool(self.peer_pressure)
@@ -139,15 +152,25 @@ class _Worker:
             self._flush()
             self._results()
             self._pressure()
+            timeout = 0.002
+            if self.tracker is not None:
+                now = time.monotonic()
+                for msg in self.tracker.poll(now):
+                    self.control.send(("tracker", msg))
+                due = self.tracker.next_deadline(now)
+                if due is not None:
+                    timeout = max(0.0, min(timeout, due - now))
             if not did:
-                wait(inbound + [self.control], timeout=0.002)
+                wait(inbound + [self.control], timeout=timeout)
+        for task in self.tasks.values():
+            task.chain.close()
         for q in self.send_queues.values():
             q.put(None)
         self.writes.put(None)
         for t in threads:
             t.join(timeout=5)
         self._results()
-        self.control.send(("stopped", self.index, self.records_in))
+        self.control.send(("stopped", self.index, self.records_in, self.markers_sent))
 
     def _control(self) -> bool:
         did = False
@@ -157,6 +180,12 @@ class _Worker:
             if msg[0] == "trigger":
                 for s in self.sources:
                     s.trigger(msg[1])
+            elif msg[0] == "neoss":
+                _kind, chains, epoch = msg
+                for cid in chains:
+                    task = self.task_of_chain.get(cid)
+                    if task is not None:
+                        task.on_neoss(epoch)
             elif msg[0] == "stop":
                 self.stopping = True
         return did
@@ -171,6 +200,8 @@ class _Worker:
     def _handle(self, actions: list[Any]) -> None:
         for a in actions:
             if type(a) is Send:
+                if type(a.message) is Marker:
+                    self.markers_sent += 1
                 dst = self.channel_dst[a.channel]
                 if dst[1] == self.index:
                     self.tasks[dst].receive(a.channel, a.message)
@@ -198,7 +229,8 @@ class _Worker:
             self.control.send(res)
 
     def _pressure(self) -> None:
-        backlog = sum(len(t.mailbox) + len(t.held) for t in self.others) + sum(self.queued.values())
+        backlog = sum(len(t.mailbox) + len(t.held) for t in self.others) + sum(
+            self.queued[p] - self.sent[p] for p in self.peers)
         if not self.pressured and backlog > HIGH_WATERMARK:
             self.pressured = True
         elif self.pressured and backlog < LOW_WATERMARK:
@@ -255,10 +287,19 @@ class LocalDriver(Driver):
     def _spawn(self, restored, attempt: str):
         p = self.plan.parallelism
         peer_ends: dict[int, dict[int, Connection]] = {w: {} for w in range(p)}
-        for i in range(p):
-            for j in range(i + 1, p):
-                a, b = self._ctx.Pipe(duplex=True)
-                peer_ends[i][j], peer_ends[j][i] = a, b
+        try:
+            for i in range(p):
+                for j in range(i + 1, p):
+                    a, b = self._ctx.Pipe(duplex=True)
+                    peer_ends[i][j], peer_ends[j][i] = a, b
+        except OSError as exc:
+            for ends in peer_ends.values():
+                for c in ends.values():
+                    c.close()
+            raise EpochStreamError(
+                f"the local driver cannot connect {p} workers all-to-all ({p * (p - 1) // 2} pipes): {exc}; "
+                f"use a lower parallelism or raise the open-file limit (ulimit -n)"
+            ) from None
         controls = [self._ctx.Pipe(duplex=True) for _ in range(p)]
         procs = []
         for w in range(p):
@@ -283,6 +324,8 @@ class LocalDriver(Driver):
         procs, conns = self._spawn(restored, attempt)
         self.procs = procs
         master = JobMaster(self.pipeline, self.plan, self.storage, restored, time.monotonic(), self.fail_point, "local")
+        traffic = ServiceTraffic()
+        tracking = make_tracking(self.plan, restored, traffic) if self.pipeline.mode == "tracker" else None
         n_sources = sum(1 for c in self.plan.chains if c.is_source) * self.plan.parallelism
         exhausted: set = set()
         ready = 0
@@ -331,8 +374,15 @@ class LocalDriver(Driver):
                         raise Failover(msg[1])
                     elif kind == "fatal":  # a damaged checkpoint: restarting cannot help
                         raise CheckpointError(msg[1].split(": ", 2)[-1].split("\n")[0])
+                    elif kind == "tracker":
+                        for note in tracking.agent.receive(msg[1], now):
+                            chains = tracking.segmentation.segments[note.segment]
+                            self._send_all(conns, ("neoss", chains, note.epoch))
                     elif kind == "stopped":
                         stopped[msg[1]] = msg[2]
+                        if msg[3]:
+                            traffic.record("marker", msg[1], None, nbytes=MARKER_BYTES * msg[3], messages=msg[3],
+                                           entries=msg[3])
                 for w, proc in enumerate(procs):
                     if not proc.is_alive() and w not in stopped:
                         if proc.exitcode == 0 and getattr(self, "_stop_sent", False):
@@ -352,6 +402,7 @@ class LocalDriver(Driver):
             for c in conns:
                 c.close()
         self.collect(master)
+        self.traffic.merge(traffic)
         self.records_in += sum(stopped.values())
         for proc in procs:
             proc.join(timeout=5)

@@ -22,9 +22,23 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..runtime.messages import Send, Snapshot, SourceExhausted
+from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted
 from ..snapshot.coordinator import FINAL
-from .common import Driver, Failover, FailureSchedule, JobMaster, StateWriteError, build_tasks, persist
+from ..tracker.traffic import ServiceTraffic
+from .common import (
+    Driver,
+    Failover,
+    FailureSchedule,
+    JobMaster,
+    StateWriteError,
+    build_tasks,
+    make_tracking,
+    new_local_tracker,
+    persist,
+)
+
+#: wire size of a marker (epoch number, channel, framing), for service-traffic accounting
+MARKER_BYTES = 16
 
 __all__ = ["FailureSchedule", "SimConfig", "SimDriver"]
 
@@ -64,7 +78,14 @@ class SimDriver(Driver):
 
     def _attempt(self, restored, attempt: str, duration: float | None) -> None:
         plan, cfg, rng = self.plan, self.cfg, self.rng
-        tasks = build_tasks(self.pipeline, plan, None, self.storage, restored)
+        traffic = ServiceTraffic()
+        trackers: dict[int, Any] = {}
+        tracking = None
+        if self.pipeline.mode == "tracker":
+            tracking = make_tracking(plan, restored, traffic)
+            trackers = {w: new_local_tracker(self.pipeline, w, self.now) for w in range(plan.parallelism)}
+        self.tracking = tracking
+        tasks = build_tasks(self.pipeline, plan, None, self.storage, restored, trackers=trackers, attempt=attempt)
         master = JobMaster(self.pipeline, plan, self.storage, restored, self.now, self.fail_point, "sim")
         self.master = master
         batch = cfg.source_batch or self.pipeline.batch_size
@@ -93,10 +114,10 @@ class SimDriver(Driver):
                 if type(a) is Send:
                     ch = plan.channels[a.channel]
                     same_worker = ch.src[1] == ch.dst[1]
-                    delay = rng.expovariate(1.0 / (cfg.local_delay if same_worker else cfg.net_delay))
-                    at = max(last_arrival.get(a.channel, 0.0), done_at + delay)
-                    last_arrival[a.channel] = at
+                    at = fifo(a.channel, done_at, cfg.local_delay if same_worker else cfg.net_delay)
                     push(at, "deliver", a)
+                    if type(a.message) is Marker:
+                        traffic.record("marker", tid, a.message.epoch, nbytes=MARKER_BYTES)
                 elif type(a) is Snapshot:
                     size = sum(len(k.rows) for k in a.capture.keyed) * 64 + sum(len(s.records) for s in a.capture.sinks) * 32
                     at = max(done_at, writer_busy[tid]) + cfg.write_base + size * cfg.write_cost
@@ -107,6 +128,16 @@ class SimDriver(Driver):
                     if len(exhausted) == len(sources) and not final_requested:
                         final_requested = True
                         apply_master(master.request(self.now, FINAL))
+
+        def fifo(link: Any, sent_at: float, mean_delay: float) -> float:
+            """Arrival time on a FIFO link: a random delay, never before the previous message."""
+            at = max(last_arrival.get(link, 0.0), sent_at + rng.expovariate(1.0 / mean_delay))
+            last_arrival[link] = at
+            return at
+
+        def flush_tracker(worker: int, at: float) -> None:
+            for msg in trackers[worker].poll(at):
+                push(fifo(("tracker", worker), at, cfg.net_delay), "tracker", msg)
 
         def apply_master(out) -> None:
             if out.failover:
@@ -132,6 +163,13 @@ class SimDriver(Driver):
             if deadline is not None and deadline <= self.now:
                 apply_master(master.poll(self.now))
                 deadline = master.next_deadline(self.now)
+            for w, tr in trackers.items():
+                due = tr.next_deadline(self.now)
+                if due is not None and due <= self.now:
+                    flush_tracker(w, self.now)
+                    due = tr.next_deadline(self.now)
+                if due is not None and (deadline is None or due < deadline):
+                    deadline = due
             next_kill = kill_times[self.kills_done] if self.kills_done < len(kill_times) else None
             if not events:
                 if deadline is None:
@@ -161,7 +199,9 @@ class SimDriver(Driver):
                 if cfg.check_invariants:
                     task.check_invariants()
                 handle(tid, actions, busy[tid])
-                if task.mailbox or task.triggers:
+                if trackers:
+                    flush_tracker(tid[1], busy[tid])
+                if task.mailbox or task.triggers or task.neoss:
                     schedule_step(tid)
             elif kind == "read":
                 tid = payload
@@ -175,8 +215,21 @@ class SimDriver(Driver):
                 if cfg.check_invariants:
                     task.check_invariants()
                 handle(tid, actions, busy[tid])
+                if trackers:
+                    flush_tracker(tid[1], busy[tid])
                 if task.source_has_more():
                     push(max(busy[tid], self.now + got / cfg.source_rate), "read", tid)
+            elif kind == "tracker":
+                for note in tracking.agent.receive(payload, self.now):
+                    for dst in tracking.tasks_of(note.segment, plan.parallelism):
+                        push(fifo(("neoss", dst), self.now, cfg.net_delay), "neoss", (dst, note.epoch))
+                if cfg.check_invariants:
+                    tracking.agent.check_invariants()
+            elif kind == "neoss":
+                dst, epoch = payload
+                tasks[dst].on_neoss(epoch)
+                if tasks[dst].neoss:
+                    schedule_step(dst)
             elif kind == "persisted":
                 capture = payload
                 self.writes += 1
@@ -191,6 +244,7 @@ class SimDriver(Driver):
                 apply_master(master.ack(info, self.now))
             self.collect(master)
         self.collect(master)
+        self.traffic.merge(traffic)
         for t in tasks.values():
             t.chain.close()
 

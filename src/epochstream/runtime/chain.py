@@ -174,7 +174,10 @@ class ChainRuntime:
             write = writer.write
 
             def op_sink(records: list[Any], keys: list[Any] | None) -> None:
-                write(records)
+                try:
+                    write(records)
+                except Exception as exc:
+                    raise UserFunctionError(f"sink {label!r} could not take records: {exc!r}") from exc
 
             return op_sink
         if kind == "process":
@@ -205,6 +208,11 @@ class ChainRuntime:
                     keyslot.key = key
                     res = process(value, ctx)
                     if res is not None:
+                        if type(res) in _NOT_RECORD_ITERABLES:
+                            raise TypeError(
+                                f"process() returned a {type(res).__name__}; return or yield an iterable of "
+                                f"records, e.g. (record,)"
+                            )
                         extend(res)
             except Exception as exc:
                 raise UserFunctionError(f"process {label!r} failed on key {keyslot.key!r}: {exc!r}") from exc
@@ -239,6 +247,9 @@ class ChainRuntime:
         keyed = tuple(s.capture(epoch, incremental, full_every) for s in self.states.values())
         sinks = tuple(SinkCapture(uid, epoch, w.take()) for uid, w in self.sink_writers.items())
         return keyed, sinks
+
+
+_NOT_RECORD_ITERABLES = frozenset({str, bytes, dict})
 
 
 def _discard(records: list[Any], keys: list[Any] | None) -> None:

@@ -24,6 +24,8 @@ class Batch:
     epoch: int
     records: list[Any]
     keys: list[Any] | None = None
+    #: random 64-bit id the trAcker's SND/RCV reports XOR together (0 in aligned mode)
+    id: int = 0
 
     def __len__(self) -> int:
         return len(self.records)
@@ -96,11 +98,3 @@ class SourceExhausted:
     """A bounded source task has emitted its last record."""
 
     task: TaskId
-
-
-@dataclass(frozen=True, slots=True)
-class TaskFailed:
-    """User code or state serialization failed inside a task; the driver fails over."""
-
-    task: TaskId
-    error: BaseException

@@ -37,7 +37,9 @@ class Task:
         incremental: bool = True,
         full_every: int = 10,
         source_offsets: dict[str, dict[int, int]] | None = None,
+        tracking: Any = None,
     ) -> None:
+        """``tracking``: None (aligned modes) or a ``TaskTracking`` (trAcker mode)."""
         self.plan = plan
         self.id = task_id
         self.chain = chain
@@ -56,6 +58,12 @@ class Task:
         self.out_channels = [c for chans in plan.outputs[task_id] for c in chans]
         self.records_in = 0
         self.exhausted_reported = False
+        # -- trAcker mode
+        self.tracking = tracking
+        #: NEOSS epochs delivered and not yet applied (buffered like messages)
+        self.neoss: deque[int] = deque()
+        #: (batch id, epoch) of inputs processed since the last flush: their RCVs follow the SNDs
+        self._received: list[tuple[int, int]] = []
         # -- source side
         spec = plan.chains[task_id[0]]
         self.is_source = spec.is_source
@@ -82,9 +90,14 @@ class Task:
         """Epoch ``epoch`` ends at this source now (coordinator's trigger)."""
         self.triggers.append(epoch)
 
+    def on_neoss(self, epoch: int) -> None:
+        """The tracking agent's NEOSS(epoch) for this task's segment (trAcker mode)."""
+        if not self.is_source:
+            self.neoss.append(epoch)
+
     # ------------------------------------------------------------ queries
     def has_input(self) -> bool:
-        return bool(self.mailbox) or bool(self.triggers)
+        return bool(self.mailbox) or bool(self.triggers) or bool(self.neoss)
 
     def source_has_more(self) -> bool:
         if not self.is_source:
@@ -102,7 +115,7 @@ class Task:
         actions: list[Any] = []
         if self.is_source:
             while self.triggers:
-                self._snapshot_and_forward(self.triggers.popleft(), 0.0, actions)
+                self._snapshot_and_forward(self.triggers.popleft(), 0.0, actions, now)
             if read_source:
                 self._read(budget)
                 self._flush(actions)
@@ -113,9 +126,16 @@ class Task:
         processed = 0
         gate = self.gate
         mailbox = self.mailbox
+        tracking = self.tracking
+        if tracking is not None and self.neoss:
+            self._apply_neoss(now, actions)
         while mailbox and processed < budget:
             channel, msg = mailbox.popleft()
-            if gate.is_blocked(channel):
+            if tracking is not None:
+                if type(msg) is Batch and not gate.admit(msg.epoch, now):
+                    self.held.append((channel, msg))  # firm bound: a later epoch waits for NEOSS
+                    continue
+            elif gate.is_blocked(channel):
                 self.held.append((channel, msg))
                 continue
             if type(msg) is Batch:
@@ -127,12 +147,14 @@ class Task:
                 n = len(msg.records)
                 processed += n
                 self.records_in += n
+                if tracking is not None:
+                    self._received.append((msg.id, msg.epoch))
                 continue
             # a marker: everything before it on this channel is processed
             aligned = gate.on_marker(channel, msg.epoch, now)
             if aligned is not None:
                 epoch, waited = aligned
-                self._snapshot_and_forward(epoch, waited, actions)
+                self._snapshot_and_forward(epoch, waited, actions, now)
                 if self.held:
                     mailbox.extendleft(reversed(self.held))
                     self.held = []
@@ -159,23 +181,54 @@ class Task:
                 return
 
     def _flush(self, actions: list[Any]) -> None:
+        tracking = self.tracking
+        if tracking is None:
+            for ch, batch in self.chain.out.drain(self.epoch):
+                actions.append(Send(ch, batch))
+            return
+        # chain rule: SND of every output before the RCV of the inputs that caused it
+        tracker, ids, seg_of = tracking.tracker, tracking.ids, tracking.out_segment
         for ch, batch in self.chain.out.drain(self.epoch):
+            batch.id = next(ids)
+            tracker.snd(batch.id, batch.epoch, seg_of[ch])
             actions.append(Send(ch, batch))
+        if self._received:
+            seg = tracking.segment
+            for bid, epoch in self._received:
+                tracker.rcv(bid, epoch, seg)
+            self._received = []
 
-    def _snapshot_and_forward(self, epoch: int, waited: float, actions: list[Any]) -> None:
+    def _apply_neoss(self, now: float, actions: list[Any]) -> None:
+        """Close the epochs NEOSS ends: snapshot each (no markers), then release held records."""
+        self._flush(actions)
+        while self.neoss:
+            for epoch in self.gate.on_neoss(self.neoss.popleft(), now):
+                self._snapshot_and_forward(epoch, self.gate.last_hold_seconds, actions, now)
+        if self.held:
+            self.mailbox.extendleft(reversed(self.held))
+            self.held = []
+
+    def _snapshot_and_forward(self, epoch: int, waited: float, actions: list[Any], now: float) -> None:
         self._flush(actions)
         keyed, sinks = self.chain.capture(epoch, self.incremental, self.full_every)
         offsets = {self.source_uid: dict(self.offsets)} if self.is_source else {}
         held = sum(len(m) for _c, m in self.held if type(m) is Batch)
         actions.append(Snapshot(TaskCapture(self.id, epoch, keyed, sinks, offsets, waited, held)))
-        marker = Marker(epoch)
-        for ch in self.out_channels:
-            actions.append(Send(ch, marker))
+        if self.tracking is not None:
+            if self.is_source:  # the promise follows the SNDs of every batch of epoch <= n (just flushed)
+                self.tracking.tracker.promise(self.tracking.segment, epoch, now, source=self.id)
+        else:
+            marker = Marker(epoch)
+            for ch in self.out_channels:
+                actions.append(Send(ch, marker))
         self.epoch = epoch + 1
         self.chain.set_epoch(self.epoch)
 
     def check_invariants(self) -> None:
         """Called by the simulator after every step."""
         assert self.chain.out.pending() == 0, f"task {self.id}: unflushed output after step"
+        assert not self._received, f"task {self.id}: RCV reports not handed to the tracker after step"
         if not getattr(self.gate, "blocked", None):
             assert not self.held, f"task {self.id}: held messages but no blocked channel"
+        if self.tracking is not None and not self.is_source:
+            assert self.epoch == self.gate.open_epoch, f"task {self.id}: epoch {self.epoch} != open epoch"
