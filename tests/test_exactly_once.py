@@ -12,7 +12,7 @@ sequential reference over the input prefix its source offsets name. Here:
   key's counts exactly 1..n) and the final committed state, without the oracle;
 * determinism: a seed and a schedule replay the same run;
 * oracle self-tests: sabotaged runs the oracle must catch, or a green oracle proves nothing;
-* oracle self-tests; the bugs they once pinned as strict xfails are fixed and are plain tests now.
+* regressions: the bugs these suites found were strict xfails until fixed; they stay as plain tests.
 
 Sizes: the default run does a few hundred seeded runs in about two minutes on two cores.
 ``pytest -m long tests/test_exactly_once.py`` runs the same properties with
@@ -216,37 +216,43 @@ def assert_exactly_once(report: OracleReport) -> None:
 # ---------------------------------------------------------------- exactly-once (aligned), the oracle
 
 
-def _exactly_once_property(builder_name: str, c: Chaos, workdirs) -> None:
-    work = workdirs(f"eo-{builder_name}")
-    assert_exactly_once(oracle(BUILDERS[builder_name], c, work))
+#: modes that promise exactly-once: one suite runs both (barrier alignment and trAcker firm bounds)
+EXACTLY_ONCE_MODES = ("aligned", "tracker")
+
+
+def _exactly_once_property(builder_name: str, c: Chaos, workdirs, mode: str = "aligned") -> None:
+    work = workdirs(f"eo-{mode}-{builder_name}")
+    assert_exactly_once(oracle(BUILDERS[builder_name], c, work, mode=mode))
     shutil.rmtree(work, ignore_errors=True)
 
 
+@pytest.mark.parametrize("mode", EXACTLY_ONCE_MODES)
 @pytest.mark.parametrize("builder_name", sorted(BUILDERS))
-@settings(max_examples=40, **COMMON)
+@settings(max_examples=25, **COMMON)
 @given(c=chaos())
-def test_exactly_once_under_failures(builder_name, c, workdirs):
+def test_exactly_once_under_failures(builder_name, mode, c, workdirs):
     """Kills, job-master crashes at every fail point, failed state writes (tolerable_failed=0:
     each one fails the job over), parallelism 1..4: the committed output and every epoch's
     state match the failure-free run and the sequential reference."""
-    _exactly_once_property(builder_name, c, workdirs)
+    _exactly_once_property(builder_name, c, workdirs, mode)
 
 
 @pytest.mark.long
+@pytest.mark.parametrize("mode", EXACTLY_ONCE_MODES)
 @pytest.mark.parametrize("builder_name", sorted(BUILDERS))
 @settings(max_examples=LONG_EXAMPLES, **COMMON)
 @given(c=chaos())
-def test_exactly_once_under_failures_long(builder_name, c, workdirs):
-    _exactly_once_property(builder_name, c, workdirs)
+def test_exactly_once_under_failures_long(builder_name, mode, c, workdirs):
+    _exactly_once_property(builder_name, c, workdirs, mode)
 
 
 @settings(max_examples=30, **COMMON)
-@given(builder_name=st.sampled_from(sorted(BUILDERS)),
+@given(builder_name=st.sampled_from(sorted(BUILDERS)), mode=st.sampled_from(EXACTLY_ONCE_MODES),
        c=chaos(tolerable_failed=st.integers(1, 3), write_failures=st.just(frozenset())))
-def test_exactly_once_tolerable_failed_without_write_failures(builder_name, c, workdirs):
+def test_exactly_once_tolerable_failed_without_write_failures(builder_name, mode, c, workdirs):
     """tolerable_failed > 0 changes nothing when no epoch fails: kills and fail points still
     recover exactly once (fail points crash the job master, they are not tolerated)."""
-    _exactly_once_property(builder_name, c, workdirs)
+    _exactly_once_property(builder_name, c, workdirs, mode)
 
 
 # -- known bugs, as properties: these become plain tests once the bugs are fixed
@@ -255,17 +261,18 @@ def test_exactly_once_tolerable_failed_without_write_failures(builder_name, c, w
 @settings(max_examples=40, **FIND_ONLY)
 # pipelines whose stateful task also holds the sink (the bug needs a declined write on such a task)
 @given(builder_name=st.sampled_from(["running_count", "list_state", "histogram", "two_sinks"]),
+       mode=st.sampled_from(EXACTLY_ONCE_MODES),
        c=chaos(tolerable_failed=st.integers(1, 3), kills=st.just(0),
                write_failures=st.frozensets(st.integers(1, 24), min_size=1, max_size=3)))
-def test_exactly_once_tolerated_write_failures(builder_name, c, workdirs):
-    _exactly_once_property(builder_name, c, workdirs)
+def test_exactly_once_tolerated_write_failures(builder_name, mode, c, workdirs):
+    _exactly_once_property(builder_name, c, workdirs, mode)
 
 
 @settings(max_examples=40, **FIND_ONLY)
-@given(builder_name=st.sampled_from(sorted(BUILDERS)),
+@given(builder_name=st.sampled_from(sorted(BUILDERS)), mode=st.sampled_from(EXACTLY_ONCE_MODES),
        c=chaos(parallelism=st.integers(2, 4), max_concurrent=st.integers(2, 3)))
-def test_exactly_once_concurrent_epochs(builder_name, c, workdirs):
-    _exactly_once_property(builder_name, c, workdirs)
+def test_exactly_once_concurrent_epochs(builder_name, mode, c, workdirs):
+    _exactly_once_property(builder_name, c, workdirs, mode)
 
 
 # ---------------------------------------------------------------- at-least-once: no loss
@@ -314,13 +321,13 @@ def committed_counts(chk: Path, uid: str = "count") -> dict:
     return out
 
 
-def _running_count_invariant(which: str, c: Chaos, workdirs) -> None:
-    work = workdirs(f"inv-{which}")
+def _running_count_invariant(which: str, c: Chaos, workdirs, mode: str = "aligned") -> None:
+    work = workdirs(f"inv-{mode}-{which}")
     if which == "running_count":
-        p = running_count(emit_ids=True, out=work / "out", **c.knobs())
+        p = running_count(emit_ids=True, out=work / "out", mode=mode, **c.knobs())
         want_ids = set(range(N))
     else:
-        p = union_chain(emit_ids=True, out=work / "out", **c.knobs())
+        p = union_chain(emit_ids=True, out=work / "out", mode=mode, **c.knobs())
         want_ids = union_chain_ids(N)
     result = sim_run(p, work / "chk", seed=c.seed, failures=c.schedule(), source_rate=RATE)
     note(f"scenario: {c}; restarts {result.restarts}, epochs {result.completed_epochs}")
@@ -336,17 +343,17 @@ def _running_count_invariant(which: str, c: Chaos, workdirs) -> None:
 
 
 @settings(max_examples=80, **COMMON)
-@given(which=st.sampled_from(["running_count", "union_chain"]), c=chaos())
-def test_running_counts_are_exactly_1_to_n(which, c, workdirs):
+@given(which=st.sampled_from(["running_count", "union_chain"]), mode=st.sampled_from(EXACTLY_ONCE_MODES), c=chaos())
+def test_running_counts_are_exactly_1_to_n(which, mode, c, workdirs):
     """Every input id is committed once and each key's committed counts run exactly 1..n."""
-    _running_count_invariant(which, c, workdirs)
+    _running_count_invariant(which, c, workdirs, mode)
 
 
 @pytest.mark.long
 @settings(max_examples=LONG_EXAMPLES, **COMMON)
-@given(which=st.sampled_from(["running_count", "union_chain"]), c=chaos())
-def test_running_counts_are_exactly_1_to_n_long(which, c, workdirs):
-    _running_count_invariant(which, c, workdirs)
+@given(which=st.sampled_from(["running_count", "union_chain"]), mode=st.sampled_from(EXACTLY_ONCE_MODES), c=chaos())
+def test_running_counts_are_exactly_1_to_n_long(which, mode, c, workdirs):
+    _running_count_invariant(which, c, workdirs, mode)
 
 
 def test_check_running_counts_finds_violations():
