@@ -187,8 +187,8 @@ class Tracking:
     agent: TrackingAgent
     traffic: ServiceTraffic
 
-    def tasks_of(self, segment: int, parallelism: int) -> list[TaskId]:
-        return [(cid, s) for cid in self.segmentation.segments[segment] for s in range(parallelism)]
+    def chains_of(self, segment: int) -> tuple[int, ...]:
+        return tuple(self.segmentation.segments[segment])
 
 
 def make_tracking(plan: PhysicalPlan, restored: Restored | None, traffic: ServiceTraffic) -> Tracking:
@@ -197,9 +197,10 @@ def make_tracking(plan: PhysicalPlan, restored: Restored | None, traffic: Servic
     seg_of = segmentation.segment_of
     p = plan.parallelism
     promisers: dict[int, list[TaskId]] = {}
-    processes: dict[int, list[TaskId]] = {}
+    processes: dict[int, list[str]] = {}
     for c in plan.chains:
-        processes.setdefault(seg_of[c.id], []).extend((c.id, s) for s in range(p))
+        # a worker hosts one task of every chain: NEOSS of one agent step go to it in one message
+        processes[seg_of[c.id]] = [f"worker-{w}" for w in range(p)]
         if c.is_source:
             promisers.setdefault(seg_of[c.id], []).extend((c.id, s) for s in range(p))
     agent = TrackingAgent(segmentation, promisers, last_closed=restored.epoch if restored else 0,

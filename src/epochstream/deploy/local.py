@@ -181,11 +181,11 @@ class _Worker:
                 for s in self.sources:
                     s.trigger(msg[1])
             elif msg[0] == "neoss":
-                _kind, chains, epoch = msg
-                for cid in chains:
-                    task = self.task_of_chain.get(cid)
-                    if task is not None:
-                        task.on_neoss(epoch)
+                for chains, epoch in msg[1]:
+                    for cid in chains:
+                        task = self.task_of_chain.get(cid)
+                        if task is not None:
+                            task.on_neoss(epoch)
             elif msg[0] == "stop":
                 self.stopping = True
         return did
@@ -375,9 +375,9 @@ class LocalDriver(Driver):
                     elif kind == "fatal":  # a damaged checkpoint: restarting cannot help
                         raise CheckpointError(msg[1].split(": ", 2)[-1].split("\n")[0])
                     elif kind == "tracker":
-                        for note in tracking.agent.receive(msg[1], now):
-                            chains = tracking.segmentation.segments[note.segment]
-                            self._send_all(conns, ("neoss", chains, note.epoch))
+                        notes = [(tracking.chains_of(n.segment), n.epoch) for n in tracking.agent.receive(msg[1], now)]
+                        if notes:
+                            self._send_all(conns, ("neoss", notes))
                     elif kind == "stopped":
                         stopped[msg[1]] = msg[2]
                         if msg[3]:

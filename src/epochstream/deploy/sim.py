@@ -220,16 +220,20 @@ class SimDriver(Driver):
                 if task.source_has_more():
                     push(max(busy[tid], self.now + got / cfg.source_rate), "read", tid)
             elif kind == "tracker":
-                for note in tracking.agent.receive(payload, self.now):
-                    for dst in tracking.tasks_of(note.segment, plan.parallelism):
-                        push(fifo(("neoss", dst), self.now, cfg.net_delay), "neoss", (dst, note.epoch))
+                notes = [(tracking.chains_of(n.segment), n.epoch) for n in tracking.agent.receive(payload, self.now)]
+                if notes:
+                    for w in range(plan.parallelism):  # one bundle per worker, FIFO per worker
+                        push(fifo(("neoss", w), self.now, cfg.net_delay), "neoss", (w, notes))
                 if cfg.check_invariants:
                     tracking.agent.check_invariants()
             elif kind == "neoss":
-                dst, epoch = payload
-                tasks[dst].on_neoss(epoch)
-                if tasks[dst].neoss:
-                    schedule_step(dst)
+                w, notes = payload
+                for chains, epoch in notes:
+                    for cid in chains:
+                        dst = (cid, w)
+                        tasks[dst].on_neoss(epoch)
+                        if tasks[dst].neoss:
+                            schedule_step(dst)
             elif kind == "persisted":
                 capture = payload
                 self.writes += 1

@@ -98,8 +98,9 @@ class TrackingAgent:
         traffic: ServiceTraffic | None = None,
     ) -> None:
         """``promisers[s]``: ids of the sources that promise epochs for segment s (every
-        root segment needs at least one). ``processes[s]``: the processes a NEOSS for s
-        goes to (only for traffic accounting; default: one message per NEOSS).
+        root segment needs at least one). ``processes[s]``: where a NEOSS for s goes (only
+        for traffic accounting): the NEOSS of one step are bundled into one message per
+        destination; default: one message per NEOSS.
         ``last_closed``: every epoch <= it counts as closed (a restored checkpoint)."""
         k = len(segmentation)
         self.segmentation = segmentation
@@ -204,6 +205,8 @@ class TrackingAgent:
         heap = list(dirty)
         heapq.heapify(heap)
         out: list[NEOSS] = []
+        #: destination -> epochs notified to it in this step: one service message each
+        bundles: dict[Hashable, list[int]] = {}
         last = -1
         while heap:
             s = heapq.heappop(heap)
@@ -215,15 +218,16 @@ class TrackingAgent:
                 continue
             self._bound[s] = b
             out.append(NEOSS(s, b))
-            self._account_neoss(s, b)
+            targets = self.processes.get(s, ()) if self.processes is not None else (("segment", s),)
+            for p in targets:
+                bundles.setdefault(p, []).append(b)
             for d in self._downstream[s]:
                 heapq.heappush(heap, d)
+        # the NEOSS of one step travel together: one message per destination, one entry each
+        for p, epochs in bundles.items():
+            self.traffic.record(NEOSS_KIND, p, min(epochs), nbytes=NEOSS_WIRE.size * len(epochs), entries=len(epochs))
         return out
 
-    def _account_neoss(self, s: int, epoch: int) -> None:
-        targets = self.processes.get(s, ()) if self.processes is not None else (("segment", s),)
-        for p in targets:
-            self.traffic.record(NEOSS_KIND, p, epoch, nbytes=NEOSS_WIRE.size)
 
     def _validate(self, m: TrackerMessage) -> None:
         expected = self._next_seq.get(m.sender, 0)
