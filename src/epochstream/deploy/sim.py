@@ -66,6 +66,8 @@ class SimDriver(Driver):
         self.now = 0.0
         self.writes = 0
         self.events_processed = 0
+        #: (epoch, task, seconds from the epoch's trigger to the task's bound), every attempt
+        self.bound_latency: list[tuple[int, Any, float]] = []
 
     def clock(self) -> float:
         return self.now
@@ -119,6 +121,9 @@ class SimDriver(Driver):
                     if type(a.message) is Marker:
                         traffic.record("marker", tid, a.message.epoch, nbytes=MARKER_BYTES)
                 elif type(a) is Snapshot:
+                    triggered = master.coordinator.epochs.get(a.capture.epoch)
+                    if triggered is not None:  # notification latency: epoch trigger -> this task's bound
+                        self.bound_latency.append((a.capture.epoch, tid, done_at - triggered.triggered_at))
                     size = sum(len(k.rows) for k in a.capture.keyed) * 64 + sum(len(s.records) for s in a.capture.sinks) * 32
                     at = max(done_at, writer_busy[tid]) + cfg.write_base + size * cfg.write_cost
                     writer_busy[tid] = at

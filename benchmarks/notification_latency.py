@@ -1,0 +1,115 @@
+"""Notification latency: from an epoch's end at the sources to each process's bound.
+
+For every epoch and every process (task), the time from the coordinator's trigger (the
+sources end the epoch: markers in aligned mode, promises in tracker mode) to the moment
+the process reaches its bound (aligned: its last marker arrived; tracker: the NEOSS that
+closes the epoch arrived), on the simulator's network model (exponential one-way delay,
+mean ``--net-delay`` between workers, 10 us within a worker; FIFO per channel; a task is
+busy 5 us per message plus 2 us per record).
+
+Workload RR-N as in benchmarks/traffic.py, sweeping N (operators) and workers. Writes
+benchmarks/results/notification_latency.csv and .png; prints medians and p99. The issue's
+target: the tracker's median stays within 25% from N=10 to N=100 while alignment's grows.
+Not a test. The local driver's numbers are not measured yet (see the issue note).
+
+    python benchmarks/notification_latency.py [--epochs 20] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from traffic import RATE, rr_n  # noqa: E402
+
+from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
+from epochstream.deploy.sim import SimConfig, SimDriver  # noqa: E402
+
+MODES = (("aligned", "aligned", True), ("tracker-aggregated", "tracker", True))
+
+
+def measure(n_maps: int, workers: int, granularity: int, epochs: int, label: str, mode: str, net_delay: float):
+    p, _records = rr_n(n_maps, workers, granularity, epochs, mode, True)
+    cfg = SimConfig(source_rate=RATE, source_batch=1, check_invariants=False, net_delay=net_delay)
+    with tempfile.TemporaryDirectory(prefix="es-latency-") as chk:
+        driver = SimDriver(p, LocalCheckpointStorage(chk), seed=1, config=cfg)
+        driver.run(None, False, None)
+    lat = sorted(s * 1000 for _e, _t, s in driver.bound_latency)
+    return {"mode": label, "graph_size": n_maps, "workers": workers, "granularity": granularity,
+            "net_delay_ms": net_delay * 1000, "samples": len(lat), "p50_ms": statistics.median(lat),
+            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "max_ms": lat[-1]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--granularity", type=int, default=10)
+    ap.add_argument("--net-delay", type=float, default=0.0005, help="mean one-way delay between workers (s)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+    n_values = [10, 30] if args.quick else [10, 30, 100]
+    w_values = [5, 15] if args.quick else [5, 10, 15, 20]
+    points = sorted({(n, 15) for n in n_values} | {(30, w) for w in w_values})
+    rows = []
+    total = len(points) * len(MODES)
+    k = 0
+    for n, w in points:
+        for label, mode, _agg in MODES:
+            k += 1
+            print(f"[{k}/{total}] N={n} W={w} {label} ...", end=" ", flush=True)
+            row = measure(n, w, args.granularity, args.epochs, label, mode, args.net_delay)
+            rows.append(row)
+            print(f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms ({row['samples']} bounds)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "notification_latency.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    print("\nmedian / p99 ms from an epoch's end at the sources to each process's bound")
+    for label, _m, _a in MODES:
+        for n, w in points:
+            r = next(r for r in rows if (r["mode"], r["graph_size"], r["workers"]) == (label, n, w))
+            print(f"  {label:<19} N={n:<4} W={w:<3} p50 {r['p50_ms']:7.2f}  p99 {r['p99_ms']:7.2f}")
+    for label, _m, _a in MODES:
+        lo = next(r for r in rows if (r["mode"], r["graph_size"], r["workers"]) == (label, n_values[0], 15))
+        hi = next(r for r in rows if (r["mode"], r["graph_size"], r["workers"]) == (label, n_values[-1], 15))
+        print(f"  {label}: median N={n_values[-1]} / N={n_values[0]} = {hi['p50_ms'] / lo['p50_ms']:.2f} "
+              f"(tracker target: within 1.25)")
+    _plot(rows, n_values, w_values, out / "notification_latency.png")
+    print(f"\nwrote {out / 'notification_latency.csv'} and {out / 'notification_latency.png'}")
+    return 0
+
+
+def _plot(rows, n_values, w_values, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, xs, fixed in ((axes[0], "graph_size", n_values, ("workers", 15)),
+                               (axes[1], "workers", w_values, ("graph_size", 30))):
+        for label, _m, _a in MODES:
+            sel = [next(r for r in rows if r["mode"] == label and r[key] == x and r[fixed[0]] == fixed[1]) for x in xs]
+            ax.plot(xs, [r["p50_ms"] for r in sel], marker="o", label=f"{label} p50")
+            ax.plot(xs, [r["p99_ms"] for r in sel], marker="x", linestyle="--", label=f"{label} p99")
+        ax.set_xlabel(key)
+        ax.set_ylabel("ms from epoch end to bound")
+        ax.set_title(f"{fixed[0]}={fixed[1]}", fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("notification latency (simulator)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
