@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import random
 import sys
 import tempfile
@@ -71,7 +72,9 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
 def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("pipeline", metavar="FILE.py:FUNCTION", help="a function that returns a Pipeline")
     ap.add_argument("--deployment", choices=["sim", "local"], default="local", help="where to run (default: local)")
-    ap.add_argument("--mode", help="aligned (exactly-once, default) or at-least-once")
+    ap.add_argument("--mode", metavar="MODE",
+                    help="one of: aligned, tracker, at-least-once (aligned: barrier alignment, the default; "
+                         "tracker: trAcker firm bounds; both exactly-once)")
     ap.add_argument("--parallelism", "-p", type=int, help="number of workers")
     ap.add_argument("--max-parallelism", type=int, help="number of key groups (fixed once state exists)")
     ap.add_argument("--checkpoint-dir", help="where checkpoints go (default: a new temporary directory)")
@@ -263,5 +266,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+def entry() -> None:
+    """Console-script entry point: exit right after the result is out.
+
+    pyarrow can abort during interpreter teardown after worker processes were forked
+    (apache/arrow#34314); once the command has printed its result there is nothing left to
+    tear down that matters, so flush and leave with the command's exit code."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -354,7 +354,8 @@ class LocalDriver(Driver):
                     try:
                         msg = conn.recv()
                     except (EOFError, OSError) as exc:
-                        raise Failover(f"worker {conns.index(conn)} died ({type(exc).__name__})") from None
+                        w = conns.index(conn)
+                        raise Failover(self._death_report(w, conn, f"worker {w} died ({type(exc).__name__})")) from None
                     kind = msg[0]
                     now = time.monotonic()
                     if kind == "ready":
@@ -387,6 +388,8 @@ class LocalDriver(Driver):
                     if not proc.is_alive() and w not in stopped:
                         if proc.exitcode == 0 and getattr(self, "_stop_sent", False):
                             continue  # stopped cleanly; its "stopped" message is still in the pipe
+                        if conns[w].poll():
+                            continue  # read what it sent before dying first (its error report)
                         raise Failover(f"worker {w} (pid {proc.pid}) died with exit code {proc.exitcode}")
                 if master.finished and not getattr(self, "_stop_sent", False):
                     self._stop_sent = True
@@ -419,7 +422,19 @@ class LocalDriver(Driver):
             try:
                 c.send(msg)
             except OSError as exc:
-                raise Failover(f"worker {w} unreachable ({type(exc).__name__})") from None
+                raise Failover(LocalDriver._death_report(w, c, f"worker {w} unreachable ({type(exc).__name__})")) from None
+
+    @staticmethod
+    def _death_report(w: int, conn, fallback: str) -> str:
+        """Why worker ``w`` is gone: the error it reported before dying, if it sent one."""
+        try:
+            while conn.poll():
+                msg = conn.recv()
+                if msg[0] in ("error", "fatal"):
+                    return msg[1]
+        except (EOFError, OSError):
+            pass
+        return fallback
 
     @staticmethod
     def _kill(procs) -> None:

@@ -163,4 +163,24 @@ def validate_manifest(m: Any, where: str) -> dict[str, Any]:
     for key in ("job", "epoch", "parallelism", "max_parallelism", "operators", "sources", "sinks"):
         if key not in m:
             raise CheckpointError(f"{where}: manifest lacks {key!r}; the file is damaged")
+    try:
+        _check_shape(m)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{where}: manifest is damaged inside ({type(exc).__name__}: {exc})") from None
     return m
+
+
+def _check_shape(m: dict[str, Any]) -> None:
+    """Every field restore and listing read, with the right type (raises on the first gap)."""
+    int(m["epoch"]), int(m["parallelism"]), int(m["max_parallelism"])
+    for uid, op in m["operators"].items():
+        if not isinstance(op["files"], list) or not isinstance(op.get("states", {}), dict):
+            raise TypeError(f"operator {uid!r}: files must be a list and states a mapping")
+        for f in op["files"]:
+            StateFileRef.from_json(f)
+    for uid, src in m["sources"].items():
+        for split, offset in src["offsets"].items():
+            int(split), int(offset)
+    for uid, sink in m["sinks"].items():
+        if not isinstance(sink["staged"], list) or not all(isinstance(p, str) for p in sink["staged"]):
+            raise TypeError(f"sink {uid!r}: staged must be a list of paths")

@@ -1,0 +1,25 @@
+"""Shared pytest set-up.
+
+pyarrow 26 can abort with "terminate called without an active exception" while the
+interpreter tears down after forking worker processes (apache/arrow#34314; seen here in a
+few percent of runs under load). The tests' outcome is known by then, so after pytest has
+reported we end the process with its exit status instead of running that teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_status: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _status.append(int(exitstatus))
+
+
+def pytest_unconfigure(config):
+    if _status and "pyarrow" in sys.modules and not os.environ.get("EPOCHSTREAM_NO_HARD_EXIT"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_status[-1])

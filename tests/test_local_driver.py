@@ -1,0 +1,484 @@
+"""The local driver with real processes and real faults (slow suite: ``pytest -m slow``).
+
+One OS process per worker, real time, real pipes; failures are real ``SIGKILL``s of worker
+processes sent by the driver at wall-clock times (``FailureSchedule.kill_times``) and crashes
+of the driver-side job master at the protocol's fail points. Correctness is shown as in
+DESIGN.md "How correctness is shown": the exactly-once oracle (committed output equals a
+failure-free run's, every epoch's committed state equals the sequential reference over the
+input prefix its source offsets name), and the running-count invariant (every id once, each
+key's counts exactly 1..n) across separate runs that resume from a checkpoint.
+
+Sizing: kills are placed inside the *measured* duration of the failure-free reference run
+(about 1-2 s here), at least ``MIN_KILL_GAP`` apart so that every kill lands in its own
+attempt (the previous failover is detected and the workers respawned first); inputs are large
+enough that the chaos run is still running when the last kill is due.
+
+Nothing here asserts on timing or throughput (benchmarks do that); the CPU test only checks
+that two worker processes were busy at the same time.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import resource
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from epochstream import FileSink, KeyedProcessFunction, ValueStateDescriptor
+from epochstream.backends.local import LocalCheckpointStorage
+from epochstream.deploy.common import JobFailedError, JobMaster
+from epochstream.deploy.sim import FailureSchedule
+from epochstream.oracle import OracleReport, check_exactly_once
+from pipelines import (
+    RunningCount,
+    check_running_counts,
+    committed_output,
+    input_records,
+    make_pipeline,
+    running_count,
+    two_sinks,
+    union_chain,
+)
+
+pytestmark = pytest.mark.slow
+
+#: seconds between a failure and the restart (pipelines.make_pipeline sets 0: the sim has its own)
+RESTART_DELAY = 0.05
+#: checkpoint interval in real seconds: a 1-2 s run completes tens of epochs
+INTERVAL = 0.05
+#: minimum spacing of two kills: more than restart delay + respawn + failure detection
+MIN_KILL_GAP = 0.25
+KILLS = 5
+
+#: input sizes that make a failure-free run take roughly 1-2 s on two cores (batch size 8)
+SIZES = {"running_count": 150_000, "union_chain": 99_000}  # union_chain needs n < 100000
+BUILDERS = {"running_count": running_count, "union_chain": union_chain}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def kill_times(horizon: float, kills: int = KILLS) -> list[float]:
+    """``kills`` wall-clock kill times from 10% of ``horizon`` (the reference run's duration)
+    on, spread over its first ~75% and never closer than ``MIN_KILL_GAP``."""
+    gap = max(0.16 * horizon, MIN_KILL_GAP)
+    return [0.1 * horizon + i * gap for i in range(kills)]
+
+
+def local_oracle(build, work: Path, *, seed: int, kills: int = KILLS,
+                 fail_points: dict[str, set[int]] | None = None) -> tuple[OracleReport, dict]:
+    """The oracle over the local driver: a failure-free run, then a run with ``kills`` SIGKILLs
+    of random workers inside the reference run's duration (plus ``fail_points`` of the job
+    master). Returns the report and {"reference"|"chaos": (JobResult, seconds)}."""
+    runs: dict[str, tuple] = {}
+
+    def run(p, chk, failing):
+        p.restart_delay = RESTART_DELAY
+        p.restart_attempts = 50
+        failures = None
+        if failing:
+            horizon = runs["reference"][1]
+            failures = FailureSchedule(kill_times=kill_times(horizon, kills) if kills else [],
+                                       fail_points=dict(fail_points or {}))
+        t0 = time.perf_counter()
+        result = p.run(deployment="local", checkpoint_dir=chk, failures=failures, seed=seed)
+        runs["chaos" if failing else "reference"] = (result, time.perf_counter() - t0)
+        return result
+
+    report = check_exactly_once(build, run, work)
+    return report, runs
+
+
+def describe(report: OracleReport, runs: dict) -> str:
+    parts = [f"report={report.to_json()}"]
+    for label, (r, secs) in runs.items():
+        parts.append(
+            f"{label}: {secs:.2f}s restarts={r.restarts} injected={r.metrics['failures_injected']} "
+            f"epochs={len(r.completed_epochs)} failovers={[(round(f['time'], 3), f['reason'].splitlines()[0]) for f in r.metrics['failovers']]}"
+        )
+    return "\n".join(parts)
+
+
+def assert_exactly_once(report: OracleReport, why: str) -> None:
+    assert report.ok, why
+    assert report.lost == 0, why
+    assert report.duplicated == 0, why
+    assert report.mismatched_state == 0, why
+    assert report.mismatched_epoch_output == 0, why
+    assert report.epochs_checked >= 2, why
+    assert report.records_committed == report.records_expected > 0, why
+
+
+def committed_counts(chk: Path, uid: str = "count", state: str = "count") -> dict:
+    """key -> value of ValueState ``state`` of operator ``uid`` in the newest checkpoint."""
+    storage = LocalCheckpointStorage(chk)
+    manifest, root = storage.latest()
+    out = {}
+    for _kg, kbytes, name, vbytes in storage.read_operator_rows(manifest, root, uid):
+        if name != state:
+            continue
+        if vbytes is None:
+            out.pop(pickle.loads(kbytes), None)
+        else:
+            out[pickle.loads(kbytes)] = pickle.loads(vbytes)
+    return out
+
+
+# ---------------------------------------------------------------- 1. exactly-once with real kills
+
+
+@pytest.mark.parametrize("parallelism", [2, 3])
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_exactly_once_with_real_kills(tmp_path, mode, name, parallelism):
+    """5 SIGKILLs of random workers while the job runs (barrier alignment, and the trAcker):
+    the committed output equals the failure-free run's and every completed epoch's state and
+    output match the sequential reference over the input prefix its offsets name."""
+    build = partial(BUILDERS[name], n=SIZES[name], parallelism=parallelism, mode=mode,
+                    interval=INTERVAL, batch_size=8)
+    report, runs = local_oracle(build, tmp_path, seed=10 * parallelism + len(name))
+    why = describe(report, runs)
+    chaos, _secs = runs["chaos"]
+    assert chaos.metrics["failures_injected"] >= KILLS, why
+    assert chaos.restarts >= KILLS, why  # every kill failed the job over (none merged into one attempt)
+    assert len(chaos.metrics["failovers"]) == chaos.restarts, why
+    assert chaos.metrics["recovery_seconds"], why  # workers came back up and reported ready
+    assert chaos.metrics["mode"] == mode
+    assert_exactly_once(report, why)
+
+
+# ---------------------------------------------------------------- 2. at-least-once with kills
+
+
+def test_at_least_once_with_real_kills_loses_nothing(tmp_path):
+    """Barriers without blocking: duplicates after a failure are the contract, loss is not."""
+    build = partial(running_count, n=SIZES["running_count"], parallelism=2, mode="at-least-once",
+                    interval=INTERVAL, batch_size=8)
+    report, runs = local_oracle(build, tmp_path, seed=7)
+    why = describe(report, runs)
+    chaos, _secs = runs["chaos"]
+    assert chaos.metrics["failures_injected"] >= KILLS, why
+    assert chaos.restarts >= KILLS, why
+    assert chaos.metrics["mode"] == "at-least-once"
+    assert report.at_least_once, why
+    assert report.ok, why
+    assert report.lost == 0, why
+    assert report.records_committed >= report.records_expected > 0, why
+
+
+# ---------------------------------------------------------------- 3. resume across runs
+
+
+RESUME_KEYS = 7
+RESUME_SPLITS = 2
+
+
+def _resume_record(i: int) -> tuple[str, int]:
+    return (f"k{i % RESUME_KEYS}", i)
+
+
+def resume_pipeline(out: Path, count: int | None):
+    """generate (unbounded if count is None) -> key_by -> RunningCount [uid "count"] ->
+    sink "counts": the same job name, uids and splits whether bounded or not."""
+    p = make_pipeline("resume", parallelism=RESUME_SPLITS, interval=INTERVAL, batch_size=32, restart_attempts=10)
+    p.restart_delay = RESTART_DELAY
+    (
+        p.generate(_resume_record, count=count, uid="gen")
+        .key_by(lambda r: r[0])
+        .process(RunningCount(emit_ids=True), uid="count")
+        .sink(FileSink(out / "counts"), uid="counts")
+    )
+    return p
+
+
+def latest_offsets(chk: Path) -> tuple[int, str, dict[int, int]]:
+    manifest, _root = LocalCheckpointStorage(chk).latest()
+    offs = {int(k): int(v) for k, v in manifest["sources"]["gen"]["offsets"].items()}
+    return int(manifest["epoch"]), manifest.get("kind"), offs
+
+
+def ids_before(offsets: dict[int, int]) -> set[int]:
+    """Ids a generate() source with RESUME_SPLITS splits has read at ``offsets``."""
+    return {j * RESUME_SPLITS + s for s, off in offsets.items() for j in range(off)}
+
+
+def test_resume_across_runs_continues_counts_exactly(tmp_path):
+    """Run an unbounded job for a while, resume it (with a kill in the second run), then
+    resume a bounded version of it to the end: the committed running counts of all three runs
+    together are exactly 1..n per key, every id once, and the final state agrees."""
+    out, chk = tmp_path / "out", tmp_path / "chk"
+
+    # run 1: unbounded, stopped after `duration` with a final epoch
+    r1 = resume_pipeline(out, None).run(deployment="local", checkpoint_dir=str(chk), duration=0.6)
+    epoch1, kind1, offs1 = latest_offsets(chk)
+    assert kind1 == "final"
+    assert r1.completed_epochs and r1.completed_epochs[-1] == epoch1
+    recs1 = committed_output(out / "counts")
+    want1 = ids_before(offs1)
+    assert len(want1) > 1000, "the first run read too little to make the test meaningful"
+    assert check_running_counts(recs1, want1) == []
+
+    # run 2: the same unbounded job resumed, with one worker SIGKILLed midway
+    r2 = resume_pipeline(out, None).run(deployment="local", checkpoint_dir=str(chk), restore="latest",
+                                        duration=0.8, failures=FailureSchedule(kill_times=[0.3]), seed=3)
+    assert r2.metrics["failures_injected"] == 1
+    assert r2.restarts >= 1
+    assert r2.completed_epochs[0] == epoch1 + 1, r2.completed_epochs
+    epoch2, kind2, offs2 = latest_offsets(chk)
+    assert kind2 == "final" and epoch2 > epoch1
+    assert all(offs2[s] >= offs1[s] for s in offs1) and sum(offs2.values()) > sum(offs1.values())
+    recs2 = committed_output(out / "counts")
+    assert len(recs2) > len(recs1)
+    assert check_running_counts(recs2, ids_before(offs2)) == []
+
+    # run 3: a bounded version (same name, uids, splits) resumed to the end of its input
+    total = RESUME_SPLITS * max(offs2.values()) + 5_000
+    r3 = resume_pipeline(out, total).run(deployment="local", checkpoint_dir=str(chk), restore="latest")
+    assert r3.completed_epochs[0] == epoch2 + 1, r3.completed_epochs
+    recs3 = committed_output(out / "counts")
+    assert len(recs3) == total
+    assert check_running_counts(recs3, range(total)) == []
+    # counts continued across runs: each key's highest committed count is its number of ids
+    per_key = collections.Counter(key for key, _n, _id in recs3)
+    assert committed_counts(chk) == dict(per_key)
+    assert {key: max(n for k, n, _ in recs3 if k == key) for key in per_key} == dict(per_key)
+
+
+# ---------------------------------------------------------------- 4. errors in user code
+
+
+class Boom(Exception):
+    pass
+
+
+class RaisesAt(KeyedProcessFunction):
+    def __init__(self, bad_id: int) -> None:
+        self.bad_id = bad_id
+
+    def open(self, ctx) -> None:
+        self.count = ctx.state(ValueStateDescriptor("count", default=0))
+
+    def process(self, value, ctx):
+        if value[1] == self.bad_id:
+            raise Boom(f"boom at id {self.bad_id}")
+        self.count.update(self.count.value() + 1)
+        return (value,)
+
+
+class StoresLock(KeyedProcessFunction):
+    """Stores an unpicklable value for key k3 once ids pass ``after``."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+
+    def open(self, ctx) -> None:
+        self.payload = ctx.state(ValueStateDescriptor("payload"))
+
+    def process(self, value, ctx):
+        bad = ctx.key == "k3" and value[1] > self.after
+        self.payload.update(threading.Lock() if bad else value[1])
+        return (value,)
+
+
+def _user_code_pipeline(out: Path, fn, restart_attempts: int, interval: float = 1.0):
+    """20000 records, parallelism 2. The default interval (1 s) is longer than the run: no epoch
+    completes before the failure (see test_worker_error_is_reported_while_the_driver_is_busy)."""
+    p = make_pipeline("user-error", parallelism=2, interval=interval, batch_size=16, restart_attempts=restart_attempts)
+    p.restart_delay = RESTART_DELAY
+    (
+        p.from_collection(input_records(20_000, 7), uid="src")
+        .key_by(lambda r: r[0])
+        .process(fn, uid="my-process")
+        .sink(FileSink(out / "counts"), uid="counts")
+    )
+    return p
+
+
+def _failovers(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "epochstream" and "failing over" in r.getMessage()]
+
+
+@pytest.mark.parametrize("restart_attempts", [0, 2])
+def test_user_code_raising_fails_the_job_naming_the_operator(tmp_path, caplog, restart_attempts):
+    caplog.set_level(logging.WARNING, logger="epochstream")
+    p = _user_code_pipeline(tmp_path / "out", RaisesAt(12_000), restart_attempts)
+    with pytest.raises(JobFailedError) as exc:
+        p.run(deployment="local", checkpoint_dir=str(tmp_path / "chk"))
+    msg = str(exc.value)
+    assert f"gave up after {restart_attempts} restarts" in msg, msg
+    assert "'my-process'" in msg, msg
+    assert "UserFunctionError" in msg, msg
+    assert "boom at id 12000" in msg, msg
+    # every attempt failed the same way: the first run and each restart
+    fails = _failovers(caplog)
+    assert len(fails) == restart_attempts + 1, fails
+    assert all("'my-process'" in f for f in fails), fails
+
+
+def test_unpicklable_state_surfaces_as_state_serialization_error(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="epochstream")
+    p = _user_code_pipeline(tmp_path / "out", StoresLock(after=15_000), restart_attempts=2)
+    with pytest.raises(JobFailedError) as exc:
+        p.run(deployment="local", checkpoint_dir=str(tmp_path / "chk"))
+    msg = str(exc.value)
+    first = msg.split("\n", 1)[0]
+    assert "gave up after 2 restarts" in first, msg
+    assert "StateSerializationError" in first, msg
+    assert "'my-process'" in first and "'payload'" in first and "'k3'" in first, msg
+    assert "pickle" in first, msg
+    assert len(_failovers(caplog)) == 3
+
+
+def test_worker_error_is_reported_while_the_driver_is_busy(tmp_path, monkeypatch):
+    """A slow job master (50 ms per ack, like a slow checkpoint store) and a short interval, so
+    the failing worker has acks queued ahead of its error report."""
+    real_ack = JobMaster.ack
+
+    def slow_ack(self, *args, **kwargs):
+        time.sleep(0.05)
+        return real_ack(self, *args, **kwargs)
+
+    monkeypatch.setattr(JobMaster, "ack", slow_ack)
+    for i in range(3):
+        p = _user_code_pipeline(tmp_path / f"out{i}", RaisesAt(15_000), restart_attempts=0, interval=0.001)
+        with pytest.raises(JobFailedError) as exc:
+            p.run(deployment="local", checkpoint_dir=str(tmp_path / f"chk{i}"))
+        msg = str(exc.value)
+        assert "'my-process'" in msg and "boom at id 15000" in msg, msg
+
+
+# ---------------------------------------------------------------- 5. both cores busy
+
+
+def _burn(record):
+    x = 0
+    for i in range(30_000):
+        x += i * i
+    return (record[0], record[1] + (x & 0))
+
+
+def _cpu_heavy_pipeline(out: Path):
+    p = make_pipeline("cpu-heavy", parallelism=2, interval=0.2, batch_size=32)
+    (
+        p.generate(lambda i: (f"k{i % 11}", i), count=2_000, uid="gen")
+        .map(_burn)
+        .key_by(lambda r: r[0])
+        .process(RunningCount(), uid="count")
+        .sink(FileSink(out / "counts"), uid="counts")
+    )
+    return p
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _machine_busy_seconds() -> float:
+    """CPU-seconds all processes on the machine spent busy so far (``/proc/stat``)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already in user
+
+
+def _own_cpu(kind) -> float:
+    r = resource.getrusage(kind)
+    return r.ru_utime + r.ru_stime
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2 or _usable_cpus() < 2,
+                    reason="needs two CPUs to show two worker processes busy at once")
+def test_two_workers_use_two_cores(tmp_path):
+    """Evidence of real parallelism, not a throughput assertion: the reaped worker processes
+    used more CPU time than 1.2x the wall time of the run.
+
+    Other processes on the machine can take a core away (a shared CI box, a concurrent test
+    run): up to three attempts are made, and if every attempt lost the comparison while other
+    processes kept more than a quarter of a core busy, the evidence is inconclusive and the
+    test is skipped, saying so."""
+    attempts = []
+    for attempt in range(3):
+        p = _cpu_heavy_pipeline(tmp_path / f"out{attempt}")
+        children0, self0, machine0 = _own_cpu(resource.RUSAGE_CHILDREN), _own_cpu(resource.RUSAGE_SELF), \
+            _machine_busy_seconds()
+        t0 = time.perf_counter()
+        result = p.run(deployment="local", checkpoint_dir=str(tmp_path / f"chk{attempt}"))
+        wall = time.perf_counter() - t0
+        cpu = _own_cpu(resource.RUSAGE_CHILDREN) - children0
+        others = (_machine_busy_seconds() - machine0) - cpu - (_own_cpu(resource.RUSAGE_SELF) - self0)
+        assert len(committed_output(tmp_path / f"out{attempt}" / "counts")) == 2_000
+        assert result.metrics["parallelism"] == 2
+        attempts.append({"wall": round(wall, 2), "workers_cpu": round(cpu, 2), "ratio": round(cpu / wall, 2),
+                         "other_processes_cpu": round(max(others, 0.0), 2)})
+        if cpu > 1.2 * wall:
+            return
+    if all(a["other_processes_cpu"] > 0.25 * a["wall"] for a in attempts):
+        pytest.skip(f"inconclusive: other processes on the machine were busy during every attempt {attempts}")
+    pytest.fail(f"worker CPU time / wall time stayed <= 1.2 with an otherwise idle machine: {attempts}")
+
+
+# ---------------------------------------------------------------- 6. crashes at the job master's fail points
+
+
+FAIL_POINTS = {
+    # occurrences count over the whole run, across restarts
+    "after_manifest": {2, 6},  # manifest written, sink commit not done
+    "mid_commit": {3, 9},  # between two staged files of one epoch's commit
+    "recovery": {1, 3},  # while re-committing the restored epoch's output (two_sinks: 2 per start)
+}
+
+
+@pytest.mark.parametrize("point", sorted(FAIL_POINTS))
+def test_job_master_crash_at_fail_point(tmp_path, point):
+    """The driver-side job master crashes between writing a manifest and committing the sinks,
+    in the middle of a commit, or during recovery; workers are killed, the job restarts from
+    the latest completed checkpoint, and the oracle passes."""
+    build = partial(two_sinks, n=30_000, parallelism=2, interval=0.02, batch_size=8)
+    report, runs = local_oracle(build, tmp_path, seed=5, kills=0, fail_points={point: FAIL_POINTS[point]})
+    why = describe(report, runs)
+    chaos, _secs = runs["chaos"]
+    reasons = [f["reason"] for f in chaos.metrics["failovers"]]
+    assert chaos.metrics["failures_injected"] == len(FAIL_POINTS[point]), why
+    assert chaos.restarts == len(FAIL_POINTS[point]), why
+    assert all(f"injected crash at {point}" in r for r in reasons), why
+    assert_exactly_once(report, why)
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_kills_and_job_master_crashes_together(tmp_path, mode):
+    """SIGKILLs of workers interleaved with job-master crashes at every fail point."""
+    points = {"before_manifest": {4}, "after_manifest": {2, 7}, "mid_commit": {3, 11}, "after_commit": {5},
+              "recovery": {4}}
+    build = partial(two_sinks, n=60_000, parallelism=2, interval=0.02, batch_size=8, mode=mode)
+    report, runs = local_oracle(build, tmp_path, seed=11, kills=3, fail_points=points)
+    why = describe(report, runs)
+    chaos, _secs = runs["chaos"]
+    assert chaos.metrics["failures_injected"] >= 3 + 4, why
+    assert chaos.restarts >= 3 + 4, why
+    assert_exactly_once(report, why)
+
+
+# ---------------------------------------------------------------- shutdown
+
+
+def test_failure_free_local_runs_do_not_fail_over(tmp_path):
+    """Regression (once a strict xfail): at shutdown a worker that had not yet handled 'stop'
+    read EOF from a peer that already exited and reported 'peer connection closed', so a
+    failure-free job restarted from its final checkpoint, or with restart_attempts=0 failed.
+    The race hit 10-30% of these short runs at parallelism 3 on two cores."""
+    for i in range(40):
+        p = running_count(n=200, parallelism=3, batch_size=8, interval=INTERVAL, restart_attempts=0,
+                          out=tmp_path / f"out{i}")
+        result = p.run(deployment="local", checkpoint_dir=str(tmp_path / f"chk{i}"))
+        assert result.restarts == 0, result.metrics["failovers"]
+        assert len(committed_output(tmp_path / f"out{i}" / "counts")) == 200
