@@ -40,6 +40,8 @@ Speed: ``without_fsync()`` skips fsync in the storage while a test runs (see the
 
 from __future__ import annotations
 
+import pickle
+
 import collections
 import contextlib
 import json
@@ -48,6 +50,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from epochstream.backends.local import LocalCheckpointStorage
 from epochstream import (
     CheckpointConfig,
     FileSink,
@@ -451,3 +454,21 @@ def without_fsync():
         yield
     finally:
         local.os = real
+
+
+def committed_counts(chk, uid: str = "count", state: str = "count") -> dict:
+    """key -> value of ValueState ``state`` of operator ``uid`` in the newest checkpoint.
+
+    Read with the storage API and pickle only, on purpose independent of the oracle's code,
+    so checks built on it do not share the oracle's bugs."""
+    storage = LocalCheckpointStorage(chk)
+    manifest, root = storage.latest()
+    out = {}
+    for _kg, kbytes, name, vbytes in storage.read_operator_rows(manifest, root, uid):
+        if name != state:
+            continue
+        if vbytes is None:
+            out.pop(pickle.loads(kbytes), None)
+        else:
+            out[pickle.loads(kbytes)] = pickle.loads(vbytes)
+    return out

@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import pickle
 import re
 import shutil
 import subprocess
@@ -47,11 +46,11 @@ from hypothesis import strategies as st
 import epochstream.deploy.common as common_module
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.backends.sinks import FileSink
-from epochstream import CheckpointError
-from epochstream.deploy.common import JobFailedError, Restored
+from epochstream.deploy.common import Restored
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import OracleReport, check_exactly_once
 from pipelines import (
+    committed_counts,
     BUILDERS,
     SOURCE_RATE,
     check_running_counts,
@@ -304,21 +303,6 @@ def test_at_least_once_loses_nothing_long(builder_name, c, workdirs):
 
 
 # ---------------------------------------------------------------- the running-count invariant, without the oracle
-
-
-def committed_counts(chk: Path, uid: str = "count") -> dict:
-    """key -> count in the newest checkpoint, read with the storage API and pickle only."""
-    storage = LocalCheckpointStorage(chk)
-    manifest, root = storage.latest()
-    out = {}
-    for _kg, kbytes, name, vbytes in storage.read_operator_rows(manifest, root, uid):
-        if name != "count":
-            continue
-        if vbytes is None:
-            out.pop(pickle.loads(kbytes), None)
-        else:
-            out[pickle.loads(kbytes)] = pickle.loads(vbytes)
-    return out
 
 
 def _running_count_invariant(which: str, c: Chaos, workdirs, mode: str = "aligned") -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import pickle
 import resource
 import threading
 import time
@@ -37,6 +36,7 @@ from epochstream.deploy.common import JobFailedError, JobMaster
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import OracleReport, check_exactly_once
 from pipelines import (
+    committed_counts,
     RunningCount,
     check_running_counts,
     committed_output,
@@ -114,21 +114,6 @@ def assert_exactly_once(report: OracleReport, why: str) -> None:
     assert report.mismatched_epoch_output == 0, why
     assert report.epochs_checked >= 2, why
     assert report.records_committed == report.records_expected > 0, why
-
-
-def committed_counts(chk: Path, uid: str = "count", state: str = "count") -> dict:
-    """key -> value of ValueState ``state`` of operator ``uid`` in the newest checkpoint."""
-    storage = LocalCheckpointStorage(chk)
-    manifest, root = storage.latest()
-    out = {}
-    for _kg, kbytes, name, vbytes in storage.read_operator_rows(manifest, root, uid):
-        if name != state:
-            continue
-        if vbytes is None:
-            out.pop(pickle.loads(kbytes), None)
-        else:
-            out[pickle.loads(kbytes)] = pickle.loads(vbytes)
-    return out
 
 
 # ---------------------------------------------------------------- 1. exactly-once with real kills

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import logging
-import random
+import random as _random
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -68,7 +68,7 @@ class FailureSchedule:
     write_failures: set[int] = field(default_factory=set)
 
     @classmethod
-    def random(cls, rng: random.Random, kills: int, horizon: float) -> "FailureSchedule":
+    def random(cls, rng: _random.Random, kills: int, horizon: float) -> "FailureSchedule":
         """``kills`` failures spread over ``horizon`` virtual seconds, a mix of worker kills
         and job-master crashes at fail points."""
         sched = cls()

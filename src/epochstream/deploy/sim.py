@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted
