@@ -254,7 +254,7 @@ def test_exactly_once_tolerable_failed_without_write_failures(builder_name, mode
     _exactly_once_property(builder_name, c, workdirs, mode)
 
 
-# -- known bugs, as properties: these become plain tests once the bugs are fixed
+# -- properties that once found bugs (declined writes lost output; GC removed files of concurrent epochs)
 
 
 @settings(max_examples=40, **FIND_ONLY)

@@ -51,6 +51,14 @@ class TrackerConfig:
     flush_interval: float | None = 0.005
     flush_count: int | None = 1000
 
+    def __post_init__(self) -> None:
+        if self.aggregate and self.flush_interval is None and self.flush_count is None:
+            raise ValueError("TrackerConfig: with aggregate=True set flush_interval or flush_count (or both)")
+        if self.flush_interval is not None and self.flush_interval < 0:
+            raise ValueError(f"TrackerConfig: flush_interval must be >= 0, got {self.flush_interval}")
+        if self.flush_count is not None and self.flush_count < 1:
+            raise ValueError(f"TrackerConfig: flush_count must be >= 1, got {self.flush_count}")
+
 
 class Stream:
     """A stream of records; each method adds an operator and returns the new stream."""

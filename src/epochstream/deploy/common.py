@@ -24,7 +24,7 @@ from ..alignment import BarrierAligner
 from ..graph.plan import PhysicalPlan
 from ..runtime.chain import ChainRuntime
 from ..runtime.context import Context
-from ..runtime.errors import EpochStreamError
+from ..runtime.errors import ConfigurationError, EpochStreamError
 from ..runtime.messages import TaskCapture, TaskId
 from ..runtime.task import Task
 from ..runtime.tracking import TaskTracking
@@ -190,6 +190,10 @@ class Tracking:
     def chains_of(self, segment: int) -> tuple[int, ...]:
         return tuple(self.segmentation.segments[segment])
 
+    def notes(self, neoss) -> list[tuple[tuple[int, ...], int]]:
+        """(chains, epoch) per NEOSS that has receivers (source segments have none)."""
+        return [(self.chains_of(n.segment), n.epoch) for n in neoss if self.agent.processes.get(n.segment)]
+
 
 def make_tracking(plan: PhysicalPlan, restored: Restored | None, traffic: ServiceTraffic) -> Tracking:
     """Segments of the chain graph and a tracking agent that starts at the restored epoch."""
@@ -199,8 +203,10 @@ def make_tracking(plan: PhysicalPlan, restored: Restored | None, traffic: Servic
     promisers: dict[int, list[TaskId]] = {}
     processes: dict[int, list[str]] = {}
     for c in plan.chains:
-        # a worker hosts one task of every chain: NEOSS of one agent step go to it in one message
-        processes[seg_of[c.id]] = [f"worker-{w}" for w in range(p)]
+        # a worker hosts one task of every chain: NEOSS of one agent step go to it in one message;
+        # source chains end their epochs themselves and get none
+        if not c.is_source:
+            processes[seg_of[c.id]] = [f"worker-{w}" for w in range(p)]
         if c.is_source:
             promisers.setdefault(seg_of[c.id], []).extend((c.id, s) for s in range(p))
     agent = TrackingAgent(segmentation, promisers, last_closed=restored.epoch if restored else 0,
@@ -524,8 +530,8 @@ class Driver:
                 recover(self.storage, self.pipeline.sinks, restored, self.fail_point)
                 self.attempt(restored, f"{run_id}.{self.restarts}", duration)
                 return
-            except CheckpointError:
-                raise  # a damaged checkpoint stays damaged: restarting cannot help
+            except (CheckpointError, ConfigurationError):
+                raise  # a damaged checkpoint or an impossible set-up: restarting cannot help
             except (Failover, InjectedFailure, SinkStagingError, EpochStreamError) as exc:
                 reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
                 self.last_failure = self.clock()

@@ -35,7 +35,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from ..runtime.errors import EpochStreamError
+from ..runtime.errors import ConfigurationError
 from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted
 from ..snapshot.coordinator import FINAL
 from ..snapshot.manifest import CheckpointError
@@ -296,7 +296,7 @@ class LocalDriver(Driver):
             for ends in peer_ends.values():
                 for c in ends.values():
                     c.close()
-            raise EpochStreamError(
+            raise ConfigurationError(
                 f"the local driver cannot connect {p} workers all-to-all ({p * (p - 1) // 2} pipes): {exc}; "
                 f"use a lower parallelism or raise the open-file limit (ulimit -n)"
             ) from None
@@ -376,7 +376,7 @@ class LocalDriver(Driver):
                     elif kind == "fatal":  # a damaged checkpoint: restarting cannot help
                         raise CheckpointError(msg[1].split(": ", 2)[-1].split("\n")[0])
                     elif kind == "tracker":
-                        notes = [(tracking.chains_of(n.segment), n.epoch) for n in tracking.agent.receive(msg[1], now)]
+                        notes = tracking.notes(tracking.agent.receive(msg[1], now))
                         if notes:
                             self._send_all(conns, ("neoss", notes))
                     elif kind == "stopped":
@@ -396,6 +396,7 @@ class LocalDriver(Driver):
                     self._send_all(conns, ("stop",))
                 self.collect(master)
         except BaseException:
+            self.traffic.merge(traffic)  # a failed attempt's service messages were sent all the same
             master.coordinator.fail(time.monotonic(), "failover")
             self.collect(master)
             self._kill(procs)

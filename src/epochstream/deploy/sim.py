@@ -76,11 +76,15 @@ class SimDriver(Driver):
         self.now += self.cfg.restart_delay
 
     def attempt(self, restored, attempt: str, duration: float | None) -> None:
-        self._attempt(restored, attempt, duration)
+        self.attempt_traffic = ServiceTraffic()
+        try:
+            self._attempt(restored, attempt, duration)
+        finally:  # a failed attempt's service messages were sent all the same
+            self.traffic.merge(self.attempt_traffic)
 
     def _attempt(self, restored, attempt: str, duration: float | None) -> None:
         plan, cfg, rng = self.plan, self.cfg, self.rng
-        traffic = ServiceTraffic()
+        traffic = self.attempt_traffic
         trackers: dict[int, Any] = {}
         tracking = None
         if self.pipeline.mode == "tracker":
@@ -225,7 +229,7 @@ class SimDriver(Driver):
                 if task.source_has_more():
                     push(max(busy[tid], self.now + got / cfg.source_rate), "read", tid)
             elif kind == "tracker":
-                notes = [(tracking.chains_of(n.segment), n.epoch) for n in tracking.agent.receive(payload, self.now)]
+                notes = tracking.notes(tracking.agent.receive(payload, self.now))
                 if notes:
                     for w in range(plan.parallelism):  # one bundle per worker, FIFO per worker
                         push(fifo(("neoss", w), self.now, cfg.net_delay), "neoss", (w, notes))
@@ -253,7 +257,6 @@ class SimDriver(Driver):
                 apply_master(master.ack(info, self.now))
             self.collect(master)
         self.collect(master)
-        self.traffic.merge(traffic)
         for t in tasks.values():
             t.chain.close()
 

@@ -19,5 +19,9 @@ class StateSerializationError(EpochStreamError):
     """A keyed state value could not be pickled at an epoch bound."""
 
 
+class ConfigurationError(EpochStreamError):
+    """The job cannot run as configured on this machine (restarting cannot help)."""
+
+
 class UserFunctionError(EpochStreamError):
     """A user function raised; wraps the original exception with the operator uid."""

@@ -3,8 +3,9 @@
 Theory of operation. The driver hands messages to ``receive`` (buffer only) and epoch
 triggers to ``trigger`` (sources only), then calls ``step(now, budget)``, which does the
 work and returns actions (``Send``, ``Snapshot``, ``SourceExhausted``). The mailbox is one
-FIFO of (channel, message) in arrival order; the epoch gate (barrier alignment here, the
-trAcker gate later) decides which channels are blocked. Messages of a blocked channel are
+FIFO of (channel, message) in arrival order; the epoch gate decides what waits: barrier
+alignment blocks channels whose marker arrived, the trAcker's firm-bound gate holds records
+of epochs after the open one until a NEOSS closes it. Messages of a blocked channel are
 set aside and put back at the head of the mailbox, in arrival order, when the gate opens.
 
 A source task has no inputs: it reads its splits from their offsets and, on a trigger for

@@ -30,16 +30,12 @@ Same small interface as ``alignment.BarrierAligner`` where it makes sense: ``exa
 ``blocked`` (truthy while records are held; ``Task.check_invariants`` reads it),
 ``is_blocked(channel)`` (always False: the gate is per epoch, not per channel), ``reset``.
 
-Integration into ``runtime.task.Task`` (for the lead; nothing here depends on it):
-
-1. In ``step``, for a ``Batch``: ``if not gate.admit(msg.epoch, now): held.append(...)``
-   instead of ``is_blocked(channel)``; markers never appear in tracker mode.
-2. A new buffered event ``on_neoss(epoch)`` (deque); at the start of ``step``:
-   ``for e in gate.on_neoss(n, now): self._snapshot(e)`` (capture + ``Snapshot``, no marker
-   forwarded; ``self.epoch = e + 1``), then ``mailbox.extendleft(reversed(held))`` and
-   ``held = []``. ``gate.last_hold_seconds`` replaces the alignment time in the capture.
-3. The ``exactly_once`` epoch check stays valid: an admitted batch has epoch == open
-   epoch == ``task.epoch``.
+How ``runtime.task.Task`` uses it: a ``Batch`` whose epoch the gate does not ``admit`` is
+held (markers never appear in tracker mode); a NEOSS is buffered and applied at the start
+of the next ``step``: every epoch ``on_neoss`` returns is snapshotted in order (no marker
+forwarded), then held records go back to the head of the mailbox in arrival order.
+``last_hold_seconds`` is reported where aligned mode reports the alignment time. An
+admitted batch has epoch == open epoch == ``task.epoch``, so the task's epoch check holds.
 """
 
 from __future__ import annotations
