@@ -82,7 +82,6 @@ class _Worker:
         self.pressured = False
         self.writes: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
-        self.pending_writes = 0
         self.stopping = False
         self.records_in = 0
 
@@ -208,7 +207,6 @@ class _Worker:
                 else:
                     self.outbox[dst[1]].append((a.channel, a.message))
             elif type(a) is Snapshot:
-                self.pending_writes += 1
                 self.writes.put(a.capture)
             elif type(a) is SourceExhausted:
                 self.control.send(("exhausted", a.task))

@@ -65,7 +65,6 @@ class SimDriver(Driver):
         self.cfg = config or SimConfig()
         self.now = 0.0
         self.writes = 0
-        self.events_processed = 0
         #: (epoch, task, seconds from the epoch's trigger to the task's bound), every attempt
         self.bound_latency: list[tuple[int, Any, float]] = []
 
@@ -192,7 +191,6 @@ class SimDriver(Driver):
                 continue
             _, _, kind, payload = heapq.heappop(events)
             self.now = max(self.now, t)
-            self.events_processed += 1
             if kind == "deliver":
                 ch = plan.channels[payload.channel]
                 tasks[ch.dst].receive(payload.channel, payload.message)

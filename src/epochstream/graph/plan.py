@@ -96,16 +96,6 @@ class PhysicalPlan:
     def worker_of(self, task: tuple[int, int]) -> int:
         return task[1]
 
-    def stateful_uids(self) -> list[str]:
-        return [n.uid for n in self.nodes.values() if n.kind in ("process", "sink", "source") and n.uid]
-
-    def consumers(self) -> dict[int, list[tuple[int, Edge]]]:
-        out: dict[int, list[tuple[int, Edge]]] = {nid: [] for nid in self.nodes}
-        for n in self.nodes.values():
-            for e in n.inputs:
-                out[e.src].append((n.id, e))
-        return out
-
 
 def build_plan(name: str, nodes: dict[int, Node], parallelism: int, max_parallelism: int | None) -> PhysicalPlan:
     """Chain the logical graph and lay out channels for ``parallelism`` workers."""
@@ -184,7 +174,7 @@ def _check_graph(nodes: dict[int, Node]) -> None:
         if n.kind != "source" and not n.inputs:
             raise GraphError(f"operator {n.name!r} has no input")
         if n.kind == "process":
-            if len({id(e.key_fn) for e in n.inputs}) and any(e.partition != HASH for e in n.inputs):
+            if any(e.partition != HASH for e in n.inputs):
                 raise GraphError(f"operator {n.name!r}: keyed process needs a key_by() before it")
     if not any(n.kind == "source" for n in nodes.values()):
         raise GraphError("a pipeline needs at least one source")

@@ -105,11 +105,6 @@ class Task:
             return False
         return any(ln is None or self.offsets[s] < ln for s, ln in self._lengths.items())
 
-    def has_work(self) -> bool:
-        return self.has_input() or self.source_has_more() or (
-            self.is_source and not self.exhausted_reported and not self.source_has_more()
-        )
-
     # ------------------------------------------------------------ work
     def step(self, now: float, budget: int = 1024, read_source: bool = True) -> list[Any]:
         """Process up to ``budget`` records (or one message); return actions."""
