@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -96,9 +97,11 @@ def run_epochstream(records: int, variant: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="es-bench-") as tmp:
         lat_dir = os.path.join(tmp, "lat") if variant == "latency" else None
         p = build(records, interval, lat_dir)
+        cpu0 = _children_cpu()
         t0 = time.perf_counter()
         result = p.run(deployment="local", checkpoint_dir=os.path.join(tmp, "chk"))
         seconds = time.perf_counter() - t0
+        workers_cpu = _children_cpu() - cpu0  # CPU of the reaped worker processes
         storage = LocalCheckpointStorage(os.path.join(tmp, "chk"))
         manifest, root = storage.latest()
         total = sum(committed_state(storage, manifest, root)["count"]["count"].values())
@@ -106,12 +109,18 @@ def run_epochstream(records: int, variant: str) -> dict:
             raise RuntimeError(f"epochstream {variant}: committed counts sum to {total}, expected {records}")
         row = {"system": "epochstream", "variant": variant, "snapshot_interval": interval or 0,
                "records": records, "seconds": seconds, "records_per_s": records / seconds,
-               "epochs": len(result.completed_epochs), "workers": 2, "p50_ms": "", "p99_ms": ""}
+               "epochs": len(result.completed_epochs), "workers": 2, "p50_ms": "", "p99_ms": "",
+               "workers_cpu_per_wall": round(workers_cpu / seconds, 2)}
         if lat_dir:
             lat = sorted(FileSink(lat_dir).read())
             row["p50_ms"] = lat[len(lat) // 2]
             row["p99_ms"] = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
         return row
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def run_peer_row(system: str, records: int, interval: float) -> dict:
@@ -149,11 +158,12 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_peer_row(system, n, variant)
             row["repeat"] = rep + 1
             rows.append(row)
-            print(f"{row['records_per_s']:,.0f} records/s")
+            cores = f", workers used {row['workers_cpu_per_wall']} cores" if row.get("workers_cpu_per_wall") else ""
+            print(f"{row['records_per_s']:,.0f} records/s{cores}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fields = ["system", "variant", "repeat", "records", "seconds", "records_per_s", "snapshot_interval", "epochs",
-              "workers", "p50_ms", "p99_ms"]
+              "workers", "workers_cpu_per_wall", "p50_ms", "p99_ms"]
     with open(out / "throughput.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
