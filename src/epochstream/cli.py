@@ -64,6 +64,10 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
         check_parallelism(p.parallelism, p.max_parallelism or default_max_parallelism(p.parallelism))
         if args.interval is not None:
             p.checkpoint = replace(p.checkpoint, interval=args.interval if args.interval > 0 else None)
+        if getattr(args, "restart_strategy", None):
+            from .deploy.restart import parse_restart_strategy
+
+            p.restart_strategy = parse_restart_strategy(args.restart_strategy)
         return p
 
     return build
@@ -167,6 +171,7 @@ def cmd_checkpoints_list(args) -> int:
 
 def cmd_chaos(args) -> int:
     from .deploy.common import JobFailedError
+    from .deploy.restart import FixedDelayRestart
     from .deploy.sim import FailureSchedule
     from .oracle import check_exactly_once
 
@@ -176,14 +181,16 @@ def cmd_chaos(args) -> int:
     results: dict[str, Any] = {}
 
     def run(p, chk: str, failing: bool):
-        p.restart_attempts = max(p.restart_attempts, 2 * args.kills + 5)
+        # every injected failure must be survivable: chaos checks recovery, not the strategy's limit
+        delay = p.restart_delay or 0.0
+        if args.deployment != "sim":
+            delay = min(delay, 0.2)
+        p.restart_strategy = FixedDelayRestart(max(p.restart_attempts or 0, 2 * args.kills + 5), delay)
         failures = None
         if failing:
             span = horizon["seconds"]
             failures = FailureSchedule.random(rng, args.kills, span) if args.deployment == "sim" else \
                 FailureSchedule(kill_times=sorted(rng.uniform(0.1 * span, 0.9 * span) for _ in range(args.kills)))
-        if args.deployment == "local":
-            p.restart_delay = min(p.restart_delay, 0.2)
         t0 = time.perf_counter()
         r = p.run(deployment=args.deployment, checkpoint_dir=chk, seed=args.seed, failures=failures,
                   duration=args.duration)
@@ -234,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a pipeline until its bounded input is done (or --duration)")
     _add_run_flags(run)
     run.add_argument("--restore", help="'latest' or the path of a checkpoint (chk-N folder or its _metadata.json)")
+    run.add_argument("--restart-strategy", metavar="SPEC",
+                     help="none | fixed-delay:ATTEMPTS:DELAY | exponential-delay:INITIAL:MAX[:MULTIPLIER[:ATTEMPTS]] "
+                          "| failure-rate:MAX_FAILURES:INTERVAL:DELAY (seconds; default fixed-delay:10:0.5)")
     run.add_argument("--allow-non-restored-state", action="store_true",
                      help="drop state of operators that are no longer in the pipeline")
     run.set_defaults(func=cmd_run)

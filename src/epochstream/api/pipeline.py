@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from ..graph.plan import FORWARD, HASH, REBALANCE, Edge, Node, PhysicalPlan, build_plan
+from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, RestartStrategy
 from ..deploy.result import JobResult
 from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
@@ -58,6 +59,12 @@ class TrackerConfig:
             raise ValueError(f"TrackerConfig: flush_interval must be >= 0, got {self.flush_interval}")
         if self.flush_count is not None and self.flush_count < 1:
             raise ValueError(f"TrackerConfig: flush_count must be >= 1, got {self.flush_count}")
+
+
+def _with(strategy: RestartStrategy, field: str, value: Any) -> RestartStrategy:
+    if not hasattr(strategy, field):
+        raise ValueError(f"{type(strategy).__name__} has no {field!r}; set Pipeline.restart_strategy instead")
+    return replace(strategy, **{field: value})
 
 
 class Stream:
@@ -139,9 +146,10 @@ class Pipeline:
         checkpoint_interval: float | None | object = _UNSET,
         checkpoint: CheckpointConfig | None = None,
         batch_size: int = 1024,
-        restart_attempts: int = 10,
-        restart_delay: float = 0.5,
+        restart_attempts: int | None = None,
+        restart_delay: float | None = None,
         tracker: TrackerConfig | None = None,
+        restart_strategy: RestartStrategy | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -152,14 +160,42 @@ class Pipeline:
         self.checkpoint = checkpoint or CheckpointConfig()
         if checkpoint_interval is not _UNSET:
             self.checkpoint = replace(self.checkpoint, interval=checkpoint_interval)
-        if restart_attempts < 0 or restart_delay < 0:
+        if restart_strategy is not None and (restart_attempts is not None or restart_delay is not None):
+            raise ValueError("pass either restart_strategy or restart_attempts/restart_delay, not both")
+        if (restart_attempts is not None and restart_attempts < 0) or (restart_delay is not None and restart_delay < 0):
             raise ValueError("restart_attempts and restart_delay must be >= 0")
-        #: fixed-delay restart strategy (Flink's ``restart-strategy.fixed-delay.*``)
-        self.restart_attempts = restart_attempts
-        self.restart_delay = restart_delay
+        if restart_strategy is not None and not isinstance(restart_strategy, RestartStrategy):
+            raise TypeError(f"restart_strategy must be a RestartStrategy, got {type(restart_strategy).__name__}")
+        #: what the drivers do after a failure (``deploy.restart``); the default is Flink's
+        #: fixed-delay strategy with 10 attempts 0.5 s apart
+        self.restart_strategy: RestartStrategy = restart_strategy or FixedDelayRestart(
+            10 if restart_attempts is None else restart_attempts, 0.5 if restart_delay is None else restart_delay)
         self.tracker = tracker or TrackerConfig()
         self.batch_size = batch_size
         self._nodes: dict[int, Node] = {}
+
+    # -- the fixed-delay knobs of earlier versions, kept as views of the restart strategy
+    @property
+    def restart_attempts(self) -> int | None:
+        """Restarts the strategy allows (None: no fixed number, as for failure-rate)."""
+        return getattr(self.restart_strategy, "attempts", None)
+
+    @restart_attempts.setter
+    def restart_attempts(self, attempts: int) -> None:
+        self.restart_strategy = _with(self.restart_strategy, "attempts", attempts)
+
+    @property
+    def restart_delay(self) -> float | None:
+        return getattr(self.restart_strategy, "delay", getattr(self.restart_strategy, "initial", None))
+
+    @restart_delay.setter
+    def restart_delay(self, delay: float) -> None:
+        field = "initial" if isinstance(self.restart_strategy, ExponentialDelayRestart) else "delay"
+        if field == "initial":
+            self.restart_strategy = replace(self.restart_strategy, initial=delay,
+                                            max_delay=max(delay, self.restart_strategy.max_delay))
+        else:
+            self.restart_strategy = _with(self.restart_strategy, field, delay)
 
     # -- sources
     def from_collection(self, items: Sequence[Any], splits: int | None = None, uid: str | None = None) -> Stream:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import tenacity
+
 from ..alignment import BarrierAligner
 from ..graph.plan import PhysicalPlan
 from ..runtime.chain import ChainRuntime
@@ -475,6 +477,13 @@ class JobMaster:
 # ---------------------------------------------------------------- drivers
 
 
+def _retryable(exc: BaseException) -> bool:
+    """Failures a restart can cure; a damaged checkpoint or an impossible set-up cannot."""
+    if isinstance(exc, (CheckpointError, ConfigurationError)):
+        return False
+    return isinstance(exc, (Failover, InjectedFailure, SinkStagingError, EpochStreamError))
+
+
 class Driver:
     """What every driver shares: failure injection, run bookkeeping, the restart strategy.
 
@@ -497,6 +506,7 @@ class Driver:
         self.completed: list[int] = []
         self.records_in = 0
         self.last_failure: float | None = None
+        self._next_delay: float | None = None
         #: service messages of the whole run (markers, SND/RCV reports, promises, NEOSS)
         self.traffic = ServiceTraffic()
 
@@ -509,41 +519,66 @@ class Driver:
     def clock(self) -> float:
         raise NotImplementedError
 
-    def pause(self) -> None:
+    def pause(self, seconds: float) -> None:
+        """Wait ``seconds`` before the next attempt (real or virtual time)."""
         raise NotImplementedError
 
     def attempt(self, restored: Restored | None, attempt_id: str, duration: float | None) -> None:
         raise NotImplementedError
 
     def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None) -> None:
-        """Run with Flink's fixed-delay restart strategy: on a failure, roll back to the latest
-        completed checkpoint (or the one the run started from) and try again, up to
-        ``pipeline.restart_attempts`` times. A damaged checkpoint is not retried."""
+        """Run under the pipeline's restart strategy (``deploy.restart``; tenacity drives the
+        loop): on a failure, roll back to the latest completed checkpoint (or the one the run
+        started from) and try again while the strategy allows. A damaged checkpoint or an
+        impossible set-up is not retried."""
         restored = find_restore(self.storage, restore)
         if restored:
             check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state)
         initial = restored
         run_id = secrets.token_hex(4)  # unique file names per run, never from a seeded rng
-        attempts = self.pipeline.restart_attempts
-        while True:
-            try:
-                recover(self.storage, self.pipeline.sinks, restored, self.fail_point)
-                self.attempt(restored, f"{run_id}.{self.restarts}", duration)
-                return
-            except (CheckpointError, ConfigurationError):
-                raise  # a damaged checkpoint or an impossible set-up: restarting cannot help
-            except (Failover, InjectedFailure, SinkStagingError, EpochStreamError) as exc:
-                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-                self.last_failure = self.clock()
-                self.failover_log.append({"time": self.last_failure, "reason": reason})
-                log.warning("job %s failing over: %s", self.pipeline.name, reason.splitlines()[0])
-                self.restarts += 1
-                if self.restarts > attempts:
-                    raise JobFailedError(
-                        f"job {self.pipeline.name!r} failed: gave up after {attempts} restarts; last failure: {reason}"
-                    ) from exc
-                self.pause()
-                restored = find_restore(self.storage, "latest") or initial
+        strategy = self.pipeline.restart_strategy
+        failure_times: list[float] = []
+        current = {"restored": restored}
+
+        def once() -> None:
+            recover(self.storage, self.pipeline.sinks, current["restored"], self.fail_point)
+            self.attempt(current["restored"], f"{run_id}.{self.restarts}", duration)
+
+        def failed(state: tenacity.RetryCallState) -> None:  # after every retryable failure
+            exc = state.outcome.exception()
+            reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+            self.last_failure = self.clock()
+            failure_times.append(self.last_failure)
+            self.failover_log.append({"time": self.last_failure, "reason": reason})
+            log.warning("job %s failing over: %s", self.pipeline.name, reason.splitlines()[0])
+            self.restarts += 1
+            self._next_delay = strategy.decide(failure_times, self.last_failure)
+
+        def give_up(state: tenacity.RetryCallState) -> bool:
+            return self._next_delay is None
+
+        def restore_latest(state: tenacity.RetryCallState) -> None:
+            current["restored"] = find_restore(self.storage, "latest") or initial
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_retryable),
+            stop=give_up,
+            wait=lambda state: self._next_delay or 0.0,
+            sleep=self.pause,
+            after=failed,
+            before_sleep=restore_latest,
+            reraise=False,
+        )
+        try:
+            retrying(once)
+        except tenacity.RetryError as err:
+            exc = err.last_attempt.exception()
+            self.restarts -= 1  # the failure the strategy refused is not a restart
+            reason = self.failover_log[-1]["reason"]
+            raise JobFailedError(
+                f"job {self.pipeline.name!r} failed: {strategy.describe()} (restarts: {self.restarts}); "
+                f"last failure: {reason}"
+            ) from exc
 
     def collect(self, master: JobMaster) -> None:
         """Move what the job master finished into the run's record."""

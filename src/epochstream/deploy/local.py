@@ -274,8 +274,8 @@ class LocalDriver(Driver):
     def clock(self) -> float:
         return time.monotonic() - self.t0
 
-    def pause(self) -> None:
-        time.sleep(self.pipeline.restart_delay)
+    def pause(self, seconds: float) -> None:
+        time.sleep(seconds)
 
     def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None) -> None:
         self.t0 = time.monotonic()

@@ -71,7 +71,8 @@ class SimDriver(Driver):
     def clock(self) -> float:
         return self.now
 
-    def pause(self) -> None:
+    def pause(self, seconds: float) -> None:
+        # the strategy's delay is real time; the simulator waits its own virtual restart delay
         self.now += self.cfg.restart_delay
 
     def attempt(self, restored, attempt: str, duration: float | None) -> None:
