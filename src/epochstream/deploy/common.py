@@ -68,6 +68,11 @@ class FailureSchedule:
     kill_times: list[float] = field(default_factory=list)
     fail_points: dict[str, set[int]] = field(default_factory=dict)
     write_failures: set[int] = field(default_factory=set)
+    #: local and spark drivers, per kill in ``kill_times`` order (missing: "now", "worker"): the
+    #: protocol moment the kill waits for ("now", "alignment", "snapshot_write", "commit") and
+    #: what it kills ("worker": the worker's process; "executor": the Spark executor JVM)
+    kill_moments: list[str] = field(default_factory=list)
+    kill_targets: list[str] = field(default_factory=list)
 
     @classmethod
     def random(cls, rng: _random.Random, kills: int, horizon: float) -> "FailureSchedule":

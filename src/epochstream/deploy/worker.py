@@ -1,0 +1,348 @@
+"""The worker loop every multi-process driver runs: local (forked processes, pipes) and spark
+(barrier tasks, TCP). It only needs connection objects with ``send``/``recv``/``poll`` and a
+``fileno`` (``multiprocessing.connection.Connection`` over a pipe or a socket): one control
+connection to the driver and one multiplexed connection per peer worker.
+
+One loop owns the worker's tasks (the sans-IO core): it reads every inbound connection
+without blocking, steps the tasks, delivers local sends directly and queues remote ones as
+*envelopes* (lists of ``(channel, message)``; one connection per worker pair and one sender
+thread per connection keep every channel FIFO). A writer thread persists snapshots in the
+background (pre-commit) and the loop forwards its acks to the driver.
+
+Flow control has two parts:
+
+- **Credits (per link).** A sender may have at most ``WINDOW`` data envelopes that the
+  receiver has not yet handed back; the receiver hands credits back once it has delivered
+  the envelopes into mailboxes and its mailboxes (work it can do now) are below
+  ``CREDIT_HOLD`` messages. A slow receiver therefore stops its senders instead of having its
+  memory filled. Credits and pressure signals are control envelopes: they bypass the credit
+  window, so they can never be stuck behind data waiting for credit. Mailboxes always drain
+  (a blocked channel's messages move to ``held``), so withheld credit always comes back and
+  a marker waiting behind data always gets through.
+- **Pressure (per worker).** A worker whose backlog (mailboxes, held messages, envelopes not
+  yet sent) crosses ``HIGH_WATERMARK`` tells its peers; sources stop reading while any worker
+  is over it, and resume below ``LOW_WATERMARK``. This bounds what alignment holds back.
+
+Chaos: a driver may ask a worker to die at a protocol moment (``("die", moment, pid)``):
+``now``, ``alignment`` (while a task holds messages for its epoch gate: mid-alignment, or in
+trAcker mode mid-hold) or ``snapshot_write`` (in the writer thread, between staging sink
+output and writing state files). The worker then SIGKILLs ``pid``: its own process, or the
+Spark executor JVM it runs in.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from multiprocessing.connection import wait
+from typing import Any
+
+from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted
+from ..snapshot.manifest import CheckpointError
+from .common import StateWriteError, build_tasks, new_local_tracker, persist
+
+HIGH_WATERMARK = 32  # messages
+LOW_WATERMARK = 8
+STEP_BUDGET = 4096  # records per task step
+#: data envelopes a sender may have outstanding per link
+WINDOW = 16
+#: mailbox messages above which a receiver keeps the credits it owes
+CREDIT_HOLD = 64
+
+PRESSURE, CREDIT = -1, -2  # channel ids of control envelopes
+MOMENTS = ("now", "alignment", "snapshot_write")
+
+
+class PeerLink:
+    """One connection to a peer: a sender thread, a priority queue for control envelopes and
+    a credit window for data envelopes.
+
+    Invariant: ``credit`` + data envelopes sent and not yet credited back == ``WINDOW``.
+    """
+
+    def __init__(self, conn, window: int = WINDOW) -> None:
+        self.conn = conn
+        self._cond = threading.Condition()
+        self._data: deque[list] = deque()
+        self._control: deque[list] = deque()
+        self.credit = window
+        self._closed = False
+        #: data envelopes queued by the loop / sent by the thread (one writer each)
+        self.queued = 0
+        self.sent = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def send_data(self, envelope: list) -> None:
+        with self._cond:
+            self._data.append(envelope)
+            self.queued += 1
+            self._cond.notify()
+
+    def send_control(self, envelope: list) -> None:
+        with self._cond:
+            self._control.append(envelope)
+            self._cond.notify()
+
+    def grant(self, n: int) -> None:
+        with self._cond:
+            self.credit += n
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    @property
+    def backlog(self) -> int:
+        return self.queued - self.sent
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._control or (self._data and self.credit > 0) or self._closed):
+                    self._cond.wait()
+                if self._control:
+                    item, data = self._control.popleft(), False
+                elif self._data and self.credit > 0:
+                    item, data = self._data.popleft(), True
+                    self.credit -= 1
+                else:
+                    return
+            try:
+                self.conn.send(item)
+            except (BrokenPipeError, OSError):
+                return
+            if data:
+                self.sent += 1
+
+
+class WorkerLoop:
+    def __init__(self, index: int, pipeline, plan, storage, restored, attempt: str, control, peers: dict) -> None:
+        self.index = index
+        self.pipeline = pipeline
+        self.plan = plan
+        self.storage = storage
+        self.attempt = attempt
+        self.control = control
+        self.peers = peers
+        self.tracker = new_local_tracker(pipeline, index, time.monotonic()) if pipeline.mode == "tracker" else None
+        self.tasks = build_tasks(pipeline, plan, index, storage, restored,
+                                 trackers={index: self.tracker} if self.tracker else None, attempt=attempt)
+        #: chain id -> this worker's task of it (NEOSS for a segment goes to its chains' tasks)
+        self.task_of_chain = {tid[0]: t for tid, t in self.tasks.items()}
+        self.markers_sent = 0
+        self.sources = [t for t in self.tasks.values() if t.is_source]
+        self.others = [t for t in self.tasks.values() if not t.is_source]
+        self.channel_dst = {c.id: c.dst for c in plan.channels}
+        self.outbox: dict[int, list] = {p: [] for p in peers}
+        self.links = {p: PeerLink(c) for p, c in peers.items()}
+        #: data envelopes received per peer and not yet credited back
+        self.owed: dict[int, int] = {p: 0 for p in peers}
+        self.peer_pressure: set[int] = set()
+        self.pressured = False
+        self.writes: queue.SimpleQueue = queue.SimpleQueue()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopping = False
+        self.records_in = 0
+        #: chaos: (moment, pid to SIGKILL) asked for by the driver
+        self.die_at: tuple[str, int] | None = None
+
+    # -- threads
+    def _writer(self) -> None:
+        sinks = self.pipeline.sinks
+        while True:
+            capture = self.writes.get()
+            if capture is None:
+                return
+            try:
+                info = persist(self.storage, sinks, capture, self.attempt,
+                               fail_state_write=lambda: self._maybe_die("snapshot_write"))
+                self.results.put(("ack", info))
+            except StateWriteError as exc:
+                for st in self.tasks[capture.task].chain.states.values():
+                    st.force_full = True
+                self.results.put(("decline", capture.task, capture.epoch, str(exc), exc.staged))
+            except Exception as exc:  # sink staging or anything else: the job must fail over
+                self.results.put(("error", f"worker {self.index}: {type(exc).__name__}: {exc}"))
+
+    def _maybe_die(self, moment: str) -> None:
+        die = self.die_at
+        if die is not None and die[0] == moment:
+            os.kill(die[1], signal.SIGKILL)
+            time.sleep(10)  # the kill is asynchronous; never carry on past it
+
+    # -- main loop
+    def run(self) -> None:
+        threads = [threading.Thread(target=self._writer, daemon=True)]
+        for link in self.links.values():
+            link.start()
+        for t in threads:
+            t.start()
+        try:
+            self._loop()
+        finally:
+            for link in self.links.values():
+                link.close()
+            self.writes.put(None)
+            for t in threads + [link.thread for link in self.links.values()]:
+                t.join(timeout=5)
+        self._results()
+        self.control.send(("stopped", self.index, self.records_in, self.markers_sent))
+
+    def _loop(self) -> None:
+        self.control.send(("ready", self.index))
+        inbound = list(self.peers.values())
+        peer_of = {id(c): p for p, c in self.peers.items()}
+        batch = self.pipeline.batch_size
+        while not self.stopping:
+            did = self._control()
+            for conn in wait(inbound, timeout=0) if inbound else ():
+                did = True
+                try:
+                    while conn.poll():
+                        self._deliver(peer_of[id(conn)], conn.recv())
+                except (EOFError, OSError):
+                    # the peer exited: after a clean stop that is expected, after a crash the
+                    # driver sees the death on its own connection and fails the job over
+                    inbound.remove(conn)
+            if self.die_at is not None and self.die_at[0] == "alignment" and any(t.held for t in self.others):
+                self._maybe_die("alignment")
+            for task in self.others:
+                if task.mailbox or task.neoss:
+                    self._handle(task.step(time.monotonic(), STEP_BUDGET))
+                    did = True
+            throttled = self.pressured or bool(self.peer_pressure)
+            for task in self.sources:
+                if task.triggers or not task.exhausted_reported:
+                    had_triggers = bool(task.triggers)
+                    before = task.records_in
+                    self._handle(task.step(time.monotonic(), batch, read_source=not throttled))
+                    got = task.records_in - before
+                    self.records_in += got
+                    did = did or got > 0 or had_triggers
+            self._flush()
+            self._results()
+            self._pressure()
+            self._credit()
+            timeout = 0.002
+            if self.tracker is not None:
+                now = time.monotonic()
+                for msg in self.tracker.poll(now):
+                    self.control.send(("tracker", msg))
+                due = self.tracker.next_deadline(now)
+                if due is not None:
+                    timeout = max(0.0, min(timeout, due - now))
+            if not did:
+                wait(inbound + [self.control], timeout=timeout)
+        for task in self.tasks.values():
+            task.chain.close()
+
+    def _control(self) -> bool:
+        did = False
+        while self.control.poll():
+            msg = self.control.recv()
+            did = True
+            if msg[0] == "trigger":
+                for s in self.sources:
+                    s.trigger(msg[1])
+            elif msg[0] == "neoss":
+                for chains, epoch in msg[1]:
+                    for cid in chains:
+                        task = self.task_of_chain.get(cid)
+                        if task is not None:
+                            task.on_neoss(epoch)
+            elif msg[0] == "stop":
+                self.stopping = True
+            elif msg[0] == "die":
+                self.die_at = (msg[1], msg[2])
+                if msg[1] == "now":
+                    self._maybe_die("now")
+        return did
+
+    def _deliver(self, peer: int, envelope: list) -> None:
+        if envelope and envelope[0][0] < 0:  # a control envelope
+            for ch, value in envelope:
+                if ch == PRESSURE:
+                    (self.peer_pressure.add if value else self.peer_pressure.discard)(peer)
+                elif ch == CREDIT:
+                    self.links[peer].grant(value)
+            return
+        self.owed[peer] += 1
+        tasks, dst = self.tasks, self.channel_dst
+        for ch, msg in envelope:
+            tasks[dst[ch]].receive(ch, msg)
+
+    def _handle(self, actions: list[Any]) -> None:
+        for a in actions:
+            if type(a) is Send:
+                if type(a.message) is Marker:
+                    self.markers_sent += 1
+                dst = self.channel_dst[a.channel]
+                if dst[1] == self.index:
+                    self.tasks[dst].receive(a.channel, a.message)
+                else:
+                    self.outbox[dst[1]].append((a.channel, a.message))
+            elif type(a) is Snapshot:
+                self.writes.put(a.capture)
+            elif type(a) is SourceExhausted:
+                self.control.send(("exhausted", a.task))
+
+    def _flush(self) -> None:
+        for peer, items in self.outbox.items():
+            if items:
+                self.links[peer].send_data(items)
+                self.outbox[peer] = []
+
+    def _results(self) -> None:
+        while True:
+            try:
+                res = self.results.get_nowait()
+            except queue.Empty:
+                return
+            self.control.send(res)
+
+    def _credit(self) -> None:
+        """Hand back credits (in halves of the window, so not one message per envelope),
+        unless this worker's mailboxes are long: then its senders wait."""
+        if sum(len(t.mailbox) for t in self.others) >= CREDIT_HOLD:
+            return
+        for peer, n in self.owed.items():
+            if n >= WINDOW // 2:
+                self.owed[peer] = 0
+                self.links[peer].send_control([(CREDIT, n)])
+
+    def _pressure(self) -> None:
+        backlog = sum(len(t.mailbox) + len(t.held) for t in self.others) + sum(
+            link.backlog for link in self.links.values())
+        if not self.pressured and backlog > HIGH_WATERMARK:
+            self.pressured = True
+        elif self.pressured and backlog < LOW_WATERMARK:
+            self.pressured = False
+        else:
+            return
+        for link in self.links.values():
+            link.send_control([(PRESSURE, self.pressured)])
+
+
+def run_worker(index: int, pipeline, plan, storage, restored, attempt: str, control, peers: dict) -> bool:
+    """Run one worker until the driver stops it; on failure report it on ``control`` and
+    return False (the caller exits or fails its task)."""
+    try:
+        WorkerLoop(index, pipeline, plan, storage, restored, attempt, control, peers).run()
+        return True
+    except BaseException as exc:  # report, then die: the driver fails the job over
+        kind = "fatal" if isinstance(exc, CheckpointError) else "error"
+        try:
+            control.send((kind, f"worker {index}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+        except Exception:
+            pass
+        return False
