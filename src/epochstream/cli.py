@@ -123,11 +123,11 @@ def cmd_run(args) -> int:
 
 
 def cmd_checkpoints_list(args) -> int:
-    from .backends.local import LocalCheckpointStorage
+    from .backends import open_storage
     from .snapshot.manifest import CheckpointError
 
-    storage = LocalCheckpointStorage(args.checkpoint_dir)
-    if not storage.root.is_dir():
+    storage = open_storage(args.checkpoint_dir)
+    if not storage.exists():
         print(f"epochstream: checkpoint dir {storage.root} does not exist", file=sys.stderr)
         return EXIT_USAGE
     rows = []

@@ -145,22 +145,30 @@ def _encoded(records: list[Any], encoder: Callable[[Any], str]) -> collections.C
     return collections.Counter(map(encoder, records))
 
 
-def _read_lines(files: list[Path]) -> collections.Counter:
+def _committed(sink_root: Any) -> "FileSink":
+    """A reader of the committed files under ``sink_root`` (a local folder or an S3 prefix)."""
+    from .backends.sinks import FileSink
+
+    return FileSink(sink_root)
+
+
+def _read_lines(sink_root: Any) -> collections.Counter:
+    reader = _committed(sink_root)
     c: collections.Counter = collections.Counter()
-    for p in files:
-        with open(p, encoding="utf-8") as f:
-            c.update(line.rstrip("\n") for line in f if line.strip())
+    for loc in reader.committed_files():
+        c.update(reader.read_lines(loc))
     return c
 
 
-def _epoch_of(path: Path) -> int:
+def _epoch_of(path: Any) -> int:
     return int(path.name.split("-")[1][1:])
 
 
-def _lines_by_epoch(files: list[Path]) -> dict[int, collections.Counter]:
+def _lines_by_epoch(sink_root: Any) -> dict[int, collections.Counter]:
+    reader = _committed(sink_root)
     out: dict[int, collections.Counter] = {}
-    for f in files:
-        out.setdefault(_epoch_of(f), collections.Counter()).update(_read_lines([f]))
+    for loc in reader.committed_files():
+        out.setdefault(_epoch_of(loc), collections.Counter()).update(reader.read_lines(loc))
     return out
 
 
@@ -233,10 +241,10 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
               exactly_once: bool = True, report: OracleReport | None = None) -> OracleReport:
     """Check a finished run's committed output and every retained epoch against the reference."""
     report = report or OracleReport()
-    sinks = {uid: sorted((sink_root / uid).glob("part-*.jsonl")) for uid in pipeline.sinks}
+    sinks = {uid: sink_root / uid for uid in pipeline.sinks}
     if expected_output is not None:
-        for uid, files in sinks.items():
-            got = _read_lines(files)
+        for uid, folder in sinks.items():
+            got = _read_lines(folder)
             want = expected_output.get(uid, collections.Counter())
             lost, dup = want - got, got - want
             report.lost += sum(lost.values())
@@ -247,7 +255,7 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
                 report.note(f"sink {uid}: lost {rec}")
             for rec in list(dup)[:3]:
                 report.note(f"sink {uid}: duplicated or unexpected {rec}")
-    by_epoch = {uid: _lines_by_epoch(files) for uid, files in sinks.items()}
+    by_epoch = {uid: _lines_by_epoch(folder) for uid, folder in sinks.items()}
     ref = Reference(pipeline)
     want_out = {uid: collections.Counter() for uid in sinks}  # reference output so far, as JSON lines
     seen_out = {uid: 0 for uid in sinks}
@@ -295,17 +303,19 @@ def check_exactly_once(
 
     ``run(pipeline, checkpoint_dir, failures_on)`` runs a relocated pipeline; the oracle
     keeps every checkpoint (num_retained is raised) so each epoch can be checked.
+    ``workdir`` is a local folder or an S3 prefix (``s3://bucket/prefix``): both runs'
+    checkpoints and output go under it.
     """
-    from .backends.local import LocalCheckpointStorage
+    from .backends import location, open_storage
 
-    work = Path(workdir or tempfile.mkdtemp(prefix="epochstream-oracle-"))
+    work = location(workdir or tempfile.mkdtemp(prefix="epochstream-oracle-"))
     results = {}
     for label, failing in (("reference", False), ("chaos", True)):
         p = relocated(build(), work / label / "out")
         p.checkpoint.num_retained = 1_000_000
         results[label] = (p, run(p, str(work / label / "chk"), failing))
     ref_p, _ = results["reference"]
-    expected = {uid: _read_lines(sorted((work / "reference" / "out" / uid).glob("part-*.jsonl"))) for uid in ref_p.sinks}
+    expected = {uid: _read_lines(work / "reference" / "out" / uid) for uid in ref_p.sinks}
     chaos_p, chaos_result = results["chaos"]
     exactly_once = chaos_p.mode != "at-least-once"
     report = OracleReport(restarts=getattr(chaos_result, "restarts", 0), at_least_once=not exactly_once)
@@ -320,7 +330,7 @@ def check_exactly_once(
                 if _encoded(recs, chaos_p.sinks[uid].encoder) != expected.get(uid):
                     report.mismatched_epoch_output += 1
                     report.note(f"failure-free run of sink {uid} differs from the sequential reference")
-    storage = LocalCheckpointStorage(work / "chaos" / "chk")
+    storage = open_storage(str(work / "chaos" / "chk"))
     return check_run(chaos_p, storage, work / "chaos" / "out", expected, exactly_once, report)
 
 

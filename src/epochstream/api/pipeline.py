@@ -232,7 +232,7 @@ class Pipeline:
     def run(
         self,
         deployment: str = "local",
-        checkpoint_dir: str | None = None,
+        checkpoint_dir: Any = None,
         restore: str | None = None,
         seed: int = 0,
         allow_non_restored_state: bool = False,
@@ -241,8 +241,10 @@ class Pipeline:
     ) -> JobResult:
         """Run the job until its bounded sources are done (or ``duration`` seconds pass).
 
-        ``restore``: None (fresh start), ``"latest"`` (newest completed checkpoint in
-        ``checkpoint_dir``) or the path of a checkpoint.
+        ``checkpoint_dir``: a local path, ``s3://bucket/prefix`` (boto3's usual credential
+        chain; ``AWS_ENDPOINT_URL`` for an S3-compatible server) or a ``CheckpointStorage``;
+        None: a new temporary folder. ``restore``: None (fresh start), ``"latest"`` (newest
+        completed checkpoint in ``checkpoint_dir``) or the location of a checkpoint.
         """
         if deployment not in DEPLOYMENTS:
             raise ValueError(f"deployment must be one of {DEPLOYMENTS}, got {deployment!r}")

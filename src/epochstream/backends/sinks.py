@@ -2,11 +2,14 @@
 
 A FileSink writes each subtask's output of epoch n to
 ``PATH/_staging/<uid>/e<n>-s<subtask>-a<attempt>.jsonl`` when the epoch's snapshot is taken,
-and renames it to ``PATH/part-e<n>-<uid>-s<subtask>.jsonl`` when the epoch commits.
+and moves it to ``PATH/part-e<n>-<uid>-s<subtask>.jsonl`` when the epoch commits.
 Readers (Spark, pandas, ``FileSink.read``) skip ``_``-prefixed folders, as Hadoop does, so
-they only ever see committed output. Commit is a rename, so re-issuing it after a failure
-is a no-op; recovery commits what the restored manifest names and deletes other staged
-files.
+they only ever see committed output. ``PATH`` is a local folder or an S3 prefix
+(``s3://bucket/prefix``): the sink works on the same ``ObjectStore`` as checkpoint storage.
+A local move is a rename; on S3 it is a copy and then a delete, and a crash between the two
+leaves the staged object, so moving again finishes the job with the same bytes under the
+same name. Commit is therefore idempotent: re-issuing it after a failure adds nothing, and
+recovery commits what the restored manifest names and deletes other staged files.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import json
 import logging
 import os
 import re
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .local import _safe, atomic_write
+from .base import TransactionalSink
+from .objects import safe_name as _safe
 
 STAGING = "_staging"
+_PART = re.compile(r"part-e(\d+)-(.*)-s(\d+)\.jsonl$")
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +33,25 @@ def _default_encoder(record: Any) -> str:
     return json.dumps(record, default=repr, separators=(",", ":"))
 
 
-class FileSink:
-    """Exactly-once JSON-lines (or custom line format) files, one per subtask per epoch."""
+class FileSink(TransactionalSink):
+    """Exactly-once JSON-lines (or custom line format) files, one per subtask per epoch.
 
-    def __init__(self, path: str | os.PathLike[str], encoder: Callable[[Any], str] | None = None,
+    ``path`` is a local folder or ``s3://bucket/prefix`` (credentials and endpoint from the
+    usual boto3 chain, e.g. ``AWS_ENDPOINT_URL``)."""
+
+    def __init__(self, path: Any, encoder: Callable[[Any], str] | None = None,
                  decoder: Callable[[str], Any] | None = None) -> None:
-        self.path = Path(path).expanduser().resolve()
+        from . import open_objects
+
+        self.store = open_objects(path)
+        self.path = self.store.root
         self.encoder = encoder or _default_encoder
         self.decoder = decoder or json.loads
 
     def __repr__(self) -> str:
         return f"FileSink({str(self.path)!r})"
 
-    def relocated(self, path: str | os.PathLike[str]) -> "FileSink":
+    def relocated(self, path: Any) -> "FileSink":
         """The same sink writing elsewhere (the oracle runs a job twice)."""
         return type(self)(path, self.encoder, self.decoder)
 
@@ -59,7 +69,7 @@ class FileSink:
         lines = records.lines if isinstance(records, _Lines) else list(map(self.encoder, records))
         data = ("\n".join(lines) + "\n").encode("utf-8")
         rel = f"{STAGING}/{_safe(uid)}/e{epoch}-s{subtask}-a{attempt}.jsonl"
-        atomic_write(self.path / rel, data)
+        self.store.put(self.path / rel, data)
         return rel
 
     def final_name(self, staged: str) -> str:
@@ -75,10 +85,10 @@ class FileSink:
         for rel in staged:
             src = self.path / rel
             dst = self.path / self.final_name(rel)
-            if src.exists():
-                os.replace(src, dst)
+            if self.store.exists(src):
+                self.store.move(src, dst)
                 moved += 1
-            elif not dst.exists():
+            elif not self.store.exists(dst):
                 raise FileNotFoundError(
                     f"sink {self.path}: staged output {rel} is gone and was never committed; the epoch's output "
                     f"is lost (was the staging folder deleted by hand?)"
@@ -87,7 +97,7 @@ class FileSink:
 
     def abort(self, staged: Iterable[str]) -> None:
         for rel in staged:
-            (self.path / rel).unlink(missing_ok=True)
+            self.store.delete(self.path / rel)
 
     def recover(self, uid: str, committed: Iterable[str]) -> None:
         """Re-issue the commit of the restored epoch and drop staged files of later epochs.
@@ -98,35 +108,34 @@ class FileSink:
         """
         keep = set(committed)
         for rel in sorted(keep):
-            if not (self.path / rel).exists() and not (self.path / self.final_name(rel)).exists():
+            if not self.store.exists(self.path / rel) and not self.store.exists(self.path / self.final_name(rel)):
                 log.warning("sink %s: output %s of the restored checkpoint is not in this folder (did the sink "
                             "move?); it stays wherever the earlier run wrote it", self.path, rel)
                 continue
             self.commit([rel])
-        folder = self.path / STAGING / _safe(uid)
-        if folder.is_dir():
-            for p in folder.iterdir():
-                if f"{STAGING}/{_safe(uid)}/{p.name}" not in keep:
-                    p.unlink(missing_ok=True)
+        folder = f"{STAGING}/{_safe(uid)}/"
+        for key in list(self.store.keys(self.path, folder)):
+            if key not in keep:
+                self.store.delete(self.path / key)
 
     # ------------------------------------------------------------ reading committed output
-    def committed_files(self) -> list[Path]:
-        if not self.path.is_dir():
-            return []
-        def order(p: Path):
-            m = re.match(r"part-e(\d+)-(.*)-s(\d+)\.jsonl$", p.name)
-            return (int(m.group(1)), m.group(2), int(m.group(3))) if m else (1 << 62, p.name, 0)
+    def committed_files(self) -> list[Any]:
+        """Locations of committed files (``Path`` or ``S3Path``), in epoch, uid, subtask order."""
+        def order(key: str):
+            m = _PART.match(key)
+            return (int(m.group(1)), m.group(2), int(m.group(3))) if m else (1 << 62, key, 0)
 
-        return sorted(self.path.glob("part-*.jsonl"), key=order)
+        keys = [k for k in self.store.keys(self.path, "part-") if "/" not in k and k.endswith(".jsonl")]
+        return [self.path / k for k in sorted(keys, key=order)]
+
+    def read_lines(self, loc: Any) -> list[str]:
+        """The encoded lines of one committed file."""
+        return [line for line in self.store.get(loc).decode("utf-8").split("\n") if line.strip()]
 
     def read(self) -> list[Any]:
         """All committed records (epoch order, then subtask)."""
-        out: list[Any] = []
         dec = self.decoder
-        for p in self.committed_files():
-            with open(p, encoding="utf-8") as f:
-                out.extend(dec(line) for line in f if line.strip())
-        return out
+        return [dec(line) for loc in self.committed_files() for line in self.read_lines(loc)]
 
 
 class _Lines(list):
@@ -162,7 +171,7 @@ class _DropWriter:
         return []
 
 
-class DiscardingSink:
+class DiscardingSink(TransactionalSink):
     """Accepts records and drops them (Flink's DiscardingSink): for benchmarks and dry runs.
 
     It takes part in the two-phase commit like any sink, so a job with it measures the

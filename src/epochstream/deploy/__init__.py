@@ -9,18 +9,19 @@ from typing import Any
 from ..snapshot.manifest import CheckpointError
 
 
-def make_storage(checkpoint_dir: str | None):
-    from ..backends.local import LocalCheckpointStorage
+def make_storage(checkpoint_dir: Any):
+    """Checkpoint storage for a path, ``s3://bucket/prefix``, or a storage object (None: a temporary folder)."""
+    from ..backends import open_storage
 
     if checkpoint_dir is None:
         checkpoint_dir = tempfile.mkdtemp(prefix="epochstream-chk-")
-    return LocalCheckpointStorage(checkpoint_dir)
+    return open_storage(checkpoint_dir)
 
 
 def run_pipeline(
     pipeline,
     deployment: str,
-    checkpoint_dir: str | None,
+    checkpoint_dir: Any,
     restore: str | None,
     seed: int,
     allow_non_restored_state: bool,

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import tenacity
 
 from ..alignment import BarrierAligner
+from ..backends.objects import StorageAccessError
 from ..graph.plan import PhysicalPlan
 from ..runtime.chain import ChainRuntime
 from ..runtime.context import Context
@@ -171,19 +172,14 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
     """Finish what the restored checkpoint promised and clear what came after it.
 
     Sink commits named by the manifest are re-issued (idempotent), staged output of later
-    epochs is dropped, and state files no manifest names are deleted.
+    epochs is dropped, and the storage deletes state files no manifest names and sets aside
+    damaged checkpoints whose epochs will be written again (the ``recover`` verbs).
     """
     staged = restored.manifest["sinks"] if restored else {}
     for uid, sink in sorted(sinks.items()):
         fail_point("recovery")
         sink.recover(uid, staged.get(uid, {}).get("staged", []))
-    retained = []
-    for epoch in storage.list_checkpoints():
-        try:
-            retained.append(storage.load_manifest(epoch)[0])
-        except CheckpointError:
-            continue
-    storage.remove_orphans(retained)
+    storage.recover(restored.epoch if restored else None)
 
 
 @dataclass
@@ -322,7 +318,7 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
         try:
             if fail_state_write is not None:
                 fail_state_write()
-            ref = storage.write_state(kc.operator_uid, capture.task[1], capture.epoch, attempt, kc.rows,
+            ref = storage.pre_commit(kc.operator_uid, capture.task[1], capture.epoch, attempt, kc.rows,
                                       kc.key_group_range, kc.full)
         except Exception as exc:
             raise StateWriteError(
@@ -423,6 +419,10 @@ class JobMaster:
         while queue:
             a = queue.pop(0)
             if isinstance(a, TriggerEpoch):
+                self.storage.begin(a.epoch)
+                for sink in self.sinks.values():
+                    if hasattr(sink, "begin"):  # sinks written before the interface may lack it
+                        sink.begin(a.epoch)
                 out.triggers.append(a)
             elif isinstance(a, CompleteEpoch):
                 queue += self._write_manifest(a, now)
@@ -431,6 +431,7 @@ class JobMaster:
                 out.committed.append(a.epoch)
             elif isinstance(a, AbortEpoch):
                 log.info("epoch %d aborted: %s", a.epoch, a.reason)
+                self.storage.abort(a.epoch)  # its staged sink output commits with the next epoch
                 self.epoch_log.append({"epoch": a.epoch, "state": "aborted", "reason": a.reason})
             elif isinstance(a, FailJob):
                 out.failover = a.reason
@@ -446,7 +447,9 @@ class JobMaster:
             return self.coordinator.manifest_failed(a.epoch, str(exc), now)
         self.fail_point("before_manifest")
         try:
-            self.storage.write_manifest(manifest)
+            self.storage.commit(manifest)
+        except StorageAccessError:
+            raise  # credentials or permissions: no later epoch can do better
         except OSError as exc:
             return self.coordinator.manifest_failed(a.epoch, f"{type(exc).__name__}: {exc}", now)
         self.fail_point("after_manifest")
