@@ -800,7 +800,7 @@ def _break_chain_rule(df: Dataflow) -> None:
 
 
 def _xor_only(df: Dataflow) -> None:
-    df.agent.cap = lambda segment: df.epochs  # ignore producers: "XOR == 0" alone closes
+    df.agent.cap = lambda segment, dim=0: df.epochs  # ignore producers: "XOR == 0" alone closes
 
 
 def _soft_gates(df: Dataflow) -> None:

@@ -69,6 +69,32 @@ Choices where the paper is silent:
 - After a restore the agent is rebuilt with ``last_closed`` = the restored epoch; it
   keeps no state worth checkpointing (the paper leaves agent fault tolerance open).
 
+Event time: a second dimension. When the pipeline fires event-time timers, every batch
+also carries a coarse time label (paper 000 §4.2) and the agent keeps a second, identical
+table over labels: sources promise labels as they read, a segment's time bound says no
+record with a label <= t will reach it. Non-firing segments need no message for it. A
+*firing* segment (one whose operators have timers) gets ``WindowEnd(s, t)`` and then emits
+output that no input caused, which the two safety arguments above do not cover. Two
+mechanisms put it back under them:
+
+- *Confirmation (time).* Downstream of a firing segment s the cap uses ``confirmed(s)``,
+  the smallest label every process of s has confirmed, instead of b(s). A process records
+  the SNDs of its timer output (labelled t), then ``Confirm(s, t)``; the local tracker sends
+  them in that order, so when d's cap reaches t those SNDs are applied: the timer output
+  is a batch "from an upstream segment" in argument (1), with confirmation as its RCV.
+- *Epoch token (epochs).* The timer output joins the epoch its process is in. When the agent
+  sends ``WindowEnd`` it SNDs one random token per process into epoch slot (s, e), e = b(s)+1
+  of the epoch table, and the process RCVs its token after the SNDs of its output. Slot
+  (s, e) is not clear until then, so b(s) < e, so no downstream bound reaches e before
+  those SNDs are applied: argument (1) again, with the token as the causing input. The
+  process is in epoch e when the WindowEnd arrives: the agent-to-process link is FIFO, so
+  NEOSS(s, e-1) came first, and NEOSS(s, e) cannot come before the token is back.
+
+A WindowEnd is sent for label t only once the firing segment's time bound reaches t, so the
+first rule needs no upstream help; the final epoch of a bounded job must wait until every
+firing segment has confirmed ``END_OF_TIME`` (``time_finished``), or timer output would
+land in an epoch after the last one.
+
 Sans-IO: ``now`` is only passed through; the driver delivers NEOSS to the processes.
 """
 
@@ -78,15 +104,34 @@ import heapq
 from typing import Hashable, Iterable, Mapping, Sequence
 
 from ..runtime.errors import ProtocolError
-from .messages import MAX_ID, NEOSS, NEOSS_WIRE, TrackerMessage
+from .local import BatchIds
+from .messages import END_OF_TIME, EPOCHS, MAX_ID, NEOSS, NEOSS_WIRE, TIME, WINDOW_END_WIRE, TrackerMessage, WindowEnd
 from .segments import Segmentation
 from .traffic import NEOSS_KIND, PROMISE, REPORT, ServiceTraffic
 
 MACHINE = "TrackingAgent"
 
 
+class _Dimension:
+    """The agent's table for one dimension (epochs, or time labels)."""
+
+    __slots__ = ("dim", "bound", "slots", "promised")
+
+    def __init__(self, dim: int, k: int, last_closed: int, promisers: Mapping[int, Iterable[Hashable]]) -> None:
+        self.dim = dim
+        #: b(s): notified (or, for time in non-firing segments, known) up to b(s); only grows
+        self.bound: list[int] = [last_closed] * k
+        #: per segment: label -> [xor, snd - rcv]; invariant: keys > b(s), values != [0, 0]
+        self.slots: list[dict[int, list[int]]] = [{} for _ in range(k)]
+        #: per segment: source -> newest promised label (last_closed before any promise)
+        self.promised: list[dict[Hashable, int]] = [{} for _ in range(k)]
+        for s, sources in promisers.items():
+            for src in sources:
+                self.promised[s][src] = last_closed
+
+
 class TrackingAgent:
-    """Central agent: applies ``TrackerMessage``s, returns ``NEOSS`` actions."""
+    """Central agent: applies ``TrackerMessage``s, returns ``NEOSS`` (and ``WindowEnd``) notes."""
 
     def __init__(
         self,
@@ -96,61 +141,84 @@ class TrackingAgent:
         last_closed: int = 0,
         processes: Mapping[int, Sequence[Hashable]] | None = None,
         traffic: ServiceTraffic | None = None,
+        firing: Mapping[int, Sequence[Hashable]] | None = None,
+        token_seed: int = 0x5EED,
     ) -> None:
         """``promisers[s]``: ids of the sources that promise epochs for segment s (every
         root segment needs at least one). ``processes[s]``: where a NEOSS for s goes (only
         for traffic accounting): the NEOSS of one step are bundled into one message per
         destination; default: one message per NEOSS.
-        ``last_closed``: every epoch <= it counts as closed (a restored checkpoint)."""
+        ``last_closed``: every epoch <= it counts as closed (a restored checkpoint).
+        ``firing``: segment -> its processes, for segments whose operators fire event-time
+        timers; given (even empty) it turns the time dimension on, and the same sources
+        promise time labels."""
         k = len(segmentation)
         self.segmentation = segmentation
         self._upstream: tuple[tuple[int, ...], ...] = tuple(tuple(sorted(u)) for u in segmentation.upstream)
         self._downstream: tuple[tuple[int, ...], ...] = tuple(tuple(sorted(d)) for d in segmentation.downstream)
-        #: per segment: source -> newest promised epoch (last_closed before any promise)
-        self._promised: list[dict[Hashable, int]] = [{} for _ in range(k)]
-        for s, sources in promisers.items():
+        for s in promisers:
             if not 0 <= s < k:
                 raise ValueError(f"TrackingAgent: promisers name segment {s}, but there are {k} segments")
-            for src in sources:
-                self._promised[s][src] = last_closed
+        self._dims = [_Dimension(EPOCHS, k, last_closed, promisers)]
         for s in range(k):
-            if not self._upstream[s] and not self._promised[s]:
+            if not self._upstream[s] and not self._dims[0].promised[s]:
                 raise ValueError(
                     f"TrackingAgent: segment {s} {list(segmentation.segments[s])} has no upstream segment and no "
                     f"promising source, so nothing could ever end its epochs"
                 )
+        #: firing segment -> process -> newest confirmed time label
+        self._confirmed: dict[int, dict[Hashable, int]] = {}
+        if firing is not None:
+            self._dims.append(_Dimension(TIME, k, -1, promisers))
+            for s, procs in firing.items():
+                if not 0 <= s < k or not procs:
+                    raise ValueError(f"TrackingAgent: firing segment {s} must exist and have processes")
+                self._confirmed[s] = {p: -1 for p in procs}
+        self._tokens = BatchIds(token_seed)
         self.processes = processes
         self.traffic = traffic if traffic is not None else ServiceTraffic()
-        #: b(s): NEOSS(s, b(s)) sent; only grows
-        self._bound: list[int] = [last_closed] * k
-        #: per segment: epoch -> [xor, snd - rcv]; invariant: keys > b(s), values != [0, 0]
-        self._slots: list[dict[int, list[int]]] = [{} for _ in range(k)]
         #: next expected ``seq`` per sender
         self._next_seq: dict[Hashable, int] = {}
         #: reason of the protocol violation that stopped the agent, or None
         self.failed: str | None = None
 
     # ------------------------------------------------------------ queries
-    def bound(self, segment: int) -> int:
-        return self._bound[segment]
+    @property
+    def tracks_time(self) -> bool:
+        return len(self._dims) > 1
+
+    def bound(self, segment: int, dim: int = EPOCHS) -> int:
+        return self._dims[dim].bound[segment]
 
     @property
     def bounds(self) -> tuple[int, ...]:
-        return tuple(self._bound)
+        return tuple(self._dims[EPOCHS].bound)
 
-    def in_flight(self, segment: int) -> dict[int, tuple[int, int]]:
-        """Epochs of ``segment`` with unpaired events: epoch -> (xor, snd - rcv)."""
-        return {e: (x, bal) for e, (x, bal) in sorted(self._slots[segment].items())}
+    def in_flight(self, segment: int, dim: int = EPOCHS) -> dict[int, tuple[int, int]]:
+        """Labels of ``segment`` with unpaired events: label -> (xor, snd - rcv)."""
+        return {e: (x, bal) for e, (x, bal) in sorted(self._dims[dim].slots[segment].items())}
 
-    def cap(self, segment: int) -> int:
+    def confirmed(self, segment: int) -> int:
+        """The newest time label every process of firing ``segment`` has handled."""
+        return min(self._confirmed[segment].values())
+
+    def cap(self, segment: int, dim: int = EPOCHS) -> int:
         """How far the producers of ``segment`` allow its bound to go."""
-        caps = [self._bound[u] for u in self._upstream[segment]]
-        caps.extend(self._promised[segment].values())
+        d = self._dims[dim]
+        if dim == TIME:
+            caps = [self.confirmed(u) if u in self._confirmed else d.bound[u] for u in self._upstream[segment]]
+        else:
+            caps = [d.bound[u] for u in self._upstream[segment]]
+        caps.extend(d.promised[segment].values())
         return min(caps)
 
+    def time_finished(self) -> bool:
+        """Every firing segment has handled the end of time (bounded input is all in)."""
+        return all(self.confirmed(s) >= END_OF_TIME for s in self._confirmed)
+
     # ------------------------------------------------------------ events
-    def receive(self, message: TrackerMessage, now: float) -> list[NEOSS]:
-        """Apply one flush of a local tracker; return the NEOSS it enables, in topological order."""
+    def receive(self, message: TrackerMessage, now: float) -> list[NEOSS | WindowEnd]:
+        """Apply one flush of a local tracker; return the notes it enables, in topological order."""
         if self.failed is not None:
             raise ProtocolError(MACHINE, "FAILED", f"TrackerMessage(from {message.sender!r})", self.failed)
         try:
@@ -162,11 +230,12 @@ class TrackingAgent:
         kind = REPORT if message.reports else PROMISE
         self.traffic.record(
             kind, message.sender, message.min_epoch, nbytes=message.nbytes,
-            entries=len(message.reports) + len(message.promises),
+            entries=len(message.reports) + len(message.promises) + len(message.confirms),
         )
-        dirty: set[int] = set()
+        dirty: list[set[int]] = [set() for _ in self._dims]
         for r in message.reports:
-            slots = self._slots[r.segment]
+            d = self._dims[r.dim]
+            slots = d.slots[r.segment]
             slot = slots.get(r.epoch)
             if slot is None:
                 slot = slots[r.epoch] = [0, 0]
@@ -174,60 +243,95 @@ class TrackingAgent:
             slot[1] += r.snd - r.rcv
             if slot[0] == 0 and slot[1] == 0:
                 del slots[r.epoch]
-                if r.epoch == self._bound[r.segment] + 1:
-                    dirty.add(r.segment)
+                if r.epoch == d.bound[r.segment] + 1:
+                    dirty[r.dim].add(r.segment)
         for p in message.promises:
-            self._promised[p.segment][p.source] = p.epoch
-            dirty.add(p.segment)
+            self._dims[p.dim].promised[p.segment][p.source] = p.epoch
+            dirty[p.dim].add(p.segment)
+        for c in message.confirms:
+            self._confirmed[c.segment][c.process] = c.label
+            dirty[TIME].update(self._downstream[c.segment])
         return self._advance(dirty, now)
 
     def check_invariants(self) -> None:
         """Every slot is open and non-clear, and no bound can advance any further."""
-        for s, slots in enumerate(self._slots):
-            b = self._bound[s]
-            assert all(e > b for e in slots), f"segment {s}: a slot at or below bound {b}"
-            assert all(v != [0, 0] for v in slots.values()), f"segment {s}: a clear slot is stored"
-            assert b <= self.cap(s), f"segment {s}: bound {b} above its cap {self.cap(s)}"
-            assert self._reach(s) == b, f"segment {s}: bound {b} could advance to {self._reach(s)}"
+        for d in self._dims:
+            for s, slots in enumerate(d.slots):
+                b = d.bound[s]
+                assert all(e > b for e in slots), f"dim {d.dim} segment {s}: a slot at or below bound {b}"
+                assert all(v != [0, 0] for v in slots.values()), f"dim {d.dim} segment {s}: a clear slot is stored"
+                assert b <= self.cap(s, d.dim), f"dim {d.dim} segment {s}: bound {b} above its cap {self.cap(s, d.dim)}"
+                assert self._reach(s, d.dim) == b, f"dim {d.dim} segment {s}: bound {b} could advance"
+        for s, procs in self._confirmed.items():
+            assert max(procs.values()) <= self._dims[TIME].bound[s], f"segment {s}: confirmed beyond its bound"
 
     # ------------------------------------------------------------ internals
-    def _reach(self, s: int) -> int:
+    def _reach(self, s: int, dim: int = EPOCHS) -> int:
         """The largest bound the current tables justify for ``s``."""
-        cap = self.cap(s)
-        slots = self._slots[s]
+        cap = self.cap(s, dim)
+        slots = self._dims[dim].slots[s]
         if slots:
             cap = min(cap, min(slots) - 1)
-        return max(cap, self._bound[s])
+        return max(cap, self._dims[dim].bound[s])
 
-    def _advance(self, dirty: set[int], now: float) -> list[NEOSS]:
+    def _advance(self, dirty: list[set[int]], now: float) -> list[NEOSS | WindowEnd]:
         # Segments are numbered topologically and an advance only dirties later segments,
         # so one pass in increasing order sees every upstream change before its consumers.
-        heap = list(dirty)
-        heapq.heapify(heap)
-        out: list[NEOSS] = []
-        #: destination -> epochs notified to it in this step: one service message each
-        bundles: dict[Hashable, list[int]] = {}
-        last = -1
-        while heap:
-            s = heapq.heappop(heap)
-            if s == last:
-                continue
-            last = s
-            b = self._reach(s)
-            if b <= self._bound[s]:
-                continue
-            self._bound[s] = b
-            out.append(NEOSS(s, b))
-            targets = self.processes.get(s, ()) if self.processes is not None else (("segment", s),)
-            for p in targets:
-                bundles.setdefault(p, []).append(b)
-            for d in self._downstream[s]:
-                heapq.heappush(heap, d)
-        # the NEOSS of one step travel together: one message per destination, one entry each
-        for p, epochs in bundles.items():
-            self.traffic.record(NEOSS_KIND, p, min(epochs), nbytes=NEOSS_WIRE.size * len(epochs), entries=len(epochs))
+        # Epochs go first: a WindowEnd names the epoch after the segment's epoch bound,
+        # and must follow the NEOSS of that bound on the FIFO link to the process.
+        out: list[NEOSS | WindowEnd] = []
+        #: destination -> notes sent to it in this step: one service message each
+        bundles: dict[Hashable, list[tuple[int | None, int]]] = {}
+        for d in self._dims:
+            heap = list(dirty[d.dim])
+            heapq.heapify(heap)
+            last = -1
+            while heap:
+                s = heapq.heappop(heap)
+                if s == last:
+                    continue
+                last = s
+                b = self._reach(s, d.dim)
+                if b <= d.bound[s]:
+                    continue
+                d.bound[s] = b
+                if d.dim == EPOCHS:
+                    note: NEOSS | WindowEnd = NEOSS(s, b)
+                    size = NEOSS_WIRE.size
+                elif s in self._confirmed:
+                    note = self._window_end(s, b)
+                    size = WINDOW_END_WIRE.size
+                else:
+                    # nobody in s acts on time: the bound only feeds the caps downstream
+                    for t in self._downstream[s]:
+                        heapq.heappush(heap, t)
+                    continue
+                out.append(note)
+                targets = self.processes.get(s, ()) if self.processes is not None else (("segment", s),)
+                for p in targets:
+                    bundles.setdefault(p, []).append((b if d.dim == EPOCHS else None, size))
+                if d.dim == EPOCHS or s not in self._confirmed:
+                    for t in self._downstream[s]:
+                        heapq.heappush(heap, t)
+        # the notes of one step travel together: one message per destination, one entry each
+        for p, entries in bundles.items():
+            epochs = [e for e, _ in entries if e is not None]
+            self.traffic.record(NEOSS_KIND, p, min(epochs) if epochs else None,
+                                nbytes=sum(n for _, n in entries), entries=len(entries))
         return out
 
+    def _window_end(self, s: int, label: int) -> WindowEnd:
+        """WindowEnd for firing segment ``s``, with one epoch token per process SNDed now."""
+        epochs = self._dims[EPOCHS]
+        e = epochs.bound[s] + 1
+        tokens = tuple((p, next(self._tokens)) for p in self._confirmed[s])
+        slot = epochs.slots[s].setdefault(e, [0, 0])
+        for _p, token in tokens:
+            slot[0] ^= token
+            slot[1] += 1
+        if slot == [0, 0]:
+            del epochs.slots[s][e]
+        return WindowEnd(s, label, e, tokens)
 
     def _validate(self, m: TrackerMessage) -> None:
         expected = self._next_seq.get(m.sender, 0)
@@ -236,29 +340,45 @@ class TrackingAgent:
                 MACHINE, f"expecting message {expected} from {m.sender!r}", f"TrackerMessage(seq={m.seq})",
                 "the link from a local tracker must be FIFO and lossless",
             )
-        k = len(self._bound)
+        k = len(self._dims[EPOCHS].bound)
+        n_dims = len(self._dims)
         for r in m.reports:
-            event = f"Report(segment={r.segment}, epoch={r.epoch}) from {m.sender!r}"
+            event = f"Report(segment={r.segment}, epoch={r.epoch}, dim={r.dim}) from {m.sender!r}"
             if not (type(r.segment) is int and 0 <= r.segment < k):
                 raise ProtocolError(MACHINE, "running", event, f"unknown segment (there are {k})")
-            b = self._bound[r.segment]
+            if not 0 <= r.dim < n_dims:
+                raise ProtocolError(MACHINE, "running", event, "unknown dimension (is event time on?)")
+            b = self._dims[r.dim].bound[r.segment]
             if r.epoch <= b:
+                what = "epoch" if r.dim == EPOCHS else "time label"
                 raise ProtocolError(
                     MACHINE, f"segment {r.segment} {list(self.segmentation.segments[r.segment])} notified up to {b}",
-                    event, f"epoch {r.epoch} of segment {r.segment} is already closed: a record of a closed epoch "
+                    event, f"{what} {r.epoch} of segment {r.segment} is already closed: a record of a closed {what} "
                     "(broken promise, chain-rule violation or duplicate report)",
                 )
             if not 0 <= r.xor <= MAX_ID or r.snd < 0 or r.rcv < 0:
                 raise ProtocolError(MACHINE, "running", event, f"xor/snd/rcv out of range: {r}")
-        pending: dict[tuple[int, Hashable], int] = {}
+        pending: dict[tuple[int, Hashable, int], int] = {}
         for p in m.promises:
-            event = f"Promise(segment={p.segment}, epoch={p.epoch}, source={p.source!r}) from {m.sender!r}"
+            event = f"Promise(segment={p.segment}, epoch={p.epoch}, source={p.source!r}, dim={p.dim}) from {m.sender!r}"
             if not (type(p.segment) is int and 0 <= p.segment < k):
                 raise ProtocolError(MACHINE, "running", event, f"unknown segment (there are {k})")
-            promised = self._promised[p.segment]
+            if not 0 <= p.dim < n_dims:
+                raise ProtocolError(MACHINE, "running", event, "unknown dimension (is event time on?)")
+            promised = self._dims[p.dim].promised[p.segment]
             if p.source not in promised:
                 raise ProtocolError(MACHINE, "running", event, f"not a source of segment {p.segment}")
-            last = pending.get((p.segment, p.source), promised[p.source])
+            last = pending.get((p.segment, p.source, p.dim), promised[p.source])
             if p.epoch <= last:
                 raise ProtocolError(MACHINE, f"source {p.source!r} promised {last}", event, "promises must increase")
-            pending[(p.segment, p.source)] = p.epoch
+            pending[(p.segment, p.source, p.dim)] = p.epoch
+        for c in m.confirms:
+            event = f"Confirm(segment={c.segment}, label={c.label}, process={c.process!r}) from {m.sender!r}"
+            procs = self._confirmed.get(c.segment)
+            if procs is None or c.process not in procs:
+                raise ProtocolError(MACHINE, "running", event, "not a process of a firing segment")
+            if not procs[c.process] < c.label <= self._dims[TIME].bound[c.segment]:
+                raise ProtocolError(
+                    MACHINE, f"{c.process!r} confirmed {procs[c.process]}, bound {self._dims[TIME].bound[c.segment]}",
+                    event, "a confirmation must increase and answer a WindowEnd that was sent",
+                )

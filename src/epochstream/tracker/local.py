@@ -39,6 +39,12 @@ folds to xor 0, snd == rcv; such a report tells the agent nothing and is dropped
 flush. So recording local hops costs CPU, not messages; skipping them is *not* safe in
 general (see the package docstring).
 
+Dimensions. Events and promises name a dimension (epochs, or coarse time labels when
+the pipeline uses event time); the tables are keyed by it and one flush carries both, so
+the chain rule holds per dimension for the same reason it holds for one. ``confirm``
+(a firing segment's process has emitted its timer output for label t) travels like a
+promise: after the events recorded before it, and it makes the tracker due at once.
+
 Sans-IO: no clocks (``now`` is an argument), no randomness (the ids come from the caller,
 e.g. ``BatchIds``), no I/O.
 """
@@ -48,7 +54,7 @@ from __future__ import annotations
 from typing import Hashable, Iterator
 
 from ..runtime.errors import ProtocolError
-from .messages import MAX_ID, Promise, Report, TrackerMessage
+from .messages import EPOCHS, MAX_ID, Confirm, Promise, Report, TrackerMessage
 
 
 class LocalTracker:
@@ -73,40 +79,49 @@ class LocalTracker:
         self.aggregate = aggregate
         self.flush_interval = flush_interval
         self.flush_count = flush_count
-        #: aggregated mode: (segment, epoch) -> [xor, snd, rcv], in first-event order
-        self._slots: dict[tuple[int, int], list[int]] = {}
+        #: aggregated mode: (segment, epoch, dim) -> [xor, snd, rcv], in first-event order
+        self._slots: dict[tuple[int, int, int], list[int]] = {}
         #: non-aggregated mode: every event and promise, in recording order
         self._queue: list[Report | Promise] = []
-        #: aggregated mode: (segment, source) -> newest pending promise (older ones are implied)
-        self._promises: dict[tuple[int, Hashable], int] = {}
+        #: aggregated mode: (segment, source, dim) -> newest pending promise (older ones are implied)
+        self._promises: dict[tuple[int, Hashable, int], int] = {}
+        #: (segment, process) -> newest pending confirmation (aggregated mode)
+        self._confirms: dict[tuple[int, Hashable], int] = {}
         #: events recorded since the last flush (drives ``flush_count``)
         self.pending_events = 0
         self.last_flush = now
         #: sequence number of the next message; the agent requires 0, 1, 2, ... per tracker
         self.seq = 0
-        #: newest promise per (segment, source); promises must increase
-        self._promised: dict[tuple[int, Hashable], int] = {}
+        #: newest promise per (segment, source, dim); promises must increase
+        self._promised: dict[tuple[int, Hashable, int], int] = {}
         # statistics
         self.events = 0
         self.messages = 0
 
     # ------------------------------------------------------------ events in (buffer only)
-    def snd(self, batch_id: int, epoch: int, segment: int) -> None:
-        """A batch of ``epoch`` was emitted towards ``segment``."""
-        self._record(batch_id, epoch, segment, True)
+    def snd(self, batch_id: int, epoch: int, segment: int, dim: int = EPOCHS) -> None:
+        """A batch of ``epoch`` (a time label if ``dim`` is TIME) was emitted towards ``segment``."""
+        self._record(batch_id, epoch, segment, True, dim)
 
-    def rcv(self, batch_id: int, epoch: int, segment: int) -> None:
+    def rcv(self, batch_id: int, epoch: int, segment: int, dim: int = EPOCHS) -> None:
         """A batch of ``epoch`` was processed by a process of ``segment`` (its own)."""
-        self._record(batch_id, epoch, segment, False)
+        self._record(batch_id, epoch, segment, False, dim)
 
-    def promise(self, segment: int, epoch: int, now: float, source: Hashable | None = None) -> None:
+    def confirm(self, segment: int, label: int, process: Hashable) -> None:
+        """``process`` handled WindowEnd(segment, label); record after the SNDs of its output."""
+        if self.aggregate:
+            self._confirms[(segment, process)] = label
+        else:
+            self._queue.append(Confirm(segment, label, process))
+
+    def promise(self, segment: int, epoch: int, now: float, source: Hashable | None = None, dim: int = EPOCHS) -> None:
         """Source ``source`` (default: this tracker) of ``segment`` ends epoch ``epoch``.
 
         Record it after the SNDs of every batch of epoch <= ``epoch`` the source sent;
         it is sent in the next flush, after them.
         """
         src = self.id if source is None else source
-        key = (segment, src)
+        key = (segment, src, dim)
         last = self._promised.get(key)
         if last is not None and epoch <= last:
             raise ProtocolError(
@@ -117,16 +132,16 @@ class LocalTracker:
         if self.aggregate:
             self._promises[key] = epoch
         else:
-            self._queue.append(Promise(segment, epoch, src))
+            self._queue.append(Promise(segment, epoch, src, dim))
 
     # ------------------------------------------------------------ queries
     def has_pending(self) -> bool:
-        return bool(self._slots or self._queue or self._promises or self.pending_events)
+        return bool(self._slots or self._queue or self._promises or self._confirms or self.pending_events)
 
     def due(self, now: float) -> bool:
         if not self.has_pending():
             return False
-        if not self.aggregate or self._promises:
+        if not self.aggregate or self._promises or self._confirms:
             return True
         if self.flush_count is not None and self.pending_events >= self.flush_count:
             return True
@@ -152,37 +167,42 @@ class LocalTracker:
         out: list[TrackerMessage] = []
         if self.aggregate:
             reports = tuple(
-                Report(seg, ep, x, s, r) for (seg, ep), (x, s, r) in self._slots.items() if x or s != r
+                Report(seg, ep, x, s, r, dim) for (seg, ep, dim), (x, s, r) in self._slots.items() if x or s != r
             )
-            promises = tuple(Promise(seg, ep, src) for (seg, src), ep in self._promises.items())
+            promises = tuple(Promise(seg, ep, src, dim) for (seg, src, dim), ep in self._promises.items())
+            confirms = tuple(Confirm(seg, label, proc) for (seg, proc), label in self._confirms.items())
             self._slots = {}
             self._promises = {}
-            if reports or promises:
-                out.append(TrackerMessage(self.id, self.seq, reports, promises))
+            self._confirms = {}
+            if reports or promises or confirms:
+                out.append(TrackerMessage(self.id, self.seq, reports, promises, confirms))
                 self.seq += 1
         else:
             for item in self._queue:
                 if type(item) is Report:
                     out.append(TrackerMessage(self.id, self.seq, (item,), ()))
-                else:
+                elif type(item) is Promise:
                     out.append(TrackerMessage(self.id, self.seq, (), (item,)))
+                else:
+                    out.append(TrackerMessage(self.id, self.seq, (), (), (item,)))
                 self.seq += 1
             self._queue = []
         self.messages += len(out)
         return out
 
     # ------------------------------------------------------------ internals
-    def _record(self, batch_id: int, epoch: int, segment: int, is_snd: bool) -> None:
+    def _record(self, batch_id: int, epoch: int, segment: int, is_snd: bool, dim: int) -> None:
         if not 0 < batch_id <= MAX_ID:
             raise ValueError(f"LocalTracker {self.id}: batch id {batch_id!r} is not in [1, 2**64): ids are random 64-bit")
         self.events += 1
         self.pending_events += 1
         if not self.aggregate:
-            self._queue.append(Report(segment, epoch, batch_id, 1, 0) if is_snd else Report(segment, epoch, batch_id, 0, 1))
+            self._queue.append(Report(segment, epoch, batch_id, 1, 0, dim) if is_snd
+                               else Report(segment, epoch, batch_id, 0, 1, dim))
             return
-        slot = self._slots.get((segment, epoch))
+        slot = self._slots.get((segment, epoch, dim))
         if slot is None:
-            self._slots[(segment, epoch)] = [batch_id, 1, 0] if is_snd else [batch_id, 0, 1]
+            self._slots[(segment, epoch, dim)] = [batch_id, 1, 0] if is_snd else [batch_id, 0, 1]
         else:
             slot[0] ^= batch_id
             slot[1 if is_snd else 2] += 1

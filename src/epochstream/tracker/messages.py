@@ -14,6 +14,13 @@ Terms (paper 000, sections 3-4), defined once here for the whole package:
 - ``TrackerMessage``: one flush of one local tracker = one service message on the wire.
 - ``NEOSS``: the agent's notification that segment s holds, and will receive, no more
   records of epochs <= n (its *bound* is n).
+- *dimension*: what a label counts. Dimension ``EPOCHS`` (0) is the epoch; dimension
+  ``TIME`` (1) is the coarse event-time label ``t(x) = floor(ts(x) / slack)`` of paper 000
+  §4.2. Reports and promises name their dimension; the agent keeps one table per dimension.
+- ``Confirm``: a process of a *firing* segment (one whose operators fire event-time timers)
+  has handled the time notification for label t and reported the SNDs of what it emitted.
+- ``WindowEnd``: the time dimension's NEOSS, delivered to the processes of a firing segment
+  together with the epoch token each must acknowledge (agent.py explains why).
 
 Wire sizes. Traffic accounting (``traffic.py``) counts the bytes of a compact fixed-width
 encoding, described by the ``struct`` layouts below. The objects are not encoded here; a
@@ -26,6 +33,12 @@ import struct
 from dataclasses import dataclass
 from typing import Hashable
 
+#: dimensions of the tracked labels
+EPOCHS = 0
+TIME = 1
+#: the time label a source promises when it is exhausted: later than every real label
+END_OF_TIME = 1 << 62
+
 #: batch ids are 64-bit; 0 is not allowed, because XOR-ing it changes nothing
 MAX_ID = (1 << 64) - 1
 
@@ -35,6 +48,10 @@ HEADER_WIRE = struct.Struct("<IQHH")
 REPORT_WIRE = struct.Struct("<IQQII")
 #: segment (u32), epoch (u64), source (u32)
 PROMISE_WIRE = struct.Struct("<IQI")
+#: segment (u32), label (u64), process (u32)
+CONFIRM_WIRE = struct.Struct("<IQI")
+#: segment (u32), label (u64), epoch (u64), token (u64): one process's window-end entry
+WINDOW_END_WIRE = struct.Struct("<IQQQ")
 #: segment (u32), epoch (u64)
 NEOSS_WIRE = struct.Struct("<IQ")
 #: channel (u32), epoch (u64): a barrier on a data channel, for aligned-mode accounting
@@ -56,6 +73,8 @@ class Report:
     xor: int
     snd: int
     rcv: int
+    #: ``EPOCHS`` or ``TIME``: what ``epoch`` counts
+    dim: int = EPOCHS
 
     @property
     def count(self) -> int:
@@ -70,6 +89,16 @@ class Promise:
     segment: int
     epoch: int
     source: Hashable
+    dim: int = EPOCHS
+
+
+@dataclass(frozen=True, slots=True)
+class Confirm:
+    """Process ``process`` of firing segment ``segment`` handled WindowEnd(``label``)."""
+
+    segment: int
+    label: int
+    process: Hashable
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,15 +113,17 @@ class TrackerMessage:
     seq: int
     reports: tuple[Report, ...] = ()
     promises: tuple[Promise, ...] = ()
+    confirms: tuple[Confirm, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return HEADER_WIRE.size + len(self.reports) * REPORT_WIRE.size + len(self.promises) * PROMISE_WIRE.size
+        return (HEADER_WIRE.size + len(self.reports) * REPORT_WIRE.size + len(self.promises) * PROMISE_WIRE.size
+                + len(self.confirms) * CONFIRM_WIRE.size)
 
     @property
     def min_epoch(self) -> int | None:
-        """The oldest epoch the message carries (traffic is attributed to it)."""
-        epochs = [r.epoch for r in self.reports] + [p.epoch for p in self.promises]
+        """The oldest epoch the message carries (traffic is attributed to it; time labels are not epochs)."""
+        epochs = [r.epoch for r in self.reports if r.dim == EPOCHS] + [p.epoch for p in self.promises if p.dim == EPOCHS]
         return min(epochs) if epochs else None
 
 
@@ -106,3 +137,26 @@ class NEOSS:
 
     segment: int
     epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class WindowEnd:
+    """Time-dimension NEOSS: segment ``segment`` holds, and will receive, no record whose
+    time label is <= ``label`` (every event timestamp below ``(label + 1) * slack`` is in).
+
+    Sent only to firing segments. ``epoch`` is the epoch the receiving processes are in
+    when they handle it (the segment's epoch bound + 1); ``tokens`` gives each process the
+    id it acknowledges with RCV(token, epoch) after reporting the SNDs of its timer output,
+    which keeps the epoch from closing before that output is accounted for.
+    """
+
+    segment: int
+    label: int
+    epoch: int
+    tokens: tuple[tuple[Hashable, int], ...]
+
+    def token_of(self, process: Hashable) -> int:
+        for p, token in self.tokens:
+            if p == process:
+                return token
+        raise KeyError(process)
