@@ -28,5 +28,19 @@ class KeyedProcessFunction:
     def process_element(self, value: Any, ctx: "Context") -> Iterable[Any] | None:
         raise NotImplementedError
 
+    def on_timer(self, timestamp: float, ctx: "Context") -> Iterable[Any] | None:
+        """An event-time timer set with ``ctx.timer_service().register_event_time_timer``
+        fired: event time passed ``timestamp`` (``ctx.key`` is the timer's key)."""
+        return None
+
+    #: True when the function uses event time (timers or key expiry); set automatically
+    #: for subclasses that define ``on_timer``
+    uses_event_time = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "on_timer" in cls.__dict__:
+            cls.uses_event_time = True
+
     def close(self) -> None:
         pass

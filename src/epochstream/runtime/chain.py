@@ -13,8 +13,9 @@ from typing import Any, Callable
 from ..graph.keygroups import key_bytes, key_group_table, murmur_mix
 from ..graph.plan import FORWARD, HASH, Chain, PhysicalPlan
 from .errors import UserFunctionError
-from .messages import Batch, KeyedCapture, SinkCapture
+from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
 from .state import HeapKeyedState
+from .timers import TimerService
 
 import copy
 import zlib
@@ -31,12 +32,12 @@ class OutputBuffers:
         self.records: dict[int, list[Any]] = {c: [] for c in channels}
         self.keys: dict[int, list[Any] | None] = {c: ([] if c in keyed else None) for c in channels}
 
-    def drain(self, epoch: int) -> list[tuple[int, Batch]]:
+    def drain(self, epoch: int, time: int = 0) -> list[tuple[int, Batch]]:
         out = []
         for ch, recs in self.records.items():
             if recs:
                 keys = self.keys[ch]
-                out.append((ch, Batch(epoch, recs, keys)))
+                out.append((ch, Batch(epoch, recs, keys, 0, time)))
                 self.records[ch] = []
                 if keys is not None:
                     self.keys[ch] = []
@@ -49,8 +50,13 @@ class OutputBuffers:
 class ChainRuntime:
     """The compiled operators of one chain subtask."""
 
-    def __init__(self, plan: PhysicalPlan, chain: Chain, subtask: int, context_factory) -> None:
+    def __init__(self, plan: PhysicalPlan, chain: Chain, subtask: int, context_factory,
+                 event_time: bool = False) -> None:
+        """``event_time``: operators that declare event-time use get a ``TimerService``."""
         self.plan = plan
+        self.event_time = event_time
+        #: (fn, ctx, timers, downstream, uid) of operators with event-time timers
+        self.timed: list[tuple[Any, Any, TimerService, Push, str]] = []
         self.chain = chain
         self.subtask = subtask
         self.states: dict[str, HeapKeyedState] = {}
@@ -189,8 +195,11 @@ class ChainRuntime:
         m = self.plan.max_parallelism
         state = HeapKeyedState(node.uid, lambda k: murmur_mix(zlib.crc32(key_bytes(k))) % m, kg_range)
         self.states[node.uid] = state
-        ctx = self._context_factory(state, self.subtask, self.plan.parallelism, node.uid)
         fn = copy.deepcopy(node.payload)  # one instance per subtask, as Flink deserializes one each
+        timers = TimerService(state) if self.event_time and getattr(fn, "uses_event_time", False) else None
+        ctx = self._context_factory(state, self.subtask, self.plan.parallelism, node.uid, timers)
+        if timers is not None:
+            self.timed.append((fn, ctx, timers, down, node.uid))
         self.functions.append((fn, ctx))
         self.contexts.append(ctx)
         keyslot = state.keys
@@ -223,12 +232,32 @@ class ChainRuntime:
 
     # ------------------------------------------------------------ lifecycle
     def open(self, epoch: int) -> None:
+        for _fn, _ctx, timers, _down, _uid in self.timed:
+            timers.rebuild()
         for fn, ctx in self.functions:
             ctx.epoch = epoch
             try:
                 fn.open(ctx)
             except Exception as exc:
                 raise UserFunctionError(f"open() of {ctx.operator_uid!r} failed: {exc!r}") from exc
+
+    def fire_timers(self, label: int, slack: float) -> None:
+        """Event time reached time label ``label``: fire the timers it passes."""
+        watermark = float("inf") if label >= END_OF_TIME else (label + 1) * slack
+        for fn, ctx, timers, down, uid in self.timed:
+            out: list[Any] = []
+
+            def on_timer(ts: float) -> None:
+                res = fn.on_timer(ts, ctx)
+                if res is not None:
+                    out.extend(res)
+
+            try:
+                timers.advance(label, watermark, on_timer)
+            except Exception as exc:
+                raise UserFunctionError(f"on_timer of {uid!r} failed on key {ctx.key!r}: {exc!r}") from exc
+            if out:
+                down(out, None)
 
     def close(self) -> None:
         for fn, _ctx in self.functions:

@@ -8,10 +8,12 @@ from typing import Any
 class Context:
     """Current key, epoch and subtask, and the way to declare keyed state."""
 
-    __slots__ = ("_state", "_keys", "subtask_index", "parallelism", "operator_uid", "epoch")
+    __slots__ = ("_state", "_keys", "subtask_index", "parallelism", "operator_uid", "epoch", "timers")
 
-    def __init__(self, state, subtask_index: int, parallelism: int, operator_uid: str) -> None:
+    def __init__(self, state, subtask_index: int, parallelism: int, operator_uid: str, timers=None) -> None:
         self._state = state
+        #: the operator's ``TimerService`` (None: it declared no event-time use)
+        self.timers = timers
         self._keys = state.keys
         self.subtask_index = subtask_index
         self.parallelism = parallelism
@@ -28,6 +30,15 @@ class Context:
     def state(self, descriptor):
         """The handle of ``descriptor``'s state for the current key (declare it in ``open``)."""
         return self._state.handle(descriptor)
+
+    def timer_service(self):
+        """Event-time timers (PyFlink's ``ctx.timer_service()``)."""
+        if self.timers is None:
+            raise RuntimeError(
+                f"operator {self.operator_uid!r} has no timer service: define on_timer() (or set "
+                "uses_event_time = True) on its function, give a source timestamps=..., and run in mode='tracker'"
+            )
+        return self.timers
 
     # PyFlink's RuntimeContext names
     get_state = get_list_state = get_map_state = state

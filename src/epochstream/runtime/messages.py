@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: the time label of "no more records ever" (a bounded source's last time promise)
+END_OF_TIME = 1 << 62
+
 TaskId = tuple[int, int]
 """(chain id, subtask index): one process of the physical plan."""
 
@@ -26,6 +29,8 @@ class Batch:
     keys: list[Any] | None = None
     #: random 64-bit id the trAcker's SND/RCV reports XOR together (0 in aligned mode)
     id: int = 0
+    #: coarse time label shared by every record of the batch (event time on; else 0)
+    time: int = 0
 
     def __len__(self) -> int:
         return len(self.records)
@@ -62,6 +67,8 @@ class KeyedCapture:
     chain: tuple[int, ...]
     key_group_range: tuple[int, int]
     kinds: tuple[tuple[str, str], ...] = ()  # (state name, value | list | map)
+    #: newest time label whose timers this operator fired (None: no event time)
+    event_time: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

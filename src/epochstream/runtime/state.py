@@ -219,6 +219,8 @@ class HeapKeyedState:
         #: epochs whose captures rebuild the state: [last full, increments...]
         self.chain: list[int] = []
         self.force_full = True
+        #: newest time label whose timers fired here (None: the operator has no event time)
+        self.event_time: int | None = None
 
     def handle(self, descriptor: StateDescriptor) -> ValueState | ListState | MapState:
         kind = descriptor.kind
@@ -269,7 +271,8 @@ class HeapKeyedState:
         else:
             self.chain.append(epoch)
         kinds = tuple((t.name, t.kind) for t in self.tables.values())
-        return KeyedCapture(self.operator_uid, rows, full, tuple(self.chain), self.key_group_range, kinds)
+        return KeyedCapture(self.operator_uid, rows, full, tuple(self.chain), self.key_group_range, kinds,
+                            self.event_time)
 
     def restore_rows(self, rows: Iterable[tuple[int, bytes, str, bytes | None]], kinds: dict[str, str]) -> None:
         """Apply rows of a file chain in order (later rows win; ``None`` deletes)."""

@@ -8,6 +8,14 @@ alignment blocks channels whose marker arrived, the trAcker's firm-bound gate ho
 of epochs after the open one until a NEOSS closes it. Messages of a blocked channel are
 set aside and put back at the head of the mailbox, in arrival order, when the gate opens.
 
+Event time (trAcker mode with timestamped sources): every batch also carries one coarse
+time label ``floor(ts / slack)``. Sources cut their reads into runs of one label and
+promise labels as they read; a task flushes its output whenever the label of its input
+changes, so a batch never spans two labels either (the label then bounds every record in
+it from below, which window completeness needs, and equals the label of its cause, which
+the chain rule needs). A ``WindowEnd`` fires the timers it passes; their output is
+labelled with the WindowEnd's label and acknowledged as agent.py describes.
+
 A source task has no inputs: it reads its splits from their offsets and, on a trigger for
 epoch n, flushes its output, captures its offsets and emits marker n on every output
 channel (Algorithm 5). A task with inputs snapshots and forwards marker n when the gate
@@ -22,8 +30,8 @@ from typing import Any
 
 from ..graph.plan import PhysicalPlan
 from .chain import ChainRuntime
-from .errors import ProtocolError
-from .messages import Batch, Marker, Send, Snapshot, SourceExhausted, TaskCapture, TaskId
+from .errors import EpochStreamError, ProtocolError, UserFunctionError
+from .messages import END_OF_TIME, Batch, Marker, Send, Snapshot, SourceExhausted, TaskCapture, TaskId
 from .sources import Source
 
 
@@ -63,8 +71,11 @@ class Task:
         self.tracking = tracking
         #: NEOSS epochs delivered and not yet applied (buffered like messages)
         self.neoss: deque[int] = deque()
-        #: (batch id, epoch) of inputs processed since the last flush: their RCVs follow the SNDs
-        self._received: list[tuple[int, int]] = []
+        #: (batch id, epoch, time label) of inputs processed since the last flush: their RCVs follow the SNDs
+        self._received: list[tuple[int, int, int]] = []
+        #: event time: seconds per time label (None: off); the label of the output being buffered
+        self.slack: float | None = getattr(tracking, "slack", None)
+        self._out_time = 0
         # -- source side
         spec = plan.chains[task_id[0]]
         self.is_source = spec.is_source
@@ -82,6 +93,15 @@ class Task:
             self.offsets = {s: int(restored.get(s, 0)) for s in self._splits}
             self._lengths = {s: self.source.split_length(s) for s in self._splits}
             self._source_push = chain.entry[node.id]
+            self._timestamp = getattr(self.source, "timestamp", None) if self.slack is not None else None
+            #: event time: per split, the label of the last record read (or of the next one)
+            self._split_label: dict[int, int] = {}
+            self._time_promised = -1
+            if self._timestamp is not None:
+                for s in self._splits:
+                    first = self.source.read(s, self.offsets[s], 1)
+                    if first:
+                        self._split_label[s] = self._label(s, self.offsets[s], first[0])
 
     # ------------------------------------------------------------ events in
     def receive(self, channel: int, message: Batch | Marker) -> None:
@@ -113,8 +133,10 @@ class Task:
             while self.triggers:
                 self._snapshot_and_forward(self.triggers.popleft(), 0.0, actions, now)
             if read_source:
-                self._read(budget)
+                self._read(budget, actions)
                 self._flush(actions)
+                if self._timestamp is not None:
+                    self._promise_time(now)
             if not self.exhausted_reported and not self.source_has_more():
                 self.exhausted_reported = True
                 actions.append(SourceExhausted(self.id))
@@ -135,6 +157,9 @@ class Task:
                 self.held.append((channel, msg))
                 continue
             if type(msg) is Batch:
+                if self.slack is not None and msg.time != self._out_time:
+                    self._flush(actions)  # a batch never spans two time labels
+                    self._out_time = msg.time
                 if self.exactly_once and msg.epoch != self.epoch:
                     raise ProtocolError(
                         "Task", f"{self.id} in epoch {self.epoch}", f"Batch(epoch={msg.epoch})", f"on channel {channel}"
@@ -144,7 +169,7 @@ class Task:
                 processed += n
                 self.records_in += n
                 if tracking is not None:
-                    self._received.append((msg.id, msg.epoch))
+                    self._received.append((msg.id, msg.epoch, msg.time))
                 continue
             # a marker: everything before it on this channel is processed
             aligned = gate.on_marker(channel, msg.epoch, now)
@@ -158,7 +183,7 @@ class Task:
         self._flush(actions)
         return actions
 
-    def _read(self, budget: int) -> None:
+    def _read(self, budget: int, actions: list[Any]) -> None:
         splits = self._splits
         if not splits:
             return
@@ -173,8 +198,56 @@ class Task:
             if records:
                 self.offsets[split] = offset + len(records)
                 self.records_in += len(records)
-                self._source_push(records, None)
+                if self._timestamp is None:
+                    self._source_push(records, None)
+                else:
+                    self._push_labelled(split, offset, records, actions)
                 return
+
+    def _label(self, split: int, offset: int, record: Any) -> int:
+        try:
+            ts = self._timestamp(record)
+        except Exception as exc:
+            raise UserFunctionError(f"timestamp function of source {self.source_uid!r} failed: {exc!r}") from exc
+        if not isinstance(ts, (int, float)) or ts < 0:
+            raise EpochStreamError(
+                f"source {self.source_uid!r} split {split} offset {offset}: the timestamp function returned {ts!r}; "
+                f"event timestamps must be numbers >= 0"
+            )
+        return int(ts // self.slack)
+
+    def _push_labelled(self, split: int, offset: int, records: list[Any], actions: list[Any]) -> None:
+        """Push ``records`` in runs of one time label, flushing between runs."""
+        last = self._split_label.get(split, 0)
+        start = 0
+        for i, r in enumerate(records):
+            label = self._label(split, offset + i, r)
+            if label < last:
+                raise EpochStreamError(
+                    f"source {self.source_uid!r} split {split} offset {offset + i}: timestamp {self._timestamp(r)!r} "
+                    f"(time label {label}) is before label {last} of an earlier record; event timestamps must not "
+                    f"decrease within a split (sort each split by time, or use more splits)"
+                )
+            if label != self._out_time:
+                if i > start:
+                    self._source_push(records[start:i], None)
+                self._flush(actions)
+                self._out_time = label
+                start = i
+            last = label
+        self._source_push(records[start:], None)
+        self._split_label[split] = last
+
+    def _promise_time(self, now: float) -> None:
+        """Promise the labels no split can send any more (after the SNDs just flushed)."""
+        bound = END_OF_TIME
+        for s in self._splits:
+            length = self._lengths[s]
+            if length is None or self.offsets[s] < length:
+                bound = min(bound, self._split_label.get(s, 0) - 1)
+        if bound > self._time_promised:
+            self._time_promised = bound
+            self.tracking.tracker.promise(self.tracking.segment, bound, now, source=self.id, dim=1)
 
     def _flush(self, actions: list[Any]) -> None:
         tracking = self.tracking
@@ -184,25 +257,49 @@ class Task:
             return
         # chain rule: SND of every output before the RCV of the inputs that caused it
         tracker, ids, seg_of = tracking.tracker, tracking.ids, tracking.out_segment
-        for ch, batch in self.chain.out.drain(self.epoch):
+        timed = self.slack is not None
+        for ch, batch in self.chain.out.drain(self.epoch, self._out_time):
             batch.id = next(ids)
             tracker.snd(batch.id, batch.epoch, seg_of[ch])
+            if timed:
+                tracker.snd(batch.id, batch.time, seg_of[ch], 1)
             actions.append(Send(ch, batch))
         if self._received:
             seg = tracking.segment
-            for bid, epoch in self._received:
+            for bid, epoch, label in self._received:
                 tracker.rcv(bid, epoch, seg)
+                if timed:
+                    tracker.rcv(bid, label, seg, 1)
             self._received = []
 
     def _apply_neoss(self, now: float, actions: list[Any]) -> None:
         """Close the epochs NEOSS ends: snapshot each (no markers), then release held records."""
         self._flush(actions)
         while self.neoss:
-            for epoch in self.gate.on_neoss(self.neoss.popleft(), now):
+            note = self.neoss.popleft()
+            if type(note) is not int:
+                self._window_end(note, actions)
+                continue
+            for epoch in self.gate.on_neoss(note, now):
                 self._snapshot_and_forward(epoch, self.gate.last_hold_seconds, actions, now)
         if self.held:
             self.mailbox.extendleft(reversed(self.held))
             self.held = []
+
+    def _window_end(self, note: Any, actions: list[Any]) -> None:
+        """Fire the timers event time passed; acknowledge after reporting their output."""
+        if note.epoch != self.epoch:
+            raise ProtocolError(
+                "Task", f"{self.id} in epoch {self.epoch}", f"WindowEnd(label={note.label}, epoch={note.epoch})",
+                "a WindowEnd must follow the NEOSS of the epoch before it (FIFO agent link)",
+            )
+        self._flush(actions)
+        self._out_time = note.label
+        self.chain.fire_timers(note.label, self.slack)
+        self._flush(actions)  # SNDs of the timer output first, then the acknowledgements
+        tracker, seg = self.tracking.tracker, self.tracking.segment
+        tracker.confirm(seg, note.label, self.id)
+        tracker.rcv(note.token_of(self.id), note.epoch, seg)
 
     def _snapshot_and_forward(self, epoch: int, waited: float, actions: list[Any], now: float) -> None:
         self._flush(actions)

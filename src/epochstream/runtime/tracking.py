@@ -15,3 +15,5 @@ class TaskTracking:
     segment: int
     out_segment: dict[int, int]
     ids: Any
+    #: event time: seconds per coarse time label (None: the pipeline has no event time)
+    slack: float | None = None

@@ -36,8 +36,7 @@ from typing import Hashable
 #: dimensions of the tracked labels
 EPOCHS = 0
 TIME = 1
-#: the time label a source promises when it is exhausted: later than every real label
-END_OF_TIME = 1 << 62
+from ..runtime.messages import END_OF_TIME  # noqa: F401 - the label an exhausted source promises
 
 #: batch ids are 64-bit; 0 is not allowed, because XOR-ing it changes nothing
 MAX_ID = (1 << 64) - 1
