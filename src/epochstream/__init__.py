@@ -1,5 +1,6 @@
 """epochstream: exactly-once stateful stream operators through asynchronous epoch snapshots."""
 
+from .api.builtin import TumblingEventTimeWindows
 from .api.functions import KeyedProcessFunction
 from .api.pipeline import CheckpointConfig, KeyedStream, Pipeline, Stream, TrackerConfig
 from .deploy.result import JobResult
@@ -18,5 +19,5 @@ __all__ = [
     "FileSink",
     "GeneratorSource", "JobResult", "KeyedProcessFunction", "KeyedStream", "ListStateDescriptor",
     "MapStateDescriptor", "ParallelismError", "Pipeline", "Source", "StateSerializationError", "Stream",
-    "TrackerConfig", "UserFunctionError", "ValueStateDescriptor",
+    "TrackerConfig", "TumblingEventTimeWindows", "UserFunctionError", "ValueStateDescriptor",
 ]

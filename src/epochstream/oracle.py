@@ -14,6 +14,9 @@ Three checks, none of which assumes one interleaving of channels:
 
 The sequential reference runs the logical graph in one thread with fresh copies of the
 user functions: the semantics the job promises, with no epochs, channels or failures.
+With event time, the reference fires each operator's timers up to the time label the
+manifest of epoch n records for it, after epoch n's records (timers commute with records
+of later timestamps, as in Flink), and all of them at the end of bounded input.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from typing import Any, Callable
 
 from .graph.plan import Node, _topological
 from .runtime.context import Context
+from .runtime.messages import END_OF_TIME
 from .runtime.state import HeapKeyedState
+from .runtime.timers import TimerService
 
 
 # ---------------------------------------------------------------- sequential reference
@@ -53,17 +58,25 @@ class Reference:
         self.sinks: dict[str, list[Any]] = {n.uid: [] for n in self.nodes.values() if n.kind == "sink"}
         self.states: dict[str, HeapKeyedState] = {}
         self.fns: dict[int, tuple[Any, Context]] = {}
+        event_time = any(getattr(n.payload, "timestamp", None) is not None
+                         for n in self.nodes.values() if n.kind == "source")
+        self.slack = pipeline.tracker.time_slack
+        self.timers: dict[int, TimerService] = {}
         for n in self.nodes.values():
             if n.kind == "process":
                 state = HeapKeyedState(n.uid, lambda k: 0, (0, 0))
                 fn = copy.deepcopy(n.payload)
-                ctx = Context(state, 0, 1, n.uid)
+                timers = None
+                if event_time and getattr(fn, "uses_event_time", False):
+                    timers = self.timers[n.id] = TimerService(state)
+                ctx = Context(state, 0, 1, n.uid, timers)
                 fn.open(ctx)
                 self.states[n.uid] = state
                 self.fns[n.id] = (fn, ctx)
 
-    def feed(self, offsets: dict[str, dict[int, int]] | None) -> None:
-        """Advance every source to ``offsets`` (None: to the end of bounded sources)."""
+    def feed(self, offsets: dict[str, dict[int, int]] | None, event_time: dict[str, int] | None = None) -> None:
+        """Advance every source to ``offsets`` (None: to the end of bounded sources), then
+        fire timers up to ``event_time`` (operator uid -> time label; all at the end)."""
         for n in self.nodes.values():
             if n.kind != "source":
                 continue
@@ -80,6 +93,27 @@ class Reference:
                 if stop > start:
                     self._push(n, src.read(split, start, stop - start))
                     done[split] = stop
+        for nid in self.order:  # topological: timer output reaches later operators' timers in time
+            timers = self.timers.get(nid)
+            if timers is None:
+                continue
+            node = self.nodes[nid]
+            label = END_OF_TIME if offsets is None else (event_time or {}).get(node.uid)
+            if label is None:
+                continue
+            fn, ctx = self.fns[nid]
+            out: list[Any] = []
+
+            def on_timer(ts: float, fn=fn, ctx=ctx, out=out) -> None:
+                res = fn.on_timer(ts, ctx)
+                if res is not None:
+                    out.extend(res)
+
+            watermark = float("inf") if label >= END_OF_TIME else (label + 1) * self.slack
+            timers.advance(label, watermark, on_timer)
+            if out:
+                for consumer, i in self.consumers[nid]:
+                    self._push(consumer, out, i)
 
     def _push(self, node: Node, records: list[Any], edge: int = 0) -> None:
         kind = node.kind
@@ -264,7 +298,7 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
     for epoch in storage.list_checkpoints():
         manifest, root = storage.load_manifest(epoch)
         offsets = {uid: {int(k): int(v) for k, v in s["offsets"].items()} for uid, s in manifest["sources"].items()}
-        ref.feed(offsets)
+        ref.feed(offsets, {uid: op["event_time"] for uid, op in manifest["operators"].items() if "event_time" in op})
         ref_states = ref.state()
         report.epochs_checked += 1
         got_states = committed_state(storage, manifest, root)

@@ -51,8 +51,14 @@ class TrackerConfig:
     aggregate: bool = True
     flush_interval: float | None = 0.005
     flush_count: int | None = 1000
+    #: event time: the synchronization slack delta of paper 000 §4.2, in timestamp units;
+    #: a record's coarse time label is floor(timestamp / time_slack). Window and timer
+    #: boundaries should be multiples of it; smaller means finer labels, more reports.
+    time_slack: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.time_slack > 0:
+            raise ValueError(f"TrackerConfig: time_slack must be > 0, got {self.time_slack}")
         if self.aggregate and self.flush_interval is None and self.flush_count is None:
             raise ValueError("TrackerConfig: with aggregate=True set flush_interval or flush_count (or both)")
         if self.flush_interval is not None and self.flush_interval < 0:
@@ -127,6 +133,44 @@ class KeyedStream(Stream):
 
         return self.process(ReduceFunction(fn), uid=uid, name="reduce")
 
+    def window(self, windows: Any) -> "WindowedStream":
+        """Event-time windows per key (``TumblingEventTimeWindows``); needs ``mode="tracker"``
+        and a source with ``timestamps=...``: windows close on the trAcker's time bounds."""
+        return WindowedStream(self, windows)
+
+
+class WindowedStream:
+    """A keyed stream cut into event-time windows; aggregate each window to one record."""
+
+    def __init__(self, keyed: KeyedStream, windows: Any) -> None:
+        self._keyed = keyed
+        self._windows = windows
+
+    def aggregate(self, create: Callable[[], Any], add: Callable[[Any, Any], Any],
+                  result: Callable[[Any], Any] = lambda acc: acc, uid: str | None = None) -> Stream:
+        """Emit ``(key, window_start, window_end, result(acc))`` once event time passes the window."""
+        from .builtin import WindowAggregateFunction
+
+        fn = WindowAggregateFunction(self._windows, create, add, result)
+        return self._keyed.process(fn, uid=uid, name="window")
+
+    def reduce(self, fn: Callable[[Any, Any], Any], uid: str | None = None) -> Stream:
+        """Emit ``(key, window_start, window_end, reduced value)`` per window."""
+        return self.aggregate(lambda: _EMPTY, lambda acc, v: v if acc is _EMPTY else fn(acc, v), uid=uid)
+
+    def count(self, uid: str | None = None) -> Stream:
+        return self.aggregate(lambda: 0, lambda acc, _v: acc + 1, uid=uid)
+
+
+class _Empty:
+    """Picklable "no value yet" marker for window reduce (state is pickled)."""
+
+    def __reduce__(self):
+        return "_EMPTY"
+
+
+_EMPTY = _Empty()
+
 
 class Pipeline:
     """A streaming job: sources, operators and sinks, run with exactly-once epochs.
@@ -198,18 +242,28 @@ class Pipeline:
             self.restart_strategy = _with(self.restart_strategy, field, delay)
 
     # -- sources
-    def from_collection(self, items: Sequence[Any], splits: int | None = None, uid: str | None = None) -> Stream:
-        """A bounded, replayable source over a collection; ``splits`` defaults to the parallelism."""
-        return self.from_source(CollectionSource(items, splits or self.parallelism), uid=uid, name="collection")
+    def from_collection(self, items: Sequence[Any], splits: int | None = None, uid: str | None = None,
+                        timestamps: Callable[[Any], float] | None = None) -> Stream:
+        """A bounded, replayable source over a collection; ``splits`` defaults to the parallelism.
+
+        ``timestamps``: the event time of a record (>= 0, not decreasing within a split);
+        giving it turns event time on (timers, windows; needs ``mode="tracker"``)."""
+        source = CollectionSource(items, splits or self.parallelism)
+        return self.from_source(source, uid=uid, name="collection", timestamps=timestamps)
 
     def generate(
-        self, fn: Callable[[int], Any], count: int | None = None, splits: int | None = None, uid: str | None = None
+        self, fn: Callable[[int], Any], count: int | None = None, splits: int | None = None, uid: str | None = None,
+        timestamps: Callable[[Any], float] | None = None,
     ) -> Stream:
         """Deterministic source: record i is ``fn(i)``; ``count=None`` is unbounded."""
-        return self.from_source(GeneratorSource(fn, count, splits or self.parallelism), uid=uid, name="generate")
+        source = GeneratorSource(fn, count, splits or self.parallelism)
+        return self.from_source(source, uid=uid, name="generate", timestamps=timestamps)
 
-    def from_source(self, source: Source, uid: str | None = None, name: str = "source") -> Stream:
+    def from_source(self, source: Source, uid: str | None = None, name: str = "source",
+                    timestamps: Callable[[Any], float] | None = None) -> Stream:
         uid = uid or f"source-{len(self._nodes)}"
+        if timestamps is not None:
+            source.timestamp = timestamps
         return self._add("source", name, source, [], uid=uid)
 
     # -- building

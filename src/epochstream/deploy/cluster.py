@@ -118,7 +118,8 @@ class ClusterDriver(Driver):
         master = JobMaster(self.pipeline, self.plan, self.storage, restored, time.monotonic(), self.fail_point,
                            self.deployment)
         traffic = ServiceTraffic()
-        tracking = make_tracking(self.plan, restored, traffic) if self.pipeline.mode == "tracker" else None
+        tracking = (make_tracking(self.plan, restored, traffic, self.pipeline, attempt)
+                    if self.pipeline.mode == "tracker" else None)
         n_sources = sum(1 for c in self.plan.chains if c.is_source) * self.plan.parallelism
         exhausted: set = set()
         ready = 0
@@ -158,9 +159,6 @@ class ClusterDriver(Driver):
                         self._apply(master.decline(msg[1], msg[2], msg[3], now, msg[4]), conns)
                     elif kind == "exhausted":
                         exhausted.add(msg[1])
-                        if len(exhausted) == n_sources and not final_requested:
-                            final_requested = True
-                            self._apply(master.request(now, FINAL), conns)
                     elif kind == "error":
                         raise Failover(msg[1])
                     elif kind == "fatal":  # a damaged checkpoint: restarting cannot help
@@ -169,6 +167,11 @@ class ClusterDriver(Driver):
                         notes = tracking.notes(tracking.agent.receive(msg[1], now))
                         if notes:
                             self._send_all(conns, ("neoss", notes))
+                    # the final epoch waits for every timer to have fired (agent.py: time_finished)
+                    if (len(exhausted) == n_sources and not final_requested
+                            and (tracking is None or tracking.agent.time_finished())):
+                        final_requested = True
+                        self._apply(master.request(now, FINAL), conns)
                     elif kind == "stopped":
                         stopped[msg[1]] = msg[2]
                         if msg[3]:

@@ -34,6 +34,7 @@ from ..runtime.tracking import TaskTracking
 from ..tracker.agent import TrackingAgent
 from ..tracker.gate import FirmBoundGate
 from ..tracker.local import BatchIds, LocalTracker
+from ..tracker.messages import NEOSS
 from ..tracker.segments import build_segments, chain_graph
 from ..tracker.traffic import ServiceTraffic
 from ..snapshot.coordinator import (
@@ -193,13 +194,35 @@ class Tracking:
     def chains_of(self, segment: int) -> tuple[int, ...]:
         return tuple(self.segmentation.segments[segment])
 
-    def notes(self, neoss) -> list[tuple[tuple[int, ...], int]]:
-        """(chains, epoch) per NEOSS that has receivers (source segments have none)."""
-        return [(self.chains_of(n.segment), n.epoch) for n in neoss if self.agent.processes.get(n.segment)]
+    def notes(self, neoss) -> list[tuple[tuple[int, ...], Any]]:
+        """(chains, note) per notification that has receivers (source segments have none):
+        the epoch of a NEOSS, or the ``WindowEnd`` itself; tasks take both through ``on_neoss``."""
+        return [(self.chains_of(n.segment), n.epoch if type(n) is NEOSS else n)
+                for n in neoss if self.agent.processes.get(n.segment)]
 
 
-def make_tracking(plan: PhysicalPlan, restored: Restored | None, traffic: ServiceTraffic) -> Tracking:
-    """Segments of the chain graph and a tracking agent that starts at the restored epoch."""
+def uses_event_time(pipeline) -> bool:
+    """Some source has timestamps: batches carry time labels and timers can fire (tracker mode)."""
+    return pipeline is not None and any(getattr(s, "timestamp", None) is not None for s in pipeline.sources.values())
+
+
+def firing_segments(plan: PhysicalPlan, seg_of: dict[int, int]) -> dict[int, list[TaskId]]:
+    """Segments with an operator that declares event-time use -> their processes (tasks)."""
+    firing: dict[int, list[TaskId]] = {}
+    for c in plan.chains:
+        if any(getattr(plan.nodes[n].payload, "uses_event_time", False) for n in c.nodes
+               if plan.nodes[n].kind == "process"):
+            firing.setdefault(seg_of[c.id], [])
+    for c in plan.chains:
+        if seg_of[c.id] in firing:
+            firing[seg_of[c.id]].extend((c.id, s) for s in range(plan.parallelism))
+    return firing
+
+
+def make_tracking(plan: PhysicalPlan, restored: Restored | None, traffic: ServiceTraffic,
+                  pipeline=None, attempt: str = "") -> Tracking:
+    """Segments of the chain graph and a tracking agent that starts at the restored epoch
+    (with a time dimension when ``pipeline`` uses event time)."""
     segmentation = build_segments(*chain_graph(plan))
     seg_of = segmentation.segment_of
     p = plan.parallelism
@@ -212,8 +235,10 @@ def make_tracking(plan: PhysicalPlan, restored: Restored | None, traffic: Servic
             processes[seg_of[c.id]] = [f"worker-{w}" for w in range(p)]
         if c.is_source:
             promisers.setdefault(seg_of[c.id], []).extend((c.id, s) for s in range(p))
+    firing = firing_segments(plan, seg_of) if uses_event_time(pipeline) else None
     agent = TrackingAgent(segmentation, promisers, last_closed=restored.epoch if restored else 0,
-                          processes=processes, traffic=traffic)
+                          processes=processes, traffic=traffic, firing=firing,
+                          token_seed=_ids_seed(attempt, (-1, -1)))
     return Tracking(segmentation, agent, traffic)
 
 
@@ -249,12 +274,13 @@ def build_tasks(
     tasks: dict[TaskId, Task] = {}
     cfg = pipeline.checkpoint
     tracker_mode = pipeline.mode == "tracker"
+    event_time = tracker_mode and uses_event_time(pipeline)
     if tracker_mode:
         seg_of = build_segments(*chain_graph(plan)).segment_of
     for tid in plan.tasks:
         if worker is not None and plan.worker_of(tid) != worker:
             continue
-        chain = ChainRuntime(plan, plan.chains[tid[0]], tid[1], Context)
+        chain = ChainRuntime(plan, plan.chains[tid[0]], tid[1], Context, event_time=event_time)
         if restored:
             for uid, state in chain.states.items():
                 entry = restored.manifest["operators"].get(uid)
@@ -262,12 +288,14 @@ def build_tasks(
                     continue
                 rows = storage.read_operator_rows(restored.manifest, restored.root, uid, state.key_group_range)
                 state.restore_rows(rows, entry.get("states", {}))
+                state.event_time = entry.get("event_time", state.event_time)
         chain.open(start_epoch)
         tracking = None
         if tracker_mode:
             gate = FirmBoundGate(seg_of[tid[0]], last_closed=start_epoch - 1)
             out_segment = {ch: seg_of[plan.channels[ch].dst[0]] for chans in plan.outputs[tid] for ch in chans}
-            tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(_ids_seed(attempt, tid)))
+            tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(_ids_seed(attempt, tid)),
+                                    pipeline.tracker.time_slack if event_time else None)
         else:
             gate = (gate_factory or (lambda chans: BarrierAligner(chans, exactly_once)))(plan.inputs[tid])
             if isinstance(gate, BarrierAligner):
@@ -333,6 +361,7 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
     return AckInfo(
         capture.task, capture.epoch, tuple(files), chains, kinds, capture.offsets, staged, size,
         capture.alignment_seconds, time.perf_counter() - t0, capture.held_records,
+        event_time={kc.operator_uid: kc.event_time for kc in capture.keyed if kc.event_time is not None},
     )
 
 
@@ -501,6 +530,11 @@ class Driver:
     """
 
     def __init__(self, pipeline, storage, failures: FailureSchedule | None, parallelism: int | None) -> None:
+        if uses_event_time(pipeline) and pipeline.mode != "tracker":
+            raise ConfigurationError(
+                f"pipeline {pipeline.name!r} has timestamped sources (event time), which needs mode='tracker': "
+                f"window ends come from the trAcker's time bounds; mode {pipeline.mode!r} has no watermarks"
+            )
         self.pipeline = pipeline
         self.plan = pipeline.plan(parallelism)
         self.storage = storage

@@ -88,7 +88,7 @@ class SimDriver(Driver):
         trackers: dict[int, Any] = {}
         tracking = None
         if self.pipeline.mode == "tracker":
-            tracking = make_tracking(plan, restored, traffic)
+            tracking = make_tracking(plan, restored, traffic, self.pipeline, attempt)
             trackers = {w: new_local_tracker(self.pipeline, w, self.now) for w in range(plan.parallelism)}
         self.tracking = tracking
         tasks = build_tasks(self.pipeline, plan, None, self.storage, restored, trackers=trackers, attempt=attempt)
@@ -104,6 +104,7 @@ class SimDriver(Driver):
         step_scheduled: set = set()
         last_arrival: dict[int, float] = {}
         final_requested = False
+        final_waiting = False
         stop_at = None if duration is None else self.now + duration
 
         def push(t: float, kind: str, payload: Any) -> None:
@@ -134,9 +135,16 @@ class SimDriver(Driver):
                     push(at, "persisted", a.capture)
                 elif type(a) is SourceExhausted:
                     exhausted.add(a.task)
-                    if len(exhausted) == len(sources) and not final_requested:
-                        final_requested = True
-                        apply_master(master.request(self.now, FINAL))
+                    if len(exhausted) == len(sources):
+                        request_final_when_time_ends()
+
+        def request_final_when_time_ends() -> None:
+            """The final epoch waits for every timer to have fired (agent.py: time_finished)."""
+            nonlocal final_requested, final_waiting
+            final_waiting = True
+            if not final_requested and (tracking is None or tracking.agent.time_finished()):
+                final_requested = True
+                apply_master(master.request(self.now, FINAL))
 
         def fifo(link: Any, sent_at: float, mean_delay: float) -> float:
             """Arrival time on a FIFO link: a random delay, never before the previous message."""
@@ -234,6 +242,8 @@ class SimDriver(Driver):
                         push(fifo(("neoss", w), self.now, cfg.net_delay), "neoss", (w, notes))
                 if cfg.check_invariants:
                     tracking.agent.check_invariants()
+                if final_waiting:
+                    request_final_when_time_ends()
             elif kind == "neoss":
                 w, notes = payload
                 for chains, epoch in notes:

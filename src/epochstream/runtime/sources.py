@@ -14,6 +14,8 @@ class Source:
     """Base of replayable sources: ``num_splits`` splits of records addressed by offset."""
 
     num_splits: int = 1
+    #: event time of a record (set by ``Pipeline.from_source(timestamps=...)``), or None
+    timestamp = None
 
     def read(self, split: int, offset: int, count: int) -> list[Any]:
         """Up to ``count`` records of ``split`` starting at ``offset``; [] when exhausted."""

@@ -74,6 +74,8 @@ class AckInfo:
     alignment_seconds: float = 0.0
     write_seconds: float = 0.0
     held_records: int = 0
+    #: operator uid -> newest time label whose timers fired (event time only)
+    event_time: dict[str, int] = field(default_factory=dict)
 
 
 class ManifestBuilder:
@@ -105,6 +107,8 @@ class ManifestBuilder:
             for op, chain in info.chains.items():
                 entry = operators.setdefault(op, {"kind": "process", "states": {}, "files": []})
                 entry["states"].update(info.kinds.get(op, {}))
+                if op in info.event_time:  # how far event time got in this epoch (the oracle replays it)
+                    entry["event_time"] = min(entry.get("event_time", info.event_time[op]), info.event_time[op])
                 for link in chain:
                     link_ack = info if link == epoch else self.acks.get((task, link))
                     ref = None if link_ack is None else next((f for f in link_ack.files if f.operator == op), None)

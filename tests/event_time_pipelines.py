@@ -1,0 +1,182 @@
+"""Event-time pipelines for the tests (trAcker mode): windows, a NEXMark Q8 join, key expiry.
+
+Every builder returns a fresh pipeline (the oracle builds twice) and writes to ``out / uid``
+(or to placeholder sinks the oracle relocates when ``out`` is None). Inputs are sorted by
+timestamp in each split (sources require timestamps not to decrease within a split).
+The expected results are computed here from the input alone, independently of the
+runtime and of the oracle's reference.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+from epochstream import (
+    CheckpointConfig,
+    FileSink,
+    KeyedProcessFunction,
+    MapStateDescriptor,
+    Pipeline,
+    TrackerConfig,
+    TumblingEventTimeWindows,
+    ValueStateDescriptor,
+)
+
+WINDOW = 10.0
+SLACK = 1.0
+
+
+def _pipeline(name: str, parallelism: int, interval: float, mode: str = "tracker", **tracker: Any) -> Pipeline:
+    return Pipeline(name, parallelism=parallelism, mode=mode,
+                    checkpoint=CheckpointConfig(interval=interval, incremental=True, full_every=3),
+                    tracker=TrackerConfig(time_slack=SLACK, **tracker), batch_size=16)
+
+
+def _sink(out: Path | None, uid: str) -> FileSink:
+    return FileSink((out / uid) if out is not None else Path("/nonexistent-relocate-me") / uid)
+
+
+# ---------------------------------------------------------------- tumbling window counts
+
+
+def window_input(n: int, keys: int, seed: int = 1) -> list[tuple[str, int, float]]:
+    """(key, id, timestamp): timestamps grow by ~0.3 per record."""
+    rng = random.Random(seed)
+    return [(f"k{rng.randrange(keys)}", i, round(i * 0.3, 3)) for i in range(n)]
+
+
+def window_counts(parallelism: int = 2, n: int = 400, keys: int = 7, out: Path | None = None,
+                  interval: float = 0.002, mode: str = "tracker", **tracker: Any) -> Pipeline:
+    p = _pipeline("window-counts", parallelism, interval, mode, **tracker)
+    data = window_input(n, keys)
+    s = p.from_collection(data, timestamps=lambda r: r[2], uid="events")
+    counts = s.key_by(lambda r: r[0]).window(TumblingEventTimeWindows.of(WINDOW, lambda r: r[2])).count(uid="win")
+    counts.sink(_sink(out, "windows"), uid="windows")
+    return p
+
+
+def expected_window_counts(n: int = 400, keys: int = 7) -> collections.Counter:
+    c: collections.Counter = collections.Counter()
+    for k, _i, ts in window_input(n, keys):
+        start = math.floor(ts / WINDOW) * WINDOW
+        c[(k, start, start + WINDOW)] += 1
+    return collections.Counter({(k, s, e, v): 1 for (k, s, e), v in c.items()})
+
+
+# ---------------------------------------------------------------- NEXMark Q8: new persons who opened auctions
+
+
+def q8_input(persons: int, auctions: int, seed: int = 2):
+    """Person records ("P", id, name, ts) and auction records ("A", auction, seller, ts)."""
+    rng = random.Random(seed)
+    ps = [("P", i, f"name{i}", round(rng.uniform(0, 60), 2)) for i in range(persons)]
+    aus = [("A", a, rng.randrange(persons), round(rng.uniform(0, 60), 2)) for a in range(auctions)]
+    return sorted(ps, key=lambda r: r[3]), sorted(aus, key=lambda r: r[3])
+
+
+class Q8Join(KeyedProcessFunction):
+    """Per person and window: remember the person's name and whether they opened an
+    auction; at the window's end emit (person, name, window start) if both happened."""
+
+    def open(self, ctx) -> None:
+        self.windows = ctx.state(MapStateDescriptor("windows"))
+        self.timers = ctx.timer_service()
+
+    def process(self, value, ctx):
+        start = math.floor(value[3] / WINDOW) * WINDOW
+        seen = self.windows.get(start) or [None, False]
+        if not self.windows.contains(start):
+            self.timers.register_event_time_timer(math.nextafter(start + WINDOW, -math.inf))
+        if value[0] == "P":
+            seen = [value[2], seen[1]]
+        else:
+            seen = [seen[0], True]
+        self.windows.put(start, seen)
+
+    def on_timer(self, timestamp, ctx):
+        start = math.floor(timestamp / WINDOW) * WINDOW
+        seen = self.windows.get(start)
+        self.windows.remove(start)
+        if seen and seen[0] is not None and seen[1]:
+            return ((ctx.key, seen[0], start),)
+        return None
+
+
+def q8(parallelism: int = 2, persons: int = 60, auctions: int = 150, out: Path | None = None,
+       interval: float = 0.002, mode: str = "tracker", **tracker: Any) -> Pipeline:
+    p = _pipeline("nexmark-q8", parallelism, interval, mode, **tracker)
+    ps, aus = q8_input(persons, auctions)
+    people = p.from_collection(ps, timestamps=lambda r: r[3], uid="persons")
+    opened = p.from_collection(aus, timestamps=lambda r: r[3], uid="auctions")
+    joined = people.union(opened).key_by(lambda r: r[1] if r[0] == "P" else r[2]).process(Q8Join(), uid="q8")
+    joined.sink(_sink(out, "q8-out"), uid="q8-out")
+    return p
+
+
+def expected_q8(persons: int = 60, auctions: int = 150) -> collections.Counter:
+    ps, aus = q8_input(persons, auctions)
+    names = {(pid, math.floor(ts / WINDOW) * WINDOW): name for _t, pid, name, ts in ps}
+    opened = {(seller, math.floor(ts / WINDOW) * WINDOW) for _t, _a, seller, ts in aus}
+    return collections.Counter({(pid, names[(pid, w)], w): 1 for (pid, w) in names if (pid, w) in opened})
+
+
+# ---------------------------------------------------------------- key expiry (distributed GC)
+
+
+def auction_input(auctions: int, bids: int, seed: int = 3):
+    """Auctions open at ``a`` seconds and close 5 s later; bids ("B", auction, price, ts)
+    fall inside their auction's lifetime, so a closed auction's key receives nothing more."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(bids):
+        a = rng.randrange(auctions)
+        out.append(("B", a, rng.randrange(1, 1000), round(a + rng.uniform(0, 4.99), 2)))
+    return sorted(out, key=lambda r: r[3])
+
+
+class WinningBid(KeyedProcessFunction):
+    """Highest bid per auction, emitted when the auction closes; then the key's state is
+    dead and ``expire_key_at`` drops it (the paper's distributed garbage collection)."""
+
+    def open(self, ctx) -> None:
+        self.best = ctx.state(ValueStateDescriptor("best"))
+        self.bids = ctx.state(ValueStateDescriptor("bids", default=0))
+        self.timers = ctx.timer_service()
+
+    def process(self, value, ctx):
+        closes = float(value[1]) + 5.0
+        if self.best.value() is None:
+            self.timers.register_event_time_timer(math.nextafter(closes, -math.inf))
+            self.timers.expire_key_at(closes)
+        if self.best.value() is None or value[2] > self.best.value():
+            self.best.update(value[2])
+        self.bids.update(self.bids.value() + 1)
+
+    def on_timer(self, timestamp, ctx):
+        return ((ctx.key, self.best.value(), self.bids.value()),)
+
+
+def winning_bids(parallelism: int = 2, auctions: int = 20, bids: int = 300, out: Path | None = None,
+                 interval: float = 0.002, mode: str = "tracker", **tracker: Any) -> Pipeline:
+    p = _pipeline("winning-bids", parallelism, interval, mode, **tracker)
+    s = p.from_collection(auction_input(auctions, bids), timestamps=lambda r: r[3], uid="bids")
+    s.key_by(lambda r: r[1]).process(WinningBid(), uid="winner").sink(_sink(out, "winners"), uid="winners")
+    return p
+
+
+def expected_winning_bids(auctions: int = 20, bids: int = 300) -> collections.Counter:
+    best: dict[int, int] = {}
+    count: collections.Counter = collections.Counter()
+    for _b, a, price, _ts in auction_input(auctions, bids):
+        best[a] = max(best.get(a, 0), price)
+        count[a] += 1
+    return collections.Counter({(a, best[a], count[a]): 1 for a in best})
+
+
+BUILDERS = {"window_counts": window_counts, "q8": q8, "winning_bids": winning_bids}
+EXPECTED = {"window_counts": ("windows", expected_window_counts), "q8": ("q8-out", expected_q8),
+            "winning_bids": ("winners", expected_winning_bids)}
