@@ -240,3 +240,23 @@ def test_time_reports_are_refused_without_event_time():
     with pytest.raises(ProtocolError, match="dimension"):
         agent.receive(TrackerMessage("src", 0, (Report(1, 3, 1, 1, 0, TIME),)), 0)
     assert EPOCHS == 0
+
+
+# ================================================================ local driver, real kills (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,knobs", [("window_counts", dict(n=30_000, keys=40)),
+                                        ("q8", dict(persons=4000, auctions=9000)),
+                                        ("winning_bids", dict(auctions=2000, bids=30_000))])
+def test_event_time_exactly_once_with_real_kills(tmp_path, name, knobs):
+    """5 SIGKILLs of worker processes while windows close: same committed output as the
+    failure-free run, every epoch's state equal to the reference at its event time."""
+    from test_local_driver import KILLS, assert_exactly_once, describe, local_oracle
+
+    build = partial(BUILDERS[name], parallelism=2, interval=0.05, **knobs)
+    report, runs = local_oracle(build, tmp_path, seed=7)
+    why = describe(report, runs)
+    assert_exactly_once(report, why)
+    chaos, _secs = runs["chaos"]
+    assert chaos.restarts >= KILLS, why
