@@ -10,9 +10,16 @@ busy 5 us per message plus 2 us per record).
 Workload RR-N as in benchmarks/traffic.py, sweeping N (operators) and workers. Writes
 benchmarks/results/notification_latency.csv and .png; prints medians and p99. The issue's
 target: the tracker's median stays within 25% from N=10 to N=100 while alignment's grows.
-Not a test. The local driver's numbers are not measured yet (see the issue note).
+Not a test.
+
+``--deployment local`` measures the same on the local driver (real worker processes, real
+pipes, wall-clock time): RR-N at 2 workers (this machine has 2 cores) with a source paced
+at ``--rate`` records/s per worker, run for ``--seconds`` with an epoch every 0.1 s. The
+task's bound time is taken in the worker with the system-wide monotonic clock the driver
+uses for triggers. Writes notification_latency_local.csv and .png.
 
     python benchmarks/notification_latency.py [--epochs 20] [--quick]
+    python benchmarks/notification_latency.py --deployment local [--seconds 4] [--rate 2000]
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ sys.path.insert(0, str(HERE))
 
 from traffic import RATE, rr_n  # noqa: E402
 
+from epochstream import CheckpointConfig, DiscardingSink, Pipeline, Source, TrackerConfig  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
+from epochstream.deploy.local import LocalDriver  # noqa: E402
 from epochstream.deploy.sim import SimConfig, SimDriver  # noqa: E402
 
 MODES = (("aligned", "aligned", True), ("tracker-aggregated", "tracker", True))
@@ -49,14 +58,109 @@ def measure(n_maps: int, workers: int, granularity: int, epochs: int, label: str
             "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "max_ms": lat[-1]}
 
 
+class PacedSource(Source):
+    """Unbounded integers, ``rate`` records/s per split from the first read (wall clock):
+    a steady load instead of a source that saturates both cores."""
+
+    def __init__(self, rate: float, num_splits: int) -> None:
+        self.rate = rate
+        self.num_splits = num_splits
+        self._t0: float | None = None
+
+    def split_length(self, split: int) -> None:
+        return None
+
+    def read(self, split: int, offset: int, count: int) -> list[int]:
+        import time
+
+        now = time.monotonic()
+        if self._t0 is None:
+            self._t0 = now
+        due = int((now - self._t0) * self.rate) - offset
+        return list(range(offset * self.num_splits + split, (offset + min(count, max(due, 0))) * self.num_splits,
+                          self.num_splits))
+
+
+def measure_local(n_maps: int, mode: str, seconds: float, rate: float, workers: int = 2) -> dict:
+    p = Pipeline(f"rr-{n_maps}-local", parallelism=workers, mode=mode, batch_size=64,
+                 checkpoint=CheckpointConfig(interval=0.1, num_retained=1),
+                 tracker=TrackerConfig(aggregate=True, flush_interval=0.005, flush_count=1000))
+    s = p.from_source(PacedSource(rate, workers), uid="src")
+    for k in range(n_maps):
+        s = s.key_by(_ident).map(_ident, name=f"map{k}")
+    s.sink(DiscardingSink(), uid="sink")
+    with tempfile.TemporaryDirectory(prefix="es-latency-local-") as chk:
+        driver = LocalDriver(p, LocalCheckpointStorage(chk), seed=1)
+        driver.run(None, False, seconds)
+    sources = {c.id for c in driver.plan.chains if c.is_source}
+    lat = sorted(s * 1000 for _e, t, s in driver.bound_latency if t[0] not in sources)
+    return {"mode": mode, "graph_size": n_maps, "workers": workers, "rate_per_worker": rate, "samples": len(lat),
+            "epochs": len(driver.completed), "p50_ms": statistics.median(lat),
+            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "max_ms": lat[-1]}
+
+
+def _ident(x):
+    return x
+
+
+def main_local(args) -> int:
+    n_values = [3, 10] if args.quick else [3, 10, 30]
+    rows = []
+    total = len(n_values) * 2
+    k = 0
+    for n in n_values:
+        for mode in ("aligned", "tracker"):
+            k += 1
+            print(f"[{k}/{total}] local N={n} {mode} ({args.seconds:.0f} s) ...", end=" ", flush=True)
+            row = measure_local(n, mode, args.seconds, args.rate)
+            rows.append(row)
+            print(f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms ({row['samples']} bounds, {row['epochs']} epochs)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "notification_latency_local.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    print("\nlocal driver, 2 workers: median / p99 ms from an epoch's trigger to each downstream task's bound")
+    for r in rows:
+        print(f"  {r['mode']:<8} N={r['graph_size']:<3} p50 {r['p50_ms']:7.2f}  p99 {r['p99_ms']:7.2f}")
+    for mode in ("aligned", "tracker"):
+        lo = next(r for r in rows if (r["mode"], r["graph_size"]) == (mode, n_values[0]))
+        hi = next(r for r in rows if (r["mode"], r["graph_size"]) == (mode, n_values[-1]))
+        print(f"  {mode}: median N={n_values[-1]} / N={n_values[0]} = {hi['p50_ms'] / lo['p50_ms']:.2f}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for mode in ("aligned", "tracker"):
+        sel = [next(r for r in rows if (r["mode"], r["graph_size"]) == (mode, n)) for n in n_values]
+        ax.plot(n_values, [r["p50_ms"] for r in sel], marker="o", label=f"{mode} p50")
+        ax.plot(n_values, [r["p99_ms"] for r in sel], marker="x", linestyle="--", label=f"{mode} p99")
+    ax.set_xlabel("graph_size (repartitioned maps)")
+    ax.set_ylabel("ms from epoch trigger to bound")
+    ax.set_title("notification latency (local driver, 2 workers)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "notification_latency_local.png", dpi=120)
+    print(f"\nwrote {out / 'notification_latency_local.csv'} and {out / 'notification_latency_local.png'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--deployment", choices=("sim", "local"), default="sim")
+    ap.add_argument("--seconds", type=float, default=4.0, help="local: seconds per run")
+    ap.add_argument("--rate", type=float, default=2000.0, help="local: records/s per worker")
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--granularity", type=int, default=10)
     ap.add_argument("--net-delay", type=float, default=0.0005, help="mean one-way delay between workers (s)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
+    if args.deployment == "local":
+        return main_local(args)
     n_values = [10, 30] if args.quick else [10, 30, 100]
     w_values = [5, 15] if args.quick else [5, 10, 15, 20]
     points = sorted({(n, 15) for n in n_values} | {(30, w) for w in w_values})

@@ -53,6 +53,9 @@ class ClusterDriver(Driver):
         super().__init__(pipeline, storage, failures, parallelism)
         self.rng = random.Random(seed)
         self.recovery_seconds: list[float] = []
+        #: (epoch, task, seconds from the epoch trigger to the task reaching its bound); the
+        #: task's clock is the driver's only where both share a host's monotonic clock
+        self.bound_latency: list[tuple[int, Any, float]] = []
         self.t0 = time.monotonic()
         self.deadline: float | None = None
         #: chaos: a kill armed for the driver's next commit (victim, target)
@@ -154,6 +157,10 @@ class ClusterDriver(Driver):
                         if ready == n and self.last_failure is not None:
                             self.recovery_seconds.append(self.clock() - self.last_failure)
                     elif kind == "ack":
+                        triggered = master.coordinator.epochs.get(msg[1].epoch)
+                        if triggered is not None:  # notification latency: trigger -> this task's bound
+                            self.bound_latency.append((msg[1].epoch, msg[1].task,
+                                                       msg[1].captured_at - triggered.triggered_at))
                         self._apply(master.ack(msg[1], now), conns)
                     elif kind == "decline":
                         self._apply(master.decline(msg[1], msg[2], msg[3], now, msg[4]), conns)

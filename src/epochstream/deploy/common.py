@@ -362,6 +362,7 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
         capture.task, capture.epoch, tuple(files), chains, kinds, capture.offsets, staged, size,
         capture.alignment_seconds, time.perf_counter() - t0, capture.held_records,
         event_time={kc.operator_uid: kc.event_time for kc in capture.keyed if kc.event_time is not None},
+        captured_at=capture.captured_at,
     )
 
 

@@ -91,6 +91,8 @@ class TaskCapture:
     offsets: dict[str, dict[int, int]] = field(default_factory=dict)
     alignment_seconds: float = 0.0
     held_records: int = 0
+    #: the task's clock when it reached the epoch's bound (notification latency)
+    captured_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

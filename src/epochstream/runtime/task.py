@@ -306,7 +306,7 @@ class Task:
         keyed, sinks = self.chain.capture(epoch, self.incremental, self.full_every)
         offsets = {self.source_uid: dict(self.offsets)} if self.is_source else {}
         held = sum(len(m) for _c, m in self.held if type(m) is Batch)
-        actions.append(Snapshot(TaskCapture(self.id, epoch, keyed, sinks, offsets, waited, held)))
+        actions.append(Snapshot(TaskCapture(self.id, epoch, keyed, sinks, offsets, waited, held, now)))
         if self.tracking is not None:
             if self.is_source:  # the promise follows the SNDs of every batch of epoch <= n (just flushed)
                 self.tracking.tracker.promise(self.tracking.segment, epoch, now, source=self.id)

@@ -74,6 +74,8 @@ class AckInfo:
     alignment_seconds: float = 0.0
     write_seconds: float = 0.0
     held_records: int = 0
+    #: when the task reached the bound (its clock; the local driver's is shared with the driver)
+    captured_at: float = 0.0
     #: operator uid -> newest time label whose timers fired (event time only)
     event_time: dict[str, int] = field(default_factory=dict)
 
