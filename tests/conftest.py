@@ -23,3 +23,6 @@ def pytest_unconfigure(config):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_status[-1])
+
+# the S3 fixtures (moto's HTTP server, a fault-injecting proxy) for every test module
+from s3server import fault_proxy, moto_s3, s3_env, s3_url  # noqa: E402,F401

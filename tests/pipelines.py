@@ -50,6 +50,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from epochstream.backends import location
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream import (
     CheckpointConfig,
@@ -224,7 +225,7 @@ def make_pipeline(
 def _sink(out: str | Path | None, uid: str) -> FileSink:
     if out is None:
         return _PlaceholderSink(Path(tempfile.gettempdir()) / "epochstream-placeholder-sink" / uid)
-    return FileSink(Path(out) / uid)
+    return FileSink(location(out) / uid)  # a local folder or an s3:// prefix
 
 
 def running_count(*, n: int = 300, keys: int = 7, out=None, emit_ids: bool = False, **knobs: Any) -> Pipeline:
