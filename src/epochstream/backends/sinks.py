@@ -85,14 +85,15 @@ class FileSink(TransactionalSink):
         for rel in staged:
             src = self.path / rel
             dst = self.path / self.final_name(rel)
-            if self.store.exists(src):
-                self.store.move(src, dst)
+            try:
+                self.store.move(src, dst)  # no existence check first: one request less on S3
                 moved += 1
-            elif not self.store.exists(dst):
-                raise FileNotFoundError(
-                    f"sink {self.path}: staged output {rel} is gone and was never committed; the epoch's output "
-                    f"is lost (was the staging folder deleted by hand?)"
-                )
+            except FileNotFoundError:
+                if not self.store.exists(dst):
+                    raise FileNotFoundError(
+                        f"sink {self.path}: staged output {rel} is gone and was never committed; the epoch's "
+                        f"output is lost (was the staging folder deleted by hand?)"
+                    ) from None
         return moved
 
     def abort(self, staged: Iterable[str]) -> None:
