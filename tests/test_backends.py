@@ -102,7 +102,7 @@ def test_oracle_on_every_backend(backend, mode, scenario):
 
 
 RESTART_DELAY = 0.05
-N_LOCAL = 20_000
+N_LOCAL = 50_000
 
 
 def _local_oracle(work: str, mode: str, kills: list[float], seed: int):
@@ -131,7 +131,7 @@ def _local_oracle(work: str, mode: str, kills: list[float], seed: int):
 @pytest.mark.parametrize("mode", MODES)
 def test_local_driver_with_real_kills_on_every_backend(backend, mode):
     name, work = backend
-    report, runs = _local_oracle(work, mode, kills=[0.2, 0.5], seed=5)
+    report, runs = _local_oracle(work, mode, kills=[0.15, 0.4], seed=5)
     chaos = runs["chaos"]
     why = f"{name}/{mode}: {report.to_json()} failovers={chaos.metrics['failovers']}"
     assert chaos.metrics["failures_injected"] >= 2 and chaos.restarts >= 2, why
