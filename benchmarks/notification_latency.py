@@ -13,7 +13,7 @@ target: the tracker's median stays within 25% from N=10 to N=100 while alignment
 Not a test.
 
 ``--deployment local`` measures the same on the local driver (real worker processes, real
-pipes, wall-clock time): RR-N at 2 workers (this machine has 2 cores) with a source paced
+pipes, wall-clock time): RR-N at 2 workers (this machine has 2 cores; also 4 at N=30) with a source paced
 at ``--rate`` records/s per worker, run for ``--seconds`` with an epoch every 0.1 s. The
 task's bound time is taken in the worker with the system-wide monotonic clock the driver
 uses for triggers. Writes notification_latency_local.csv and .png.
@@ -104,15 +104,16 @@ def _ident(x):
 
 
 def main_local(args) -> int:
-    n_values = [3, 10] if args.quick else [3, 10, 30]
+    n_values = [3, 10] if args.quick else [3, 10, 30, 100]
+    points = [(n, 2) for n in n_values] + ([] if args.quick else [(30, 4)])
     rows = []
-    total = len(n_values) * 2
+    total = len(points) * 2
     k = 0
-    for n in n_values:
+    for n, w in points:
         for mode in ("aligned", "tracker"):
             k += 1
-            print(f"[{k}/{total}] local N={n} {mode} ({args.seconds:.0f} s) ...", end=" ", flush=True)
-            row = measure_local(n, mode, args.seconds, args.rate)
+            print(f"[{k}/{total}] local N={n} W={w} {mode} ({args.seconds:.0f} s) ...", end=" ", flush=True)
+            row = measure_local(n, mode, args.seconds, args.rate, w)
             rows.append(row)
             print(f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms ({row['samples']} bounds, {row['epochs']} epochs)")
     out = Path(args.out)
@@ -121,12 +122,12 @@ def main_local(args) -> int:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
-    print("\nlocal driver, 2 workers: median / p99 ms from an epoch's trigger to each downstream task's bound")
+    print("\nlocal driver: median / p99 ms from an epoch's trigger to each downstream task's bound")
     for r in rows:
-        print(f"  {r['mode']:<8} N={r['graph_size']:<3} p50 {r['p50_ms']:7.2f}  p99 {r['p99_ms']:7.2f}")
+        print(f"  {r['mode']:<8} N={r['graph_size']:<3} W={r['workers']} p50 {r['p50_ms']:7.2f}  p99 {r['p99_ms']:7.2f}")
     for mode in ("aligned", "tracker"):
-        lo = next(r for r in rows if (r["mode"], r["graph_size"]) == (mode, n_values[0]))
-        hi = next(r for r in rows if (r["mode"], r["graph_size"]) == (mode, n_values[-1]))
+        lo = next(r for r in rows if (r["mode"], r["graph_size"], r["workers"]) == (mode, n_values[0], 2))
+        hi = next(r for r in rows if (r["mode"], r["graph_size"], r["workers"]) == (mode, n_values[-1], 2))
         print(f"  {mode}: median N={n_values[-1]} / N={n_values[0]} = {hi['p50_ms'] / lo['p50_ms']:.2f}")
     import matplotlib
 
@@ -135,7 +136,7 @@ def main_local(args) -> int:
 
     fig, ax = plt.subplots(figsize=(5, 4))
     for mode in ("aligned", "tracker"):
-        sel = [next(r for r in rows if (r["mode"], r["graph_size"]) == (mode, n)) for n in n_values]
+        sel = [next(r for r in rows if (r["mode"], r["graph_size"], r["workers"]) == (mode, n, 2)) for n in n_values]
         ax.plot(n_values, [r["p50_ms"] for r in sel], marker="o", label=f"{mode} p50")
         ax.plot(n_values, [r["p99_ms"] for r in sel], marker="x", linestyle="--", label=f"{mode} p99")
     ax.set_xlabel("graph_size (repartitioned maps)")
