@@ -1,5 +1,6 @@
 """Substreams beyond epochs: event-time windows, timers and key expiry on the trAcker's
-time bounds (paper 000 §4.2), checked against independent expectations and the oracle."""
+time bounds (paper 000 §4.2), and on watermarks (punctuation) in the aligned modes,
+checked against independent expectations and the oracle."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from epochstream import Pipeline, TrackerConfig
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once, committed_state
 from epochstream.backends.local import LocalCheckpointStorage
-from epochstream.runtime.errors import ConfigurationError, EpochStreamError, ProtocolError
+from epochstream.runtime.errors import ProtocolError
 from epochstream.runtime.state import HeapKeyedState, ValueStateDescriptor
 from epochstream.runtime.timers import TIMERS, TimerService
 from epochstream.tracker.agent import TrackingAgent
@@ -35,10 +36,14 @@ def _output(out: Path, uid: str) -> collections.Counter:
 # ================================================================ end to end (sim)
 
 
+MODES = ["aligned", "tracker"]
+
+
+@pytest.mark.parametrize("mode", MODES + ["at-least-once"])
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 @pytest.mark.parametrize("parallelism,seed", [(1, 0), (2, 1), (3, 2)])
-def test_event_time_results_equal_the_expected_ones(name, parallelism, seed, tmp_path):
-    p = BUILDERS[name](parallelism=parallelism, out=tmp_path / "out")
+def test_event_time_results_equal_the_expected_ones(name, parallelism, seed, mode, tmp_path):
+    p = BUILDERS[name](parallelism=parallelism, out=tmp_path / "out", mode=mode)
     result = sim_run(p, tmp_path / "chk", seed=seed)
     uid, expected = EXPECTED[name]
     assert _output(tmp_path / "out", uid) == expected()
@@ -56,9 +61,10 @@ def _schedule(rng: random.Random, kills: int, horizon: float) -> FailureSchedule
     return FailureSchedule.random(rng, kills, horizon)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 @pytest.mark.parametrize("seed", range(4))
-def test_event_time_is_exactly_once_under_failures(name, seed, tmp_path):
+def test_event_time_is_exactly_once_under_failures(name, seed, mode, tmp_path):
     """Committed output equals the failure-free run's; each epoch's committed state (timers
     and windows included) equals the sequential reference fed that epoch's input and fired
     up to the event time the manifest records."""
@@ -70,14 +76,15 @@ def test_event_time_is_exactly_once_under_failures(name, seed, tmp_path):
     def run(p, chk, failing):
         return sim_run(p, chk, seed=seed, failures=schedule if failing else None)
 
-    report = check_exactly_once(partial(BUILDERS[name], parallelism=parallelism), run, tmp_path)
+    report = check_exactly_once(partial(BUILDERS[name], parallelism=parallelism, mode=mode), run, tmp_path)
     assert report.ok, report.to_json()
     assert report.epochs_checked >= 2
     assert report.restarts >= 1 or not schedule.kill_times
 
 
-def test_manifests_record_event_time_and_it_grows(tmp_path):
-    p = BUILDERS["window_counts"](out=tmp_path / "out")
+@pytest.mark.parametrize("mode", MODES)
+def test_manifests_record_event_time_and_it_grows(mode, tmp_path):
+    p = BUILDERS["window_counts"](out=tmp_path / "out", mode=mode)
     sim_run(p, tmp_path / "chk", seed=3)
     storage = LocalCheckpointStorage(tmp_path / "chk")
     seen = []
@@ -88,10 +95,11 @@ def test_manifests_record_event_time_and_it_grows(tmp_path):
     assert seen[-1] == END_OF_TIME  # the final epoch comes after every window fired
 
 
-def test_key_expiry_drops_the_state_of_closed_auctions(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_key_expiry_drops_the_state_of_closed_auctions(mode, tmp_path):
     """Distributed GC: once event time passes an auction's close, no bid can reach its key,
     and its state is gone from the committed snapshot, epoch after epoch."""
-    p = BUILDERS["winning_bids"](out=tmp_path / "out", auctions=30, bids=600)
+    p = BUILDERS["winning_bids"](out=tmp_path / "out", auctions=30, bids=600, mode=mode)
     sim_run(p, tmp_path / "chk", seed=4)
     storage = LocalCheckpointStorage(tmp_path / "chk")
     checked = 0
@@ -112,10 +120,31 @@ def test_key_expiry_drops_the_state_of_closed_auctions(tmp_path):
 # ================================================================ bad input
 
 
-def test_event_time_needs_tracker_mode(tmp_path):
-    p = BUILDERS["window_counts"](out=tmp_path / "out", mode="aligned")
-    with pytest.raises(ConfigurationError, match="mode='tracker'"):
-        sim_run(p, tmp_path / "chk")
+def test_aligned_mode_carries_event_time_as_watermarks(tmp_path):
+    """Punctuation: watermarks travel on every channel (counted as service traffic), while
+    the trAcker sends no data-channel message for time at all."""
+    counts = {}
+    for mode in MODES:
+        p = BUILDERS["window_counts"](out=tmp_path / mode / "out", mode=mode, parallelism=3)
+        result = sim_run(p, tmp_path / mode / "chk", seed=2)
+        counts[mode] = result.metrics["service_traffic"]["by_kind"]
+    assert counts["aligned"]["watermark"]["messages"] > 0
+    assert "watermark" not in counts["tracker"]
+
+
+def test_watermarks_must_grow_per_channel():
+    from epochstream.runtime.messages import Watermark
+
+    p = BUILDERS["window_counts"](out=Path("/nonexistent"), mode="aligned", parallelism=1)
+    from epochstream.deploy.common import build_tasks
+
+    tasks = build_tasks(p, p.plan(), None, None, None)
+    task = next(t for t in tasks.values() if not t.is_source)
+    (ch,) = task.inputs
+    task.receive(ch, Watermark(3))
+    task.receive(ch, Watermark(3))
+    with pytest.raises(ProtocolError, match="watermarks must increase"):
+        task.step(0.0)
 
 
 def test_decreasing_timestamps_in_a_split_are_refused_clearly(tmp_path):
@@ -246,15 +275,16 @@ def test_time_reports_are_refused_without_event_time():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name,knobs", [("window_counts", dict(n=30_000, keys=40)),
                                         ("q8", dict(persons=4000, auctions=9000)),
                                         ("winning_bids", dict(auctions=2000, bids=30_000))])
-def test_event_time_exactly_once_with_real_kills(tmp_path, name, knobs):
+def test_event_time_exactly_once_with_real_kills(tmp_path, name, knobs, mode):
     """5 SIGKILLs of worker processes while windows close: same committed output as the
     failure-free run, every epoch's state equal to the reference at its event time."""
     from test_local_driver import KILLS, assert_exactly_once, describe, local_oracle
 
-    build = partial(BUILDERS[name], parallelism=2, interval=0.05, **knobs)
+    build = partial(BUILDERS[name], parallelism=2, interval=0.05, mode=mode, **knobs)
     report, runs = local_oracle(build, tmp_path, seed=7)
     why = describe(report, runs)
     assert_exactly_once(report, why)

@@ -181,9 +181,10 @@ class ClusterDriver(Driver):
                         self._apply(master.request(now, FINAL), conns)
                     elif kind == "stopped":
                         stopped[msg[1]] = msg[2]
-                        if msg[3]:
-                            traffic.record("marker", msg[1], None, nbytes=MARKER_BYTES * msg[3], messages=msg[3],
-                                           entries=msg[3])
+                        for kind_sent, count in (("marker", msg[3]), ("watermark", msg[4])):
+                            if count:
+                                traffic.record(kind_sent, msg[1], None, nbytes=MARKER_BYTES * count, messages=count,
+                                               entries=count)
                 group.check(stopped, stop_sent)
                 if master.finished and not stop_sent:
                     stop_sent = True

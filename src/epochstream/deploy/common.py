@@ -274,7 +274,8 @@ def build_tasks(
     tasks: dict[TaskId, Task] = {}
     cfg = pipeline.checkpoint
     tracker_mode = pipeline.mode == "tracker"
-    event_time = tracker_mode and uses_event_time(pipeline)
+    event_time = uses_event_time(pipeline)
+    slack = pipeline.tracker.time_slack if event_time else None
     if tracker_mode:
         seg_of = build_segments(*chain_graph(plan)).segment_of
     for tid in plan.tasks:
@@ -295,12 +296,13 @@ def build_tasks(
             gate = FirmBoundGate(seg_of[tid[0]], last_closed=start_epoch - 1)
             out_segment = {ch: seg_of[plan.channels[ch].dst[0]] for chans in plan.outputs[tid] for ch in chans}
             tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(_ids_seed(attempt, tid)),
-                                    pipeline.tracker.time_slack if event_time else None)
+                                    slack)
         else:
             gate = (gate_factory or (lambda chans: BarrierAligner(chans, exactly_once)))(plan.inputs[tid])
             if isinstance(gate, BarrierAligner):
                 gate.reset(start_epoch - 1)
-        tasks[tid] = Task(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets, tracking)
+        tasks[tid] = Task(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets, tracking,
+                          None if tracker_mode else slack)
     return tasks
 
 
@@ -531,11 +533,6 @@ class Driver:
     """
 
     def __init__(self, pipeline, storage, failures: FailureSchedule | None, parallelism: int | None) -> None:
-        if uses_event_time(pipeline) and pipeline.mode != "tracker":
-            raise ConfigurationError(
-                f"pipeline {pipeline.name!r} has timestamped sources (event time), which needs mode='tracker': "
-                f"window ends come from the trAcker's time bounds; mode {pipeline.mode!r} has no watermarks"
-            )
         self.pipeline = pipeline
         self.plan = pipeline.plan(parallelism)
         self.storage = storage

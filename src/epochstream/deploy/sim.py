@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted
+from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted, Watermark
 from ..snapshot.coordinator import FINAL
 from ..tracker.traffic import ServiceTraffic
 from .common import (
@@ -125,6 +125,8 @@ class SimDriver(Driver):
                     push(at, "deliver", a)
                     if type(a.message) is Marker:
                         traffic.record("marker", tid, a.message.epoch, nbytes=MARKER_BYTES)
+                    elif type(a.message) is Watermark:
+                        traffic.record("watermark", tid, None, nbytes=MARKER_BYTES)
                 elif type(a) is Snapshot:
                     triggered = master.coordinator.epochs.get(a.capture.epoch)
                     if triggered is not None:  # notification latency: epoch trigger -> this task's bound

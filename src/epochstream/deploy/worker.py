@@ -42,7 +42,7 @@ from collections import deque
 from multiprocessing.connection import wait
 from typing import Any
 
-from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted
+from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted, Watermark
 from ..snapshot.manifest import CheckpointError
 from .common import StateWriteError, build_tasks, new_local_tracker, persist
 
@@ -140,6 +140,7 @@ class WorkerLoop:
         #: chain id -> this worker's task of it (NEOSS for a segment goes to its chains' tasks)
         self.task_of_chain = {tid[0]: t for tid, t in self.tasks.items()}
         self.markers_sent = 0
+        self.watermarks_sent = 0
         self.sources = [t for t in self.tasks.values() if t.is_source]
         self.others = [t for t in self.tasks.values() if not t.is_source]
         self.channel_dst = {c.id: c.dst for c in plan.channels}
@@ -196,7 +197,7 @@ class WorkerLoop:
             for t in threads + [link.thread for link in self.links.values()]:
                 t.join(timeout=5)
         self._results()
-        self.control.send(("stopped", self.index, self.records_in, self.markers_sent))
+        self.control.send(("stopped", self.index, self.records_in, self.markers_sent, self.watermarks_sent))
 
     def _loop(self) -> None:
         self.control.send(("ready", self.index))
@@ -286,6 +287,8 @@ class WorkerLoop:
             if type(a) is Send:
                 if type(a.message) is Marker:
                     self.markers_sent += 1
+                elif type(a.message) is Watermark:
+                    self.watermarks_sent += 1
                 dst = self.channel_dst[a.channel]
                 if dst[1] == self.index:
                     self.tasks[dst].receive(a.channel, a.message)

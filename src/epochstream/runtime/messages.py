@@ -43,6 +43,15 @@ class Marker:
     epoch: int
 
 
+@dataclass(frozen=True, slots=True)
+class Watermark:
+    """Aligned modes with event time: no record with a time label <= ``label`` will follow
+    on this channel (Flink's watermark, counted in coarse time labels). Punctuation: the
+    baseline the trAcker's WindowEnd is compared with."""
+
+    label: int
+
+
 # ---------------------------------------------------------------- actions
 
 

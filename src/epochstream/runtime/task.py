@@ -16,6 +16,12 @@ it from below, which window completeness needs, and equals the label of its caus
 the chain rule needs). A ``WindowEnd`` fires the timers it passes; their output is
 labelled with the WindowEnd's label and acknowledged as agent.py describes.
 
+In the aligned modes event time travels as punctuation instead, as in Flink: a source
+sends ``Watermark(t)`` on every output channel when its time promise grows (after the
+batches it covers, so FIFO channels keep it behind them); a task's watermark is the
+minimum over its input channels, and when it grows the task fires its timers and forwards
+it. A watermark behind a marker on a blocked channel waits with the channel.
+
 A source task has no inputs: it reads its splits from their offsets and, on a trigger for
 epoch n, flushes its output, captures its offsets and emits marker n on every output
 channel (Algorithm 5). A task with inputs snapshots and forwards marker n when the gate
@@ -31,7 +37,7 @@ from typing import Any
 from ..graph.plan import PhysicalPlan
 from .chain import ChainRuntime
 from .errors import EpochStreamError, ProtocolError, UserFunctionError
-from .messages import END_OF_TIME, Batch, Marker, Send, Snapshot, SourceExhausted, TaskCapture, TaskId
+from .messages import END_OF_TIME, Batch, Marker, Send, Snapshot, SourceExhausted, TaskCapture, TaskId, Watermark
 from .sources import Source
 
 
@@ -47,8 +53,10 @@ class Task:
         full_every: int = 10,
         source_offsets: dict[str, dict[int, int]] | None = None,
         tracking: Any = None,
+        event_time_slack: float | None = None,
     ) -> None:
-        """``tracking``: None (aligned modes) or a ``TaskTracking`` (trAcker mode)."""
+        """``tracking``: None (aligned modes) or a ``TaskTracking`` (trAcker mode, which
+        carries the event-time slack); ``event_time_slack``: the aligned modes' (watermarks)."""
         self.plan = plan
         self.id = task_id
         self.chain = chain
@@ -74,8 +82,11 @@ class Task:
         #: (batch id, epoch, time label) of inputs processed since the last flush: their RCVs follow the SNDs
         self._received: list[tuple[int, int, int]] = []
         #: event time: seconds per time label (None: off); the label of the output being buffered
-        self.slack: float | None = getattr(tracking, "slack", None)
+        self.slack: float | None = getattr(tracking, "slack", None) if tracking is not None else event_time_slack
         self._out_time = 0
+        #: aligned modes with event time: newest watermark per input channel, and their minimum
+        self._channel_wm: dict[int, int] = {c: -1 for c in self.inputs}
+        self._wm = -1
         # -- source side
         spec = plan.chains[task_id[0]]
         self.is_source = spec.is_source
@@ -136,7 +147,7 @@ class Task:
                 self._read(budget, actions)
                 self._flush(actions)
                 if self._timestamp is not None:
-                    self._promise_time(now)
+                    self._promise_time(now, actions)
             if not self.exhausted_reported and not self.source_has_more():
                 self.exhausted_reported = True
                 actions.append(SourceExhausted(self.id))
@@ -157,7 +168,7 @@ class Task:
                 self.held.append((channel, msg))
                 continue
             if type(msg) is Batch:
-                if self.slack is not None and msg.time != self._out_time:
+                if tracking is not None and self.slack is not None and msg.time != self._out_time:
                     self._flush(actions)  # a batch never spans two time labels
                     self._out_time = msg.time
                 if self.exactly_once and msg.epoch != self.epoch:
@@ -170,6 +181,9 @@ class Task:
                 self.records_in += n
                 if tracking is not None:
                     self._received.append((msg.id, msg.epoch, msg.time))
+                continue
+            if type(msg) is Watermark:
+                self._on_watermark(channel, msg.label, actions)
                 continue
             # a marker: everything before it on this channel is processed
             aligned = gate.on_marker(channel, msg.epoch, now)
@@ -238,7 +252,7 @@ class Task:
         self._source_push(records[start:], None)
         self._split_label[split] = last
 
-    def _promise_time(self, now: float) -> None:
+    def _promise_time(self, now: float, actions: list[Any]) -> None:
         """Promise the labels no split can send any more (after the SNDs just flushed)."""
         bound = END_OF_TIME
         for s in self._splits:
@@ -247,7 +261,30 @@ class Task:
                 bound = min(bound, self._split_label.get(s, 0) - 1)
         if bound > self._time_promised:
             self._time_promised = bound
-            self.tracking.tracker.promise(self.tracking.segment, bound, now, source=self.id, dim=1)
+            if self.tracking is not None:
+                self.tracking.tracker.promise(self.tracking.segment, bound, now, source=self.id, dim=1)
+            else:  # punctuation: behind the batches it covers, on every output channel
+                self._forward_watermark(bound, actions)
+
+    def _on_watermark(self, channel: int, label: int, actions: list[Any]) -> None:
+        """Aligned modes: the input's watermark is the minimum over channels; fire on growth."""
+        if label <= self._channel_wm[channel]:
+            raise ProtocolError("Task", f"{self.id} watermark {self._channel_wm[channel]} on channel {channel}",
+                                f"Watermark({label})", "watermarks must increase per channel")
+        self._channel_wm[channel] = label
+        low = min(self._channel_wm.values())
+        if low <= self._wm:
+            return
+        self._wm = low
+        self._flush(actions)
+        self._out_time = low
+        self.chain.fire_timers(low, self.slack)
+        self._flush(actions)
+        self._forward_watermark(low, actions)
+
+    def _forward_watermark(self, label: int, actions: list[Any]) -> None:
+        for ch in self.out_channels:
+            actions.append(Send(ch, Watermark(label)))
 
     def _flush(self, actions: list[Any]) -> None:
         tracking = self.tracking
