@@ -92,6 +92,7 @@ class SimDriver(Driver):
             trackers = {w: new_local_tracker(self.pipeline, w, self.now) for w in range(plan.parallelism)}
         self.tracking = tracking
         tasks = build_tasks(self.pipeline, plan, None, self.storage, restored, trackers=trackers, attempt=attempt)
+        self.tasks = tasks  # the last attempt's tasks (benchmarks read their logs)
         master = JobMaster(self.pipeline, plan, self.storage, restored, self.now, self.fail_point, "sim")
         self.master = master
         batch = cfg.source_batch or self.pipeline.batch_size

@@ -87,6 +87,9 @@ class Task:
         #: aligned modes with event time: newest watermark per input channel, and their minimum
         self._channel_wm: dict[int, int] = {c: -1 for c in self.inputs}
         self._wm = -1
+        #: event time, newest entries: (label, now) when a source promised a label or this task
+        #: fired timers up to it (window latency = fire time - promise time; benchmarks/window_latency.py)
+        self.time_log: deque[tuple[int, float]] = deque(maxlen=4096)
         # -- source side
         spec = plan.chains[task_id[0]]
         self.is_source = spec.is_source
@@ -183,7 +186,7 @@ class Task:
                     self._received.append((msg.id, msg.epoch, msg.time))
                 continue
             if type(msg) is Watermark:
-                self._on_watermark(channel, msg.label, actions)
+                self._on_watermark(channel, msg.label, actions, now)
                 continue
             # a marker: everything before it on this channel is processed
             aligned = gate.on_marker(channel, msg.epoch, now)
@@ -261,12 +264,13 @@ class Task:
                 bound = min(bound, self._split_label.get(s, 0) - 1)
         if bound > self._time_promised:
             self._time_promised = bound
+            self.time_log.append((bound, now))
             if self.tracking is not None:
                 self.tracking.tracker.promise(self.tracking.segment, bound, now, source=self.id, dim=1)
             else:  # punctuation: behind the batches it covers, on every output channel
                 self._forward_watermark(bound, actions)
 
-    def _on_watermark(self, channel: int, label: int, actions: list[Any]) -> None:
+    def _on_watermark(self, channel: int, label: int, actions: list[Any], now: float) -> None:
         """Aligned modes: the input's watermark is the minimum over channels; fire on growth."""
         if label <= self._channel_wm[channel]:
             raise ProtocolError("Task", f"{self.id} watermark {self._channel_wm[channel]} on channel {channel}",
@@ -279,6 +283,8 @@ class Task:
         self._flush(actions)
         self._out_time = low
         self.chain.fire_timers(low, self.slack)
+        if self.chain.timed:
+            self.time_log.append((low, now))
         self._flush(actions)
         self._forward_watermark(low, actions)
 
@@ -316,6 +322,7 @@ class Task:
             note = self.neoss.popleft()
             if type(note) is not int:
                 self._window_end(note, actions)
+                self.time_log.append((note.label, now))
                 continue
             for epoch in self.gate.on_neoss(note, now):
                 self._snapshot_and_forward(epoch, self.gate.last_hold_seconds, actions, now)

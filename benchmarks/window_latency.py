@@ -1,0 +1,193 @@
+"""Window latency: NEXMark Query 8 (a windowed join) with trAcker time bounds vs watermarks.
+
+Paper 000 §5.3.1 / Figure 13a measures the time from the last element of a window
+entering the system to the window's output, for the trAcker and for punctuations, while
+the number of nodes grows. Here, on the simulator (exponential one-way delay, mean
+``--net-delay`` between workers; FIFO per channel; a task is busy 5 us per message plus
+2 us per record): persons and auctions arrive at ``--rate`` records/s per source subtask
+with event time = arrival time, are joined per person in tumbling windows of ``--window``
+seconds (coarse time labels of ``--slack`` seconds), and for every window
+
+    latency = (time the window operator fired it, slowest subtask)
+            - (time every source had promised past the window, i.e. its last element was in)
+
+``aligned`` carries event time as watermarks on every data channel (Flink's punctuation),
+``tracker`` as WindowEnd notifications from the agent. Writes benchmarks/results/
+window_latency.csv and .png and prints medians and p99 per worker count. Not a test.
+
+    python benchmarks/window_latency.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+from epochstream import (  # noqa: E402
+    CheckpointConfig, DiscardingSink, KeyedProcessFunction, MapStateDescriptor, Pipeline, TrackerConfig,
+)
+from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
+from epochstream.deploy.sim import SimConfig, SimDriver  # noqa: E402
+
+MODES = ("aligned", "tracker")
+
+
+class Q8(KeyedProcessFunction):
+    """Per person and window: name seen and auction opened -> emit at the window's end."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+
+    def open(self, ctx):
+        self.windows = ctx.state(MapStateDescriptor("windows"))
+        self.timers = ctx.timer_service()
+
+    def process(self, event, ctx):
+        start = math.floor(event[3] / self.window) * self.window
+        if not self.windows.contains(start):
+            self.timers.register_event_time_timer(math.nextafter(start + self.window, -math.inf))
+        name, opened = self.windows.get(start) or [None, False]
+        self.windows.put(start, [event[2], opened] if event[0] == "P" else [name, True])
+
+    def on_timer(self, timestamp, ctx):
+        start = math.floor(timestamp / self.window) * self.window
+        name, opened = self.windows.get(start)
+        self.windows.remove(start)
+        if name is not None and opened:
+            yield (ctx.key, name, start)
+
+
+class Person:
+    def __init__(self, workers: int, rate: float, people: int) -> None:
+        self.workers, self.rate, self.people = workers, rate, people
+
+    def __call__(self, i: int):
+        return ("P", i % self.people, f"p{i % self.people}", (i // self.workers) / self.rate)
+
+
+class Auction:
+    def __init__(self, workers: int, rate: float, people: int) -> None:
+        self.workers, self.rate, self.people = workers, rate, people
+
+    def __call__(self, i: int):
+        return ("A", i, (i * 7919) % self.people, (i // self.workers) / self.rate)
+
+
+def _ts(r):
+    return r[3]
+
+
+def q8_pipeline(mode: str, workers: int, rate: float, seconds: float, window: float, slack: float,
+                flush_interval: float = 0.005) -> Pipeline:
+    n = int(rate * seconds) * workers
+    p = Pipeline(f"q8-{mode}-{workers}", parallelism=workers, mode=mode, batch_size=8,
+                 checkpoint=CheckpointConfig(interval=1.0, num_retained=1),
+                 tracker=TrackerConfig(time_slack=slack, flush_interval=flush_interval))
+    people = p.generate(Person(workers, rate, 50 * workers), count=n, uid="persons", timestamps=_ts)
+    auctions = p.generate(Auction(workers, rate, 50 * workers), count=n, uid="auctions", timestamps=_ts)
+    joined = people.union(auctions).key_by(lambda r: r[1] if r[0] == "P" else r[2]).process(Q8(window), uid="q8")
+    joined.sink(DiscardingSink(), uid="out")
+    return p
+
+
+def measure(mode: str, workers: int, args) -> dict:
+    p = q8_pipeline(mode, workers, args.rate, args.seconds, args.window, args.slack, args.flush_interval)
+    cfg = SimConfig(source_rate=args.rate, source_batch=4, check_invariants=False, net_delay=args.net_delay)
+    with tempfile.TemporaryDirectory(prefix="es-window-") as chk:
+        driver = SimDriver(p, LocalCheckpointStorage(chk), seed=1, config=cfg)
+        driver.run(None, False, None)
+    per_label = round(args.window / args.slack)
+    sources = [t for t in driver.tasks.values() if t.is_source]
+    firing = [t for t in driver.tasks.values() if t.chain.timed]
+    lat = []
+    for k in range(1, int(args.seconds / args.window)):  # window k ends at label k * per_label - 1
+        last = k * per_label - 1
+        entered = max(_first(t.time_log, last) for t in sources)
+        fired = max(_first(t.time_log, last) for t in firing)
+        lat.append((fired - entered) * 1000)
+    lat.sort()
+    traffic = driver.traffic.as_dict()["total"]
+    return {"mode": mode, "workers": workers, "window_s": args.window, "slack_s": args.slack,
+            "net_delay_ms": args.net_delay * 1000, "windows": len(lat), "p50_ms": statistics.median(lat),
+            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "max_ms": lat[-1],
+            "flush_interval_ms": args.flush_interval * 1000, "service_messages": traffic["messages"]}
+
+
+def _first(log, label: int) -> float:
+    """When the task's logged label first reached ``label``."""
+    return next(t for lbl, t in log if lbl >= label)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rate", type=float, default=500.0, help="records/s per source subtask (paper: 500 RPS per node)")
+    ap.add_argument("--seconds", type=float, default=6.0, help="virtual seconds of input")
+    ap.add_argument("--window", type=float, default=1.0, help="tumbling window size, seconds")
+    ap.add_argument("--slack", type=float, default=0.01, help="coarse time label width (paper: 10 ms)")
+    ap.add_argument("--net-delay", type=float, default=0.0005, help="mean one-way delay between workers (s)")
+    ap.add_argument("--flush-interval", type=float, default=0.005,
+                    help="local trackers' flush interval (s); the tracker's latency floor (paper: 5 ms)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+    w_values = [2, 5] if args.quick else [2, 5, 10, 20, 30]
+    rows = []
+    total = len(w_values) * len(MODES)
+    k = 0
+    for w in w_values:
+        for mode in MODES:
+            k += 1
+            print(f"[{k}/{total}] W={w} {mode} ...", end=" ", flush=True)
+            row = measure(mode, w, args)
+            rows.append(row)
+            print(f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms over {row['windows']} windows, "
+                  f"{row['service_messages']} service messages")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "window_latency.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    print("\nwindow latency (ms) from a window's last element being in to its firing, NEXMark Q8, simulator")
+    print(f"  {'workers':>7} " + " ".join(f"{m + ' p50':>14} {m + ' p99':>14}" for m in MODES))
+    for w in w_values:
+        cells = []
+        for m in MODES:
+            r = next(r for r in rows if (r["mode"], r["workers"]) == (m, w))
+            cells.append(f"{r['p50_ms']:14.2f} {r['p99_ms']:14.2f}")
+        a, t = (next(r for r in rows if (r["mode"], r["workers"]) == (m, w)) for m in MODES)
+        print(f"  {w:>7} " + " ".join(cells) + f"   service messages aligned/tracker {a['service_messages'] / t['service_messages']:.1f}x")
+    _plot(rows, w_values, out / "window_latency.png")
+    print(f"\nwrote {out / 'window_latency.csv'} and {out / 'window_latency.png'}")
+    return 0
+
+
+def _plot(rows, w_values, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for mode in MODES:
+        sel = [next(r for r in rows if (r["mode"], r["workers"]) == (mode, w)) for w in w_values]
+        label = "watermarks (aligned)" if mode == "aligned" else "trAcker"
+        ax.plot(w_values, [r["p50_ms"] for r in sel], marker="o", label=f"{label} p50")
+        ax.plot(w_values, [r["p99_ms"] for r in sel], marker="x", linestyle="--", label=f"{label} p99")
+    ax.set_xlabel("workers")
+    ax.set_ylabel("ms from last element in to window fired")
+    ax.set_title("NEXMark Q8 window latency (simulator)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
