@@ -376,22 +376,71 @@ def test_restore_with_another_max_parallelism(tmp_path):
 
 
 def test_restore_a_checkpoint_of_another_job(tmp_path):
+    """Another job's checkpoint: refused, naming the operator uids this pipeline lacks and the job
+    the checkpoint came from; nothing is written."""
     _p, out, _chk, storage, _r = completed_job(tmp_path)
     epoch = storage.list_checkpoints()[-1]
-    p = running_count(n=N, keys=KEYS, out=out, emit_ids=True, restart_attempts=2)
+    p = _renamed_count_pipeline(out, "totals")
     p.name = "some-other-job"
     with pytest.raises(CheckpointError) as exc:
         restore_run(out, tmp_path / "chk-new", storage.checkpoint_dir(epoch), pipeline=p)
-    assert "'running-count'" in str(exc.value) and "'some-other-job'" in str(exc.value)
+    msg = str(exc.value)
+    assert "'running-count'" in msg and "'some-other-job'" in msg and "['count']" in msg
+    assert not (tmp_path / "chk-new").exists() or not any((tmp_path / "chk-new").iterdir())
 
 
-def test_restore_with_fewer_source_splits(tmp_path):
+def test_a_renamed_job_takes_over_its_checkpoint_by_uid(tmp_path):
+    """Flink's rule: state maps to operators by uid, not by job name. A job renamed with the same
+    uids restores and finishes with every key's count complete."""
+    _p, out, _chk, storage, _r = completed_job(tmp_path)
+    epoch = storage.list_checkpoints()[-2]
+    p = running_count(n=N, keys=KEYS, out=out, emit_ids=True, restart_attempts=2)
+    p.name = "running-count-v2"
+    restore_run(out, tmp_path / "chk-new", storage.checkpoint_dir(epoch), pipeline=p)
+    assert state_counts(LocalCheckpointStorage(tmp_path / "chk-new")) == full_counts()
+
+
+def test_an_operator_uid_of_another_kind_is_refused(tmp_path):
+    """A uid that held keyed state in the checkpoint but names a source now cannot take it over,
+    even with allow_non_restored_state."""
+    _p, out, _chk, storage, _r = completed_job(tmp_path)
+    epoch = storage.list_checkpoints()[-1]
+    p = make_pipeline("running-count")
+    p.from_collection(input_records(N, KEYS), uid="count").key_by(lambda r: r[0]).process(
+        RunningCount(emit_ids=True), uid="src2").sink(FileSink(out / "counts"), uid="counts")
+    with pytest.raises(CheckpointError, match=r"'count' \(process in the checkpoint, source in the pipeline\)"):
+        restore_run(out, tmp_path / "chk-new", storage.checkpoint_dir(epoch), pipeline=p,
+                    allow_non_restored_state=True)
+
+
+def test_restore_with_another_explicit_split_count(tmp_path):
+    """Offsets are kept per split: a source built with an explicit, different split count is
+    refused (an elastic source, built without splits=, adopts the checkpoint's count instead)."""
     _p, out, _chk, storage, _r = completed_job(tmp_path, parallelism=3)  # 3 splits
     epoch = storage.list_checkpoints()[-1]
-    p = running_count(n=N, keys=KEYS, out=out, emit_ids=True, restart_attempts=2, parallelism=2)
+    p = make_pipeline("running-count", parallelism=2)
+    p.from_collection(input_records(N, KEYS), splits=2, uid="src").key_by(lambda r: r[0]).process(
+        RunningCount(emit_ids=True), uid="count").sink(FileSink(out / "counts"), uid="counts")
     with pytest.raises(CheckpointError) as exc:
         restore_run(out, tmp_path / "chk-new", storage.checkpoint_dir(epoch), pipeline=p)
-    assert "'src'" in str(exc.value)
+    assert "'src'" in str(exc.value) and "3 splits" in str(exc.value)
+
+
+def test_an_elastic_source_adopts_the_checkpoints_splits(tmp_path):
+    """Restoring a p=3 checkpoint at p=2: the default (elastic) source keeps its 3 splits and
+    their offsets, dealt to 2 subtasks; the job finishes with nothing lost or doubled."""
+    _p, out, _chk, storage, _r = completed_job(tmp_path, parallelism=3)
+    epoch = storage.list_checkpoints()[-2]
+    consumed = sum(storage.load_manifest(epoch)[0]["sources"]["src"]["offsets"].values())
+    out2 = tmp_path / "out2"
+    p = running_count(n=N, keys=KEYS, out=out2, emit_ids=True, restart_attempts=2, parallelism=2)
+    restore_run(out2, tmp_path / "chk-new", storage.checkpoint_dir(epoch), pipeline=p)
+    assert p.sources["src"].num_splits == 3
+    new = LocalCheckpointStorage(tmp_path / "chk-new")
+    assert new.latest()[0]["sources"]["src"]["splits"] == 3
+    assert state_counts(new) == full_counts()
+    ids = collections.Counter(r[2] for r in committed_output(out2 / "counts"))
+    assert set(ids.values()) == {1} and len(ids) == N - consumed
 
 
 # ---------------------------------------------------------------- parallelism

@@ -233,7 +233,8 @@ def test_load_manifest_rejects_bad_content_with_a_clear_message(storage, case, f
 
 def test_version_message_names_the_supported_version(storage):
     _put(storage, 1, json.dumps({**json.loads(_valid_text(storage, 1)), "format_version": 999}))
-    with pytest.raises(CheckpointError, match=f"reads version {FORMAT_VERSION}"):
+    with pytest.raises(CheckpointError, match=f"written by a newer epochstream; this epochstream reads versions "
+                                              f"1 to {FORMAT_VERSION}"):
         storage.load_manifest(1)
 
 

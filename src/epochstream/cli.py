@@ -93,16 +93,28 @@ def cmd_run(args) -> int:
     from .runtime.errors import EpochStreamError
     from .snapshot.manifest import CheckpointError
 
+    if args.restore and args.from_savepoint:
+        raise UsageError("give --restore or --from-savepoint, not both")
+    if args.stop_with_savepoint and not args.savepoint_dir:
+        raise UsageError("--stop-with-savepoint needs --savepoint-dir")
     build = _configured(load_pipeline_factory(args.pipeline), args)
     p = build()
+    extra: dict[str, Any] = {"savepoint_dir": args.savepoint_dir, "stop_with_savepoint": args.stop_with_savepoint}
+    if args.deployment == "local":
+        def started(info: dict[str, Any]) -> None:
+            print(f"epochstream: job {info['name']!r} is running as {info['id']}; REST API at {info['endpoint']}",
+                  file=sys.stderr, flush=True)
+
+        extra.update(rest_port=args.rest_port or 0, on_start=started)
     try:
         result = p.run(
             deployment=args.deployment,
             checkpoint_dir=args.checkpoint_dir,
-            restore=args.restore,
+            restore=args.restore or args.from_savepoint,
             seed=args.seed,
             allow_non_restored_state=args.allow_non_restored_state,
             duration=args.duration,
+            **extra,
         )
     except CheckpointError as exc:  # a checkpoint that cannot be used is bad input
         print(f"epochstream: {exc}", file=sys.stderr)
@@ -119,6 +131,8 @@ def cmd_run(args) -> int:
               f"{len(result.completed_epochs)} epochs completed, {result.restarts} restarts")
         print(f"  committed output: {', '.join(doc['sinks'].values()) or '(no sinks)'}")
         print(f"  checkpoints:      {result.checkpoint_dir} (latest: {result.latest_checkpoint})")
+        for sp in result.savepoints:
+            print(f"  savepoint:        {sp}")
     return EXIT_OK
 
 
@@ -166,6 +180,127 @@ def cmd_checkpoints_list(args) -> int:
     for r in rows:
         print(f"{r['epoch']:>6}  {r['status']:<9} {r.get('kind') or '-':<10} {r.get('state_files', 0):>5} "
               f"{r.get('state_bytes', 0):>10}  {r.get('created_at') or r.get('error', '')}")
+    return EXIT_OK
+
+
+def _client(target: str):
+    from .deploy.jobs import JobNotFoundError, resolve
+    from .deploy.rest import RestClient, RestError
+
+    try:
+        endpoint, job_id = resolve(target)
+        client = RestClient(endpoint)
+        return client, job_id or client.job_id()
+    except (JobNotFoundError, RestError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _savepoint_outcome(doc: dict[str, Any], args, verb: str) -> int:
+    ok = doc["status"]["id"] == "COMPLETED"
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    elif ok:
+        print(f"{verb}: {doc['operation'].get('location')}")
+    else:
+        print(f"epochstream: {verb} failed: {doc['operation'].get('failure-cause', {}).get('stack-trace')}",
+              file=sys.stderr)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def cmd_savepoint(args) -> int:
+    """``savepoint JOB_OR_ENDPOINT [DIR]``, ``savepoint dispose PATH``, ``savepoint list [DIR]``."""
+    from .backends.savepoint import dispose_savepoint, list_savepoints
+    from .deploy.rest import RestError
+
+    words = args.words
+    if words[0] == "dispose":
+        if len(words) != 2:
+            raise UsageError("usage: epochstream savepoint dispose PATH")
+        folder = dispose_savepoint(words[1])
+        print(json.dumps({"disposed": str(folder)}) if args.json else f"disposed savepoint {folder}")
+        return EXIT_OK
+    if words[0] == "list":
+        if len(words) > 2:
+            raise UsageError("usage: epochstream savepoint list [DIR]")
+        folder = words[1] if len(words) == 2 else args.savepoint_dir or os.environ.get("EPOCHSTREAM_SAVEPOINT_DIR")
+        if not folder:
+            raise UsageError("savepoint list needs a directory: DIR, --savepoint-dir or EPOCHSTREAM_SAVEPOINT_DIR")
+        rows = list_savepoints(folder)
+        if args.json:
+            print(json.dumps({"savepoint_dir": str(Path(folder).resolve()), "savepoints": rows}, indent=1))
+            return EXIT_OK
+        if not rows:
+            print(f"no savepoints in {folder}")
+        for r in rows:
+            if r["status"] != "completed":
+                print(f"{r['path']}  DAMAGED: {r['error']}")
+                continue
+            print(f"{r['path']}  job={r['job']} epoch={r['epoch']} p={r['parallelism']}/{r['max_parallelism']} "
+                  f"files={r['state_files']} bytes={r['state_bytes']} created={r['created_at']}")
+        return EXIT_OK
+    if len(words) > 2:
+        raise UsageError("usage: epochstream savepoint JOB_OR_ENDPOINT [DIR]")
+    client, job_id = _client(words[0])
+    target = str(Path(words[1]).resolve()) if len(words) == 2 else None
+    try:
+        doc = client.savepoint(job_id, target, wait=args.timeout)
+    except RestError as exc:  # 4xx: the request was wrong (exit 2); else the job failed it or is gone (exit 3)
+        print(f"epochstream: {exc}", file=sys.stderr)
+        return EXIT_USAGE if exc.status is not None and 400 <= exc.status < 500 else EXIT_FAILED
+    return _savepoint_outcome(doc, args, "savepoint")
+
+
+def cmd_stop(args) -> int:
+    """``stop [--savepoint [DIR]] JOB``: a final epoch (a savepoint with --savepoint), then the job ends."""
+    from .deploy.rest import RestError
+
+    job, savepoint = args.job, args.savepoint
+    if job is None:
+        if not isinstance(savepoint, str):
+            raise UsageError("usage: epochstream stop [--savepoint [DIR]] JOB_OR_ENDPOINT")
+        job, savepoint = savepoint, True  # "stop --savepoint JOB": no DIR given
+    client, job_id = _client(job)
+    target = str(Path(savepoint).resolve()) if isinstance(savepoint, str) else None
+    try:
+        doc = client.savepoint(job_id, target, stop=True, savepoint=savepoint is not None, wait=args.timeout)
+    except RestError as exc:  # 4xx: the request was wrong (exit 2); else the job failed it or is gone (exit 3)
+        print(f"epochstream: {exc}", file=sys.stderr)
+        return EXIT_USAGE if exc.status is not None and 400 <= exc.status < 500 else EXIT_FAILED
+    return _savepoint_outcome(doc, args, "stopped with savepoint" if savepoint is not None else "stopped")
+
+
+def _parse_key(text: str) -> Any:
+    """``--key``: JSON if it parses (5, "5", [1, "a"] -> a tuple), else the text itself."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+
+    def tup(v):
+        return tuple(tup(x) for x in v) if isinstance(v, list) else v
+
+    return tup(value)
+
+
+def cmd_state_query(args) -> int:
+    from . import state as state_api
+
+    key = state_api.ALL if args.key is None else _parse_key(args.key)
+    table = state_api.query(args.checkpoint_dir, args.operator, key=key, epoch=args.epoch, state=args.state)
+    rows = table.drop_columns(["key_pickle", "value_pickle"]).to_pylist()
+    epoch = rows[0]["epoch"] if rows else None
+    if args.json:
+        print(json.dumps({"checkpoint_dir": str(Path(args.checkpoint_dir).resolve()), "operator": args.operator,
+                          "epoch": epoch if epoch is not None else args.epoch, "rows": rows},
+                         indent=1, default=repr))
+        return EXIT_OK
+    if not rows:
+        print("no committed state" + (f" for key {key!r}" if args.key is not None else ""))
+        return EXIT_OK
+    print(f"{'state':<12} {'key':<24} {'value':<30} {'key_group':>9} {'subtask':>7}  (epoch {epoch})")
+    for r in rows:
+        print(f"{r['state']:<12} {json.dumps(r['key'], default=repr):<24} {json.dumps(r['value'], default=repr):<30} "
+              f"{r['key_group']:>9} {r['subtask']:>7}")
     return EXIT_OK
 
 
@@ -244,9 +379,43 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--restart-strategy", metavar="SPEC",
                      help="none | fixed-delay:ATTEMPTS:DELAY | exponential-delay:INITIAL:MAX[:MULTIPLIER[:ATTEMPTS]] "
                           "| failure-rate:MAX_FAILURES:INTERVAL:DELAY (seconds; default fixed-delay:10:0.5)")
-    run.add_argument("--allow-non-restored-state", action="store_true",
+    run.add_argument("--from-savepoint", "-s", metavar="PATH",
+                     help="start from a savepoint (or checkpoint) folder, at any parallelism up to max parallelism")
+    run.add_argument("--allow-non-restored-state", "-n", action="store_true",
                      help="drop state of operators that are no longer in the pipeline")
+    run.add_argument("--savepoint-dir", help="default target of savepoints triggered on this job")
+    run.add_argument("--stop-with-savepoint", action="store_true",
+                     help="end the run (bounded input done or --duration over) with a savepoint in --savepoint-dir")
+    run.add_argument("--rest-port", type=int, help="port of the job's HTTP API on 127.0.0.1 (default: any free one)")
     run.set_defaults(func=cmd_run)
+
+    sp = sub.add_parser(
+        "savepoint", help="trigger a savepoint on a running job, or dispose/list savepoints",
+        description="epochstream savepoint JOB_OR_ENDPOINT [DIR] | savepoint dispose PATH | savepoint list [DIR]")
+    sp.add_argument("words", nargs="+", metavar="JOB_OR_ENDPOINT [DIR] | dispose PATH | list [DIR]")
+    sp.add_argument("--savepoint-dir", help="for list: the directory (default EPOCHSTREAM_SAVEPOINT_DIR)")
+    sp.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the savepoint (default 300)")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_savepoint)
+
+    stop = sub.add_parser("stop", help="stop a running job with a final epoch (a savepoint with --savepoint)")
+    stop.add_argument("--savepoint", nargs="?", const=True, metavar="DIR",
+                      help="take a savepoint as the final epoch (into DIR, or the job's --savepoint-dir)")
+    stop.add_argument("job", nargs="?", metavar="JOB_OR_ENDPOINT", help="job id, id prefix, name or http://host:port")
+    stop.add_argument("--timeout", type=float, default=300.0)
+    stop.add_argument("--json", action="store_true")
+    stop.set_defaults(func=cmd_stop)
+
+    st = sub.add_parser("state", help="query committed state")
+    st_sub = st.add_subparsers(dest="state_command", required=True)
+    q = st_sub.add_parser("query", help="read-committed keyed state of one operator as of a completed epoch")
+    q.add_argument("--checkpoint-dir", required=True, help="a checkpoint dir, or one chk-N or savepoint folder")
+    q.add_argument("--operator", required=True, metavar="UID")
+    q.add_argument("--key", help="one key; parsed as JSON when it parses (5, '\"5\"', [1,2]), else taken as text")
+    q.add_argument("--epoch", type=int, help="a retained epoch (default: the newest completed)")
+    q.add_argument("--state", help="one state name")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_state_query)
 
     chk = sub.add_parser("checkpoints", help="inspect checkpoints")
     chk_sub = chk.add_subparsers(dest="checkpoints_command", required=True)

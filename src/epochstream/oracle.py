@@ -32,7 +32,7 @@ from typing import Any, Callable
 from .graph.plan import Node, _topological
 from .runtime.context import Context
 from .runtime.messages import END_OF_TIME
-from .runtime.state import HeapKeyedState
+from .runtime.state import HeapKeyedState, OperatorStateBackend
 from .runtime.timers import TimerService
 
 
@@ -69,7 +69,8 @@ class Reference:
                 timers = None
                 if event_time and getattr(fn, "uses_event_time", False):
                     timers = self.timers[n.id] = TimerService(state)
-                ctx = Context(state, 0, 1, n.uid, timers)
+                # one subtask: operator state is there for functions that use it, and not checked
+                ctx = Context(state, 0, 1, n.uid, timers, OperatorStateBackend(n.uid, 0))
                 fn.open(ctx)
                 self.states[n.uid] = state
                 self.fns[n.id] = (fn, ctx)

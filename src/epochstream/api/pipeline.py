@@ -244,19 +244,22 @@ class Pipeline:
     # -- sources
     def from_collection(self, items: Sequence[Any], splits: int | None = None, uid: str | None = None,
                         timestamps: Callable[[Any], float] | None = None) -> Stream:
-        """A bounded, replayable source over a collection; ``splits`` defaults to the parallelism.
+        """A bounded, replayable source over a collection.
 
+        ``splits`` fixes the number of splits; without it the source is elastic: a fresh start
+        uses the job's parallelism, a restore keeps the checkpoint's split count.
         ``timestamps``: the event time of a record (>= 0, not decreasing within a split);
         giving it turns event time on (timers, windows; needs ``mode="tracker"``)."""
-        source = CollectionSource(items, splits or self.parallelism)
+        source = CollectionSource(items, splits or self.parallelism, elastic=splits is None)
         return self.from_source(source, uid=uid, name="collection", timestamps=timestamps)
 
     def generate(
         self, fn: Callable[[int], Any], count: int | None = None, splits: int | None = None, uid: str | None = None,
         timestamps: Callable[[Any], float] | None = None,
     ) -> Stream:
-        """Deterministic source: record i is ``fn(i)``; ``count=None`` is unbounded."""
-        source = GeneratorSource(fn, count, splits or self.parallelism)
+        """Deterministic source: record i is ``fn(i)``; ``count=None`` is unbounded. ``splits``
+        and ``timestamps`` as in ``from_collection``."""
+        source = GeneratorSource(fn, count, splits or self.parallelism, elastic=splits is None)
         return self.from_source(source, uid=uid, name="generate", timestamps=timestamps)
 
     def from_source(self, source: Source, uid: str | None = None, name: str = "source",

@@ -29,6 +29,8 @@ def run_pipeline(
     parallelism: int | None = None,
     sim: Any = None,
     failures: Any = None,
+    savepoint_dir: str | None = None,
+    stop_with_savepoint: bool = False,
     **options: Any,
 ):
     from .result import JobResult
@@ -45,11 +47,13 @@ def run_pipeline(
 
         if options:
             raise TypeError(f"unknown option(s) for the sim driver: {sorted(options)}")
-        driver = SimDriver(pipeline, storage, seed=seed, config=sim, failures=failures, parallelism=parallelism)
+        driver = SimDriver(pipeline, storage, seed=seed, config=sim, failures=failures, parallelism=parallelism,
+                           savepoint_dir=savepoint_dir, stop_with_savepoint=stop_with_savepoint)
     elif deployment == "local":
         from .local import LocalDriver
 
-        driver = LocalDriver(pipeline, storage, seed=seed, failures=failures, parallelism=parallelism, **options)
+        driver = LocalDriver(pipeline, storage, seed=seed, failures=failures, parallelism=parallelism,
+                             savepoint_dir=savepoint_dir, stop_with_savepoint=stop_with_savepoint, **options)
     else:
         raise ValueError(f"unknown deployment {deployment!r}")
     driver.run(restore, allow_non_restored_state, duration)
@@ -72,5 +76,7 @@ def run_pipeline(
             "deployment": deployment,
             "parallelism": driver.plan.parallelism,
             "mode": pipeline.mode,
+            "job_id": driver.job_id,
         },
+        savepoints=list(driver.savepoints_written),
     )

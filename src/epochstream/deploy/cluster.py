@@ -5,11 +5,14 @@ A subclass only says how workers come to life and how they die: ``launch`` start
 attempt's workers and returns a ``WorkerGroup`` holding one control connection per worker
 (a pipe for the local driver, a TCP connection for spark). Everything else is shared: the
 coordinator's triggers, acks and declines, the final epoch, the trAcker agent and its NEOSS
-bundles, the stop handshake, failover detection and the chaos kills.
+bundles, the stop handshake, failover detection and the chaos kills, and the job's HTTP API
+(``deploy.rest``: savepoints, stop, status), served by a thread of the driver process whose
+requests the loop carries out between its own steps (``deploy.control.JobControl``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -20,8 +23,13 @@ from typing import Any
 from ..snapshot.coordinator import FINAL
 from ..snapshot.manifest import CheckpointError
 from ..tracker.traffic import ServiceTraffic
-from .common import Driver, Failover, JobMaster, make_tracking
+from . import jobs as _jobs
+from .common import Driver, Failover, make_tracking
+from .control import IN_PROGRESS, JobControl
+from .rest import RestServer
 from .sim import MARKER_BYTES
+
+log = logging.getLogger("epochstream")
 
 
 class WorkerGroup:
@@ -49,8 +57,20 @@ class ClusterDriver(Driver):
 
     deployment = "cluster"
 
-    def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None) -> None:
-        super().__init__(pipeline, storage, failures, parallelism)
+    def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
+                 savepoint_dir: str | None = None, stop_with_savepoint: bool = False, rest: bool = True,
+                 rest_port: int = 0, on_start=None) -> None:
+        super().__init__(pipeline, storage, failures, parallelism, savepoint_dir, stop_with_savepoint)
+        #: serve the job's HTTP API (``deploy.rest``) on 127.0.0.1 and register it for the CLI
+        self.rest = rest
+        self.rest_port = rest_port
+        #: called with the job file's content once the HTTP API is up (the CLI prints it)
+        self.on_start = on_start
+        self.control = JobControl()
+        self.endpoint: str | None = None
+        #: a stop was asked over REST (asked again after a failover until it completes)
+        self.stop_asked = False
+        self._published = 0.0
         self.rng = random.Random(seed)
         self.recovery_seconds: list[float] = []
         #: (epoch, task, seconds from the epoch trigger to the task reaching its bound); the
@@ -73,7 +93,76 @@ class ClusterDriver(Driver):
     def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None) -> None:
         self.t0 = time.monotonic()
         self.deadline = None if duration is None else self.t0 + duration
-        super().run(restore, allow_non_restored_state, duration)
+        restored = self.prepare(restore, allow_non_restored_state)  # refuse bad input before serving anything
+        server = None
+        self._publish("CREATED", force=True)
+        if self.rest:
+            server = RestServer(self.job_id, self.control, self._checkpoints_doc, self.savepoint_dir,
+                                self.rest_port).start()
+            self.endpoint = server.endpoint
+            _jobs.register({
+                "id": self.job_id, "name": self.pipeline.name, "endpoint": server.endpoint, "pid": os.getpid(),
+                "deployment": self.deployment, "checkpoint_dir": str(self.storage.root),
+                "savepoint_dir": self.savepoint_dir, "started_at": time.time(), "parallelism": self.plan.parallelism,
+            })
+            log.info("job %s (%s) serves its REST API at %s", self.pipeline.name, self.job_id, server.endpoint)
+            if self.on_start is not None:
+                self.on_start({"id": self.job_id, "name": self.pipeline.name, "endpoint": server.endpoint})
+        state = "FAILED"
+        try:
+            super().run(restore, allow_non_restored_state, duration, prepared=restored)
+            state = "FINISHED"
+        finally:
+            self.control.fail_pending(f"the job is {state.lower()}")
+            self._publish(state, force=True)
+            if server is not None:
+                _jobs.unregister(self.job_id)
+                linger = time.monotonic() + 5.0  # let clients read the outcome of their last requests
+                while self.control.untold() and time.monotonic() < linger:
+                    time.sleep(0.02)
+                server.close()
+
+    # -- the HTTP API's side of the loop
+    def _publish(self, state: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._published < 0.1:
+            return
+        self._published = now
+        self.control.publish(
+            jid=self.job_id, name=self.pipeline.name, state=state, mode=self.pipeline.mode,
+            deployment=self.deployment, parallelism=self.plan.parallelism,
+            **{"max-parallelism": self.plan.max_parallelism, "checkpoint-dir": str(self.storage.root),
+               "savepoint-dir": self.savepoint_dir, "completed-epochs": len(self.completed),
+               "latest-epoch": self.completed[-1] if self.completed else None, "records-in": self.records_in},
+            restarts=self.restarts, savepoints=list(self.savepoints_written), epochs=self.epoch_log[-50:],
+            duration=self.clock(),
+        )
+
+    def _checkpoints_doc(self) -> dict[str, Any]:
+        """GET /jobs/<id>/checkpoints: what storage holds (read on the REST thread, read-only)."""
+        rows = []
+        for epoch in self.storage.list_checkpoints():
+            try:
+                m, _root = self.storage.load_manifest(epoch)
+            except CheckpointError as exc:
+                rows.append({"epoch": epoch, "status": "damaged", "error": str(exc)})
+                continue
+            rows.append({"epoch": epoch, "status": "completed", "kind": m.get("kind"),
+                         "path": str(self.storage.checkpoint_dir(epoch)), "created_at": m.get("created_at"),
+                         "parallelism": m["parallelism"], "metrics": m.get("metrics", {})})
+        done = [r for r in rows if r["status"] == "completed"]
+        return {"counts": {"completed": len(done)}, "latest": done[-1] if done else None, "checkpoints": rows}
+
+    def _commands(self, master, conns, now: float) -> bool:
+        """Carry out REST requests; True once a stop (final epoch) has been asked for."""
+        stopping = False
+        for req in self.control.drain():
+            if req.stop:
+                self.stop_request = req
+                self.stop_asked = True
+                stopping = True
+            self._apply(master.savepoint(now, req), conns)
+        return stopping
 
     def launch(self, restored, attempt: str) -> WorkerGroup:
         raise NotImplementedError
@@ -118,8 +207,7 @@ class ClusterDriver(Driver):
         self._group = group
         conns = group.conns
         n = len(conns)
-        master = JobMaster(self.pipeline, self.plan, self.storage, restored, time.monotonic(), self.fail_point,
-                           self.deployment)
+        master = self.new_master(restored, time.monotonic(), self.deployment)
         traffic = ServiceTraffic()
         tracking = (make_tracking(self.plan, restored, traffic, self.pipeline, attempt)
                     if self.pipeline.mode == "tracker" else None)
@@ -140,7 +228,14 @@ class ClusterDriver(Driver):
                     if self.deadline is not None and now >= self.deadline and not final_requested:
                         final_requested = True
                         self._apply(master.request(now, FINAL), conns)
+                    stop = self.stop_request
+                    if self.stop_asked and stop.status == IN_PROGRESS and not final_requested:
+                        final_requested = True  # a stop asked before a failover is asked again
+                        self._apply(master.request(now, FINAL), conns)
+                    if self._commands(master, conns, now):
+                        final_requested = True
                     self._apply(master.poll(now), conns)
+                    self._publish("RUNNING")
                 deadline = master.next_deadline(now)
                 timeout = 0.05 if deadline is None else min(0.05, max(0.0, deadline - now))
                 live = [c for w, c in enumerate(conns) if w not in stopped]

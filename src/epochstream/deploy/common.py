@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import logging
+import pickle
 import random as _random
 import secrets
 import time
@@ -23,6 +24,7 @@ from typing import Any, Callable
 import tenacity
 
 from ..alignment import BarrierAligner
+from ..backends import location
 from ..backends.objects import StorageAccessError
 from ..graph.plan import PhysicalPlan
 from ..runtime.chain import ChainRuntime
@@ -38,6 +40,8 @@ from ..tracker.messages import NEOSS
 from ..tracker.segments import build_segments, chain_graph
 from ..tracker.traffic import ServiceTraffic
 from ..snapshot.coordinator import (
+    FINAL,
+    SAVEPOINT,
     AbortEpoch,
     CommitEpoch,
     CompleteEpoch,
@@ -47,7 +51,16 @@ from ..snapshot.coordinator import (
     JobFinished,
     TriggerEpoch,
 )
-from ..snapshot.manifest import AckInfo, CheckpointError, IncompleteChainError, ManifestBuilder
+from .control import IN_PROGRESS, SavepointRequest
+from ..snapshot.manifest import (
+    AckInfo,
+    CheckpointError,
+    IncompleteChainError,
+    ManifestBuilder,
+    operator_state_parts,
+    source_splits,
+)
+from ..snapshot.rescale import redistribute
 
 log = logging.getLogger("epochstream")
 
@@ -137,36 +150,70 @@ def find_restore(storage, restore: str | None) -> Restored | None:
             f"{newer[:5]} that new epochs would overwrite; restore it into a new checkpoint dir "
             f"(checkpoint_dir=NEW, restore='{root / f'chk-{epoch}'}')"
         )
-    return Restored(epoch, manifest, root, root / f"chk-{epoch}")
+    return Restored(epoch, manifest, root, root if manifest.get("self_contained") else root / f"chk-{epoch}")
 
 
 def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non_restored_state: bool) -> None:
-    """Refuse a checkpoint this pipeline cannot take over, naming what differs."""
+    """Refuse a checkpoint or savepoint this pipeline cannot take over, naming what differs.
+
+    State maps to operators by uid, as in Flink: the job's name may differ (a renamed or
+    forked job takes over its savepoint), but every uid that holds state in the checkpoint
+    must exist in the pipeline as the same kind of operator, unless
+    ``allow_non_restored_state`` drops the state of the missing ones. Max parallelism may
+    never change: it fixes the key groups."""
     m = restored.manifest
-    if m["job"] != pipeline.name and not allow_non_restored_state:
-        raise CheckpointError(
-            f"checkpoint {restored.path} belongs to job {m['job']!r}, not {pipeline.name!r} "
-            f"(pass allow_non_restored_state=True to take it over anyway)"
-        )
+    what = "savepoint" if m.get("kind") == "savepoint" else "checkpoint"
+    where = f"{what} {restored.path}"
+    other_job = m["job"] != pipeline.name
+    origin = f" (a {what} of job {m['job']!r}{', id ' + m['job_id'] if m.get('job_id') else ''}; this job is " \
+             f"{pipeline.name!r})" if other_job else ""
     if int(m["max_parallelism"]) != plan.max_parallelism:
         raise CheckpointError(
-            f"checkpoint {restored.path} was taken with max_parallelism {m['max_parallelism']}, the job now has "
-            f"{plan.max_parallelism}: max parallelism fixes the key groups and cannot change once state exists"
+            f"{where} was taken with max_parallelism {m['max_parallelism']}, the job now has "
+            f"{plan.max_parallelism}: max parallelism fixes the key groups and cannot change once state exists; "
+            f"restore with max_parallelism={m['max_parallelism']} (--max-parallelism {m['max_parallelism']}) "
+            f"at any parallelism up to it"
         )
-    known = {n.uid for n in plan.nodes.values() if n.uid}
-    unknown = sorted((set(m["operators"]) | set(m["sources"])) - known)
+    nodes = {n.uid: n for n in plan.nodes.values() if n.uid}
+    held = {**{uid: "process" for uid in m["operators"]}, **{uid: "source" for uid in m["sources"]}}
+    wrong = sorted(f"{uid!r} ({kind} in the {what}, {nodes[uid].kind} in the pipeline)"
+                   for uid, kind in held.items() if uid in nodes and nodes[uid].kind != kind)
+    if wrong:
+        raise CheckpointError(f"{where}: operator uid(s) {', '.join(wrong)} are a different kind of operator"
+                              f"{origin}; their state cannot be restored")
+    unknown = sorted(uid for uid in held if uid not in nodes)
     if unknown and not allow_non_restored_state:
+        known = sorted(uid for uid in held if uid in nodes)
         raise CheckpointError(
-            f"checkpoint {restored.path} holds state of operator uid(s) {unknown} that the pipeline no longer has; "
-            f"pass allow_non_restored_state=True (--allow-non-restored-state) to drop that state"
+            f"{where} holds state of operator uid(s) {unknown} that the pipeline does not have{origin}"
+            f"{'; uids found: ' + str(known) if known else '; no uid matches: is this the right job?'}. "
+            f"Pass allow_non_restored_state=True (--allow-non-restored-state) to drop that state"
         )
+    if other_job:
+        log.warning("restoring %s into job %r: operators matched by uid", where, pipeline.name)
     for uid, src in pipeline.sources.items():
-        offs = m["sources"].get(uid, {}).get("offsets", {})
-        if offs and max(int(k) for k in offs) >= src.num_splits:
+        splits = source_splits(m, uid)
+        if splits is not None and splits != src.num_splits and not src.elastic:
             raise CheckpointError(
-                f"checkpoint {restored.path}: source {uid!r} had splits up to {max(int(k) for k in offs)}, "
-                f"the source now has {src.num_splits}"
+                f"{where}: source {uid!r} had {splits} splits, the source now has {src.num_splits}; offsets are "
+                f"kept per split, so the split count cannot change (build the source without splits= to adopt "
+                f"the {what}'s count)"
             )
+
+
+def resolve_sources(plan: PhysicalPlan, pipeline, restored: Restored | None) -> None:
+    """Settle elastic sources' split counts: the checkpoint's on a restore, else the parallelism.
+
+    Splits are then dealt to source subtasks by ``split % parallelism``, so a restore at
+    another parallelism reassigns them with their offsets."""
+    for uid, src in pipeline.sources.items():
+        want = source_splits(restored.manifest, uid) if restored else None
+        if want is None:
+            want = plan.parallelism if src.elastic else src.num_splits
+        if want != src.num_splits:
+            if not src.elastic:
+                raise CheckpointError(f"source {uid!r} has {src.num_splits} splits, the checkpoint {want}")
+            src.resplit(want)
 
 
 def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_point: FailPoint = _no_fail) -> None:
@@ -287,9 +334,12 @@ def build_tasks(
                 entry = restored.manifest["operators"].get(uid)
                 if entry is None:
                     continue
+                # keyed state moves by key group: read only the rows of this subtask's range
                 rows = storage.read_operator_rows(restored.manifest, restored.root, uid, state.key_group_range)
                 state.restore_rows(rows, entry.get("states", {}))
                 state.event_time = entry.get("event_time", state.event_time)
+                for name, value in _operator_state(restored, uid, plan.parallelism, tid[1]).items():
+                    chain.operator_states[uid].restore(name, *value)
         chain.open(start_epoch)
         tracking = None
         if tracker_mode:
@@ -304,6 +354,19 @@ def build_tasks(
         tasks[tid] = Task(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets, tracking,
                           None if tracker_mode else slack)
     return tasks
+
+
+def _operator_state(restored: Restored, uid: str, parallelism: int, subtask: int) -> dict[str, tuple[str, Any]]:
+    """Operator state of ``uid`` for one new subtask, redistributed by each state's mode."""
+    old_p = int(restored.manifest["parallelism"])
+    out = {}
+    for name, (mode, parts) in operator_state_parts(restored.manifest, uid).items():
+        try:
+            values = {s: pickle.loads(data) for s, data in parts.items()}
+        except Exception as exc:
+            raise CheckpointError(f"{restored.path}: operator state {name!r} of {uid!r} cannot be read: {exc!r}") from None
+        out[name] = (mode, redistribute(mode, values, old_p, parallelism)[subtask])
+    return out
 
 
 # ---------------------------------------------------------------- persistence (pre-commit)
@@ -364,7 +427,7 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
         capture.task, capture.epoch, tuple(files), chains, kinds, capture.offsets, staged, size,
         capture.alignment_seconds, time.perf_counter() - t0, capture.held_records,
         event_time={kc.operator_uid: kc.event_time for kc in capture.keyed if kc.event_time is not None},
-        captured_at=capture.captured_at,
+        captured_at=capture.captured_at, operator_state=capture.operator_state,
     )
 
 
@@ -390,8 +453,17 @@ class JobMaster:
         now: float,
         fail_point: FailPoint = _no_fail,
         deployment: str = "sim",
+        job_id: str = "",
+        stop_request: SavepointRequest | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.job_id = job_id
+        #: savepoint requests by the epoch that takes them
+        self.savepoints: dict[int, SavepointRequest] = {}
+        #: a stop (with a savepoint if it has a target): taken by the final epoch, whenever that commits
+        self.stop_request = stop_request
+        #: savepoint folders written by this attempt
+        self.written: list[str] = []
         self.plan = plan
         self.storage = storage
         self.sinks = pipeline.sinks
@@ -405,6 +477,7 @@ class JobMaster:
         )
         job = {
             "job": pipeline.name,
+            "job_id": job_id,
             "parallelism": plan.parallelism,
             "max_parallelism": plan.max_parallelism,
             "mode": pipeline.mode,
@@ -444,6 +517,20 @@ class JobMaster:
     def next_deadline(self, now: float) -> float | None:
         return self.coordinator.next_deadline(now)
 
+    def savepoint(self, now: float, request: SavepointRequest) -> MasterOutput:
+        """Take a savepoint now (an on-demand epoch), or stop the job with a final epoch that
+        becomes one; ``request`` tracks the outcome."""
+        if self.finished or self.coordinator.failed or self.coordinator.final_requested:
+            request.fail("the job is stopping or finished; no new savepoint can be taken")
+            return MasterOutput()
+        if request.stop:
+            self.stop_request = request
+            return self._run(self.coordinator.request(now, FINAL), now)
+        actions = self.coordinator.request(now, SAVEPOINT)
+        request.epoch = actions[0].epoch
+        self.savepoints[request.epoch] = request
+        return self._run(actions, now)
+
     # -- carrying out the coordinator's actions
     def _run(self, actions: list[Any], now: float) -> MasterOutput:
         out = MasterOutput()
@@ -465,10 +552,15 @@ class JobMaster:
                 log.info("epoch %d aborted: %s", a.epoch, a.reason)
                 self.storage.abort(a.epoch)  # its staged sink output commits with the next epoch
                 self.epoch_log.append({"epoch": a.epoch, "state": "aborted", "reason": a.reason})
+                req = self.savepoints.pop(a.epoch, None)
+                if req is not None:
+                    req.fail(f"savepoint epoch {a.epoch} aborted: {a.reason}")
             elif isinstance(a, FailJob):
                 out.failover = a.reason
             elif isinstance(a, JobFinished):
                 self.finished = True
+                for req in self.savepoints.values():
+                    req.fail("the job finished before the savepoint epoch completed")
         return out
 
     def _write_manifest(self, a: CompleteEpoch, now: float) -> list[Any]:
@@ -498,6 +590,7 @@ class JobMaster:
                 first = False
                 self.sinks[uid].commit([rel])
         self.fail_point("after_commit")
+        self._take_savepoint(epoch, manifest)
         self.builder.completed(epoch, manifest)
         self.completed.append(epoch)
         rec = self.coordinator.epochs[epoch]
@@ -512,6 +605,32 @@ class JobMaster:
             old = self.retained.pop(0)
             self.storage.discard(int(old["epoch"]))
         self.storage.collect_garbage(self.retained, keep_after=epoch)
+
+
+    def _take_savepoint(self, epoch: int, manifest: dict[str, Any]) -> None:
+        """Write the savepoint a request asked of this (committed) epoch; a failed write fails
+        the request, never the job: the epoch is committed either way."""
+        from ..backends.savepoint import write_savepoint
+
+        req = self.savepoints.pop(epoch, None)
+        stop = self.stop_request
+        if req is None and manifest["kind"] == FINAL and stop is not None and stop.status == IN_PROGRESS:
+            req = stop
+            req.epoch = epoch
+            if not req.target:  # a plain stop: the final checkpoint is the result
+                req.complete(str(self.storage.checkpoint_dir(epoch)))
+                return
+        if req is None:
+            return
+        try:
+            folder = write_savepoint(self.storage, manifest, self.storage.root, req.target, self.job_id)
+        except (OSError, CheckpointError) as exc:
+            log.error("savepoint of epoch %d failed: %s", epoch, exc)
+            req.fail(f"writing the savepoint of epoch {epoch} failed: {type(exc).__name__}: {exc}")
+            return
+        log.info("savepoint of epoch %d written to %s", epoch, folder)
+        self.written.append(str(folder))
+        req.complete(str(folder))
 
 
 # ---------------------------------------------------------------- drivers
@@ -532,10 +651,25 @@ class Driver:
     the restart delay).
     """
 
-    def __init__(self, pipeline, storage, failures: FailureSchedule | None, parallelism: int | None) -> None:
+    def __init__(self, pipeline, storage, failures: FailureSchedule | None, parallelism: int | None,
+                 savepoint_dir: str | None = None, stop_with_savepoint: bool = False) -> None:
         self.pipeline = pipeline
         self.plan = pipeline.plan(parallelism)
         self.storage = storage
+        #: Flink-style 32-hex job id, new for every run (never from a seeded generator)
+        self.job_id = secrets.token_hex(16)
+        #: default target of savepoints (Flink's execution.checkpointing.savepoint-dir)
+        self.savepoint_dir = str(location(savepoint_dir)) if savepoint_dir else None
+        #: a stop asked for (at the end of ``duration`` or of bounded input, or over REST); with a
+        #: target the final epoch becomes a savepoint
+        self.stop_request: SavepointRequest | None = None
+        if stop_with_savepoint:
+            if not savepoint_dir:
+                raise ConfigurationError("stop_with_savepoint needs a savepoint_dir")
+            self.stop_request = SavepointRequest(self.savepoint_dir, stop=True)
+        #: savepoint folders written during the run
+        self.savepoints_written: list[str] = []
+        self.master: JobMaster | None = None
         self.failures = failures or FailureSchedule()
         self.restarts = 0
         self.point_counts: dict[str, int] = {}
@@ -566,14 +700,22 @@ class Driver:
     def attempt(self, restored: Restored | None, attempt_id: str, duration: float | None) -> None:
         raise NotImplementedError
 
-    def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None) -> None:
-        """Run under the pipeline's restart strategy (``deploy.restart``; tenacity drives the
-        loop): on a failure, roll back to the latest completed checkpoint (or the one the run
-        started from) and try again while the strategy allows. A damaged checkpoint or an
-        impossible set-up is not retried."""
+    def prepare(self, restore: str | None, allow_non_restored_state: bool) -> Restored | None:
+        """Find and check what the run starts from (before anything is started or written)."""
         restored = find_restore(self.storage, restore)
         if restored:
             check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state)
+        resolve_sources(self.plan, self.pipeline, restored)
+        return restored
+
+    def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None,
+            prepared: Restored | None | bool = False) -> None:
+        """Run under the pipeline's restart strategy (``deploy.restart``; tenacity drives the
+        loop): on a failure, roll back to the latest completed checkpoint (or the one the run
+        started from) and try again while the strategy allows. A damaged checkpoint or an
+        impossible set-up is not retried. ``prepared``: the result of ``prepare`` if the
+        driver called it already."""
+        restored = self.prepare(restore, allow_non_restored_state) if prepared is False else prepared
         initial = restored
         run_id = secrets.token_hex(4)  # unique file names per run, never from a seeded rng
         strategy = self.pipeline.restart_strategy
@@ -587,6 +729,9 @@ class Driver:
         def failed(state: tenacity.RetryCallState) -> None:  # after every retryable failure
             exc = state.outcome.exception()
             reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+            if self.master is not None:  # savepoints in flight die with the attempt (a stop stays asked)
+                for req in self.master.savepoints.values():
+                    req.fail(f"the job failed over before the savepoint completed: {reason.splitlines()[0]}")
             self.last_failure = self.clock()
             failure_times.append(self.last_failure)
             self.failover_log.append({"time": self.last_failure, "reason": reason})
@@ -599,6 +744,7 @@ class Driver:
 
         def restore_latest(state: tenacity.RetryCallState) -> None:
             current["restored"] = find_restore(self.storage, "latest") or initial
+            resolve_sources(self.plan, self.pipeline, current["restored"])
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_retryable),
@@ -628,3 +774,11 @@ class Driver:
         if master.epoch_log:
             self.epoch_log.extend(master.epoch_log)
             master.epoch_log = []
+        if master.written:
+            self.savepoints_written.extend(master.written)
+            master.written = []
+
+    def new_master(self, restored: Restored | None, now: float, deployment: str) -> JobMaster:
+        self.master = JobMaster(self.pipeline, self.plan, self.storage, restored, now, self.fail_point, deployment,
+                                job_id=self.job_id, stop_request=self.stop_request)
+        return self.master

@@ -78,10 +78,12 @@ class LocalDriver(ClusterDriver):
     deployment = "local"
 
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
-                 **options: Any) -> None:
+                 savepoint_dir: str | None = None, stop_with_savepoint: bool = False, rest: bool = True,
+                 rest_port: int = 0, on_start=None, **options: Any) -> None:
         if options:
             raise TypeError(f"unknown option(s) for the local driver: {sorted(options)}")
-        super().__init__(pipeline, storage, seed, failures, parallelism)
+        super().__init__(pipeline, storage, seed, failures, parallelism, savepoint_dir=savepoint_dir,
+                         stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start)
         self._ctx = mp.get_context("fork")
 
     def launch(self, restored, attempt: str) -> LocalGroup:

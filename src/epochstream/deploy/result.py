@@ -18,6 +18,8 @@ class JobResult:
     records_in: int
     seconds: float
     metrics: dict[str, Any] = field(default_factory=dict)
+    #: savepoint folders written during the run (triggered, or the stop-with-savepoint one last)
+    savepoints: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -28,5 +30,6 @@ class JobResult:
             "restarts": self.restarts,
             "records_in": self.records_in,
             "seconds": round(self.seconds, 6),
+            "savepoints": self.savepoints,
             "metrics": self.metrics,
         }

@@ -25,11 +25,11 @@ from typing import Any
 from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted, Watermark
 from ..snapshot.coordinator import FINAL
 from ..tracker.traffic import ServiceTraffic
+from .control import SavepointRequest
 from .common import (
     Driver,
     Failover,
     FailureSchedule,
-    JobMaster,
     StateWriteError,
     build_tasks,
     make_tracking,
@@ -55,12 +55,16 @@ class SimConfig:
     write_cost: float = 1e-8
     restart_delay: float = 0.01
     check_invariants: bool = True
+    #: virtual times (from the start of each attempt) at which a savepoint is triggered into
+    #: the run's savepoint_dir, as ``epochstream savepoint`` does on a running job
+    savepoints_at: tuple[float, ...] = ()
 
 
 class SimDriver(Driver):
     def __init__(self, pipeline, storage, seed: int = 0, config: SimConfig | None = None,
-                 failures: FailureSchedule | None = None, parallelism: int | None = None) -> None:
-        super().__init__(pipeline, storage, failures, parallelism)
+                 failures: FailureSchedule | None = None, parallelism: int | None = None,
+                 savepoint_dir: str | None = None, stop_with_savepoint: bool = False) -> None:
+        super().__init__(pipeline, storage, failures, parallelism, savepoint_dir, stop_with_savepoint)
         self.rng = random.Random(seed)
         self.cfg = config or SimConfig()
         self.now = 0.0
@@ -93,8 +97,8 @@ class SimDriver(Driver):
         self.tracking = tracking
         tasks = build_tasks(self.pipeline, plan, None, self.storage, restored, trackers=trackers, attempt=attempt)
         self.tasks = tasks  # the last attempt's tasks (benchmarks read their logs)
-        master = JobMaster(self.pipeline, plan, self.storage, restored, self.now, self.fail_point, "sim")
-        self.master = master
+        master = self.new_master(restored, self.now, "sim")
+        savepoints_at = sorted(self.now + t for t in cfg.savepoints_at)
         batch = cfg.source_batch or self.pipeline.batch_size
         sources = [t for t in tasks.values() if t.is_source]
         exhausted: set = set()
@@ -179,7 +183,12 @@ class SimDriver(Driver):
             if stop_at is not None and self.now >= stop_at and not final_requested:
                 final_requested = True
                 apply_master(master.request(self.now, FINAL))
+            while savepoints_at and savepoints_at[0] <= self.now:
+                savepoints_at.pop(0)
+                apply_master(master.savepoint(self.now, SavepointRequest(self.savepoint_dir)))
             deadline = master.next_deadline(self.now)
+            if savepoints_at and (deadline is None or savepoints_at[0] < deadline):
+                deadline = savepoints_at[0]
             if deadline is not None and deadline <= self.now:
                 apply_master(master.poll(self.now))
                 deadline = master.next_deadline(self.now)

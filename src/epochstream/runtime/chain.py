@@ -14,7 +14,7 @@ from ..graph.keygroups import key_bytes, key_group_table, murmur_mix
 from ..graph.plan import FORWARD, HASH, Chain, PhysicalPlan
 from .errors import UserFunctionError
 from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
-from .state import HeapKeyedState
+from .state import HeapKeyedState, OperatorStateBackend
 from .timers import TimerService
 
 import copy
@@ -60,6 +60,8 @@ class ChainRuntime:
         self.chain = chain
         self.subtask = subtask
         self.states: dict[str, HeapKeyedState] = {}
+        #: per keyed operator uid: its operator (non-keyed) state of this subtask
+        self.operator_states: dict[str, OperatorStateBackend] = {}
         #: per sink uid: the writer collecting this subtask's output of the current epoch
         self.sink_writers: dict[str, Any] = {}
         self.functions: list[tuple[Any, Any]] = []  # (user fn, ctx) to open/close
@@ -195,9 +197,10 @@ class ChainRuntime:
         m = self.plan.max_parallelism
         state = HeapKeyedState(node.uid, lambda k: murmur_mix(zlib.crc32(key_bytes(k))) % m, kg_range)
         self.states[node.uid] = state
+        op_state = self.operator_states[node.uid] = OperatorStateBackend(node.uid, self.subtask)
         fn = copy.deepcopy(node.payload)  # one instance per subtask, as Flink deserializes one each
         timers = TimerService(state) if self.event_time and getattr(fn, "uses_event_time", False) else None
-        ctx = self._context_factory(state, self.subtask, self.plan.parallelism, node.uid, timers)
+        ctx = self._context_factory(state, self.subtask, self.plan.parallelism, node.uid, timers, op_state)
         if timers is not None:
             self.timed.append((fn, ctx, timers, down, node.uid))
         self.functions.append((fn, ctx))
@@ -272,10 +275,12 @@ class ChainRuntime:
 
     def capture(
         self, epoch: int, incremental: bool, full_every: int
-    ) -> tuple[tuple[KeyedCapture, ...], tuple[SinkCapture, ...]]:
+    ) -> tuple[tuple[KeyedCapture, ...], tuple[SinkCapture, ...], tuple[tuple[str, str, str, bytes], ...]]:
         keyed = tuple(s.capture(epoch, incremental, full_every) for s in self.states.values())
         sinks = tuple(SinkCapture(uid, epoch, w.take()) for uid, w in self.sink_writers.items())
-        return keyed, sinks
+        ops = tuple((uid, name, mode, data) for uid, b in self.operator_states.items()
+                    for name, mode, data in b.capture())
+        return keyed, sinks, ops
 
 
 _NOT_RECORD_ITERABLES = frozenset({str, bytes, dict})

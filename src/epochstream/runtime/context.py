@@ -8,10 +8,12 @@ from typing import Any
 class Context:
     """Current key, epoch and subtask, and the way to declare keyed state."""
 
-    __slots__ = ("_state", "_keys", "subtask_index", "parallelism", "operator_uid", "epoch", "timers")
+    __slots__ = ("_state", "_keys", "_operator", "subtask_index", "parallelism", "operator_uid", "epoch", "timers")
 
-    def __init__(self, state, subtask_index: int, parallelism: int, operator_uid: str, timers=None) -> None:
+    def __init__(self, state, subtask_index: int, parallelism: int, operator_uid: str, timers=None,
+                 operator_state=None) -> None:
         self._state = state
+        self._operator = operator_state
         #: the operator's ``TimerService`` (None: it declared no event-time use)
         self.timers = timers
         self._keys = state.keys
@@ -39,6 +41,23 @@ class Context:
                 "uses_event_time = True) on its function, give a source timestamps=..., and run in mode='tracker'"
             )
         return self.timers
+
+    def operator_state(self, descriptor, mode: str = "split"):
+        """A list of this subtask, not scoped to a key (Flink's operator list state).
+
+        ``mode`` says where the entries go when the job restores at another parallelism:
+        ``"split"`` deals all subtasks' entries out evenly, ``"union"`` gives every subtask
+        all of them. Declare it in ``open``; keep it small (it is captured whole each epoch)."""
+        if self._operator is None:
+            raise TypeError(f"operator {self.operator_uid!r} has no operator state backend")
+        return self._operator.handle(descriptor, mode)
+
+    def broadcast_state(self, descriptor):
+        """A dict every subtask holds the same copy of; only subtask 0's copy is checkpointed
+        and every subtask gets it back on restore, at any parallelism."""
+        if self._operator is None:
+            raise TypeError(f"operator {self.operator_uid!r} has no operator state backend")
+        return self._operator.handle(descriptor, "broadcast")
 
     # PyFlink's RuntimeContext names
     get_state = get_list_state = get_map_state = state

@@ -102,6 +102,8 @@ class TaskCapture:
     held_records: int = 0
     #: the task's clock when it reached the epoch's bound (notification latency)
     captured_at: float = 0.0
+    #: operator (non-keyed) state: (operator uid, state name, mode, pickled value), captured whole
+    operator_state: tuple[tuple[str, str, str, bytes], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

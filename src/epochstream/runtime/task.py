@@ -347,10 +347,11 @@ class Task:
 
     def _snapshot_and_forward(self, epoch: int, waited: float, actions: list[Any], now: float) -> None:
         self._flush(actions)
-        keyed, sinks = self.chain.capture(epoch, self.incremental, self.full_every)
+        keyed, sinks, operator_state = self.chain.capture(epoch, self.incremental, self.full_every)
         offsets = {self.source_uid: dict(self.offsets)} if self.is_source else {}
         held = sum(len(m) for _c, m in self.held if type(m) is Batch)
-        actions.append(Snapshot(TaskCapture(self.id, epoch, keyed, sinks, offsets, waited, held, now)))
+        actions.append(Snapshot(TaskCapture(self.id, epoch, keyed, sinks, offsets, waited, held, now,
+                                            operator_state)))
         if self.tracking is not None:
             if self.is_source:  # the promise follows the SNDs of every batch of epoch <= n (just flushed)
                 self.tracking.tracker.promise(self.tracking.segment, epoch, now, source=self.id)

@@ -7,13 +7,18 @@ it builds and checks the manifest's content; ``backends`` write and read the byt
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from ..runtime.errors import EpochStreamError
 
 FORMAT = "epochstream-checkpoint"
-FORMAT_VERSION = 1
+#: version 2 added operator (non-keyed) state, the split count of sources, the job id and
+#: savepoints (``kind: savepoint``, ``self_contained``); version 1 manifests read as version 2
+#: without those (no operator state, splits = the splits that have offsets)
+FORMAT_VERSION = 2
+OLDEST_READABLE_VERSION = 1
 
 
 class CheckpointError(EpochStreamError):
@@ -78,6 +83,8 @@ class AckInfo:
     captured_at: float = 0.0
     #: operator uid -> newest time label whose timers fired (event time only)
     event_time: dict[str, int] = field(default_factory=dict)
+    #: (operator uid, state name, mode, pickled value) of this task's operator state
+    operator_state: tuple[tuple[str, str, str, bytes], ...] = ()
 
 
 class ManifestBuilder:
@@ -120,6 +127,10 @@ class ManifestBuilder:
                             f"epoch {link}, whose state file was not written"
                         )
                     entry["files"].append(ref.to_json())
+            for op, name, mode, data in info.operator_state:
+                entry = operators.setdefault(op, {"kind": "process", "states": {}, "files": []})
+                st = entry.setdefault("operator_state", {}).setdefault(name, {"mode": mode, "parts": {}})
+                st["parts"][str(task[1])] = base64.b64encode(data).decode("ascii")
             for src, offs in info.offsets.items():
                 sources.setdefault(src, {"offsets": {}})["offsets"].update({str(k): v for k, v in offs.items()})
             metrics["bytes"] += info.bytes
@@ -135,6 +146,8 @@ class ManifestBuilder:
         for task, info in acks.items():  # sinks with no output still appear
             for sink in info.staged:
                 sinks.setdefault(sink, {"staged": []})
+        for src in sources.values():  # every split has an offset (every split has a reader)
+            src["splits"] = len(src["offsets"])
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -161,10 +174,16 @@ def validate_manifest(m: Any, where: str) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointError(f"{where}: not an epochstream checkpoint manifest")
     version = m.get("format_version")
-    if version != FORMAT_VERSION:
+    if not isinstance(version, int) or not OLDEST_READABLE_VERSION <= version <= FORMAT_VERSION:
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            why = "it was written by a newer epochstream"
+        elif isinstance(version, int):
+            why = "it is older than the oldest format this epochstream can migrate"
+        else:
+            why = "the version is not an integer"
         raise CheckpointError(
-            f"{where}: manifest format version {version} is not supported (this epochstream reads version "
-            f"{FORMAT_VERSION})"
+            f"{where}: manifest format version {version!r} is not supported ({why}; this epochstream reads "
+            f"versions {OLDEST_READABLE_VERSION} to {FORMAT_VERSION}); nothing was restored or changed"
         )
     for key in ("job", "epoch", "parallelism", "max_parallelism", "operators", "sources", "sinks"):
         if key not in m:
@@ -184,9 +203,32 @@ def _check_shape(m: dict[str, Any]) -> None:
             raise TypeError(f"operator {uid!r}: files must be a list and states a mapping")
         for f in op["files"]:
             StateFileRef.from_json(f)
+        for name, st in op.get("operator_state", {}).items():
+            if st["mode"] not in ("split", "union", "broadcast"):
+                raise ValueError(f"operator {uid!r}: operator state {name!r} has unknown mode {st['mode']!r}")
+            for subtask, data in st["parts"].items():
+                int(subtask), base64.b64decode(data, validate=True)
     for uid, src in m["sources"].items():
         for split, offset in src["offsets"].items():
             int(split), int(offset)
+        if int(src.get("splits", len(src["offsets"]))) < len(src["offsets"]):
+            raise ValueError(f"source {uid!r}: more offsets than splits")
     for uid, sink in m["sinks"].items():
         if not isinstance(sink["staged"], list) or not all(isinstance(p, str) for p in sink["staged"]):
             raise TypeError(f"sink {uid!r}: staged must be a list of paths")
+
+
+def source_splits(m: dict[str, Any], uid: str) -> int | None:
+    """How many splits source ``uid`` had in a (validated) manifest; None if it has no entry."""
+    src = m["sources"].get(uid)
+    if src is None:
+        return None
+    return int(src.get("splits", len(src["offsets"])))
+
+
+def operator_state_parts(m: dict[str, Any], uid: str) -> dict[str, tuple[str, dict[int, bytes]]]:
+    """Operator state of ``uid`` in a manifest: name -> (mode, old subtask -> pickled value)."""
+    out = {}
+    for name, st in m["operators"].get(uid, {}).get("operator_state", {}).items():
+        out[name] = (st["mode"], {int(s): base64.b64decode(d) for s, d in st["parts"].items()})
+    return out

@@ -1,0 +1,146 @@
+"""Savepoints: full, self-contained, relocatable copies of a completed epoch (Flink's canonical savepoint).
+
+A checkpoint is the job's own recovery point: its state files may be increments that
+build on files of earlier epochs, named relative to the checkpoint dir, and retention
+deletes it. A savepoint is the user's: it is written from a completed checkpoint by
+applying each operator subtask's file chain into ONE full file, and everything it needs
+lies inside its folder, named by relative paths, so the folder can be copied or moved
+anywhere and still restores::
+
+    <target dir>/savepoint-<short job id>-<epoch>/
+        _metadata.json                             manifest, kind "savepoint", self_contained
+        shared/<uid>/<subtask>/e<epoch>-asavepoint.parquet   one full state file per operator subtask
+
+Source offsets and operator state travel in the manifest. Sink output of the epoch was
+committed before the savepoint is written, so a savepoint names no staged output: restoring
+one re-commits nothing. The manifest is written last; a savepoint exists exactly when its
+``_metadata.json`` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import json
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..snapshot.manifest import FORMAT_VERSION, CheckpointError, StateFileRef
+from .local import METADATA, LocalCheckpointStorage, atomic_write
+
+SAVEPOINT = "savepoint"
+PREFIX = "savepoint-"
+
+
+def write_savepoint(storage, manifest: dict[str, Any], root: Path, target_dir: str | Path, job_id: str) -> Path:
+    """Write a savepoint of the completed checkpoint ``manifest`` (its files under ``root``).
+
+    Reads the checkpoint only through ``storage.read_operator_rows``; returns the folder.
+    """
+    if not target_dir:
+        raise CheckpointError("no savepoint target directory: pass one (or set savepoint_dir / --savepoint-dir)")
+    target = Path(target_dir).expanduser().resolve()
+    epoch = int(manifest["epoch"])
+    folder = target / f"{PREFIX}{job_id[:6]}-{epoch}"
+    n = 1
+    while (folder / METADATA).exists():  # never overwrite a savepoint
+        n += 1
+        folder = target / f"{PREFIX}{job_id[:6]}-{epoch}-{n}"
+    out = LocalCheckpointStorage(folder)
+    operators: dict[str, Any] = {}
+    total = 0
+    for uid, entry in manifest["operators"].items():
+        new_entry = {k: copy.deepcopy(v) for k, v in entry.items() if k != "files"}
+        new_entry["files"] = []
+        by_subtask: dict[int, list[dict[str, Any]]] = {}
+        for f in entry["files"]:
+            by_subtask.setdefault(int(f["subtask"]), []).append(f)
+        for subtask, files in sorted(by_subtask.items()):
+            kg_range = tuple(files[0]["key_group_range"])
+            only = {"operators": {uid: {"files": files}}}
+            rows = _compact(storage.read_operator_rows(only, root, uid, kg_range))
+            ref = out.write_state(uid, subtask, epoch, SAVEPOINT, rows, kg_range, True)
+            new_entry["files"].append(ref.to_json())
+            total += ref.bytes
+        operators[uid] = new_entry
+    sp = {k: copy.deepcopy(v) for k, v in manifest.items() if k not in ("operators", "sinks")}
+    sp.update({
+        "format_version": FORMAT_VERSION,
+        "kind": SAVEPOINT,
+        "self_contained": True,
+        "job_id": manifest.get("job_id", job_id),
+        "operators": operators,
+        # the epoch's output was committed before this savepoint was written: nothing to re-commit
+        "sinks": {uid: {"staged": []} for uid in manifest["sinks"]},
+        "savepoint": {
+            "of_epoch_kind": manifest.get("kind"),
+            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+            "bytes": total,
+        },
+    })
+    atomic_write(folder / METADATA, json.dumps(sp, indent=1, sort_keys=True).encode())
+    return folder
+
+
+def _compact(rows) -> list[tuple[int, bytes, str, bytes]]:
+    """Apply a file chain's rows in order (later rows win, ``None`` deletes) into full rows."""
+    latest: dict[tuple[str, Any], tuple[int, bytes, str, bytes]] = {}
+    for kg, kbytes, name, vbytes in rows:
+        slot = (name, pickle.loads(kbytes))
+        if vbytes is None:
+            latest.pop(slot, None)
+        else:
+            latest[slot] = (kg, kbytes, name, vbytes)
+    return list(latest.values())
+
+
+def load_savepoint(path: str | Path) -> tuple[dict[str, Any], Path]:
+    """The manifest and folder of a savepoint; a checkpoint or anything else raises CheckpointError."""
+    manifest, root = LocalCheckpointStorage(Path(path).expanduser().resolve().parent).load_manifest(str(path))
+    if manifest.get("kind") != SAVEPOINT or not manifest.get("self_contained"):
+        raise CheckpointError(
+            f"{path} is not a savepoint (it is a checkpoint of job {manifest['job']!r}, epoch {manifest['epoch']}); "
+            f"checkpoints are removed by retention, not by savepoint dispose"
+        )
+    return manifest, root
+
+
+def dispose_savepoint(path: str | Path) -> Path:
+    """Delete a savepoint folder (only a savepoint: anything else is refused and left alone)."""
+    _manifest, root = load_savepoint(path)
+    shutil.rmtree(root)
+    return root
+
+
+def list_savepoints(directory: str | Path) -> list[dict[str, Any]]:
+    """One row per folder in ``directory`` that holds a savepoint (damaged ones flagged, not skipped)."""
+    base = Path(directory).expanduser().resolve()
+    if not base.is_dir():
+        raise CheckpointError(f"savepoint dir {base} does not exist")
+    rows = []
+    for folder in sorted(p for p in base.iterdir() if p.is_dir() and (p / METADATA).is_file()):
+        try:
+            m, _root = load_savepoint(folder)
+        except CheckpointError as exc:
+            if folder.name.startswith(PREFIX):
+                rows.append({"path": str(folder), "status": "damaged", "error": str(exc)})
+            continue
+        files = [StateFileRef.from_json(f) for op in m["operators"].values() for f in op["files"]]
+        rows.append({
+            "path": str(folder),
+            "status": "completed",
+            "job": m["job"],
+            "job_id": m.get("job_id"),
+            "epoch": m["epoch"],
+            "created_at": m.get("savepoint", {}).get("created_at") or m.get("created_at"),
+            "parallelism": m["parallelism"],
+            "max_parallelism": m["max_parallelism"],
+            "mode": m.get("mode"),
+            "operators": sorted(m["operators"]),
+            "sources": sorted(m["sources"]),
+            "state_files": len(files),
+            "state_bytes": sum(f.bytes for f in files),
+        })
+    return rows

@@ -1,0 +1,82 @@
+"""Where the CLI finds running jobs: one small JSON file per job under ``$EPOCHSTREAM_HOME/jobs``.
+
+A running job (local driver) serves its REST API on 127.0.0.1 and writes
+``<home>/jobs/<job id>.json`` with its id, name, endpoint, pid and directories; the file is
+removed when the job ends. A file whose process is gone is stale and ignored.
+``EPOCHSTREAM_HOME`` defaults to ``~/.epochstream``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+class JobNotFoundError(LookupError):
+    """No running job matches what the user named."""
+
+
+def home() -> Path:
+    return Path(os.environ.get("EPOCHSTREAM_HOME") or Path.home() / ".epochstream").expanduser()
+
+
+def _jobs_dir() -> Path:
+    return home() / "jobs"
+
+
+def register(info: dict[str, Any]) -> Path:
+    path = _jobs_dir() / f"{info['id']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(info, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def unregister(job_id: str) -> None:
+    (_jobs_dir() / f"{job_id}.json").unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def running() -> list[dict[str, Any]]:
+    """Jobs whose driver process is alive, oldest first."""
+    out = []
+    folder = _jobs_dir()
+    if not folder.is_dir():
+        return out
+    for path in folder.glob("*.json"):
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(int(info.get("pid", -1))):
+            out.append(info)
+    return sorted(out, key=lambda i: i.get("started_at", 0))
+
+
+def resolve(job_or_endpoint: str) -> tuple[str, str | None]:
+    """``(endpoint, job id or None)`` of a job id, a unique id prefix, a job name or an endpoint URL."""
+    if job_or_endpoint.startswith(("http://", "https://")):
+        return job_or_endpoint.rstrip("/"), None
+    jobs = running()
+    hits = [j for j in jobs if j["id"] == job_or_endpoint] or \
+        [j for j in jobs if j["id"].startswith(job_or_endpoint)] or \
+        [j for j in jobs if j["name"] == job_or_endpoint]
+    if not hits:
+        listed = ", ".join(f"{j['name']} ({j['id']})" for j in jobs) or "none"
+        raise JobNotFoundError(f"no running job {job_or_endpoint!r} (running jobs: {listed}; looked in {_jobs_dir()})")
+    if len(hits) > 1:
+        raise JobNotFoundError(f"{job_or_endpoint!r} names {len(hits)} running jobs: "
+                               f"{', '.join(j['id'] for j in hits)}; give the job id")
+    return hits[0]["endpoint"], hits[0]["id"]

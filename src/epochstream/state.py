@@ -1,0 +1,153 @@
+"""Read-committed state queries: the keyed state of an operator as of a completed epoch.
+
+A manifest is the commit point of its epoch, so reading state only through manifests is
+read-committed by construction (thesis 003, section 4.3.1): files of an epoch that is
+prepared but not yet completed are named by no manifest and are never read, and each
+query reads ONE manifest, so it never mixes epochs. ``epoch=None`` reads the newest
+completed epoch; any retained epoch (``num_retained``) or a savepoint folder can be read.
+
+    >>> import epochstream.state
+    >>> t = epochstream.state.query("/tmp/chk", "count", key="k1")      # doctest: +SKIP
+    >>> t.column_names                                                   # doctest: +SKIP
+    ['epoch', 'operator', 'state', 'key_group', 'subtask', 'key', 'value', 'key_pickle', 'value_pickle']
+
+Columns: ``key`` and ``value`` are the unpickled Python values as an Arrow column when Arrow
+can type every value of the column (ints, strings, lists, dicts of one shape, ...), and
+their JSON text otherwise (``repr`` for what JSON cannot hold); ``key_pickle`` and
+``value_pickle`` keep the exact pickled bytes, so nothing is lost to the conversion.
+``subtask`` is the subtask that held the key at the epoch's parallelism (the key-group
+formula), ``key_group`` the key's key group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from .graph.keygroups import assign_to_key_group, operator_index_for_key_group
+from .snapshot.manifest import CheckpointError
+
+__all__ = ["query", "query_df", "ALL"]
+
+
+class _All:
+    def __repr__(self) -> str:
+        return "ALL"
+
+
+#: ``key=ALL`` (the default) returns every key; ``key=None`` looks up the key ``None``
+ALL: Any = _All()
+
+SCHEMA_FIXED = [("epoch", pa.int64()), ("operator", pa.string()), ("state", pa.string()),
+                ("key_group", pa.int32()), ("subtask", pa.int32())]
+
+
+def _open(location: str | os.PathLike[str], epoch: int | None, storage=None):
+    """(storage, manifest, root) for a checkpoint dir + epoch, or a chk-N / savepoint folder."""
+    from .deploy import make_storage
+
+    path = Path(location).expanduser()
+    if (path / "_metadata.json").is_file() or path.name == "_metadata.json":
+        if epoch is not None:
+            raise CheckpointError(f"{path} is one checkpoint or savepoint: pass its checkpoint dir to choose an epoch")
+        storage = storage or make_storage(str(path.resolve().parent))
+        manifest, root = storage.load_manifest(str(path))
+        return storage, manifest, root
+    storage = storage or make_storage(str(path))
+    if not storage.root.is_dir():
+        raise CheckpointError(f"checkpoint dir {storage.root} does not exist")
+    if epoch is None:
+        found = storage.latest()
+        if found is None:
+            raise CheckpointError(f"checkpoint dir {storage.root} holds no completed checkpoint (nothing is committed yet)")
+        return storage, *found
+    retained = storage.list_checkpoints()
+    if epoch not in retained:
+        raise CheckpointError(
+            f"epoch {epoch} is not retained in {storage.root} (retained epochs: {retained[-10:] or 'none'}); "
+            f"raise num_retained to keep more epochs queryable"
+        )
+    return storage, *storage.load_manifest(epoch)
+
+
+def _rows(storage, manifest: dict[str, Any], root: Path, operator: str, key: Any, state: str | None):
+    entry = manifest["operators"].get(operator)
+    if entry is None:
+        raise CheckpointError(
+            f"operator uid {operator!r} has no keyed state in epoch {manifest['epoch']} of job {manifest['job']!r} "
+            f"(operators with state: {sorted(manifest['operators']) or 'none'})"
+        )
+    m = int(manifest["max_parallelism"])
+    groups = None
+    if key is not ALL:
+        kg = assign_to_key_group(key, m)
+        groups = (kg, kg)  # only the files of the subtask that owned the key are opened
+    latest: dict[tuple[str, Any], tuple[int, Any, bytes, bytes]] = {}
+    for kg, kbytes, name, vbytes in storage.read_operator_rows(manifest, root, operator, groups):
+        if state is not None and name != state:
+            continue
+        k = pickle.loads(kbytes)
+        if key is not ALL and k != key:
+            continue
+        if vbytes is None:
+            latest.pop((name, k), None)
+        else:
+            latest[(name, k)] = (kg, k, kbytes, vbytes)
+    return latest
+
+
+def _column(values: list[Any]) -> pa.Array:
+    try:
+        return pa.array(values)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return pa.array([json.dumps(v, default=repr, sort_keys=True) for v in values], pa.string())
+
+
+def query(checkpoint_dir: str | os.PathLike[str], operator_uid: str, key: Any = ALL, epoch: int | None = None,
+          state: str | None = None, storage=None) -> pa.Table:
+    """Committed keyed state of ``operator_uid`` as a pyarrow Table (one row per state and key).
+
+    ``checkpoint_dir``: a checkpoint dir (then ``epoch``: None for the newest completed
+    epoch, or any retained one), or one chk-N or savepoint folder. ``key``: one key (only
+    the files of the key's key group are read). ``state``: one state name.
+    """
+    for attempt in range(3):
+        store, manifest, root = _open(checkpoint_dir, epoch, storage)
+        try:
+            latest = _rows(store, manifest, root, operator_uid, key, state)
+            break
+        except CheckpointError:
+            # the newest epoch may have been retired (retention) between listing and reading: read the new newest
+            if epoch is not None or attempt == 2 or int(manifest["epoch"]) in store.list_checkpoints():
+                raise
+    p, m = int(manifest["parallelism"]), int(manifest["max_parallelism"])
+    items = sorted(latest.items(), key=lambda kv: (kv[0][0], kv[1][0], repr(kv[0][1])))
+    n = len(items)
+    values = [pickle.loads(v[3]) for _, v in items]
+    return pa.table({
+        "epoch": pa.array([int(manifest["epoch"])] * n, pa.int64()),
+        "operator": pa.array([operator_uid] * n, pa.string()),
+        "state": pa.array([s for (s, _k), _ in items], pa.string()),
+        "key_group": pa.array([v[0] for _, v in items], pa.int32()),
+        "subtask": pa.array([operator_index_for_key_group(m, p, v[0]) for _, v in items], pa.int32()),
+        "key": _column([v[1] for _, v in items]),
+        "value": _column(values),
+        "key_pickle": pa.array([v[2] for _, v in items], pa.binary()),
+        "value_pickle": pa.array([v[3] for _, v in items], pa.binary()),
+    })
+
+
+def query_df(checkpoint_dir: str | os.PathLike[str], operator_uid: str, key: Any = ALL, epoch: int | None = None,
+             state: str | None = None, spark=None):
+    """``query`` as a Spark DataFrame (the active SparkSession unless ``spark`` is given)."""
+    from pyspark.sql import SparkSession
+
+    spark = spark or SparkSession.getActiveSession()
+    if spark is None:
+        raise RuntimeError("query_df needs a SparkSession: pass spark=... or create one first")
+    return spark.createDataFrame(query(checkpoint_dir, operator_uid, key, epoch, state))
