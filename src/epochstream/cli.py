@@ -209,6 +209,7 @@ def _savepoint_outcome(doc: dict[str, Any], args, verb: str) -> int:
 
 def cmd_savepoint(args) -> int:
     """``savepoint JOB_OR_ENDPOINT [DIR]``, ``savepoint dispose PATH``, ``savepoint list [DIR]``."""
+    from .backends import location
     from .backends.savepoint import dispose_savepoint, list_savepoints
     from .deploy.rest import RestError
 
@@ -227,7 +228,7 @@ def cmd_savepoint(args) -> int:
             raise UsageError("savepoint list needs a directory: DIR, --savepoint-dir or EPOCHSTREAM_SAVEPOINT_DIR")
         rows = list_savepoints(folder)
         if args.json:
-            print(json.dumps({"savepoint_dir": str(Path(folder).resolve()), "savepoints": rows}, indent=1))
+            print(json.dumps({"savepoint_dir": str(location(folder)), "savepoints": rows}, indent=1))
             return EXIT_OK
         if not rows:
             print(f"no savepoints in {folder}")
@@ -241,7 +242,7 @@ def cmd_savepoint(args) -> int:
     if len(words) > 2:
         raise UsageError("usage: epochstream savepoint JOB_OR_ENDPOINT [DIR]")
     client, job_id = _client(words[0])
-    target = str(Path(words[1]).resolve()) if len(words) == 2 else None
+    target = str(location(words[1])) if len(words) == 2 else None
     try:
         doc = client.savepoint(job_id, target, wait=args.timeout)
     except RestError as exc:  # 4xx: the request was wrong (exit 2); else the job failed it or is gone (exit 3)
@@ -252,6 +253,7 @@ def cmd_savepoint(args) -> int:
 
 def cmd_stop(args) -> int:
     """``stop [--savepoint [DIR]] JOB``: a final epoch (a savepoint with --savepoint), then the job ends."""
+    from .backends import location
     from .deploy.rest import RestError
 
     job, savepoint = args.job, args.savepoint
@@ -260,7 +262,7 @@ def cmd_stop(args) -> int:
             raise UsageError("usage: epochstream stop [--savepoint [DIR]] JOB_OR_ENDPOINT")
         job, savepoint = savepoint, True  # "stop --savepoint JOB": no DIR given
     client, job_id = _client(job)
-    target = str(Path(savepoint).resolve()) if isinstance(savepoint, str) else None
+    target = str(location(savepoint)) if isinstance(savepoint, str) else None
     try:
         doc = client.savepoint(job_id, target, stop=True, savepoint=savepoint is not None, wait=args.timeout)
     except RestError as exc:  # 4xx: the request was wrong (exit 2); else the job failed it or is gone (exit 3)
@@ -284,13 +286,14 @@ def _parse_key(text: str) -> Any:
 
 def cmd_state_query(args) -> int:
     from . import state as state_api
+    from .backends import location
 
     key = state_api.ALL if args.key is None else _parse_key(args.key)
     table = state_api.query(args.checkpoint_dir, args.operator, key=key, epoch=args.epoch, state=args.state)
     rows = table.drop_columns(["key_pickle", "value_pickle"]).to_pylist()
     epoch = rows[0]["epoch"] if rows else None
     if args.json:
-        print(json.dumps({"checkpoint_dir": str(Path(args.checkpoint_dir).resolve()), "operator": args.operator,
+        print(json.dumps({"checkpoint_dir": str(location(args.checkpoint_dir)), "operator": args.operator,
                           "epoch": epoch if epoch is not None else args.epoch, "rows": rows},
                          indent=1, default=repr))
         return EXIT_OK

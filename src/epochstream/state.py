@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -47,19 +46,21 @@ SCHEMA_FIXED = [("epoch", pa.int64()), ("operator", pa.string()), ("state", pa.s
                 ("key_group", pa.int32()), ("subtask", pa.int32())]
 
 
-def _open(location: str | os.PathLike[str], epoch: int | None, storage=None):
-    """(storage, manifest, root) for a checkpoint dir + epoch, or a chk-N / savepoint folder."""
-    from .deploy import make_storage
+def _open(where: Any, epoch: int | None, storage=None):
+    """(storage, manifest, root) for a checkpoint dir + epoch, or one chk-N / savepoint folder."""
+    from .backends import location, open_storage
+    from .backends.objects import METADATA
 
-    path = Path(location).expanduser()
-    if (path / "_metadata.json").is_file() or path.name == "_metadata.json":
-        if epoch is not None:
-            raise CheckpointError(f"{path} is one checkpoint or savepoint: pass its checkpoint dir to choose an epoch")
-        storage = storage or make_storage(str(path.resolve().parent))
-        manifest, root = storage.load_manifest(str(path))
-        return storage, manifest, root
-    storage = storage or make_storage(str(path))
-    if not storage.root.is_dir():
+    loc = location(where)
+    if storage is None:
+        parent = open_storage(str(loc.parent))
+        if loc.name == METADATA or parent.store.exists(loc / METADATA):
+            if epoch is not None:
+                raise CheckpointError(f"{loc} is one checkpoint or savepoint: pass its checkpoint dir to choose "
+                                      f"an epoch")
+            return parent, *parent.load_manifest(str(loc))
+        storage = open_storage(str(loc))
+    if not storage.exists():
         raise CheckpointError(f"checkpoint dir {storage.root} does not exist")
     if epoch is None:
         found = storage.latest()
@@ -75,7 +76,7 @@ def _open(location: str | os.PathLike[str], epoch: int | None, storage=None):
     return storage, *storage.load_manifest(epoch)
 
 
-def _rows(storage, manifest: dict[str, Any], root: Path, operator: str, key: Any, state: str | None):
+def _rows(storage, manifest: dict[str, Any], root: Any, operator: str, key: Any, state: str | None):
     entry = manifest["operators"].get(operator)
     if entry is None:
         raise CheckpointError(
@@ -108,12 +109,13 @@ def _column(values: list[Any]) -> pa.Array:
         return pa.array([json.dumps(v, default=repr, sort_keys=True) for v in values], pa.string())
 
 
-def query(checkpoint_dir: str | os.PathLike[str], operator_uid: str, key: Any = ALL, epoch: int | None = None,
+def query(checkpoint_dir: Any, operator_uid: str, key: Any = ALL, epoch: int | None = None,
           state: str | None = None, storage=None) -> pa.Table:
     """Committed keyed state of ``operator_uid`` as a pyarrow Table (one row per state and key).
 
-    ``checkpoint_dir``: a checkpoint dir (then ``epoch``: None for the newest completed
-    epoch, or any retained one), or one chk-N or savepoint folder. ``key``: one key (only
+    ``checkpoint_dir``: a checkpoint dir, local or any URL the backends know (then ``epoch``:
+    None for the newest completed epoch, or any retained one), or one chk-N or savepoint
+    folder; or pass ``storage`` (a ``CheckpointStorage``) instead. ``key``: one key (only
     the files of the key's key group are read). ``state``: one state name.
     """
     for attempt in range(3):

@@ -23,32 +23,34 @@ import copy
 import datetime as _dt
 import json
 import pickle
-import shutil
-from pathlib import Path
 from typing import Any
 
 from ..snapshot.manifest import FORMAT_VERSION, CheckpointError, StateFileRef
-from .local import METADATA, LocalCheckpointStorage, atomic_write
+from . import location, open_storage
+from .objects import METADATA, ObjectExistsError
 
 SAVEPOINT = "savepoint"
 PREFIX = "savepoint-"
 
 
-def write_savepoint(storage, manifest: dict[str, Any], root: Path, target_dir: str | Path, job_id: str) -> Path:
+def write_savepoint(storage, manifest: dict[str, Any], root: Any, target_dir: Any, job_id: str) -> Any:
     """Write a savepoint of the completed checkpoint ``manifest`` (its files under ``root``).
 
-    Reads the checkpoint only through ``storage.read_operator_rows``; returns the folder.
+    Reads the checkpoint only through ``storage.read_operator_rows`` and writes through the
+    target's own storage (a local folder, or any URL ``open_storage`` knows); returns the
+    savepoint's location.
     """
     if not target_dir:
         raise CheckpointError("no savepoint target directory: pass one (or set savepoint_dir / --savepoint-dir)")
-    target = Path(target_dir).expanduser().resolve()
+    target = location(target_dir)
     epoch = int(manifest["epoch"])
     folder = target / f"{PREFIX}{job_id[:6]}-{epoch}"
+    out = open_storage(str(folder))
     n = 1
-    while (folder / METADATA).exists():  # never overwrite a savepoint
+    while out.store.exists(folder / METADATA):  # never overwrite a savepoint
         n += 1
         folder = target / f"{PREFIX}{job_id[:6]}-{epoch}-{n}"
-    out = LocalCheckpointStorage(folder)
+        out = open_storage(str(folder))
     operators: dict[str, Any] = {}
     total = 0
     for uid, entry in manifest["operators"].items():
@@ -61,7 +63,7 @@ def write_savepoint(storage, manifest: dict[str, Any], root: Path, target_dir: s
             kg_range = tuple(files[0]["key_group_range"])
             only = {"operators": {uid: {"files": files}}}
             rows = _compact(storage.read_operator_rows(only, root, uid, kg_range))
-            ref = out.write_state(uid, subtask, epoch, SAVEPOINT, rows, kg_range, True)
+            ref = out.pre_commit(uid, subtask, epoch, SAVEPOINT, rows, kg_range, True)
             new_entry["files"].append(ref.to_json())
             total += ref.bytes
         operators[uid] = new_entry
@@ -70,7 +72,7 @@ def write_savepoint(storage, manifest: dict[str, Any], root: Path, target_dir: s
         "format_version": FORMAT_VERSION,
         "kind": SAVEPOINT,
         "self_contained": True,
-        "job_id": manifest.get("job_id", job_id),
+        "job_id": manifest.get("job_id") or job_id,
         "operators": operators,
         # the epoch's output was committed before this savepoint was written: nothing to re-commit
         "sinks": {uid: {"staged": []} for uid in manifest["sinks"]},
@@ -80,7 +82,10 @@ def write_savepoint(storage, manifest: dict[str, Any], root: Path, target_dir: s
             "bytes": total,
         },
     })
-    atomic_write(folder / METADATA, json.dumps(sp, indent=1, sort_keys=True).encode())
+    try:  # written last and only if absent: a savepoint exists exactly when its manifest does
+        out.store.put_new(folder / METADATA, json.dumps(sp, indent=1, sort_keys=True).encode())
+    except ObjectExistsError:
+        raise CheckpointError(f"savepoint {folder} was written by someone else meanwhile") from None
     return folder
 
 
@@ -96,9 +101,10 @@ def _compact(rows) -> list[tuple[int, bytes, str, bytes]]:
     return list(latest.values())
 
 
-def load_savepoint(path: str | Path) -> tuple[dict[str, Any], Path]:
+def load_savepoint(path: Any) -> tuple[dict[str, Any], Any]:
     """The manifest and folder of a savepoint; a checkpoint or anything else raises CheckpointError."""
-    manifest, root = LocalCheckpointStorage(Path(path).expanduser().resolve().parent).load_manifest(str(path))
+    loc = location(path)
+    manifest, root = open_storage(str(loc.parent)).load_manifest(str(loc))
     if manifest.get("kind") != SAVEPOINT or not manifest.get("self_contained"):
         raise CheckpointError(
             f"{path} is not a savepoint (it is a checkpoint of job {manifest['job']!r}, epoch {manifest['epoch']}); "
@@ -107,24 +113,30 @@ def load_savepoint(path: str | Path) -> tuple[dict[str, Any], Path]:
     return manifest, root
 
 
-def dispose_savepoint(path: str | Path) -> Path:
+def dispose_savepoint(path: Any) -> Any:
     """Delete a savepoint folder (only a savepoint: anything else is refused and left alone)."""
     _manifest, root = load_savepoint(path)
-    shutil.rmtree(root)
+    store = open_storage(str(root)).store
+    store.delete(root / METADATA)  # first the commit point: a half-deleted savepoint is no savepoint
+    store.delete_tree(root)
     return root
 
 
-def list_savepoints(directory: str | Path) -> list[dict[str, Any]]:
+def list_savepoints(directory: Any) -> list[dict[str, Any]]:
     """One row per folder in ``directory`` that holds a savepoint (damaged ones flagged, not skipped)."""
-    base = Path(directory).expanduser().resolve()
-    if not base.is_dir():
+    base = location(directory)
+    store = open_storage(str(base)).store
+    if not store.is_dir(base):
         raise CheckpointError(f"savepoint dir {base} does not exist")
+    folders = sorted({key.split("/", 1)[0] for key in store.keys(base) if key.count("/") == 1
+                      and key.endswith("/" + METADATA)})
     rows = []
-    for folder in sorted(p for p in base.iterdir() if p.is_dir() and (p / METADATA).is_file()):
+    for name in folders:
+        folder = base / name
         try:
             m, _root = load_savepoint(folder)
         except CheckpointError as exc:
-            if folder.name.startswith(PREFIX):
+            if name.startswith(PREFIX):
                 rows.append({"path": str(folder), "status": "damaged", "error": str(exc)})
             continue
         files = [StateFileRef.from_json(f) for op in m["operators"].values() for f in op["files"]]
