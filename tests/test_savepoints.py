@@ -430,3 +430,22 @@ def test_job_registry(tmp_path, monkeypatch):
         jobs.resolve("gone")  # its process is not alive: a stale file
     jobs.unregister("aaaa1111")
     assert jobs.resolve("alpha") == ("http://127.0.0.1:2", "bbbb2222")
+
+
+def test_savepoints_and_queries_on_s3(tmp_path, s3_url):
+    """Checkpoints and savepoints in S3 (moto's real HTTP server): the savepoint is written through
+    the object store, listed, queried, restored at another parallelism into a local checkpoint dir,
+    and disposed."""
+    p = running_count(n=N, keys=KEYS, out=tmp_path / "out", parallelism=2, max_parallelism=13)
+    r = sim_run(p, f"{s3_url}/chk", seed=2, duration=0.5 * N / (2 * 10_000.0), source_rate=10_000.0,
+                savepoint_dir=f"{s3_url}/sp", stop_with_savepoint=True)
+    sp = r.savepoints[-1]
+    assert sp.startswith("s3://") and "/sp/savepoint-" in sp
+    assert [row["path"] for row in list_savepoints(f"{s3_url}/sp")] == [sp]
+    assert as_dict(state_api.query(sp, "count")) == as_dict(state_api.query(f"{s3_url}/chk", "count"))
+    p3 = running_count(n=N, keys=KEYS, out=tmp_path / "out3", parallelism=3, max_parallelism=13)
+    sim_run(p3, tmp_path / "chk3", seed=3, restore=sp)
+    got = {k: v for (_s, k), v in as_dict(state_api.query(tmp_path / "chk3", "count")).items()}
+    assert got == {f"k{i}": sum(1 for j in range(N) if j % KEYS == i) for i in range(KEYS)}
+    dispose_savepoint(sp)
+    assert list_savepoints(f"{s3_url}/sp") == []

@@ -126,7 +126,7 @@ def list_savepoints(directory: Any) -> list[dict[str, Any]]:
     """One row per folder in ``directory`` that holds a savepoint (damaged ones flagged, not skipped)."""
     base = location(directory)
     store = open_storage(str(base)).store
-    if not store.is_dir(base):
+    if not store.root_exists():  # a local folder; for S3 the bucket (an empty prefix simply lists nothing)
         raise CheckpointError(f"savepoint dir {base} does not exist")
     folders = sorted({key.split("/", 1)[0] for key in store.keys(base) if key.count("/") == 1
                       and key.endswith("/" + METADATA)})

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import tenacity
 
 from ..alignment import BarrierAligner
-from ..backends import location
+from ..backends import location, open_storage, scheme_of
 from ..backends.objects import StorageAccessError
 from ..graph.plan import PhysicalPlan
 from ..runtime.chain import ChainRuntime
@@ -128,19 +128,24 @@ class Restored:
 
     epoch: int
     manifest: dict[str, Any]
-    root: Path
-    path: Path
+    root: Any
+    path: Any
+    #: the storage that reads it, if not the job's own (a savepoint in another store, e.g. S3)
+    reader: Any = None
 
 
 def find_restore(storage, restore: str | None) -> Restored | None:
     if restore is None:
         return None
+    reader = None
     if restore == "latest":
         found = storage.latest()
         if found is None:
             return None
     else:
-        found = storage.load_manifest(restore)
+        if scheme_of(restore) != scheme_of(str(storage.root)):  # e.g. an S3 savepoint, local checkpoints
+            reader = open_storage(str(location(restore).parent))
+        found = (reader or storage).load_manifest(restore)
     manifest, root = found
     epoch = int(manifest["epoch"])
     newer = [e for e in storage.list_checkpoints() if e > epoch]
@@ -150,7 +155,7 @@ def find_restore(storage, restore: str | None) -> Restored | None:
             f"{newer[:5]} that new epochs would overwrite; restore it into a new checkpoint dir "
             f"(checkpoint_dir=NEW, restore='{root / f'chk-{epoch}'}')"
         )
-    return Restored(epoch, manifest, root, root if manifest.get("self_contained") else root / f"chk-{epoch}")
+    return Restored(epoch, manifest, root, root if manifest.get("self_contained") else root / f"chk-{epoch}", reader)
 
 
 def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non_restored_state: bool) -> None:
@@ -335,7 +340,8 @@ def build_tasks(
                 if entry is None:
                     continue
                 # keyed state moves by key group: read only the rows of this subtask's range
-                rows = storage.read_operator_rows(restored.manifest, restored.root, uid, state.key_group_range)
+                rows = (restored.reader or storage).read_operator_rows(restored.manifest, restored.root, uid,
+                                                                       state.key_group_range)
                 state.restore_rows(rows, entry.get("states", {}))
                 state.event_time = entry.get("event_time", state.event_time)
                 for name, value in _operator_state(restored, uid, plan.parallelism, tid[1]).items():
