@@ -128,8 +128,8 @@ def _first(log, label: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rate", type=float, default=500.0, help="records/s per source subtask (paper: 500 RPS per node)")
-    ap.add_argument("--seconds", type=float, default=6.0, help="virtual seconds of input")
-    ap.add_argument("--window", type=float, default=1.0, help="tumbling window size, seconds")
+    ap.add_argument("--seconds", type=float, default=5.0, help="virtual seconds of input")
+    ap.add_argument("--window", type=float, default=0.5, help="tumbling window size, seconds")
     ap.add_argument("--slack", type=float, default=0.01, help="coarse time label width (paper: 10 ms)")
     ap.add_argument("--net-delay", type=float, default=0.0005, help="mean one-way delay between workers (s)")
     ap.add_argument("--flush-interval", type=float, default=0.005,
