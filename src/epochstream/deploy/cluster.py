@@ -289,6 +289,7 @@ class ClusterDriver(Driver):
             self.traffic.merge(traffic)  # a failed attempt's service messages were sent all the same
             master.coordinator.fail(time.monotonic(), "failover")
             self.collect(master)
+            self._publish("RESTARTING", force=True)  # until the next attempt runs (or the run ends)
             self._group = None
             group.abort()
             raise
