@@ -75,7 +75,12 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
 
 def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("pipeline", metavar="FILE.py:FUNCTION", help="a function that returns a Pipeline")
-    ap.add_argument("--deployment", choices=["sim", "local"], default="local", help="where to run (default: local)")
+    ap.add_argument("--deployment", choices=["sim", "local", "spark"], default="local",
+                    help="where to run (default: local; spark: one barrier task per worker)")
+    ap.add_argument("--master", help="spark: the Spark master, e.g. local[4,3], local-cluster[2,1,1024], "
+                                     "spark://host:7077 (default local[*])")
+    ap.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
+                    help="spark: a Spark setting for the session (repeatable)")
     ap.add_argument("--mode", metavar="MODE",
                     help="one of: aligned, tracker, at-least-once (aligned: barrier alignment, the default; "
                          "tracker: trAcker firm bounds; both exactly-once)")
@@ -88,6 +93,29 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", action="store_true", help="print a JSON document instead of text")
 
 
+def _spark_options(args) -> dict[str, Any]:
+    """Driver options of --deployment spark (nothing for the other deployments)."""
+    if args.deployment != "spark":
+        if args.master or args.spark_conf:
+            raise UsageError("--master and --spark-conf need --deployment spark")
+        return {}
+    conf = {}
+    for item in args.spark_conf:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--spark-conf expects KEY=VALUE, got {item!r}")
+        conf[key] = value
+    from .deploy.spark import spark_session
+
+    session = spark_session(args.master or "local[*]", conf)
+    _SESSIONS.append(session)
+    return {"spark": session}
+
+
+#: SparkSessions this command started; stopped before it exits
+_SESSIONS: list[Any] = []
+
+
 def cmd_run(args) -> int:
     from .deploy.common import JobFailedError
     from .runtime.errors import EpochStreamError
@@ -98,6 +126,7 @@ def cmd_run(args) -> int:
     if args.stop_with_savepoint and not args.savepoint_dir:
         raise UsageError("--stop-with-savepoint needs --savepoint-dir")
     build = _configured(load_pipeline_factory(args.pipeline), args)
+    options = _spark_options(args)
     p = build()
     extra: dict[str, Any] = {"savepoint_dir": args.savepoint_dir, "stop_with_savepoint": args.stop_with_savepoint}
     if args.deployment == "local":
@@ -115,6 +144,7 @@ def cmd_run(args) -> int:
             allow_non_restored_state=args.allow_non_restored_state,
             duration=args.duration,
             **extra,
+            **options,
         )
     except CheckpointError as exc:  # a checkpoint that cannot be used is bad input
         print(f"epochstream: {exc}", file=sys.stderr)
@@ -314,6 +344,19 @@ def cmd_chaos(args) -> int:
     from .oracle import check_exactly_once
 
     build = _configured(load_pipeline_factory(args.pipeline), args)
+    moments = [m for m in (args.kill_moments or "").split(",") if m]
+    targets = [t for t in (args.kill_targets or "").split(",") if t]
+    if args.deployment == "sim" and (moments or targets):
+        raise UsageError("--kill-moments and --kill-targets need --deployment local or spark")
+    from .deploy.worker import MOMENTS
+
+    for m in moments:
+        if m not in MOMENTS + ("commit",):
+            raise UsageError(f"--kill-moments: unknown moment {m!r} (one of {', '.join(MOMENTS + ('commit',))})")
+    for t in targets:
+        if t not in ("worker", "executor"):
+            raise UsageError(f"--kill-targets: unknown target {t!r} (worker, executor)")
+    options = _spark_options(args)
     rng = random.Random(args.seed)
     horizon: dict[str, float] = {}
     results: dict[str, Any] = {}
@@ -327,13 +370,19 @@ def cmd_chaos(args) -> int:
         failures = None
         if failing:
             span = horizon["seconds"]
-            failures = FailureSchedule.random(rng, args.kills, span) if args.deployment == "sim" else \
-                FailureSchedule(kill_times=sorted(rng.uniform(0.1 * span, 0.9 * span) for _ in range(args.kills)))
+            if args.deployment == "sim":
+                failures = FailureSchedule.random(rng, args.kills, span)
+            else:  # one kill per attempt: a kill whose time has passed waits for the next attempt
+                failures = FailureSchedule(
+                    kill_times=sorted(rng.uniform(0.1 * span, 0.9 * span) for _ in range(args.kills)),
+                    kill_moments=[rng.choice(moments) for _ in range(args.kills)] if moments else [],
+                    kill_targets=[rng.choice(targets) for _ in range(args.kills)] if targets else [])
         t0 = time.perf_counter()
         r = p.run(deployment=args.deployment, checkpoint_dir=chk, seed=args.seed, failures=failures,
-                  duration=args.duration)
+                  duration=args.duration, **options)
         if not failing:
-            horizon["seconds"] = r.metrics.get("virtual_seconds") or (time.perf_counter() - t0)
+            horizon["seconds"] = r.metrics.get("virtual_seconds") or r.metrics.get("run_seconds") or (
+                time.perf_counter() - t0)
         results["chaos" if failing else "reference"] = r
         return r
 
@@ -350,6 +399,10 @@ def cmd_chaos(args) -> int:
         "kills_requested": args.kills,
         "failures_injected": chaos.metrics.get("failures_injected") if chaos else None,
         "recovery_seconds": chaos.metrics.get("recovery_seconds", []) if chaos else [],
+        # kill i caused failover i (one kill per attempt); its recovery is failure -> all workers ready
+        "kills": [dict(k, recovery_seconds=rec) for k, rec in zip(
+            chaos.metrics.get("kills", []), chaos.metrics.get("recovery_seconds", []) + [None] * args.kills)]
+        if chaos else [],
         "completed_epochs": len(chaos.completed_epochs) if chaos else 0,
         "deployment": args.deployment,
         "seed": args.seed,
@@ -367,6 +420,9 @@ def cmd_chaos(args) -> int:
               f"(committed {report.records_committed} of {report.records_expected} expected records)")
         for ex in report.examples[:10]:
             print(f"  - {ex}")
+        for k in doc["kills"]:
+            rec = "-" if k["recovery_seconds"] is None else f"{k['recovery_seconds']:.2f}s"
+            print(f"  kill at {k['time']:.2f}s: worker {k['worker']} ({k['target']}, {k['moment']}), recovered in {rec}")
         print(f"  work dir: {work}")
     return EXIT_OK if report.ok else EXIT_VIOLATION
 
@@ -430,6 +486,12 @@ def build_parser() -> argparse.ArgumentParser:
     chaos = sub.add_parser("chaos", help="run with injected failures and check exactly-once against a failure-free run")
     _add_run_flags(chaos)
     chaos.add_argument("--kills", type=int, default=3, help="failures to inject (default 3)")
+    chaos.add_argument("--kill-moments", metavar="LIST",
+                       help="local/spark: comma-separated protocol moments kills wait for, chosen at random per "
+                            "kill: now, alignment, snapshot_write, commit (default: now)")
+    chaos.add_argument("--kill-targets", metavar="LIST",
+                       help="local/spark: what a kill hits, chosen at random per kill: worker (its Python "
+                            "process), executor (spark on local-cluster: the executor JVM) (default: worker)")
     chaos.add_argument("--workdir", help="keep both runs' output and checkpoints here (--checkpoint-dir is the same)")
     chaos.set_defaults(func=cmd_chaos, restore=None, allow_non_restored_state=False)
     return ap
@@ -446,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     except (EpochStreamError, ValueError, TypeError) as exc:  # bad input: say what, exit 2
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        while _SESSIONS:
+            _SESSIONS.pop().stop()
 
 
 def entry() -> None:

@@ -12,7 +12,7 @@ from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
 MODES = ("aligned", "at-least-once", "tracker")
 _UNSET = object()
-DEPLOYMENTS = ("sim", "local")
+DEPLOYMENTS = ("sim", "local", "spark")
 
 
 @dataclass
@@ -261,6 +261,25 @@ class Pipeline:
         and ``timestamps`` as in ``from_collection``."""
         source = GeneratorSource(fn, count, splits or self.parallelism, elastic=splits is None)
         return self.from_source(source, uid=uid, name="generate", timestamps=timestamps)
+
+    def from_dataframe(self, df, uid: str | None = None, path: str | None = None, records: str = "dict") -> Stream:
+        """A bounded, replayable source over a Spark DataFrame: its partitions are the splits.
+
+        Builds a snapshot at once (one Spark job writes each partition to Parquet under
+        ``path``, which executors must all be able to read on a cluster); records are dicts
+        (or tuples with ``records="tuple"``). See ``deploy.sources.DataFrameSource``."""
+        from ..deploy.sources import DataFrameSource
+
+        return self.from_source(DataFrameSource(df, path, records), uid=uid, name="dataframe")
+
+    def rate(self, rows_per_second: float, splits: int | None = None, count: int | None = None,
+             uid: str | None = None) -> Stream:
+        """Spark's ``rate`` source: ``{"timestamp", "value"}`` records at ``rows_per_second``,
+        unbounded unless ``count`` is given; replayable (timestamps are fixed when built)."""
+        from ..deploy.sources import RateSource
+
+        return self.from_source(RateSource(rows_per_second, splits or self.parallelism, count), uid=uid,
+                                name="rate")
 
     def from_source(self, source: Source, uid: str | None = None, name: str = "source",
                     timestamps: Callable[[Any], float] | None = None) -> Stream:

@@ -54,6 +54,11 @@ def run_pipeline(
 
         driver = LocalDriver(pipeline, storage, seed=seed, failures=failures, parallelism=parallelism,
                              savepoint_dir=savepoint_dir, stop_with_savepoint=stop_with_savepoint, **options)
+    elif deployment == "spark":
+        from .spark import SparkDriver
+
+        driver = SparkDriver(pipeline, storage, seed=seed, failures=failures, parallelism=parallelism,
+                             savepoint_dir=savepoint_dir, stop_with_savepoint=stop_with_savepoint, **options)
     else:
         raise ValueError(f"unknown deployment {deployment!r}")
     driver.run(restore, allow_non_restored_state, duration)
@@ -71,7 +76,10 @@ def run_pipeline(
             "failovers": driver.failover_log,
             "failures_injected": driver.injected,
             "recovery_seconds": getattr(driver, "recovery_seconds", []),
+            "kills": getattr(driver, "kill_log", []),
             "virtual_seconds": driver.now if deployment == "sim" else None,
+            # seconds from the start of the first attempt (after driver set-up such as Spark warm-up)
+            "run_seconds": driver.clock(),
             "service_traffic": driver.traffic.as_dict(),
             "deployment": deployment,
             "parallelism": driver.plan.parallelism,

@@ -56,6 +56,8 @@ class ClusterDriver(Driver):
     """Runs attempts over a ``WorkerGroup``; see the module docstring."""
 
     deployment = "cluster"
+    #: seconds a chaos kill waits for its protocol moment before it is carried out anyway
+    MOMENT_TIMEOUT = 3.0
 
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  savepoint_dir: str | None = None, stop_with_savepoint: bool = False, rest: bool = True,
@@ -83,6 +85,9 @@ class ClusterDriver(Driver):
         self._group: WorkerGroup | None = None
         #: every chaos kill: time, worker, target, moment
         self.kill_log: list[dict[str, Any]] = []
+        #: a kill waiting for its moment: (armed at, victim, target, moment)
+        self._armed: tuple[float, int, str, str] | None = None
+        self._attempt_killed = False
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -172,30 +177,47 @@ class ClusterDriver(Driver):
         if name == "mid_commit" and self._commit_kill is not None and self._group is not None:
             victim, target = self._commit_kill
             self._commit_kill = None
-            self._kill(self._group, victim, target, "commit")
+            self._kill(self._group, victim, target, None)
+            time.sleep(0.05)  # let the death land while the commit is still in progress
         super().fail_point(name)
 
     def _chaos(self, group: WorkerGroup, now: float) -> None:
+        """Inject the next scheduled kill: at most one per attempt, so every kill causes its
+        own failover. A kill waiting for a protocol moment that has not come within
+        ``MOMENT_TIMEOUT`` seconds is carried out at once (logged as ``<moment>/timeout``)."""
+        armed = self._armed
+        if armed is not None:
+            if now - armed[0] >= self.MOMENT_TIMEOUT:
+                self._commit_kill = None
+                self.kill_log[-1]["moment"] += "/timeout"
+                self._kill(group, armed[1], armed[2], None)
+            return
         times = self.failures.kill_times
-        if self.kills_done >= len(times) or now - self.t0 < times[self.kills_done]:
+        if self._attempt_killed or self.kills_done >= len(times) or now - self.t0 < times[self.kills_done]:
             return
         i = self.kills_done
         self.kills_done += 1
         self.injected += 1
+        self._attempt_killed = True
         moments, targets = self.failures.kill_moments, self.failures.kill_targets
         moment = moments[i] if i < len(moments) else "now"
         target = targets[i] if i < len(targets) else "worker"
         victim = self.rng.randrange(len(group.conns))
         if moment == "now":
             self._kill(group, victim, target, moment)
-        elif moment == "commit":
+            return
+        self._armed = (now, victim, target, moment)
+        self.kill_log.append({"time": self.clock(), "worker": victim, "target": target, "moment": moment})
+        if moment == "commit":
             self._commit_kill = (victim, target)
         else:  # the worker kills at the moment itself
-            self.kill_log.append({"time": self.clock(), "worker": victim, "target": target, "moment": moment})
             self._send(group.conns, victim, ("die", moment, group.pid(victim, target)))
 
-    def _kill(self, group: WorkerGroup, victim: int, target: str, moment: str) -> None:
-        self.kill_log.append({"time": self.clock(), "worker": victim, "target": target, "moment": moment})
+    def _kill(self, group: WorkerGroup, victim: int, target: str, moment: str | None) -> None:
+        """SIGKILL now; ``moment`` None: the kill was logged when it was armed."""
+        self._armed = None
+        if moment is not None:
+            self.kill_log.append({"time": self.clock(), "worker": victim, "target": target, "moment": moment})
         try:
             os.kill(group.pid(victim, target), signal.SIGKILL)
         except ProcessLookupError:
@@ -205,10 +227,13 @@ class ClusterDriver(Driver):
     def attempt(self, restored, attempt: str, duration: float | None) -> None:
         group = self.launch(restored, attempt)
         self._group = group
+        self._attempt_killed = False
+        self._armed = None
+        self._commit_kill = None
         conns = group.conns
         n = len(conns)
-        master = self.new_master(restored, time.monotonic(), self.deployment)
         traffic = ServiceTraffic()
+        master = self.new_master(restored, time.monotonic(), self.deployment, traffic=traffic, workers=n)
         tracking = (make_tracking(self.plan, restored, traffic, self.pipeline, attempt)
                     if self.pipeline.mode == "tracker" else None)
         n_sources = sum(1 for c in self.plan.chains if c.is_source) * self.plan.parallelism

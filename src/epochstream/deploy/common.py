@@ -461,6 +461,8 @@ class JobMaster:
         deployment: str = "sim",
         job_id: str = "",
         stop_request: SavepointRequest | None = None,
+        traffic: ServiceTraffic | None = None,
+        workers: int | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.job_id = job_id
@@ -470,6 +472,11 @@ class JobMaster:
         self.stop_request = stop_request
         #: savepoint folders written by this attempt
         self.written: list[str] = []
+        #: the attempt's service-traffic counter (tracker messages per epoch)
+        self.traffic = traffic
+        #: trigger messages per epoch: one per worker (local, spark) or per source task (sim)
+        self.trigger_messages = workers if workers is not None else sum(
+            1 for c in plan.chains if c.is_source) * plan.parallelism
         self.plan = plan
         self.storage = storage
         self.sinks = pipeline.sinks
@@ -575,6 +582,7 @@ class JobMaster:
             manifest = self.builder.build(a.epoch, a.kind, a.acks, {"created_at": created})
         except IncompleteChainError as exc:
             return self.coordinator.manifest_failed(a.epoch, str(exc), now)
+        manifest["metrics"].update(self._epoch_metrics(a, now))
         self.fail_point("before_manifest")
         try:
             self.storage.commit(manifest)
@@ -586,8 +594,37 @@ class JobMaster:
         self.manifests[a.epoch] = manifest
         return self.coordinator.manifest_written(a.epoch, now)
 
+    def _epoch_metrics(self, a: CompleteEpoch, now: float) -> dict[str, Any]:
+        """What the manifest records about how epoch ``a.epoch`` went (beyond bytes and files):
+        when it was triggered, how long until every task had acked, each task's alignment (or
+        trAcker hold), write time, bytes and held records, and the service messages it cost."""
+        rec = self.coordinator.epochs[a.epoch]
+        tasks = {}
+        for tid, info in sorted(a.acks.items()):
+            tasks[f"{tid[0]}.{tid[1]}"] = {
+                "alignment_seconds": round(info.alignment_seconds, 6),
+                "write_seconds": round(info.write_seconds, 6),
+                "ack_seconds": round(rec.ack_times.get(tid, now) - rec.triggered_at, 6),
+                "bytes": info.bytes,
+                "held_records": info.held_records,
+            }
+        messages = {"triggers": self.trigger_messages, "acks": len(a.acks)}
+        if self.pipeline.mode == "tracker":
+            tally = self.traffic.by_epoch.get(a.epoch) if self.traffic is not None else None
+            messages["tracker"] = tally.messages if tally else 0
+        else:  # every channel carries exactly one marker per epoch
+            messages["markers"] = len(self.plan.channels)
+        return {
+            "trigger_to_manifest_seconds": round(now - rec.triggered_at, 6),
+            "prepare_seconds": round((rec.prepared_at or now) - rec.triggered_at, 6),
+            "tasks": tasks,
+            "service_messages": messages,
+            "service_messages_total": sum(messages.values()),
+        }
+
     def _commit(self, epoch: int) -> None:
         manifest = self.manifests.pop(epoch)
+        t_commit = time.perf_counter()
         first = True
         for uid, entry in sorted(manifest["sinks"].items()):
             for rel in entry["staged"]:
@@ -595,6 +632,7 @@ class JobMaster:
                     self.fail_point("mid_commit")
                 first = False
                 self.sinks[uid].commit([rel])
+        commit_seconds = time.perf_counter() - t_commit
         self.fail_point("after_commit")
         self._take_savepoint(epoch, manifest)
         self.builder.completed(epoch, manifest)
@@ -602,9 +640,10 @@ class JobMaster:
         rec = self.coordinator.epochs[epoch]
         self.epoch_log.append({
             "epoch": epoch, "state": "completed", "kind": rec.kind,
-            "prepare_seconds": None if rec.prepared_at is None else rec.prepared_at - rec.triggered_at,
-            "trigger_to_commit_seconds": rec.completed_at - rec.triggered_at,
             **manifest["metrics"],
+            "prepare_seconds": None if rec.prepared_at is None else rec.prepared_at - rec.triggered_at,
+            "commit_seconds": commit_seconds,
+            "trigger_to_commit_seconds": rec.completed_at - rec.triggered_at,
         })
         self.retained.append(manifest)
         while len(self.retained) > self.num_retained:
@@ -784,7 +823,8 @@ class Driver:
             self.savepoints_written.extend(master.written)
             master.written = []
 
-    def new_master(self, restored: Restored | None, now: float, deployment: str) -> JobMaster:
+    def new_master(self, restored: Restored | None, now: float, deployment: str,
+                   traffic: ServiceTraffic | None = None, workers: int | None = None) -> JobMaster:
         self.master = JobMaster(self.pipeline, self.plan, self.storage, restored, now, self.fail_point, deployment,
-                                job_id=self.job_id, stop_request=self.stop_request)
+                                job_id=self.job_id, stop_request=self.stop_request, traffic=traffic, workers=workers)
         return self.master

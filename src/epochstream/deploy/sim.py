@@ -97,7 +97,7 @@ class SimDriver(Driver):
         self.tracking = tracking
         tasks = build_tasks(self.pipeline, plan, None, self.storage, restored, trackers=trackers, attempt=attempt)
         self.tasks = tasks  # the last attempt's tasks (benchmarks read their logs)
-        master = self.new_master(restored, self.now, "sim")
+        master = self.new_master(restored, self.now, "sim", traffic=traffic)
         savepoints_at = sorted(self.now + t for t in cfg.savepoints_at)
         batch = cfg.source_batch or self.pipeline.batch_size
         sources = [t for t in tasks.values() if t.is_source]

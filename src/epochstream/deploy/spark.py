@@ -1,0 +1,341 @@
+"""The spark driver: every worker is one task of a Spark barrier stage.
+
+One attempt is one Spark job: ``parallelize(range(p), p).barrier().mapPartitions(task)``.
+Task *w* is worker *w* (it hosts subtask *w* of every chain, as in the local driver):
+
+1. it connects to the driver's service port and says hello (its index, its pid and the pid
+   of the executor JVM it runs in, for chaos);
+2. it opens a server socket and swaps ``host:port`` with every other task through
+   ``BarrierTaskContext.allGather``; then every pair of tasks opens one TCP connection
+   (``deploy.net.mesh``), which carries all channels between them (FIFO per channel,
+   credit-based flow control: ``deploy.worker``);
+3. it runs ``deploy.worker.WorkerLoop`` until the driver says stop, and returns.
+
+The driver runs the coordinator (job master) and, in trAcker mode, the tracking agent as
+services in the driver process (``deploy.cluster.ClusterDriver``, the local driver's loop),
+like xgboost.spark's tracker. Every connection is authenticated with a random key of the
+attempt (``deploy.net``).
+
+Failures: a dead task (its Python worker or its executor JVM killed) fails the barrier
+stage, and Spark does not retry a failed barrier *result* stage: the job aborts. The driver
+sees that (a control connection at EOF, or the job's error), cancels the job group, closes
+every connection (tasks still running, such as the Python worker of a killed executor, leave
+their loop at EOF) and its restart strategy (``deploy.restart``) submits a new job whose
+tasks restore from the latest completed epoch. The sans-IO core is the same as everywhere.
+
+Requirements: ``parallelism`` barrier slots at once (``local[N]``/``local[N,F]`` with N >= p;
+``local-cluster[W,C,M]`` with W*C >= p; a cluster with that many cores free), no dynamic
+allocation, the driver reachable from executors, and the checkpoint dir and sink paths on
+storage every executor sees (the same machine, or a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import sys
+import threading
+import time
+from typing import Any
+
+import cloudpickle
+
+from ..runtime.errors import ConfigurationError
+from .cluster import ClusterDriver, WorkerGroup
+from .common import Failover
+from .net import Server, connect, mesh
+from .worker import run_worker
+
+log = logging.getLogger("epochstream")
+
+#: Spark settings a barrier job needs (applied when the driver builds the session itself)
+SESSION_DEFAULTS = {
+    # after an executor died, wait for its replacement instead of failing the resubmitted job
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "120",
+    "spark.dynamicAllocation.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.python.worker.reuse": "true",
+}
+
+
+def spark_session(master: str | None = None, conf: dict[str, str] | None = None, app_name: str = "epochstream"):
+    """A SparkSession for the spark driver (``getOrCreate``: an active one is reused)."""
+    from pyspark.sql import SparkSession
+
+    master = master or "local[*]"
+    builder = SparkSession.builder.master(master).appName(app_name)
+    settings = dict(SESSION_DEFAULTS)
+    settings["spark.pyspark.python"] = sys.executable
+    if master.startswith("local"):
+        settings.update({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"})
+    settings.update(conf or {})
+    for k, v in settings.items():
+        builder = builder.config(k, v)
+    return builder.getOrCreate()
+
+
+def barrier_slots(master: str) -> int | None:
+    """Task slots a local master offers (None for a cluster: Spark checks when it schedules).
+
+    >>> barrier_slots("local[3,4]"), barrier_slots("local-cluster[2,2,1024]"), barrier_slots("local")
+    (3, 4, 1)
+    """
+    if master == "local":
+        return 1
+    m = re.fullmatch(r"local\[(\d+|\*)(?:,\d+)?\]", master)
+    if m:
+        return os.cpu_count() or 1 if m.group(1) == "*" else int(m.group(1))
+    m = re.fullmatch(r"local-cluster\[(\d+),\s*(\d+),\s*(\d+)\]", master)
+    if m:
+        return int(m.group(1)) * int(m.group(2))
+    return None
+
+
+# ---------------------------------------------------------------- the task (runs in a Python worker)
+
+
+def _executor_jvm_pid() -> int | None:
+    """The JVM this Python worker belongs to: the nearest ancestor running java."""
+    pid = os.getppid()
+    for _ in range(5):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv0 = f.read().split(b"\0")[0]
+            if argv0.endswith(b"java"):
+                return pid
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+def task_main(blob: bytes, driver: tuple[str, int], authkey: bytes) -> list[int]:
+    """Worker ``partitionId`` of one attempt: hello, mesh, worker loop."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    w = ctx.partitionId()
+    control = connect(driver, authkey)
+    peers: dict[int, Any] = {}
+    try:
+        control.send(("hello", w, os.getpid(), _executor_jvm_pid()))
+        pipeline, plan, storage, restored, attempt = cloudpickle.loads(blob)
+        host = ctx.getTaskInfos()[w].address.rsplit(":", 1)[0]
+        server = Server(host, authkey)
+        try:
+            gathered = ctx.allGather(json.dumps([host, server.address[1]]))
+            peers = mesh(w, [tuple(json.loads(a)) for a in gathered], server, authkey)
+        finally:
+            server.close()
+    except BaseException as exc:
+        try:
+            control.send(("error", f"worker {w}: could not start: {type(exc).__name__}: {exc}"))
+        finally:
+            control.close()
+        raise
+    try:
+        ok = run_worker(w, pipeline, plan, storage, restored, attempt, control, peers)
+    finally:
+        for c in [control, *peers.values()]:
+            c.close()
+    if not ok:
+        raise RuntimeError(f"epochstream worker {w} failed; its error went to the driver")
+    return [w]
+
+
+def _barrier_task(blob: bytes, paths: list[str], driver: tuple[str, int], authkey: bytes):
+    """The function Spark ships (by value): put the driver's import paths first, so the
+    task imports the same epochstream and job modules, then run ``task_main``."""
+
+    def task(_partition):
+        import sys as _sys
+
+        for p in reversed(paths):
+            if p not in _sys.path:
+                _sys.path.insert(0, p)
+        from epochstream.deploy.spark import task_main as _main
+
+        return _main(blob, driver, authkey)
+
+    return task
+
+
+def _warm_task(paths: list[str]):
+    def warm(_partition):
+        import sys as _sys
+
+        for p in reversed(paths):
+            if p not in _sys.path:
+                _sys.path.insert(0, p)
+        import epochstream.deploy.spark  # noqa: F401  (and with it pyarrow, cloudpickle, the core)
+        import pyarrow.parquet  # noqa: F401
+
+        return []
+
+    return warm
+
+
+#: SparkContexts whose Python workers have imported epochstream (by id of the JVM context)
+_WARM: set[int] = set()
+
+
+def warm_up(sc, slots: int) -> None:
+    """Start a Python worker per slot and import epochstream in it, once per SparkContext, so
+    the first attempt's start (and a benchmark's first run) does not pay for cold workers."""
+    key = id(sc._jsc)
+    if key in _WARM:
+        return
+    paths = [os.path.abspath(x) for x in sys.path if x]
+    sc.setJobGroup("epochstream-warm-up", "epochstream: start Python workers")
+    sc.parallelize(range(slots), slots).barrier().mapPartitions(_warm_task(paths)).collect()
+    _WARM.add(key)
+
+
+# ---------------------------------------------------------------- the driver side
+
+
+class _SparkJob(threading.Thread):
+    """One barrier job, submitted from its own thread (``collect`` blocks until it ends)."""
+
+    def __init__(self, sc, parallelism: int, fn, group: str) -> None:
+        super().__init__(name=f"epochstream-{group}", daemon=True)
+        self.sc, self.parallelism, self.fn, self.group = sc, parallelism, fn, group
+        self.error: str | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.sc.setJobGroup(self.group, "epochstream barrier stage", interruptOnCancel=True)
+            rdd = self.sc.parallelize(range(self.parallelism), self.parallelism).barrier().mapPartitions(self.fn)
+            rdd.collect()
+        except BaseException as exc:  # the job aborted (a task or an executor died) or was cancelled
+            self.error = _spark_reason(exc)
+        finally:
+            self.done.set()
+
+
+def _spark_reason(exc: BaseException) -> str:
+    """The first informative line of a (Py4J-wrapped) Spark job failure."""
+    text = str(exc)
+    for pattern in (r"(Could not recover from a failed barrier ResultStage[^\n]*)", r"(Job aborted[^\n]*)",
+                    r"(Executor[^\n]*exited[^\n]*)", r"(\[[A-Z_]+\][^\n]*)"):
+        m = re.search(pattern, text)
+        if m:
+            return m.group(1)[:500]
+    return f"{type(exc).__name__}: {text.splitlines()[0][:500] if text else ''}"
+
+
+class SparkGroup(WorkerGroup):
+    def __init__(self, driver: "SparkDriver", job: _SparkJob, server: Server) -> None:
+        self.driver = driver
+        self.job = job
+        self.server = server
+        self.conns: list[Any] = []
+        self.pids: dict[int, tuple[int, int | None]] = {}
+
+    def check(self, stopped: dict[int, int], stop_sent: bool) -> None:
+        if self.job.done.is_set() and self.job.error and len(stopped) < len(self.conns):
+            raise Failover(f"spark job failed: {self.job.error}")
+
+    def pid(self, worker: int, target: str) -> int:
+        py, jvm = self.pids[worker]
+        if target == "worker":
+            return py
+        if target == "executor":
+            if self.driver.local_mode or jvm is None:
+                raise ConfigurationError(
+                    f"cannot kill the executor of worker {worker} on master {self.driver.master!r}: in local mode "
+                    f"the executor is the driver's own JVM; use local-cluster[W,C,M] to kill executors")
+            return jvm
+        raise ConfigurationError(f"unknown kill target {target!r} (worker, executor)")
+
+    def abort(self) -> None:
+        t0 = time.monotonic()
+        for c in self.conns:
+            c.close()
+        self.driver.sc.cancelJobGroup(self.job.group)
+        self.job.join(timeout=120)
+        if self.job.is_alive():
+            log.warning("spark job %s still running 120 s after it was cancelled", self.job.group)
+        self.server.close()
+        log.info("spark job %s cancelled in %.2fs (%s)", self.job.group, time.monotonic() - t0, self.job.error)
+
+    def finish(self) -> None:
+        self.job.join(timeout=120)
+        if self.job.error:
+            log.warning("spark job %s ended with an error after the job finished: %s", self.job.group,
+                        self.job.error)
+        for c in self.conns:
+            c.close()
+        self.server.close()
+
+
+class SparkDriver(ClusterDriver):
+    deployment = "spark"
+
+    def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
+                 spark=None, master: str | None = None, spark_conf: dict[str, str] | None = None,
+                 connect_timeout: float = 300.0, savepoint_dir: str | None = None, stop_with_savepoint: bool = False,
+                 rest: bool = True, rest_port: int = 0, on_start=None, **options: Any) -> None:
+        if options:
+            raise TypeError(f"unknown option(s) for the spark driver: {sorted(options)}")
+        super().__init__(pipeline, storage, seed, failures, parallelism, savepoint_dir=savepoint_dir,
+                         stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start)
+        self.spark = spark if spark is not None else spark_session(master, spark_conf)
+        self.sc = self.spark.sparkContext
+        self.master = self.sc.master
+        if master is not None and spark is None and master != self.master:
+            log.warning("a SparkSession on %s is already active; master %s is ignored", self.master, master)
+        self.local_mode = self.master == "local" or self.master.startswith("local[")
+        self.connect_timeout = connect_timeout
+        p = self.plan.parallelism
+        slots = barrier_slots(self.master)
+        if slots is not None and slots < p:
+            raise ConfigurationError(
+                f"parallelism {p} needs {p} barrier task slots at once, master {self.master!r} offers {slots}; "
+                f"use local[{p}] (or more), local-cluster[W,C,M] with W*C >= {p}, or a lower parallelism")
+        if self.sc.getConf().get("spark.dynamicAllocation.enabled", "false").lower() == "true":
+            raise ConfigurationError("barrier stages do not work with dynamic allocation: set "
+                                     "spark.dynamicAllocation.enabled=false")
+        self.host = self.sc.getConf().get("spark.driver.host", "127.0.0.1")
+        warm_up(self.sc, p)
+
+    def launch(self, restored, attempt: str) -> SparkGroup:
+        p = self.plan.parallelism
+        authkey = secrets.token_bytes(16)
+        server = Server(self.host, authkey)
+        blob = cloudpickle.dumps((self.pipeline, self.plan, self.storage, restored, attempt))
+        paths = [os.path.abspath(x) for x in sys.path if x]
+        job = _SparkJob(self.sc, p, _barrier_task(blob, paths, server.address, authkey), f"epochstream-{attempt}")
+        group = SparkGroup(self, job, server)
+        job.start()
+        try:
+            conns: dict[int, Any] = {}
+            deadline = time.monotonic() + self.connect_timeout
+            while len(conns) < p:
+                if job.done.is_set():
+                    raise Failover(f"spark job failed before its {p} tasks connected: {job.error}")
+                if time.monotonic() > deadline:
+                    raise Failover(f"only {len(conns)} of {p} tasks connected within {self.connect_timeout}s "
+                                   f"(are {p} task slots free on {self.master}?)")
+                conn = server.accept(0.2)
+                if conn is None:
+                    continue
+                msg = conn.recv()
+                if msg[0] != "hello":
+                    raise Failover(f"a task sent {msg[0]!r} before hello")
+                conns[msg[1]] = conn
+                group.pids[msg[1]] = (msg[2], msg[3])
+            group.conns = [conns[w] for w in range(p)]
+            log.info("spark job %s: %d tasks connected after %.2fs", job.group, p,
+                     time.monotonic() - deadline + self.connect_timeout)
+        except BaseException:
+            group.conns = list(conns.values())
+            group.abort()
+            raise
+        return group
