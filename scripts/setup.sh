@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 "$PY" - <<'PY'
-import epochstream, pyarrow, hypothesis
-print(f"epochstream {epochstream.__version__} installed (pyarrow {pyarrow.__version__})")
+import epochstream, pyarrow, hypothesis, pyspark
+print(f"epochstream {epochstream.__version__} installed (pyarrow {pyarrow.__version__}, pyspark {pyspark.__version__})")
 PY
