@@ -163,3 +163,34 @@ def test_user_error_names_the_operator(tmp_path, spark):
         p.run(deployment="spark", checkpoint_dir=str(tmp_path / "chk"), spark=spark)
     assert "UserFunctionError" in str(exc.value) and "'count'" in str(exc.value), str(exc.value)
     assert UserFunctionError.__name__ in str(exc.value)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_cli_run_on_spark(tmp_path):
+    """``epochstream run --deployment spark --master ...`` in its own process (its own JVM),
+    then ``checkpoints list --json`` shows the per-epoch metrics."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from pipelines import running_count\n"
+        f"def build():\n    return running_count(n=5000, parallelism=2, interval=0.2, out={str(tmp_path / 'out')!r})\n")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**__import__("os").environ, "PYTHONPATH": src}
+    cmd = [sys.executable, "-m", "epochstream.cli", "run", f"{job}:build", "--deployment", "spark",
+           "--master", "local[2,2]", "--spark-conf", "spark.ui.enabled=false", "--checkpoint-dir",
+           str(tmp_path / "chk"), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    assert doc["metrics"]["deployment"] == "spark" and doc["records_in"] == 5000
+    assert sum(1 for _ in committed_output(tmp_path / "out" / "counts")) == 5000
+    listed = subprocess.run([sys.executable, "-m", "epochstream.cli", "checkpoints", "list", "--checkpoint-dir",
+                             str(tmp_path / "chk"), "--json"], capture_output=True, text=True, env=env, timeout=60)
+    rows = json.loads(listed.stdout)["checkpoints"]
+    assert rows and all(r["metrics"]["tasks"] and r["metrics"]["service_messages"]["acks"] == 4 for r in rows)
+    bad = subprocess.run([sys.executable, "-m", "epochstream.cli", "run", f"{job}:build", "--master", "local[2]"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "--master and --spark-conf need --deployment spark" in bad.stderr
