@@ -102,7 +102,8 @@ def main() -> None:
     print(f"SparkSession on {args.master} started in {time.perf_counter() - t0:.1f}s", flush=True)
     rows: list[dict] = []
     epochs: dict[str, list[float]] = {"local": [], "spark": []}
-    run_run(spark, args.records, args.interval, 1 << 14, "spark")  # warm-up: Python workers, imports
+    warm = pipeline(1 << 14, args.interval)  # warm-up: Python workers, imports
+    warm.run(deployment="spark", checkpoint_dir=tempfile.mkdtemp(prefix="bench-spark-warm-"), spark=spark)
 
     for rep in range(args.repeats):
         for deployment in ("local", "spark"):
@@ -146,19 +147,15 @@ def main() -> None:
     print(f"{'metric':<42} {'local':>12} {'spark':>12}")
     print(f"{'throughput, median (records/s)':<42} {tput['local']:>12.0f} {tput['spark']:>12.0f}")
     print(f"{'spark / local throughput':<42} {'':>12} {ratio:>12.2f}")
-    for d in ("local", "spark"):
-        v = sorted(epochs[d])
-        print(f"{'trigger -> commit median / p95 (ms), ' + d:<42} "
-              f"{1e3 * statistics.median(v):>12.1f} {1e3 * v[int(0.95 * (len(v) - 1))]:>12.1f}")
+    med = {d: 1e3 * statistics.median(epochs[d]) for d in epochs}
+    p95 = {d: 1e3 * sorted(epochs[d])[int(0.95 * (len(epochs[d]) - 1))] for d in epochs}
+    print(f"{'epoch trigger -> commit, median (ms)':<42} {med['local']:>12.1f} {med['spark']:>12.1f}")
+    print(f"{'epoch trigger -> commit, p95 (ms)':<42} {p95['local']:>12.1f} {p95['spark']:>12.1f}")
     if rec:
         print(f"{'recovery after a kill, median / max (s)':<42} {statistics.median(rec):>12.2f} {max(rec):>12.2f}"
               f"   ({len(rec)} kills, {r.restarts} restarts)")
     _plot(out, rows, epochs, rec, ratio)
     print(f"wrote {out / 'spark.csv'} and {out / 'spark.png'}")
-
-
-def run_run(spark, records, interval, n, deployment):
-    pipeline(n, interval).run(deployment=deployment, checkpoint_dir=tempfile.mkdtemp(), spark=spark)
 
 
 def _plot(out: Path, rows, epochs, rec, ratio) -> None:
