@@ -105,9 +105,11 @@ RESTART_DELAY = 0.05
 N_LOCAL = 50_000
 
 
-def _local_oracle(work: str, mode: str, kills: list[float], seed: int):
+def _local_oracle(work: str, mode: str, kills: list[float], seed: int,
+                  fail_points: dict[str, set[int]] | None = None, build=None):
     """The oracle over the local driver; ``kills`` are SIGKILL times of workers as fractions of
-    the failure-free run's measured duration (at least 0.25 s apart)."""
+    the failure-free run's measured duration (at least 0.25 s apart); ``fail_points`` crash
+    the driver-side job master."""
     runs: dict[str, Any] = {}
 
     def run(p, chk, failing):
@@ -116,14 +118,15 @@ def _local_oracle(work: str, mode: str, kills: list[float], seed: int):
         failures = None
         if failing:
             horizon = runs["reference_seconds"]
-            failures = FailureSchedule(kill_times=[max(f * horizon, 0.25 * (i + 1)) for i, f in enumerate(kills)])
+            failures = FailureSchedule(kill_times=[max(f * horizon, 0.25 * (i + 1)) for i, f in enumerate(kills)],
+                                       fail_points=dict(fail_points or {}))
         t0 = time.perf_counter()
         runs["chaos" if failing else "reference"] = r = p.run(deployment="local", checkpoint_dir=chk,
                                                                failures=failures, seed=seed)
         runs.setdefault("reference_seconds", time.perf_counter() - t0)
         return r
 
-    build = partial(running_count, n=N_LOCAL, parallelism=2, mode=mode, interval=0.1, batch_size=64)
+    build = build or partial(running_count, n=N_LOCAL, parallelism=2, mode=mode, interval=0.1, batch_size=64)
     return check_exactly_once(build, run, work), runs
 
 
@@ -135,6 +138,23 @@ def test_local_driver_with_real_kills_on_every_backend(backend, mode):
     chaos = runs["chaos"]
     why = f"{name}/{mode}: {report.to_json()} failovers={chaos.metrics['failovers']}"
     assert chaos.metrics["failures_injected"] >= 2 and chaos.restarts >= 2, why
+    assert_exactly_once(report, why)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_local_driver_job_master_crashes_on_every_backend(backend, mode):
+    """Real processes, two sinks: the job master crashes after a manifest, between two sink
+    commits, and twice while recovery re-issues commits; a worker is SIGKILLed too."""
+    name, work = backend
+    points = {"after_manifest": {2}, "mid_commit": {3}, "recovery": {3, 5}}
+    build = partial(two_sinks, n=30_000, parallelism=2, mode=mode, interval=0.25, batch_size=64)
+    report, runs = _local_oracle(work, mode, kills=[0.6], seed=8, fail_points=points, build=build)
+    chaos = runs["chaos"]
+    why = f"{name}/{mode}: {report.to_json()} failovers={chaos.metrics['failovers']}"
+    reasons = " ".join(f["reason"] for f in chaos.metrics["failovers"])
+    for point in points:
+        assert f"injected crash at {point}" in reasons, why
     assert_exactly_once(report, why)
 
 

@@ -357,3 +357,10 @@ def test_job_with_failures_exhausting_retries_fails_over_and_finishes(tmp_path, 
     assert result.restarts >= 1
     assert any("SlowDown" in f["reason"] for f in result.metrics["failovers"])
     assert check_running_counts(FileSink(f"{out}/counts").read(), range(N)) == []
+
+
+def test_restore_across_schemes_is_refused_by_name(s3_url, tmp_path):
+    with pytest.raises(CheckpointError, match="is not an S3 URL"):
+        open_storage(s3_url).load_manifest(str(tmp_path / "chk-1"))
+    with pytest.raises(CheckpointError, match="is not a local path"):
+        open_storage(str(tmp_path)).load_manifest(f"{s3_url}/chk-1")
