@@ -148,7 +148,7 @@ def test_local_driver_job_master_crashes_on_every_backend(backend, mode):
     commits, and twice while recovery re-issues commits; a worker is SIGKILLed too."""
     name, work = backend
     points = {"after_manifest": {2}, "mid_commit": {3}, "recovery": {3, 5}}
-    build = partial(two_sinks, n=30_000, parallelism=2, mode=mode, interval=0.25, batch_size=64)
+    build = partial(two_sinks, n=15_000, parallelism=2, mode=mode, interval=0.25, batch_size=64)
     report, runs = _local_oracle(work, mode, kills=[0.6], seed=8, fail_points=points, build=build)
     chaos = runs["chaos"]
     why = f"{name}/{mode}: {report.to_json()} failovers={chaos.metrics['failovers']}"
@@ -171,7 +171,8 @@ def test_s3_worker_killed_mid_upload_under_throttling(s3_url, fault_proxy, monke
              fault_proxy.add(Fault("PUT", chaos_only + r"out/counts/_staging/", "kill_sender", times=1, skip=5))]
     fault_proxy.add(Fault("PUT", chaos_only + r"chk/shared/", "error", 503, "SlowDown", times=3))
     fault_proxy.add(Fault("PUT", chaos_only + r"out/counts/_staging/", "delay", seconds=2.5, times=1, skip=1))
-    report, runs = _local_oracle(s3_url, mode, kills=[], seed=6)
+    build = partial(running_count, n=20_000, parallelism=2, mode=mode, interval=0.1, batch_size=64)
+    report, runs = _local_oracle(s3_url, mode, kills=[], seed=6, build=build)
     chaos = runs["chaos"]
     why = f"{mode}: {report.to_json()} failovers={chaos.metrics['failovers']} proxy={fault_proxy.log[-5:]}"
     assert [len(k.killed) for k in kills] == [1, 1], why
