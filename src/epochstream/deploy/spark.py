@@ -180,14 +180,14 @@ def _warm_task(paths: list[str]):
     return warm
 
 
-#: SparkContexts whose Python workers have imported epochstream (by id of the JVM context)
-_WARM: set[int] = set()
+#: SparkContexts (application ids) whose Python workers have imported epochstream
+_WARM: set[str] = set()
 
 
 def warm_up(sc, slots: int) -> None:
     """Start a Python worker per slot and import epochstream in it, once per SparkContext, so
     the first attempt's start (and a benchmark's first run) does not pay for cold workers."""
-    key = id(sc._jsc)
+    key = sc.applicationId
     if key in _WARM:
         return
     paths = [os.path.abspath(x) for x in sys.path if x]
