@@ -18,7 +18,7 @@ Trigger to commit: every completed epoch of the throughput runs (per driver).
 Writes benchmarks/results/spark.csv (one row per run or kill) and spark.png; prints a
 summary. Not a test: nothing here asserts timings.
 
-    python benchmarks/spark.py [--records 400000] [--repeats 3] [--kills 10] [--master local[2,4]]
+    python benchmarks/spark.py [--records 1200000] [--repeats 3] [--kills 10] [--master local[2,4]]
 """
 
 from __future__ import annotations
@@ -84,11 +84,11 @@ def run_once(deployment: str, records: int, interval: float, spark, failures=Non
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--records", type=int, default=400_000)
+    ap.add_argument("--records", type=int, default=1_200_000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--interval", type=float, default=0.5)
     ap.add_argument("--kills", type=int, default=10)
-    ap.add_argument("--kill-records", type=int, default=1_000_000, help="input of the run with kills")
+    ap.add_argument("--kill-records", type=int, default=1_500_000, help="input of the run with kills")
     ap.add_argument("--master", default="local[2,4]")
     ap.add_argument("--target", default="worker", choices=["worker", "executor"])
     ap.add_argument("--out", default=str(HERE / "results"))
