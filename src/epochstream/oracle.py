@@ -17,6 +17,19 @@ user functions: the semantics the job promises, with no epochs, channels or fail
 With event time, the reference fires each operator's timers up to the time label the
 manifest of epoch n records for it, after epoch n's records (timers commute with records
 of later timestamps, as in Flink), and all of them at the end of bounded input.
+
+Cycles. The reference runs a loop to its fixpoint: records move through a FIFO work list,
+so every chunk of input (and everything it feeds back) is processed before the next. In
+aligned mode an epoch's cut goes through a loop (thesis Algorithm 7): the committed state
+of epoch n has not seen the records in transit on the back edge, which the loop heads
+logged instead. So the check for epoch n first *completes* the committed epoch: it loads
+the committed state into a fresh reference, feeds the logged records in at the back
+edges, and runs the loop to its fixpoint; that state, and the committed output plus what
+the completion emitted, must equal the reference over the epoch's input prefix. A log
+that missed or doubled a record shows up there. In tracker mode the logs are empty (an
+epoch ends when its loop has drained), so the committed state itself must match.
+Per-epoch comparisons need loops whose fixpoint does not depend on the order records go
+round (a count, a minimum, a set); outputs compare as multisets.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .graph.cycles import back_edges
 from .graph.plan import Node, _topological
 from .runtime.context import Context
 from .runtime.messages import END_OF_TIME
@@ -49,7 +63,9 @@ class Reference:
 
     def __init__(self, pipeline) -> None:
         self.nodes: dict[int, Node] = pipeline._nodes
-        self.order = _topological(self.nodes)
+        self.order = _acyclic_order(self.nodes)
+        #: records waiting to enter a node: (node, records, input edge); FIFO to a fixpoint
+        self._work: collections.deque[tuple[Node, list[Any], int]] = collections.deque()
         self.consumers: dict[int, list[tuple[Node, int]]] = {nid: [] for nid in self.nodes}
         for n in self.nodes.values():
             for i, e in enumerate(n.inputs):
@@ -116,9 +132,30 @@ class Reference:
                 for consumer, i in self.consumers[nid]:
                     self._push(consumer, out, i)
 
+    def inject(self, node_id: int, edge: int, records: list[Any]) -> None:
+        """Feed ``records`` into node ``node_id`` through its input ``edge`` (a back edge:
+        the records a loop head logged) and run to the fixpoint."""
+        self._push(self.nodes[node_id], records, edge)
+
+    def restore(self, storage, manifest: dict[str, Any], root: Path) -> None:
+        """Start from a committed epoch's keyed state instead of empty state."""
+        for uid, st in self.states.items():
+            entry = manifest["operators"].get(uid)
+            if entry is not None:
+                st.restore_rows(storage.read_operator_rows(manifest, root, uid), entry.get("states", {}))
+
     def _push(self, node: Node, records: list[Any], edge: int = 0) -> None:
+        work = self._work
+        work.append((node, records, edge))
+        if len(work) > 1:
+            return  # an outer call is draining the work list
+        while work:
+            self._apply(*work[0])
+            work.popleft()
+
+    def _apply(self, node: Node, records: list[Any], edge: int) -> None:
         kind = node.kind
-        if kind == "source":
+        if kind in ("source", "iterate"):
             out = records
         elif kind == "map":
             out = [node.payload(r) for r in records]
@@ -143,10 +180,20 @@ class Reference:
             raise ValueError(f"reference run: unknown operator kind {kind!r}")
         if out:
             for consumer, i in self.consumers[node.id]:
-                self._push(consumer, out, i)
+                self._work.append((consumer, out, i))
 
     def state(self) -> dict[str, dict]:
         return {uid: st.as_dict() for uid, st in self.states.items()}
+
+
+def _acyclic_order(nodes: dict[int, Node]) -> list[int]:
+    """A topological order of the graph with its back edges cut (loops run to a fixpoint)."""
+    cut = {(v, pos) for _u, v, pos in back_edges(nodes)}
+    if not cut:
+        return _topological(nodes)
+    dag = {nid: Node(n.id, n.kind, n.name, n.payload, n.uid,
+                     [e for i, e in enumerate(n.inputs) if (nid, i) not in cut]) for nid, n in nodes.items()}
+    return _topological(dag)
 
 
 def reference_run(pipeline, offsets: dict[str, dict[int, int]] | None = None) -> tuple[dict, dict]:
@@ -218,6 +265,8 @@ class OracleReport:
     at_least_once: bool = False
     records_expected: int = 0
     records_committed: int = 0
+    #: records the loop heads had logged in transit, over all epochs checked (aligned mode)
+    loop_records_logged: int = 0
     examples: list[str] = field(default_factory=list)
 
     @property
@@ -238,6 +287,7 @@ class OracleReport:
             "restarts": self.restarts,
             "records_expected": self.records_expected,
             "records_committed": self.records_committed,
+            "loop_records_logged": self.loop_records_logged,
             "examples": self.examples[:10],
         }
 
@@ -272,6 +322,37 @@ def committed_state(storage, manifest: dict[str, Any], root: Path) -> dict[str, 
     return out
 
 
+def loop_logs(storage, manifest: dict[str, Any], root: Path, loops) -> dict[str, list[Any]]:
+    """Records each loop head logged in transit at a committed epoch: head uid -> records."""
+    out: dict[str, list[Any]] = {}
+    for lp in loops:
+        entry = manifest["operators"].get(lp.uid)
+        if entry is None:
+            continue
+        st = HeapKeyedState(lp.uid, lambda k: 0, (0, 0))
+        st.restore_rows(storage.read_operator_rows(manifest, root, lp.uid), entry.get("states", {}))
+        out[lp.uid] = [r for recs in st.as_dict().get("in_transit", {}).values() for r in recs]
+    return out
+
+
+def complete_epoch(pipeline, storage, manifest: dict[str, Any], root: Path, loops) -> tuple[dict, dict, int]:
+    """A committed epoch run to its fixpoint: its state with the loop heads' logs fed back in.
+
+    Returns (process uid -> state, sink uid -> records the completion emitted, records logged).
+    """
+    logs = loop_logs(storage, manifest, root, loops)
+    logged = sum(len(v) for v in logs.values())
+    if not logged:
+        return {uid: v for uid, v in committed_state(storage, manifest, root).items()
+                if uid not in {lp.uid for lp in loops}}, {}, 0
+    ref = Reference(pipeline)
+    ref.restore(storage, manifest, root)
+    for lp in loops:
+        if logs.get(lp.uid):
+            ref.inject(lp.dst, lp.edge, logs[lp.uid])
+    return ref.state(), ref.sinks, logged
+
+
 def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, collections.Counter] | None,
               exactly_once: bool = True, report: OracleReport | None = None) -> OracleReport:
     """Check a finished run's committed output and every retained epoch against the reference."""
@@ -291,6 +372,7 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
             for rec in list(dup)[:3]:
                 report.note(f"sink {uid}: duplicated or unexpected {rec}")
     by_epoch = {uid: _lines_by_epoch(folder) for uid, folder in sinks.items()}
+    loops = pipeline.plan().loops
     ref = Reference(pipeline)
     want_out = {uid: collections.Counter() for uid in sinks}  # reference output so far, as JSON lines
     seen_out = {uid: 0 for uid in sinks}
@@ -302,7 +384,8 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
         ref.feed(offsets, {uid: op["event_time"] for uid, op in manifest["operators"].items() if "event_time" in op})
         ref_states = ref.state()
         report.epochs_checked += 1
-        got_states = committed_state(storage, manifest, root)
+        got_states, completion_out, logged = complete_epoch(pipeline, storage, manifest, root, loops)
+        report.loop_records_logged += logged
         for uid in set(ref_states) | set(got_states):
             want, got = ref_states.get(uid, {}), got_states.get(uid, {})
             for name in set(want) | set(got):
@@ -322,6 +405,8 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
                 want_out[uid].update(_encoded(recs[seen_out[uid]:], pipeline.sinks[uid].encoder))
                 seen_out[uid] = len(recs)
                 want = want_out[uid]
+                if completion_out.get(uid):  # what the records in transit at the cut go on to emit
+                    got = got + _encoded(completion_out[uid], pipeline.sinks[uid].encoder)
                 if got != want:
                     report.mismatched_epoch_output += 1
                     report.note(f"epoch {epoch} sink {uid}: {sum((want - got).values())} missing, {sum((got - want).values())} extra")

@@ -105,6 +105,14 @@ class Stream:
             heads.extend(o._heads)
         return Stream(self._p, heads)
 
+    # -- cycles
+    def iterate(self, uid: str | None = None, name: str = "iterate") -> "IterativeStream":
+        """Start a loop (Flink's ``DataStream.iterate()``): the returned stream carries this
+        stream's records and every record later fed back with ``close_with``."""
+        uid = uid or f"iterate-{len(self._p._nodes)}"
+        s = self._p._add("iterate", name, Iteration(uid), self._heads, uid=uid)
+        return IterativeStream(self._p, s._heads)
+
     # -- sinks
     def sink(self, sink: Any, uid: str | None = None, name: str = "sink") -> "Stream":
         """Write to a transactional sink: only committed epochs become visible."""
@@ -115,6 +123,38 @@ class Stream:
 
     def process(self, fn: Any, uid: str | None = None, name: str | None = None) -> "Stream":
         raise TypeError("process() needs keyed state: call key_by(...) first")
+
+
+@dataclass
+class Iteration:
+    """Payload of an ``iterate`` node: whether ``close_with`` has given it its feedback."""
+
+    uid: str
+    closed: bool = False
+
+
+class IterativeStream(Stream):
+    """The head of a loop: records entering it plus records fed back with ``close_with``.
+
+    Records fed back travel the loop's *back edge*; the planner cuts it into a loop tail
+    and a loop head joined by a phantom channel, which is what lets epochs end in a
+    cycle (aligned mode logs what is in transit there; tracker mode treats the loop as one
+    segment). A record fed back keeps going round until the body stops feeding it back,
+    so the body must eventually drop (or emit) every record, or its epoch never ends.
+    """
+
+    def close_with(self, feedback: Stream) -> Stream:
+        """Feed ``feedback`` back into this loop (Flink's ``closeWith``); returns it."""
+        if feedback._p is not self._p:
+            raise ValueError("close_with() needs a stream of the same pipeline")
+        node = self._p._nodes[self._heads[0].src]
+        if node.payload.closed:
+            raise ValueError(f"iteration {node.uid!r} is already closed")
+        node.inputs.extend(feedback._heads)
+        node.payload.closed = True
+        return feedback
+
+    feedback = close_with
 
 
 class KeyedStream(Stream):

@@ -236,6 +236,8 @@ class ClusterDriver(Driver):
         master = self.new_master(restored, time.monotonic(), self.deployment, traffic=traffic, workers=n)
         tracking = (make_tracking(self.plan, restored, traffic, self.pipeline, attempt)
                     if self.pipeline.mode == "tracker" else None)
+        if tracking is not None:
+            master.explain_timeout = tracking.undrained_loops
         n_sources = sum(1 for c in self.plan.chains if c.is_source) * self.plan.parallelism
         exhausted: set = set()
         ready = 0
@@ -250,7 +252,9 @@ class ClusterDriver(Driver):
                 if master.finished and len(stopped) == n:
                     break
                 if ready == n and not master.finished:
-                    if self.deadline is not None and now >= self.deadline and not final_requested:
+                    # the duration ends the job even while a final epoch waits for its loops to drain
+                    if self.deadline is not None and now >= self.deadline and (
+                            not final_requested or master.drain_final):
                         final_requested = True
                         self._apply(master.request(now, FINAL), conns)
                     stop = self.stop_request
@@ -298,7 +302,7 @@ class ClusterDriver(Driver):
                     if (len(exhausted) == n_sources and not final_requested
                             and (tracking is None or tracking.agent.time_finished())):
                         final_requested = True
-                        self._apply(master.request(now, FINAL), conns)
+                        self._apply(master.request(now, FINAL, drain=True), conns)
                     elif kind == "stopped":
                         stopped[msg[1]] = msg[2]
                         for kind_sent, count in (("marker", msg[3]), ("watermark", msg[4])):

@@ -33,6 +33,7 @@ from ..runtime.errors import ConfigurationError, EpochStreamError
 from ..runtime.messages import TaskCapture, TaskId
 from ..runtime.task import Task
 from ..runtime.tracking import TaskTracking
+from ..loops.task import LoopHeadTask
 from ..tracker.agent import TrackingAgent
 from ..tracker.gate import FirmBoundGate
 from ..tracker.local import BatchIds, LocalTracker
@@ -48,6 +49,7 @@ from ..snapshot.coordinator import (
     CoordinatorConfig,
     EpochCoordinator,
     FailJob,
+    FINAL,
     JobFinished,
     TriggerEpoch,
 )
@@ -246,6 +248,21 @@ class Tracking:
     def chains_of(self, segment: int) -> tuple[int, ...]:
         return tuple(self.segmentation.segments[segment])
 
+    def undrained_loops(self, epoch: int) -> list[dict[str, Any]]:
+        """Loops (cyclic segments) that hold ``epoch`` back: everything upstream has passed
+        it, but records of an epoch <= ``epoch`` are still going round inside. In tracker
+        mode such an epoch ends only when its loop drains, so a loop that never drains
+        holds its epoch (and, through the firm bounds, every later one) forever."""
+        seg, agent = self.segmentation, self.agent
+        out = []
+        for s, cyclic in enumerate(seg.cyclic):
+            if not cyclic or agent.bound(s) >= epoch or agent.cap(s) < epoch:
+                continue
+            flight = {e: bal for e, (_x, bal) in agent.in_flight(s).items() if e <= epoch}
+            out.append({"segment": s, "chains": list(seg.segments[s]), "bound": agent.bound(s),
+                        "in_flight": {str(e): bal for e, bal in flight.items()}})
+        return out
+
     def notes(self, neoss) -> list[tuple[tuple[int, ...], Any]]:
         """(chains, note) per notification that has receivers (source segments have none):
         the epoch of a NEOSS, or the ``WindowEnd`` itself; tasks take both through ``on_neoss``."""
@@ -357,7 +374,8 @@ def build_tasks(
             gate = (gate_factory or (lambda chans: BarrierAligner(chans, exactly_once)))(plan.inputs[tid])
             if isinstance(gate, BarrierAligner):
                 gate.reset(start_epoch - 1)
-        tasks[tid] = Task(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets, tracking,
+        kind = LoopHeadTask if plan.chains[tid[0]].is_loop_head else Task
+        tasks[tid] = kind(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets, tracking,
                           None if tracker_mode else slack)
     return tasks
 
@@ -434,6 +452,7 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
         capture.alignment_seconds, time.perf_counter() - t0, capture.held_records,
         event_time={kc.operator_uid: kc.event_time for kc in capture.keyed if kc.event_time is not None},
         captured_at=capture.captured_at, operator_state=capture.operator_state,
+        loop_log_records=capture.loop_log_records, loop_log_bytes=capture.loop_log_bytes,
     )
 
 
@@ -508,12 +527,21 @@ class JobMaster:
         self.finished = False
         self.completed: list[int] = []
         self.epoch_log: list[dict[str, Any]] = []
+        #: tracker mode: epoch -> loops still holding it (``Tracking.undrained_loops``), asked on a timeout
+        self.explain_timeout: Callable[[int], list[dict[str, Any]]] | None = None
+        #: the final epoch must cut through empty loops (a bounded job whose sources are exhausted)
+        self.drain_final = False
 
     # -- events from the driver
     def poll(self, now: float) -> MasterOutput:
         return self._run(self.coordinator.poll(now), now)
 
-    def request(self, now: float, kind: str) -> MasterOutput:
+    def request(self, now: float, kind: str, drain: bool = False) -> MasterOutput:
+        """Start an epoch now. ``drain`` (a final epoch once every source is exhausted): the job
+        ends only with a final epoch whose loop heads logged nothing, so no record is left
+        going round a loop; a job stopped by ``duration`` ends at once (a restore replays the logs)."""
+        if kind == FINAL:
+            self.drain_final = drain
         return self._run(self.coordinator.request(now, kind), now)
 
     def ack(self, info: AckInfo, now: float) -> MasterOutput:
@@ -548,6 +576,7 @@ class JobMaster:
     def _run(self, actions: list[Any], now: float) -> MasterOutput:
         out = MasterOutput()
         queue = list(actions)
+        undrained = ""
         while queue:
             a = queue.pop(0)
             if isinstance(a, TriggerEpoch):
@@ -562,14 +591,23 @@ class JobMaster:
                 self._commit(a.epoch)
                 out.committed.append(a.epoch)
             elif isinstance(a, AbortEpoch):
-                log.info("epoch %d aborted: %s", a.epoch, a.reason)
+                entry = {"epoch": a.epoch, "state": "aborted", "reason": a.reason}
+                loops = self.explain_timeout(a.epoch) if self.explain_timeout and "timed out" in a.reason else []
+                if loops:
+                    entry["undrained_loops"] = loops
+                    undrained = (f"; its loop never drained in tracker mode (an epoch ends only when no record of it "
+                                 f"is left going round): {loops}")
+                    log.warning("epoch %d aborted: %s%s", a.epoch, a.reason, undrained)
+                else:
+                    undrained = ""
+                    log.info("epoch %d aborted: %s", a.epoch, a.reason)
                 self.storage.abort(a.epoch)  # its staged sink output commits with the next epoch
-                self.epoch_log.append({"epoch": a.epoch, "state": "aborted", "reason": a.reason})
+                self.epoch_log.append(entry)
                 req = self.savepoints.pop(a.epoch, None)
                 if req is not None:
                     req.fail(f"savepoint epoch {a.epoch} aborted: {a.reason}")
             elif isinstance(a, FailJob):
-                out.failover = a.reason
+                out.failover = a.reason + undrained
             elif isinstance(a, JobFinished):
                 self.finished = True
                 for req in self.savepoints.values():
@@ -592,7 +630,13 @@ class JobMaster:
             return self.coordinator.manifest_failed(a.epoch, f"{type(exc).__name__}: {exc}", now)
         self.fail_point("after_manifest")
         self.manifests[a.epoch] = manifest
-        return self.coordinator.manifest_written(a.epoch, now)
+        # a final epoch whose loop heads logged records in transit has not drained its loops:
+        # the job goes on (another final epoch) until one cuts through empty loops
+        logged = manifest["metrics"].get("loop_log_records", 0)
+        drained = not (self.drain_final and logged)
+        if not drained and a.kind == FINAL:
+            log.info("final epoch %d cut through %d records still in loops; another final epoch follows", a.epoch, logged)
+        return self.coordinator.manifest_written(a.epoch, now, drained=drained)
 
     def _epoch_metrics(self, a: CompleteEpoch, now: float) -> dict[str, Any]:
         """What the manifest records about how epoch ``a.epoch`` went (beyond bytes and files):
@@ -700,6 +744,12 @@ class Driver:
                  savepoint_dir: str | None = None, stop_with_savepoint: bool = False) -> None:
         self.pipeline = pipeline
         self.plan = pipeline.plan(parallelism)
+        if self.plan.loops and uses_event_time(pipeline):
+            # a loop's entry would wait for a watermark (or time bound) from its own loop head
+            raise ConfigurationError(
+                f"event time (a source with timestamps) is not supported in a pipeline with loops "
+                f"{[lp.uid for lp in self.plan.loops]}: time cannot progress round a cycle yet"
+            )
         self.storage = storage
         #: Flink-style 32-hex job id, new for every run (never from a seeded generator)
         self.job_id = secrets.token_hex(16)

@@ -98,9 +98,12 @@ class SimDriver(Driver):
         tasks = build_tasks(self.pipeline, plan, None, self.storage, restored, trackers=trackers, attempt=attempt)
         self.tasks = tasks  # the last attempt's tasks (benchmarks read their logs)
         master = self.new_master(restored, self.now, "sim", traffic=traffic)
+        if tracking is not None:
+            master.explain_timeout = tracking.undrained_loops
         savepoints_at = sorted(self.now + t for t in cfg.savepoints_at)
         batch = cfg.source_batch or self.pipeline.batch_size
         sources = [t for t in tasks.values() if t.is_source]
+        trigger_targets = [t for t in tasks.values() if t.takes_triggers]  # sources and (aligned) loop heads
         exhausted: set = set()
         events: list[tuple[float, int, str, Any]] = []
         seq = itertools.count()
@@ -151,7 +154,7 @@ class SimDriver(Driver):
             final_waiting = True
             if not final_requested and (tracking is None or tracking.agent.time_finished()):
                 final_requested = True
-                apply_master(master.request(self.now, FINAL))
+                apply_master(master.request(self.now, FINAL, drain=True))
 
         def fifo(link: Any, sent_at: float, mean_delay: float) -> float:
             """Arrival time on a FIFO link: a random delay, never before the previous message."""
@@ -167,12 +170,15 @@ class SimDriver(Driver):
             if out.failover:
                 raise Failover(out.failover)
             for trig in out.triggers:
-                for s in sources:
+                for s in trigger_targets:
                     s.trigger(trig.epoch)
                     schedule_step(s.id)
 
         for s in sources:
             push(self.now, "read", s.id)
+        for t in tasks.values():  # a loop head re-emits its restored log first
+            if not t.is_source and t.has_input():
+                schedule_step(t.id)
         kill_times = self.failures.kill_times
         while not master.finished:
             if self.kills_done < len(kill_times) and kill_times[self.kills_done] <= self.now:
@@ -180,7 +186,8 @@ class SimDriver(Driver):
                 self.injected += 1
                 worker = rng.randrange(plan.parallelism)
                 raise Failover(f"worker {worker} killed at t={self.now:.6f}")
-            if stop_at is not None and self.now >= stop_at and not final_requested:
+            # the duration ends the job even while a final epoch waits for its loops to drain
+            if stop_at is not None and self.now >= stop_at and (not final_requested or master.drain_final):
                 final_requested = True
                 apply_master(master.request(self.now, FINAL))
             while savepoints_at and savepoints_at[0] <= self.now:
@@ -206,7 +213,8 @@ class SimDriver(Driver):
                 self.now = max(self.now, deadline)
                 continue
             t = events[0][0]
-            wake = min(x for x in (t, deadline, next_kill, stop_at if not final_requested else None) if x is not None)
+            stop = stop_at if (not final_requested or master.drain_final) else None
+            wake = min(x for x in (t, deadline, next_kill, stop) if x is not None)
             if wake < t:
                 self.now = max(self.now, wake)
                 continue

@@ -23,6 +23,11 @@ Flow control has two parts:
   yet sent) crosses ``HIGH_WATERMARK`` tells its peers; sources stop reading while any worker
   is over it, and resume below ``LOW_WATERMARK``. This bounds what alignment holds back.
 
+Loops cannot deadlock on either: the loop never blocks (a link queues envelopes without
+limit while it waits for credit), only sources are throttled, a loop head is not a source,
+and the phantom channel (loop tail -> head) is a hand-over inside the worker. So a loop's
+feedback keeps moving while the sources pause, and it drains (ARCHITECTURE.md §6a).
+
 Chaos: a driver may ask a worker to die at a protocol moment (``("die", moment, pid)``):
 ``now``, ``alignment`` (while a task holds messages for its epoch gate: mid-alignment, or in
 trAcker mode mid-hold) or ``snapshot_write`` (in the writer thread, between staging sink
@@ -143,6 +148,8 @@ class WorkerLoop:
         self.watermarks_sent = 0
         self.sources = [t for t in self.tasks.values() if t.is_source]
         self.others = [t for t in self.tasks.values() if not t.is_source]
+        #: tasks the coordinator's triggers go to: sources and, in the aligned modes, loop heads
+        self.triggered = [t for t in self.tasks.values() if t.takes_triggers]
         self.channel_dst = {c.id: c.dst for c in plan.channels}
         self.outbox: dict[int, list] = {p: [] for p in peers}
         self.links = {p: PeerLink(c) for p, c in peers.items()}
@@ -218,7 +225,7 @@ class WorkerLoop:
             if self.die_at is not None and self.die_at[0] == "alignment" and any(t.held for t in self.others):
                 self._maybe_die("alignment")
             for task in self.others:
-                if task.mailbox or task.neoss:
+                if task.has_input():  # mailbox, NEOSS, triggers (loop heads), a restored loop log
                     self._handle(task.step(time.monotonic(), STEP_BUDGET))
                     did = True
             throttled = self.pressured or bool(self.peer_pressure)
@@ -253,7 +260,7 @@ class WorkerLoop:
             msg = self.control.recv()
             did = True
             if msg[0] == "trigger":
-                for s in self.sources:
+                for s in self.triggered:
                     s.trigger(msg[1])
             elif msg[0] == "neoss":
                 for chains, epoch in msg[1]:

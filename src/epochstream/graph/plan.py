@@ -1,5 +1,8 @@
 """Logical graph -> physical plan: operator chains, channels, key-group routing.
 
+Cycles are cut first (``cycles.expand_loops``): each back edge becomes a loop tail, a
+phantom channel and a loop head, so chaining and channel layout below see a DAG.
+
 Operators joined by a *forward* edge run in the same task (a chain, as Flink chains them);
 a chain ends where records change subtask (``hash`` by key, ``rebalance``) or where
 several inputs meet. Every chain runs at the job's parallelism, and worker ``w`` hosts
@@ -12,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .cycles import LOOP_HEAD, LOOP_TAIL, Loop, expand_loops
 from .keygroups import check_parallelism, default_max_parallelism, key_group_range
 
 FORWARD, HASH, REBALANCE = "forward", "hash", "rebalance"
@@ -26,7 +30,8 @@ class Edge:
 
 @dataclass
 class Node:
-    """A logical operator. ``kind``: source, map, flat_map, filter, process, sink."""
+    """A logical operator. ``kind``: source, map, flat_map, filter, process, sink, iterate
+    (a loop's entry: passes records on); the planner adds loop_head and loop_tail."""
 
     id: int
     kind: str
@@ -50,6 +55,7 @@ class OutEdge:
     partition: str
     key_fn: Callable[[Any], Any] | None
     index: int  # position in the source chain's out_edges
+    phantom: bool = False  # loop tail -> loop head
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class Chain:
     heads: tuple[int, ...]  # nodes fed from outside the chain (or sources)
     out_edges: tuple[OutEdge, ...]
     is_source: bool
+    is_loop_head: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,8 @@ class Channel:
     dst: tuple[int, int]
     out_edge: int  # index in the source chain's out_edges
     dst_node: int
+    #: a loop tail -> loop head channel: never an input the aligner waits on (same worker)
+    phantom: bool = False
 
 
 @dataclass
@@ -85,6 +94,8 @@ class PhysicalPlan:
     outputs: dict[tuple[int, int], list[list[int]]]
     #: task -> its input channel ids
     inputs: dict[tuple[int, int], list[int]]
+    #: back edges cut by loop expansion, one head/tail pair each
+    loops: tuple[Loop, ...] = ()
 
     @property
     def tasks(self) -> list[tuple[int, int]]:
@@ -103,15 +114,22 @@ def build_plan(name: str, nodes: dict[int, Node], parallelism: int, max_parallel
         max_parallelism = default_max_parallelism(parallelism)
     check_parallelism(parallelism, max_parallelism)
     _check_graph(nodes)
+    try:
+        nodes, loops = expand_loops(nodes, Node, Edge)
+    except ValueError as exc:
+        raise GraphError(str(exc)) from None
 
     consumers: dict[int, list[tuple[int, Edge]]] = {nid: [] for nid in nodes}
     for n in nodes.values():
         for e in n.inputs:
             consumers[e.src].append((n.id, e))
+    for lp in loops:  # the phantom channel: not an input of the head, so the graph stays acyclic
+        consumers[lp.tail].append((lp.head, Edge(lp.tail, FORWARD, None)))
 
-    # A node starts a new chain unless it has exactly one input and that input is forward.
+    # A node starts a new chain unless it has exactly one input and that input is forward;
+    # a loop head always does (its records come through the phantom channel).
     def is_head(n: Node) -> bool:
-        return not (len(n.inputs) == 1 and n.inputs[0].partition == FORWARD)
+        return n.kind == LOOP_HEAD or not (len(n.inputs) == 1 and n.inputs[0].partition == FORWARD)
 
     order = _topological(nodes)
     chain_of: dict[int, int] = {}
@@ -132,7 +150,8 @@ def build_plan(name: str, nodes: dict[int, Node], parallelism: int, max_parallel
         for nid in ms:
             for dst, e in consumers[nid]:
                 if chain_of[dst] != cid or is_head(nodes[dst]):
-                    outs.append(OutEdge(nid, chain_of[dst], dst, e.partition, e.key_fn, len(outs)))
+                    phantom = nodes[dst].kind == LOOP_HEAD
+                    outs.append(OutEdge(nid, chain_of[dst], dst, e.partition, e.key_fn, len(outs), phantom))
         head = nodes[ms[0]]
         chains.append(
             Chain(
@@ -142,6 +161,7 @@ def build_plan(name: str, nodes: dict[int, Node], parallelism: int, max_parallel
                 heads=(ms[0],),
                 out_edges=tuple(outs),
                 is_source=head.kind == "source",
+                is_loop_head=head.kind == LOOP_HEAD,
             )
         )
 
@@ -155,11 +175,11 @@ def build_plan(name: str, nodes: dict[int, Node], parallelism: int, max_parallel
             for s in range(parallelism):
                 targets = [s] if oe.partition == FORWARD else list(range(parallelism))
                 for d in targets:
-                    ch = Channel(len(channels), (c.id, s), (oe.dst_chain, d), oe.index, oe.dst_node)
+                    ch = Channel(len(channels), (c.id, s), (oe.dst_chain, d), oe.index, oe.dst_node, oe.phantom)
                     channels.append(ch)
                     outputs[(c.id, s)][oe.index].append(ch.id)
                     inputs[(oe.dst_chain, d)].append(ch.id)
-    return PhysicalPlan(name, parallelism, max_parallelism, dict(nodes), chains, channels, outputs, inputs)
+    return PhysicalPlan(name, parallelism, max_parallelism, dict(nodes), chains, channels, outputs, inputs, loops)
 
 
 def _check_graph(nodes: dict[int, Node]) -> None:
@@ -169,10 +189,14 @@ def _check_graph(nodes: dict[int, Node]) -> None:
             if n.uid in uids:
                 raise GraphError(f"operator uid {n.uid!r} is used twice; uids must be unique in a pipeline")
             uids[n.uid] = n.id
+        if n.kind in (LOOP_HEAD, LOOP_TAIL):
+            raise GraphError(f"operator {n.name!r}: kind {n.kind!r} is reserved for the planner's loop expansion")
         if n.kind == "source" and n.inputs:
             raise GraphError(f"source {n.name!r} cannot have inputs")
         if n.kind != "source" and not n.inputs:
             raise GraphError(f"operator {n.name!r} has no input")
+        if n.kind == "iterate" and not getattr(n.payload, "closed", True):
+            raise GraphError(f"iteration {n.uid!r} was never closed: call close_with(feedback_stream) on it")
         if n.kind == "process":
             if any(e.partition != HASH for e in n.inputs):
                 raise GraphError(f"operator {n.name!r}: keyed process needs a key_by() before it")
@@ -197,5 +221,5 @@ def _topological(nodes: dict[int, Node]) -> list[int]:
                 ready.append(m)
     if len(order) != len(nodes):
         cyclic = sorted(nodes[n].name for n, d in indeg.items() if d > 0)
-        raise GraphError(f"the pipeline has a cycle through {cyclic}; cycles are not supported yet")
+        raise GraphError(f"the graph still has a cycle through {cyclic} after loop expansion")
     return order

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..graph.keygroups import key_bytes, key_group_table, murmur_mix
+from ..graph.cycles import LOOP_HEAD, LOOP_TAIL
 from ..graph.plan import FORWARD, HASH, Chain, PhysicalPlan
 from .errors import UserFunctionError
 from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
@@ -141,7 +142,15 @@ class ChainRuntime:
         kind, fn, label = node.kind, node.payload, node.uid or node.name
         down = self._downstream(nid) if kind != "sink" else None
 
-        if kind == "source":
+        if kind == "source" or kind == "iterate" or kind == LOOP_TAIL:
+            return down  # records pass on unchanged
+        if kind == LOOP_HEAD:
+            # the head's only state: its log of in-transit records (loops.head), kept as
+            # keyed state under the head's uid so every backend stores it like any other;
+            # the key is the subtask's first key group, so a restore at another parallelism
+            # hands each log to the subtask that owns that key group
+            kg_range = self.plan.key_group_range(self.subtask)
+            self.states[node.uid] = HeapKeyedState(node.uid, _key_is_key_group, kg_range)
             return down
         if kind == "map":
 
@@ -284,6 +293,10 @@ class ChainRuntime:
 
 
 _NOT_RECORD_ITERABLES = frozenset({str, bytes, dict})
+
+
+def _key_is_key_group(key: int) -> int:
+    return key
 
 
 def _discard(records: list[Any], keys: list[Any] | None) -> None:

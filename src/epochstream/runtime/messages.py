@@ -104,6 +104,9 @@ class TaskCapture:
     captured_at: float = 0.0
     #: operator (non-keyed) state: (operator uid, state name, mode, pickled value), captured whole
     operator_state: tuple[tuple[str, str, str, bytes], ...] = ()
+    #: a loop head's log of in-transit records (records, pickled bytes); 0 elsewhere
+    loop_log_records: int = 0
+    loop_log_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

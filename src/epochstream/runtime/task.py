@@ -93,6 +93,8 @@ class Task:
         # -- source side
         spec = plan.chains[task_id[0]]
         self.is_source = spec.is_source
+        #: the driver delivers the coordinator's epoch triggers to this task (sources; loop heads)
+        self.takes_triggers = spec.is_source
         self.source: Source | None = None
         self.source_uid: str | None = None
         self.offsets: dict[int, int] = {}

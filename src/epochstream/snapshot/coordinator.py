@@ -193,7 +193,10 @@ class EpochCoordinator:
             return []
         return self._abort(rec, f"task {task} declined epoch {epoch}: {reason}", now)
 
-    def manifest_written(self, epoch: int, now: float) -> list[Any]:
+    def manifest_written(self, epoch: int, now: float, drained: bool = True) -> list[Any]:
+        """The manifest of ``epoch`` is durable. ``drained=False``: the epoch cut through
+        records still circulating in a loop (its loop heads logged some), so if it is the
+        final epoch the job is not finished and another final epoch follows."""
         rec = self.epochs.get(epoch)
         if rec is None or rec.state is not EpochState.PREPARED:
             raise ProtocolError("EpochCoordinator", rec.state.value if rec else "unknown", f"manifest_written({epoch})")
@@ -207,8 +210,11 @@ class EpochCoordinator:
         for old in [e for e in self.pending() if e < epoch]:
             actions += self._abort(self.epochs[old], f"subsumed by epoch {epoch}", now, count=False)
         if self.final_epoch is not None and epoch >= self.final_epoch:
-            self.finished = True
-            actions.append(JobFinished(epoch))
+            if drained:
+                self.finished = True
+                actions.append(JobFinished(epoch))
+            else:
+                self.final_epoch = None  # poll triggers the next final epoch
         return actions + self._prepare_ready(now)
 
     def manifest_failed(self, epoch: int, reason: str, now: float) -> list[Any]:

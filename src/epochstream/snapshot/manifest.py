@@ -85,6 +85,9 @@ class AckInfo:
     event_time: dict[str, int] = field(default_factory=dict)
     #: (operator uid, state name, mode, pickled value) of this task's operator state
     operator_state: tuple[tuple[str, str, str, bytes], ...] = ()
+    #: a loop head's log of in-transit records: records and pickled bytes
+    loop_log_records: int = 0
+    loop_log_bytes: int = 0
 
 
 class ManifestBuilder:
@@ -111,7 +114,8 @@ class ManifestBuilder:
         operators: dict[str, dict[str, Any]] = {}
         sources: dict[str, dict[str, Any]] = {}
         sinks: dict[str, dict[str, Any]] = {}
-        metrics = {"bytes": 0, "files": 0, "alignment_seconds_max": 0.0, "write_seconds_max": 0.0, "held_records": 0}
+        metrics = {"bytes": 0, "files": 0, "alignment_seconds_max": 0.0, "write_seconds_max": 0.0, "held_records": 0,
+                   "loop_log_records": 0, "loop_log_bytes": 0}
         for task, info in sorted(acks.items()):
             for op, chain in info.chains.items():
                 entry = operators.setdefault(op, {"kind": "process", "states": {}, "files": []})
@@ -138,6 +142,8 @@ class ManifestBuilder:
             metrics["alignment_seconds_max"] = max(metrics["alignment_seconds_max"], info.alignment_seconds)
             metrics["write_seconds_max"] = max(metrics["write_seconds_max"], info.write_seconds)
             metrics["held_records"] += info.held_records
+            metrics["loop_log_records"] += info.loop_log_records
+            metrics["loop_log_bytes"] += info.loop_log_bytes
         # staged output of every epoch since the last completed one, aborted epochs included
         for (task, e), info in sorted(self.acks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             if self.last_completed < e <= epoch:

@@ -9,8 +9,8 @@ leaves a DAG, so segments can be numbered in topological order and the agent can
 bounds in one pass from sources to sinks: every edge goes from a segment to itself or to
 a later one.
 
-Pure functions, no state. Tarjan's algorithm is written with an explicit stack, so
-graphs of any depth work (a path of 100,000 operators is fine; Python's recursion limit
+Pure functions, no state. Tarjan's algorithm (``graph.cycles.tarjan``, shared with loop
+expansion) is written with an explicit stack, so graphs of any depth work (a path of 100,000 operators is fine; Python's recursion limit
 would stop a recursive version near 1,000).
 
 Choice: the order of segments is deterministic (Kahn's algorithm over the condensation,
@@ -23,6 +23,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Mapping, Sequence
+
+from ..graph.cycles import tarjan
 
 
 class SegmentError(ValueError):
@@ -71,52 +73,10 @@ def strongly_connected_components(
     [['c'], ['b', 'a']]
     """
     index_of = _index(vertices)
-    n = len(vertices)
-    succ: list[list[int]] = [[] for _ in range(n)]
+    succ: list[list[int]] = [[] for _ in vertices]
     for a, b in edges:
         succ[_lookup(index_of, a, (a, b))].append(_lookup(index_of, b, (a, b)))
-    index = [-1] * n
-    low = [0] * n
-    on_stack = [False] * n
-    stack: list[int] = []
-    out: list[list[Hashable]] = []
-    counter = 0
-    for root in range(n):
-        if index[root] != -1:
-            continue
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on_stack[root] = True
-        work = [(root, 0)]  # (vertex, next successor to look at): the recursion, made explicit
-        while work:
-            v, i = work[-1]
-            if i < len(succ[v]):
-                work[-1] = (v, i + 1)
-                w = succ[v][i]
-                if index[w] == -1:
-                    index[w] = low[w] = counter
-                    counter += 1
-                    stack.append(w)
-                    on_stack[w] = True
-                    work.append((w, 0))
-                elif on_stack[w]:
-                    low[v] = min(low[v], index[w])
-                continue
-            work.pop()
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[v])
-            if low[v] == index[v]:
-                comp: list[Hashable] = []
-                while True:
-                    w = stack.pop()
-                    on_stack[w] = False
-                    comp.append(vertices[w])
-                    if w == v:
-                        break
-                out.append(comp)
-    return out
+    return [[vertices[i] for i in comp] for comp in tarjan(succ)]
 
 
 def build_segments(vertices: Iterable[Hashable], edges: Iterable[tuple[Hashable, Hashable]]) -> Segmentation:
@@ -183,7 +143,9 @@ def chain_graph(plan: Any) -> tuple[list[int], list[tuple[int, int]]]:
     A task is one subtask of one chain, records enter a chain only at its head, and hops
     inside a chain are function calls (no channel, nothing to track), so a chain is the
     unit the tracker needs: segment ``segment_of[chain.id]`` is what every task of that
-    chain reports RCV under and waits a NEOSS for. (Duck-typed: reads ``plan.chains``,
+    chain reports RCV under and waits a NEOSS for. A loop's phantom channel (loop tail ->
+    loop head) is an ordinary out edge here, so the chains of a loop form one cyclic
+    segment. (Duck-typed: reads ``plan.chains``,
     ``chain.id`` and ``chain.out_edges[*].dst_chain``.)
     """
     vertices = [c.id for c in plan.chains]
