@@ -275,11 +275,13 @@ def test_the_final_epoch_of_a_bounded_job_cuts_through_empty_loops(mode, tmp_pat
         assert any(e["loop_log_records"] for e in result.metrics["epochs"] if e.get("state") == "completed")
 
 
-def test_a_job_stopped_by_duration_resumes_with_its_loops_in_flight(tmp_path):
-    """An unbounded aligned job stops with records going round; the resumed run replays the
-    log, and across both runs every record leaves the loop exactly once."""
-    def build(count):
-        p = Pipeline("resume-loop", parallelism=2, checkpoint=CheckpointConfig(interval=0.0005),
+@pytest.mark.parametrize("resume_parallelism", [2, 3, 1])
+def test_a_job_stopped_by_duration_resumes_with_its_loops_in_flight(tmp_path, resume_parallelism):
+    """An aligned job stopped early stops with records going round; the resumed run (also
+    rescaled: the logs move by key group) replays the logs, and across both runs every
+    record leaves the loop exactly once."""
+    def build(count, parallelism=2):
+        p = Pipeline("resume-loop", parallelism=parallelism, checkpoint=CheckpointConfig(interval=0.0005),
                      restart_attempts=5, restart_delay=0.0)
         src = p.generate(lambda i: (i, 1 + i % 50), count=count, uid="gen")
         loop = src.iterate(uid="loop")
@@ -295,7 +297,7 @@ def test_a_job_stopped_by_duration_resumes_with_its_loops_in_flight(tmp_path):
     manifest = storage.load_manifest(first.completed_epochs[-1])[0]
     assert sum(int(v) for v in manifest["sources"]["gen"]["offsets"].values()) < n  # stopped early
     assert manifest["metrics"]["loop_log_records"] > 0  # ... with records going round
-    second = sim_run(build(n), tmp_path / "chk", seed=2, restore="latest",
+    second = sim_run(build(n, resume_parallelism), tmp_path / "chk", seed=2, restore="latest",
                      failures=FailureSchedule(kill_times=[0.001]))
     ids = sorted(r[0] for r in committed_output(tmp_path / "out"))
     assert ids == list(range(n)), (len(ids), n, second.restarts)

@@ -26,6 +26,7 @@ import tenacity
 from ..alignment import BarrierAligner
 from ..backends import location, open_storage, scheme_of
 from ..backends.objects import StorageAccessError
+from ..graph.cycles import LOOP_HEAD
 from ..graph.plan import PhysicalPlan
 from ..runtime.chain import ChainRuntime
 from ..runtime.context import Context
@@ -183,8 +184,10 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
         )
     nodes = {n.uid: n for n in plan.nodes.values() if n.uid}
     held = {**{uid: "process" for uid in m["operators"]}, **{uid: "source" for uid in m["sources"]}}
+    # a loop head keeps its log as keyed state, like a keyed process
+    kind_of = {uid: "process" if n.kind == LOOP_HEAD else n.kind for uid, n in nodes.items()}
     wrong = sorted(f"{uid!r} ({kind} in the {what}, {nodes[uid].kind} in the pipeline)"
-                   for uid, kind in held.items() if uid in nodes and nodes[uid].kind != kind)
+                   for uid, kind in held.items() if uid in nodes and kind_of[uid] != kind)
     if wrong:
         raise CheckpointError(f"{where}: operator uid(s) {', '.join(wrong)} are a different kind of operator"
                               f"{origin}; their state cannot be restored")

@@ -91,9 +91,9 @@ class LoopHeadTask(Task):
         if logged:
             self._state.keys.key = self._own_key
             self._log.update(logged)
-        keyed, sinks = self.chain.capture(epoch, self.incremental, self.full_every)
+        keyed, sinks, ops = self.chain.capture(epoch, self.incremental, self.full_every)
         nbytes = sum(len(v) for kc in keyed if kc.operator_uid == self.uid for _kg, _k, _n, v in kc.rows if v)
-        actions.append(Snapshot(TaskCapture(self.id, epoch, keyed, sinks, captured_at=now,
+        actions.append(Snapshot(TaskCapture(self.id, epoch, keyed, sinks, captured_at=now, operator_state=ops,
                                             loop_log_records=len(logged), loop_log_bytes=nbytes)))
 
     def _clear_log(self) -> None:
