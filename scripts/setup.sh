@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install epochstream and everything its tests and benchmarks need, into the current Python.
-# Idempotent: a second run only checks. Later backends (Spark JARs via mvn) hook in here.
+# Idempotent: a second run only checks. JVM jars for Spark (Delta Lake, S3A) come from Maven Central
+# through mvn (jars/pom.xml) into jars/lib, fetched again only when the pom changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,3 +15,15 @@ fi
 import epochstream, pyarrow, hypothesis, pyspark
 print(f"epochstream {epochstream.__version__} installed (pyarrow {pyarrow.__version__}, pyspark {pyspark.__version__})")
 PY
+
+# Spark's jars: delta-spark + hadoop-aws and their dependencies not already in pyspark (see jars/pom.xml)
+JARS=jars/lib
+STAMP="$JARS/.pom-sha256"
+WANT=$(sha256sum jars/pom.xml | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! ls "$JARS"/delta-spark_*.jar >/dev/null 2>&1; then
+  command -v mvn >/dev/null || { echo "setup: mvn is needed to fetch the Delta Lake jars (apt-get install maven)" >&2; exit 1; }
+  rm -rf "$JARS"
+  mvn -q -B -f jars/pom.xml dependency:copy-dependencies
+  echo "$WANT" > "$STAMP"
+fi
+echo "spark jars: $(ls "$JARS"/*.jar | wc -l) in $JARS"

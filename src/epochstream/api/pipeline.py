@@ -15,6 +15,9 @@ _UNSET = object()
 DEPLOYMENTS = ("sim", "local", "spark")
 
 
+STATE_BACKENDS = ("files", "delta")
+
+
 @dataclass
 class CheckpointConfig:
     """Flink's checkpoint options, in seconds (``execution.checkpointing.*``)."""
@@ -28,8 +31,13 @@ class CheckpointConfig:
     incremental: bool = True
     #: with incremental snapshots, every ``full_every``-th capture of an operator is full (compaction)
     full_every: int = 10
+    #: where committed keyed state goes besides the snapshot files: "files" (nowhere else) or
+    #: "delta" (a Delta table per operator, one transaction per epoch; needs Spark and the jars)
+    state_backend: str = "files"
 
     def __post_init__(self) -> None:
+        if self.state_backend not in STATE_BACKENDS:
+            raise ValueError(f"state_backend must be one of {STATE_BACKENDS}, got {self.state_backend!r}")
         if self.interval is not None and self.interval <= 0:
             raise ValueError(f"checkpoint interval must be > 0 seconds or None, got {self.interval}")
         if self.max_concurrent < 1:

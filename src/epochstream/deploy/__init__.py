@@ -9,12 +9,18 @@ from typing import Any
 from ..snapshot.manifest import CheckpointError
 
 
-def make_storage(checkpoint_dir: Any):
-    """Checkpoint storage for a path, ``s3://bucket/prefix``, or a storage object (None: a temporary folder)."""
+def make_storage(checkpoint_dir: Any, state_backend: str = "files"):
+    """Checkpoint storage for a path, ``s3://bucket/prefix``, or a storage object (None: a temporary folder);
+    ``state_backend="delta"`` adds a Delta table of committed state per operator."""
     from ..backends import open_storage
 
     if checkpoint_dir is None:
         checkpoint_dir = tempfile.mkdtemp(prefix="epochstream-chk-")
+    if state_backend == "delta":
+        from ..backends.delta import DeltaCheckpointStorage
+
+        return checkpoint_dir if isinstance(checkpoint_dir, DeltaCheckpointStorage) else DeltaCheckpointStorage(
+            checkpoint_dir)
     return open_storage(checkpoint_dir)
 
 
@@ -35,7 +41,7 @@ def run_pipeline(
 ):
     from .result import JobResult
 
-    storage = make_storage(checkpoint_dir)
+    storage = make_storage(checkpoint_dir, pipeline.checkpoint.state_backend)
     if restore is None and storage.list_checkpoints():
         raise CheckpointError(
             f"checkpoint dir {storage.root} already holds checkpoints {storage.list_checkpoints()[-3:]}; "

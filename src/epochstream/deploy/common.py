@@ -226,17 +226,31 @@ def resolve_sources(plan: PhysicalPlan, pipeline, restored: Restored | None) -> 
             src.resplit(want)
 
 
-def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_point: FailPoint = _no_fail) -> None:
+def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_point: FailPoint = _no_fail,
+            job: str | None = None) -> None:
     """Finish what the restored checkpoint promised and clear what came after it.
 
-    Sink commits named by the manifest are re-issued (idempotent), staged output of later
-    epochs is dropped, and the storage deletes state files no manifest names and sets aside
-    damaged checkpoints whose epochs will be written again (the ``recover`` verbs).
+    Commits named by the manifest are re-issued (idempotent): first the state commits of a
+    storage that commits per epoch (Delta: ``recover_epoch``), then the sinks'; staged output
+    of later epochs is dropped, and the storage deletes state files no manifest names and sets
+    aside damaged checkpoints whose epochs will be written again (the ``recover`` verbs).
+    Sinks that commit once per epoch (``epoch_transactions``) are started first with the
+    restored manifest, which names their transaction ids.
     """
     staged = restored.manifest["sinks"] if restored else {}
+    recover_state = getattr(storage, "recover_epoch", None)
+    if restored is not None and recover_state is not None:
+        fail_point("recovery")
+        recover_state(restored.manifest, restored.root, fail_point)
     for uid, sink in sorted(sinks.items()):
         fail_point("recovery")
-        sink.recover(uid, staged.get(uid, {}).get("staged", []))
+        entry = staged.get(uid, {})
+        if getattr(sink, "epoch_transactions", False):
+            manifest = restored.manifest if restored else None
+            sink.start(uid, job or (manifest["job"] if manifest else "job"), manifest)
+            sink.recover(uid, entry.get("staged", []), epoch=restored.epoch if entry.get("delta") else None)
+        else:
+            sink.recover(uid, entry.get("staged", []))
     storage.recover(restored.epoch if restored else None)
 
 
@@ -624,6 +638,9 @@ class JobMaster:
         except IncompleteChainError as exc:
             return self.coordinator.manifest_failed(a.epoch, str(exc), now)
         manifest["metrics"].update(self._epoch_metrics(a, now))
+        for uid, sink in self.sinks.items():  # transaction ids of sinks that commit once per epoch
+            if getattr(sink, "epoch_transactions", False) and uid in manifest["sinks"]:
+                manifest["sinks"][uid]["delta"] = sink.manifest_entry(uid)
         self.fail_point("before_manifest")
         try:
             self.storage.commit(manifest)
@@ -672,8 +689,17 @@ class JobMaster:
     def _commit(self, epoch: int) -> None:
         manifest = self.manifests.pop(epoch)
         t_commit = time.perf_counter()
-        first = True
+        commit_state = getattr(self.storage, "commit_epoch", None)
+        if commit_state is not None:  # Delta: one transaction per operator, before the sinks
+            commit_state(manifest, self.fail_point)
+        first = commit_state is None
         for uid, entry in sorted(manifest["sinks"].items()):
+            if getattr(self.sinks[uid], "epoch_transactions", False):
+                if not first:
+                    self.fail_point("mid_commit")
+                first = False
+                self.sinks[uid].commit_epoch(uid, epoch, entry["staged"])
+                continue
             for rel in entry["staged"]:
                 if not first:
                     self.fail_point("mid_commit")
@@ -821,7 +847,7 @@ class Driver:
         current = {"restored": restored}
 
         def once() -> None:
-            recover(self.storage, self.pipeline.sinks, current["restored"], self.fail_point)
+            recover(self.storage, self.pipeline.sinks, current["restored"], self.fail_point, self.pipeline.name)
             self.attempt(current["restored"], f"{run_id}.{self.restarts}", duration)
 
         def failed(state: tenacity.RetryCallState) -> None:  # after every retryable failure

@@ -1,0 +1,118 @@
+"""One Spark session per driver process, with the project's jars (Delta Lake, S3A).
+
+The Delta backend and the Delta sink commit from the job master, which runs in the
+driver process of every deployment. The spark driver already has a session; the sim and
+local drivers get a local one here, started lazily on the first Delta commit (start-up
+takes seconds, so nothing starts it unless Delta is used).
+
+The jars are not on PyPI: ``scripts/setup.sh`` fetches them from Maven Central with
+``mvn`` (``jars/pom.xml``) into ``jars/lib``, and they reach Spark through ``spark.jars``
+(no Ivy download at run time). ``EPOCHSTREAM_JARS`` points elsewhere if needed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..runtime.errors import ConfigurationError
+
+#: the Spark settings Delta Lake needs in a session (its SQL extension and catalog)
+DELTA_CONF = {
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+}
+
+#: settings for the small local session of the sim and local drivers: few partitions
+#: (commits are small), no UI, no progress bars in job output
+LOCAL_CONF = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "2",
+    "spark.default.parallelism": "2",
+    "spark.databricks.delta.snapshotPartitions": "2",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.driver.memory": "1g",
+}
+
+_lock = threading.Lock()
+_extra_conf: dict[str, str] = {}
+
+
+def jars_dir() -> Path:
+    """Where ``scripts/setup.sh`` puts the jars (``EPOCHSTREAM_JARS`` overrides)."""
+    env = os.environ.get("EPOCHSTREAM_JARS")
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path(__file__).resolve().parents[3] / "jars" / "lib"
+
+
+def spark_jars() -> list[str]:
+    """The jar files to put on ``spark.jars``; a clear error if setup has not fetched them."""
+    folder = jars_dir()
+    jars = sorted(str(p) for p in folder.glob("*.jar")) if folder.is_dir() else []
+    if not any(Path(j).name.startswith("delta-spark_") for j in jars):
+        raise ConfigurationError(
+            f"the Delta Lake jars are missing from {folder}: run `bash scripts/setup.sh` (it fetches them from "
+            f"Maven Central with mvn, see jars/pom.xml) or point EPOCHSTREAM_JARS at a folder holding them"
+        )
+    return jars
+
+
+def configure(conf: dict[str, str]) -> None:
+    """Extra settings for the session this module starts (e.g. S3A endpoint and keys).
+    They apply to the next session started; set them before the first Delta commit."""
+    with _lock:
+        _extra_conf.update({k: str(v) for k, v in conf.items()})
+
+
+def get_spark() -> Any:
+    """The active Spark session if it has Delta, else a new local one with the project's jars.
+
+    An active session without Delta's extension (a spark driver started without the jars)
+    is an error, not something to paper over: Delta commits would fail later and less clearly.
+    """
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as exc:  # pragma: no cover - pyspark is a declared dependency of the delta extra
+        raise ConfigurationError("the Delta backend needs pyspark (pip install 'epochstream[delta]')") from exc
+    with _lock:
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            if not has_delta(active):
+                raise ConfigurationError(
+                    "the active Spark session has no Delta Lake support: start it with "
+                    "epochstream.backends.spark_session.builder() (or set spark.jars to the jars of "
+                    f"{jars_dir()} plus {DELTA_CONF})"
+                )
+            return active
+        spark = builder().getOrCreate()
+        spark.sparkContext.setLogLevel("ERROR")
+        return spark
+
+
+def builder(master: str = "local[2]", app_name: str = "epochstream") -> Any:
+    """A SparkSession builder with the jars and Delta settings (the spark driver starts from it)."""
+    from pyspark.sql import SparkSession
+
+    b = SparkSession.builder.master(master).appName(app_name).config("spark.jars", ",".join(spark_jars()))
+    for k, v in {**DELTA_CONF, **LOCAL_CONF, **_extra_conf}.items():
+        b = b.config(k, v)
+    return b
+
+
+def has_delta(spark: Any) -> bool:
+    exts = spark.conf.get("spark.sql.extensions", "") or ""
+    return "DeltaSparkSessionExtension" in exts
+
+
+def stop() -> None:
+    """Stop the session this process holds (tests and benchmarks end with it)."""
+    from pyspark.sql import SparkSession
+
+    with _lock:
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            active.stop()
