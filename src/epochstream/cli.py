@@ -68,6 +68,8 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             from .deploy.restart import parse_restart_strategy
 
             p.restart_strategy = parse_restart_strategy(args.restart_strategy)
+        if getattr(args, "state_backend", None):
+            p.checkpoint = replace(p.checkpoint, state_backend=args.state_backend)
         return p
 
     return build
@@ -88,6 +90,8 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-parallelism", type=int, help="number of key groups (fixed once state exists)")
     ap.add_argument("--checkpoint-dir", help="where checkpoints go (default: a new temporary directory)")
     ap.add_argument("--interval", type=float, help="seconds between epochs (0: only the final epoch)")
+    ap.add_argument("--state-backend", choices=["files", "delta"],
+                    help="committed keyed state: snapshot files only (default) or also a Delta table per operator")
     ap.add_argument("--seed", type=int, default=0, help="seed of the simulator's schedule and of chaos")
     ap.add_argument("--duration", type=float, help="stop after this many seconds with a final epoch")
     ap.add_argument("--json", action="store_true", help="print a JSON document instead of text")

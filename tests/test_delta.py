@@ -1,0 +1,242 @@
+"""Delta Lake: committed keyed state and sink output as Delta tables, exactly once.
+
+Real Spark (a local session with the jars ``scripts/setup.sh`` fetched with mvn), real Delta
+tables on the local filesystem. One session serves the whole module: Spark start-up costs
+seconds, each Delta commit about one on an idle machine. Missing jars make the fixture,
+and so every test, fail (not skip).
+
+* the exactly-once oracle in both modes with crashes in pre-commit (worker kills, failed
+  state writes), between the manifest and the commits, between the state and the sink
+  commit, and during recovery; every epoch's state is read back from the Delta table at the
+  epoch's version, every epoch's output from the sink table at its version;
+* one Delta transaction per operator and per sink per epoch, never two for one epoch, even
+  when recovery re-issues commits that had already happened;
+* read-committed: the table is a plain Delta table for Spark SQL, time travel per epoch; a
+  prepared epoch whose commit has not happened is invisible until recovery commits it;
+* restore reads state from Delta (the snapshot files are not needed);
+* bad inputs: tables created by something else, a foreign commit (conflict), missing jars.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from epochstream import CheckpointError
+from epochstream.backends import spark_session
+from epochstream.backends.local import LocalCheckpointStorage
+from epochstream.backends.delta import DeltaCheckpointStorage, DeltaConflictError, DeltaSink, history
+from epochstream.deploy.common import JobFailedError
+from epochstream.deploy.sim import FailureSchedule
+from epochstream.oracle import check_exactly_once
+from epochstream.runtime.errors import ConfigurationError
+from pipelines import RunningCount, _key, input_records, make_pipeline, sim_run, without_fsync
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = pa.schema([("key", pa.string()), ("n", pa.int64())])
+N, KEYS = 160, 5
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """One local Spark session with Delta for the module (fails if the jars are missing)."""
+    s = spark_session.get_spark()
+    yield s
+    spark_session.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_fsync():
+    with without_fsync():
+        yield
+
+
+def delta_count(*, out=None, mode: str = "aligned", n: int = N, parallelism: int = 2, **knobs) -> "Pipeline":
+    """collection -> key_by -> RunningCount [uid "count", Delta state] -> DeltaSink "counts"."""
+    p = make_pipeline("delta-count", parallelism=parallelism, mode=mode, interval=knobs.pop("interval", 0.002),
+                      **knobs)
+    p.checkpoint.state_backend = "delta"
+    target = Path(out) / "counts" if out is not None else Path("/nonexistent/epochstream-placeholder")
+    (
+        p.from_collection(input_records(n, KEYS), uid="src")
+        .key_by(_key)
+        .process(RunningCount(), uid="count")
+        .sink(DeltaSink(target, SCHEMA), uid="counts")
+    )
+    return p
+
+
+def file_counts(chk: Path, epoch: int) -> dict:
+    """The ``count`` state of one checkpoint read from its snapshot files (no Delta involved)."""
+    files = LocalCheckpointStorage(chk)
+    manifest, root = files.load_manifest(epoch)
+    out = {}
+    for _kg, kbytes, name, vbytes in files.read_operator_rows(manifest, root, "count"):
+        if name == "count":
+            if vbytes is None:
+                out.pop(pickle.loads(kbytes), None)
+            else:
+                out[pickle.loads(kbytes)] = pickle.loads(vbytes)
+    return out
+
+
+def txn_epochs(table: str | Path) -> list[int]:
+    """Epochs of epochstream's transactions in a table, oldest first (duplicates kept)."""
+    return sorted(h["meta"]["epoch"] for h in history(str(table)) if h["meta"] and h["meta"].get("epoch", 0) > 0)
+
+
+# ---------------------------------------------------------------- exactly-once, the oracle
+
+
+#: crashes at each delicate point: a worker kill mid-epoch and a failed state write (pre-commit),
+#: a crash after the manifest (before any Delta commit), after the state MERGE and before the
+#: sink append (mid_commit), and during recovery (after the state re-issue, before the sinks')
+CHAOS = dict(
+    kill_times=[0.0031],
+    write_failures={3},
+    fail_points={"after_manifest": {2}, "mid_commit": {3}, "recovery": {4}},
+)
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_exactly_once_with_delta_state_and_sink(spark, mode, tmp_path):
+    def run(p, chk, failing):
+        failures = FailureSchedule(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in CHAOS.items()})
+        return sim_run(p, chk, seed=3, failures=failures if failing else None)
+
+    report = check_exactly_once(lambda: delta_count(mode=mode), run, tmp_path)
+    assert report.ok, report.to_json()
+    assert report.restarts >= 3, report.to_json()
+    assert report.epochs_checked >= 2
+    assert report.records_committed == report.records_expected == N
+    chk = tmp_path / "chaos" / "chk"
+    storage = DeltaCheckpointStorage(chk)
+    completed = storage.list_checkpoints()
+    # one transaction per completed epoch in the state table and in the sink table: re-issued
+    # commits (recovery after the crashes above) were skipped by Delta, not applied twice
+    assert txn_epochs(storage.table_path("count")) == completed
+    assert txn_epochs(tmp_path / "chaos" / "out" / "counts") == completed
+    for epoch in completed:  # every manifest records the Delta version that holds its epoch
+        manifest, _ = storage.load_manifest(epoch)
+        entry = manifest["delta"]["state"]["count"]
+        assert entry["txn_version"] == epoch and isinstance(entry["version"], int)
+        assert manifest["sinks"]["counts"]["delta"]["app_id"].startswith("epochstream/delta-count/sink/counts/")
+
+
+# ---------------------------------------------------------------- read-committed view, restore
+
+
+def test_committed_state_is_a_plain_delta_table_with_time_travel(spark, tmp_path):
+    p = delta_count(out=tmp_path / "out")
+    result = sim_run(p, tmp_path / "chk", seed=1)
+    storage = DeltaCheckpointStorage(tmp_path / "chk")
+    table = storage.table_path("count")
+    spark.sql(f"CREATE OR REPLACE TEMPORARY VIEW counts_state AS SELECT * FROM delta.`{table}`")
+    assert [f.name for f in spark.table("counts_state").schema.fields] == ["key_group", "key", "state", "value", "epoch"]
+    for epoch in result.completed_epochs:
+        manifest, _ = storage.load_manifest(epoch)
+        version = manifest["delta"]["state"]["count"]["version"]
+        rows = spark.sql(f"SELECT key, value, epoch FROM delta.`{table}` VERSION AS OF {version} "
+                         f"WHERE state = 'count'").collect()
+        got = {pickle.loads(r["key"]): pickle.loads(r["value"]) for r in rows}
+        # the same committed state as the snapshot files of that checkpoint (read without Delta)
+        assert got == file_counts(tmp_path / "chk", epoch), epoch
+        assert all(r["epoch"] <= epoch for r in rows)
+    final = {r["key"]: r["n"] for r in spark.read.format("delta").load(str(tmp_path / "out" / "counts"))
+             .groupBy("key").max("n").withColumnRenamed("max(n)", "n").collect()}
+    assert final == {f"k{i}": N // KEYS for i in range(KEYS)}
+
+
+def test_prepared_epoch_is_invisible_until_recovery_commits_it(spark, tmp_path):
+    """A crash right after epoch 2's manifest: the Delta tables still show epoch 1 (never a mix);
+    the restart's recovery re-issues epoch 2's commits, once."""
+    p = delta_count(out=tmp_path / "out", restart_attempts=0)
+    with pytest.raises(JobFailedError):
+        sim_run(p, tmp_path / "chk", seed=1, failures=FailureSchedule(fail_points={"after_manifest": {2}}))
+    storage = DeltaCheckpointStorage(tmp_path / "chk")
+    assert storage.list_checkpoints() == [1, 2]
+    assert txn_epochs(storage.table_path("count")) == [1]
+    assert txn_epochs(tmp_path / "out" / "counts") == [1]
+    latest = spark.read.format("delta").load(storage.table_path("count"))
+    assert latest.filter("epoch > 1").count() == 0
+    sim_run(delta_count(out=tmp_path / "out"), tmp_path / "chk", seed=1, restore="latest")
+    done = storage.list_checkpoints()
+    assert txn_epochs(storage.table_path("count")) == done
+    assert txn_epochs(tmp_path / "out" / "counts") == done
+    rows = DeltaSink(tmp_path / "out" / "counts", SCHEMA).read()
+    assert sorted((r["key"], r["n"]) for r in rows) == sorted(
+        (f"k{k}", c) for k in range(KEYS) for c in range(1, N // KEYS + 1))
+
+
+def test_restore_reads_state_back_from_delta_by_time_travel(spark, tmp_path):
+    """The restored state comes from the Delta table at the recorded version: with the
+    snapshot files deleted, a restore still continues the counts exactly."""
+    p = delta_count(out=tmp_path / "out", restart_attempts=0, n=2 * N)
+    with pytest.raises(JobFailedError):
+        sim_run(p, tmp_path / "chk", seed=2, failures=FailureSchedule(fail_points={"after_commit": {2}}))
+    shutil.rmtree(tmp_path / "chk" / "shared")
+    sim_run(delta_count(out=tmp_path / "out", n=2 * N), tmp_path / "chk", seed=2, restore="latest")
+    rows = DeltaSink(tmp_path / "out" / "counts", SCHEMA).read()
+    assert sorted((r["key"], r["n"]) for r in rows) == sorted(
+        (f"k{k}", c) for k in range(KEYS) for c in range(1, 2 * N // KEYS + 1))
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def test_state_table_created_by_something_else_is_refused(spark, tmp_path):
+    table = tmp_path / "chk" / "delta" / "count"
+    spark.createDataFrame([(1, "theirs")], "id INT, note STRING").write.format("delta").save(str(table))
+    before = history(str(table))
+    with pytest.raises(CheckpointError, match="not created by epochstream"):
+        sim_run(delta_count(out=tmp_path / "out"), tmp_path / "chk", seed=1)
+    assert history(str(table)) == before  # nothing written to it
+    assert [tuple(r) for r in spark.read.format("delta").load(str(table)).collect()] == [(1, "theirs")]
+
+
+def test_sink_table_created_by_something_else_is_refused(spark, tmp_path):
+    table = tmp_path / "out" / "counts"
+    spark.createDataFrame([("x", 1)], "key STRING, n BIGINT").write.format("delta").save(str(table))
+    with pytest.raises(CheckpointError, match="not created by epochstream"):
+        sim_run(delta_count(out=tmp_path / "out"), tmp_path / "chk", seed=1)
+    assert len(history(str(table))) == 1
+    assert not (tmp_path / "chk").exists() or DeltaCheckpointStorage(tmp_path / "chk").list_checkpoints() == []
+
+
+def test_foreign_commit_to_the_state_table_is_a_conflict(spark, tmp_path):
+    """Someone else writes to the committed-state table between two runs: the restart refuses
+    to commit on top of it (its content no longer matches the checkpoints); nothing is lost:
+    the foreign commit and every checkpoint stay as they were."""
+    p = delta_count(out=tmp_path / "out", restart_attempts=0, n=2 * N)
+    with pytest.raises(JobFailedError):
+        sim_run(p, tmp_path / "chk", seed=2, failures=FailureSchedule(fail_points={"after_manifest": {2}}))
+    storage = DeltaCheckpointStorage(tmp_path / "chk")
+    table = storage.table_path("count")
+    spark.sql(f"DELETE FROM delta.`{table}` WHERE key_group = 0")
+    checkpoints = storage.list_checkpoints()
+    versions = len(history(table))
+    with pytest.raises(DeltaConflictError, match="changed by another writer"):
+        sim_run(delta_count(out=tmp_path / "out", n=2 * N), tmp_path / "chk", seed=2, restore="latest")
+    assert len(history(table)) == versions
+    assert storage.list_checkpoints() == checkpoints
+
+
+def test_missing_jars_is_a_clear_configuration_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("EPOCHSTREAM_JARS", str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigurationError, match="Delta Lake jars are missing.*setup.sh"):
+        spark_session.spark_jars()
+
+
+def test_delta_sink_rejects_records_that_do_not_fit(tmp_path):
+    sink = DeltaSink(tmp_path / "t", SCHEMA)
+    with pytest.raises(TypeError, match="does not match the columns"):
+        sink.pre_commit("s", 0, 1, "a", [("only-one-field",)])
+    with pytest.raises(TypeError, match="do not fit the schema"):
+        sink.pre_commit("s", 0, 1, "a", [("k", "not-a-number")])
+    assert json.loads(sink.encoder(("k", 3))) == {"key": "k", "n": 3}
