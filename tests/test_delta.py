@@ -23,6 +23,7 @@ import json
 import pickle
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -57,7 +58,7 @@ def _no_fsync():
         yield
 
 
-def delta_count(*, out=None, mode: str = "aligned", n: int = N, parallelism: int = 2, **knobs) -> "Pipeline":
+def delta_count(*, out=None, mode: str = "aligned", n: int = N, parallelism: int = 2, **knobs) -> Any:
     """collection -> key_by -> RunningCount [uid "count", Delta state] -> DeltaSink "counts"."""
     p = make_pipeline("delta-count", parallelism=parallelism, mode=mode, interval=knobs.pop("interval", 0.002),
                       **knobs)

@@ -47,7 +47,8 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 
 from ..snapshot.manifest import CheckpointError, StateFileRef
 from . import spark_session
-from .local import LocalCheckpointStorage, _safe, atomic_write
+from .base import Row, TransactionalSink
+from .objects import ObjectCheckpointStorage, safe_name
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ _retry_conflicts = retry(
 
 
 def _uri(path: str) -> str:
+    """The form Spark's Hadoop filesystems take: s3:// becomes s3a:// (the S3A connector)."""
+    if path.startswith("s3://"):
+        return "s3a://" + path[len("s3://"):]
     return path if "://" in path else str(Path(path).resolve())
 
 
@@ -209,92 +213,113 @@ def _check_owned(table: str, fmt: str, props: dict[str, str], what: str) -> None
     _owned.add((table, fmt))
 
 
-class DeltaCheckpointStorage(LocalCheckpointStorage):
+class DeltaCheckpointStorage(ObjectCheckpointStorage):
     """Checkpoints whose committed keyed state is also a Delta table per operator.
 
-    State files and manifests live under ``root`` as in the local backend (they are the
-    pre-commit and the commit point); the Delta tables under ``root/delta`` are the
-    committed state: Spark SQL reads them, with ``VERSION AS OF`` per epoch, and a restore
-    reads them back by time travel.
+    State files and manifests live under ``root`` as with the object-store backends (local
+    folder or S3: they are the pre-commit and the commit point); the Delta tables under
+    ``root/delta`` are the committed state: Spark SQL reads them, with ``VERSION AS OF`` per
+    epoch, and a restore reads them back by time travel.
     """
 
-    scheme = "delta"
+    def __init__(self, where: Any) -> None:
+        from . import open_objects
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        super().__init__(root)
+        super().__init__(open_objects(where))
 
     def __repr__(self) -> str:
         return f"DeltaCheckpointStorage({str(self.root)!r})"
 
     # ------------------------------------------------------------ naming
-    def table_path(self, operator: str, root: Path | None = None) -> str:
+    def table_path(self, operator: str, root: Any = None) -> str:
         """The Delta table of one operator's committed state (a plain Delta table)."""
-        return str((root or self.root) / "delta" / _safe(operator))
+        return str((self.root if root is None else root) / "delta" / safe_name(operator))
 
     @staticmethod
     def app_id(job: str, operator: str) -> str:
         return f"epochstream/{job}/state/{operator}"
 
     # ------------------------------------------------------------ commit point
-    def write_manifest(self, manifest: dict[str, Any]) -> Path:
-        """Write the manifest, naming the Delta transaction each operator's table is owed."""
-        section = manifest.setdefault("delta", {})
-        state = section.setdefault("state", {})
-        for uid in manifest["operators"]:
-            state.setdefault(uid, {
-                "table": f"delta/{_safe(uid)}",
-                "app_id": self.app_id(manifest["job"], uid),
-                "txn_version": int(manifest["epoch"]),
-                "version": None,
-            })
-        return super().write_manifest(manifest)
+    def commit(self, manifest: dict[str, Any]) -> Any:
+        """Write the manifest, naming for each operator the Delta transaction it is owed and
+        the Delta version that transaction will have.
+
+        epochstream is the table's only writer (its job master commits in epoch order), so
+        the version is the table's next one; a commit that lands elsewhere means someone else
+        wrote to the table, and is refused (``DeltaConflictError``). The table is created (or
+        checked) here, before the checkpoint exists: a foreign table fails the epoch early.
+        """
+        state = manifest.setdefault("delta", {}).setdefault("state", {})
+        epoch = int(manifest["epoch"])
+        for uid in sorted(manifest["operators"]):
+            table = self.table_path(uid)
+            app_id = self.app_id(manifest["job"], uid)
+            self._ensure_table(table, manifest["job"], uid, app_id)
+            hist = history(table)
+            last = self._last_epoch(hist, app_id, table, f"committed state of operator {uid!r}")
+            if last >= epoch:
+                raise CheckpointError(
+                    f"committed state of operator {uid!r}: the Delta table {table} already holds epoch {last}, "
+                    f"newer than the epoch {epoch} being checkpointed; it belongs to another run of job "
+                    f"{manifest['job']!r} (restore into a new checkpoint dir, or remove the table)"
+                )
+            state[uid] = {"table": f"delta/{safe_name(uid)}", "app_id": app_id, "txn_version": epoch,
+                          "version": hist[0]["version"] + 1}
+        return super().commit(manifest)
+
+    def _ensure_table(self, table: str, job: str, uid: str, app_id: str) -> None:
+        from delta.tables import DeltaTable
+
+        what = f"committed state of operator {uid!r}"
+        props = {"epochstream.job": job, "epochstream.operator": uid}
+        if _is_delta_table(table):
+            _check_owned(table, STATE_FORMAT, props, what)
+            return
+        if _path_has_files(table):
+            raise CheckpointError(f"{what}: {table} holds files but is not a Delta table; nothing was written to it")
+        spark = spark_session.get_spark()
+        builder = DeltaTable.createIfNotExists(spark).location(_uri(table))
+        for name, typ in (("key_group", "INT"), ("key", "BINARY"), ("state", "STRING"), ("value", "BINARY"),
+                          ("epoch", "BIGINT")):
+            builder = builder.addColumn(name, typ, nullable=name == "value")
+        builder = builder.property(FORMAT_PROPERTY, STATE_FORMAT)
+        for k, v in props.items():
+            builder = builder.property(k, v)
+        with _Txn(spark, app_id, 0):
+            builder.execute()
+        _owned.add((table, STATE_FORMAT))
 
     def commit_epoch(self, manifest: dict[str, Any], fail_point: Callable[[str], None] | None = None,
-                     root: Path | None = None) -> dict[str, int]:
+                     root: Any = None) -> dict[str, int]:
         """One Delta transaction per operator for the manifest's epoch; idempotent.
 
-        Returns uid -> Delta version holding the epoch, and records it in the manifest.
+        Returns uid -> the Delta version holding the epoch (the one the manifest recorded).
         """
-        root = root or self.root
-        entries = manifest.get("delta", {}).get("state", {})
+        root = self.root if root is None else root
         versions: dict[str, int] = {}
-        changed = False
-        for uid in sorted(entries):
-            entry = entries[uid]
+        for uid, entry in sorted(manifest.get("delta", {}).get("state", {}).items()):
             table = str(root / entry["table"])
             version = self._commit_operator(manifest, uid, table, entry["app_id"], root)
+            if entry.get("version") is not None and version != entry["version"]:
+                raise DeltaConflictError(
+                    f"committed state of operator {uid!r}: epoch {manifest['epoch']} landed at Delta version "
+                    f"{version} of {table}, the manifest recorded {entry['version']}: another writer committed "
+                    f"to the table in between"
+                )
+            versions[uid] = version
             if fail_point is not None:
                 fail_point("mid_commit")
-            versions[uid] = version
-            if entry.get("version") != version:
-                entry["version"] = version
-                changed = True
-        if changed:
-            path = root / f"chk-{manifest['epoch']}" / "_metadata.json"
-            atomic_write(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
         return versions
 
-    def _commit_operator(self, manifest: dict[str, Any], uid: str, table: str, app_id: str, root: Path) -> int:
+    def _commit_operator(self, manifest: dict[str, Any], uid: str, table: str, app_id: str, root: Any) -> int:
         from delta.tables import DeltaTable
 
         spark = spark_session.get_spark()
         epoch = int(manifest["epoch"])
         what = f"committed state of operator {uid!r}"
-        props = {"epochstream.job": manifest["job"], "epochstream.operator": uid}
-        if _is_delta_table(table):
-            _check_owned(table, STATE_FORMAT, props, what)
-        elif _path_has_files(table):
-            raise CheckpointError(f"{what}: {table} holds files but is not a Delta table; nothing was written to it")
-        else:
-            builder = DeltaTable.createIfNotExists(spark).location(_uri(table))
-            for name, typ in (("key_group", "INT"), ("key", "BINARY"), ("state", "STRING"), ("value", "BINARY"),
-                              ("epoch", "BIGINT")):
-                builder = builder.addColumn(name, typ, nullable=name in ("value",))
-            builder = builder.property(FORMAT_PROPERTY, STATE_FORMAT)
-            for k, v in props.items():
-                builder = builder.property(k, v)
-            with _Txn(spark, app_id, 0):
-                builder.execute()
+        if not _is_delta_table(table):
+            raise CheckpointError(f"{what}: the Delta table {table} is gone; the checkpoint of epoch {epoch} "
+                                  f"cannot be committed to it")
         hist = history(table)
         last = self._last_epoch(hist, app_id, table, what)
         if last >= epoch:  # re-issued after a crash: the transaction is there already
@@ -315,7 +340,7 @@ class DeltaCheckpointStorage(LocalCheckpointStorage):
             .whenMatchedUpdateAll()
             .whenNotMatchedInsertAll("s.value IS NOT NULL")
         )
-        if full_ranges is None:  # the whole state is replaced (first commit, or after a restore elsewhere)
+        if full_ranges is None:  # the whole state is replaced (the table holds none of this lineage)
             merge = merge.whenNotMatchedBySourceDelete()
         elif full_ranges:
             merge = merge.whenNotMatchedBySourceDelete(
@@ -354,12 +379,12 @@ class DeltaCheckpointStorage(LocalCheckpointStorage):
             )
         return int(meta["epoch"])
 
-    def _changes(self, manifest: dict[str, Any], uid: str, last: int, root: Path
+    def _changes(self, manifest: dict[str, Any], uid: str, last: int, root: Any
                  ) -> tuple[pa.Table, list[tuple[int, int]] | None]:
         """The operator's changes after epoch ``last``, folded to one row per (key group, key, state).
 
         Returns the rows (null value = delete) and the key-group ranges replaced wholesale
-        (None: all of them, the table held nothing of this lineage).
+        (None: all of them, the table holds nothing of this lineage yet).
         """
         files = [StateFileRef.from_json(f) for f in manifest["operators"][uid]["files"]]
         by_subtask: dict[int, list[StateFileRef]] = {}
@@ -367,25 +392,18 @@ class DeltaCheckpointStorage(LocalCheckpointStorage):
             by_subtask.setdefault(ref.subtask, []).append(ref)
         full_ranges: list[tuple[int, int]] | None = [] if last > 0 else None
         tables = []
-        link = 0
         for subtask, chain in sorted(by_subtask.items()):
             todo = [r for r in chain if r.epoch > last]
-            if not todo:
-                continue
-            if full_ranges is not None:
-                if todo[0].full:
-                    full_ranges.append(tuple(todo[0].key_group_range))
-                elif todo[0] is chain[0] and not chain[0].full:
-                    raise CheckpointError(f"operator {uid!r} subtask {subtask}: incremental chain without a base")
+            if todo and full_ranges is not None and todo[0].full:
+                full_ranges.append(tuple(todo[0].key_group_range))
             for ref in todo:
                 t = self.read_state(ref, root)
-                tables.append(t.append_column("link", pa.array([link] * t.num_rows, pa.int32())))
-                link += 1
+                tables.append(t.append_column("link", pa.array([len(tables)] * t.num_rows, pa.int32())))
         schema = pa.schema([("key_group", pa.int32()), ("key", pa.binary()), ("state", pa.string()),
                             ("value", pa.binary()), ("link", pa.int32())])
         rows = pa.concat_tables([t.select(schema.names).cast(schema) for t in tables]) if tables else schema.empty_table()
         if rows.num_rows:
-            # later links win: sort by link and keep the last row per (key group, key, state)
+            # later links win: number the rows in apply order and keep the last per (key group, key, state)
             rows = rows.append_column("i", pa.array(range(rows.num_rows), pa.int64()))
             last_i = rows.group_by(["key_group", "key", "state"], use_threads=False).aggregate([("i", "max")])
             rows = rows.take(last_i.column("i_max"))
@@ -394,24 +412,25 @@ class DeltaCheckpointStorage(LocalCheckpointStorage):
         return rows, full_ranges
 
     # ------------------------------------------------------------ recovery and reading back
-    def recover_epoch(self, manifest: dict[str, Any], root: Path, fail_point: Callable[[str], None] | None = None) -> None:
+    def recover_epoch(self, manifest: dict[str, Any], root: Any,
+                      fail_point: Callable[[str], None] | None = None) -> None:
         """Re-issue the restored epoch's Delta commits, then read its state back for the workers."""
-        if not manifest.get("delta", {}).get("state"):
+        entries = manifest.get("delta", {}).get("state", {})
+        if not entries:
             return
         self.commit_epoch(manifest, fail_point, root)
         cache = self.root / "delta" / "_restore"
         keep = set()
-        for uid, entry in manifest["delta"]["state"].items():
-            path = self._cache_path(root, entry)
-            keep.add(path.name)
-            if not path.exists():
-                atomic_write(path, _parquet_bytes(self._read_table(str(root / entry["table"]), entry["version"])))
-        if cache.is_dir():
-            for p in cache.iterdir():
-                if p.name not in keep:
-                    p.unlink(missing_ok=True)
+        for uid, entry in entries.items():
+            loc = self._cache_location(root, entry)
+            keep.add(loc.name)
+            if not self.store.exists(loc):
+                self.store.put(loc, _parquet_bytes(self._read_table(str(root / entry["table"]), entry["version"])))
+        for key in list(self.store.keys(cache)):
+            if key not in keep:
+                self.store.delete(cache / key)
 
-    def _cache_path(self, root: Path, entry: dict[str, Any]) -> Path:
+    def _cache_location(self, root: Any, entry: dict[str, Any]) -> Any:
         digest = hashlib.sha1(str(root / entry["table"]).encode()).hexdigest()[:12]
         return self.root / "delta" / "_restore" / f"{digest}-v{entry['version']}.parquet"
 
@@ -422,33 +441,29 @@ class DeltaCheckpointStorage(LocalCheckpointStorage):
         df = spark.read.format("delta").option("versionAsOf", int(version)).load(_uri(table))
         return df.select("key_group", "key", "state", "value").toArrow()
 
-    def read_operator_rows(self, manifest: dict[str, Any], root: Path, operator: str,
-                           key_groups: tuple[int, int] | None = None) -> Iterable[tuple[int, bytes, str, bytes | None]]:
+    def read_operator_rows(self, manifest: dict[str, Any], root: Any, operator: str,
+                           key_groups: tuple[int, int] | None = None) -> Iterable[Row]:
         """Rows of an operator's committed state: from its Delta table at the epoch's version."""
         entry = manifest.get("delta", {}).get("state", {}).get(operator)
         if entry is None:  # a checkpoint of the files backend, or an operator without state
             yield from super().read_operator_rows(manifest, root, operator, key_groups)
             return
-        if entry.get("version") is None:
-            version = version_of_epoch(str(root / entry["table"]), entry["app_id"], int(entry["txn_version"]))
-            if version is None:
-                raise CheckpointError(
-                    f"checkpoint chk-{manifest['epoch']}: the Delta commit of operator {operator!r} has not happened "
-                    f"yet; restore the job (recovery re-issues it) before reading its state"
-                )
-            entry = dict(entry, version=version)
-        cache = self._cache_path(root, entry)
-        if cache.exists():
-            table = pq.read_table(cache)
+        root = self.root if root is None else root
+        cache = self._cache_location(root, entry)
+        if self.store.exists(cache):
+            table = pq.read_table(pa.BufferReader(self.store.get(cache)))
         else:
-            table = self._read_table(str(root / entry["table"]), entry["version"])
+            table_path = str(root / entry["table"])
+            if version_of_epoch(table_path, entry["app_id"], int(entry["txn_version"])) is None:
+                raise CheckpointError(
+                    f"checkpoint chk-{manifest['epoch']}: the Delta commit of operator {operator!r} has not "
+                    f"happened yet; restore the job (recovery re-issues it) before reading its state"
+                )
+            table = self._read_table(table_path, entry["version"])
         cols = [table.column(n).to_pylist() for n in ("key_group", "key", "state", "value")]
         for row in zip(*cols):
             if key_groups is None or key_groups[0] <= row[0] <= key_groups[1]:
                 yield row
-
-    def remove_orphans(self, retained: list[dict[str, Any]]) -> int:
-        return super().remove_orphans(retained)
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
@@ -463,13 +478,14 @@ def _parquet_bytes(table: pa.Table) -> bytes:
 STAGING = "_epochstream_staging"
 
 
-class DeltaSink:
+class DeltaSink(TransactionalSink):
     """Exactly-once output to a Delta table: one append transaction per epoch.
 
     ``schema`` is a pyarrow schema (or a list of (name, type) pairs); records are tuples in
     column order or dicts. Output is staged as Parquet by the workers (pre-commit) and
     appended by the job master after the epoch's manifest, with ``txnAppId`` = job, sink
     uid and run lineage and ``txnVersion`` = epoch, so a re-issued commit is skipped by Delta.
+    ``path`` is a local path or an S3 URL (``s3://`` or ``s3a://``).
     """
 
     #: the job master commits this sink once per epoch (``commit_epoch``), not file by file
@@ -477,18 +493,29 @@ class DeltaSink:
 
     def __init__(self, path: str | os.PathLike[str], schema: pa.Schema | list[tuple[str, pa.DataType]],
                  table_properties: dict[str, str] | None = None) -> None:
-        self.path = str(path) if "://" in str(path) else str(Path(path).expanduser().resolve())
+        from . import location
+
+        self.path = str(location(path))
         self.schema = schema if isinstance(schema, pa.Schema) else pa.schema(schema)
         self.table_properties = dict(table_properties or {})
         self._app_ids: dict[str, str] = {}
+        self._store: Any = None
 
     def __repr__(self) -> str:
         return f"DeltaSink({self.path!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return dict(self.__dict__, _store=None)  # connections are opened again where the sink runs
 
-    def relocated(self, path: str | os.PathLike[str]) -> "DeltaSink":
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            from . import open_objects
+
+            self._store = open_objects(self.path)
+        return self._store
+
+    def relocated(self, path: Any) -> "DeltaSink":
         return type(self)(path, self.schema, self.table_properties)
 
     # ------------------------------------------------------------ records
@@ -507,7 +534,7 @@ class DeltaSink:
         return _RowWriter()
 
     # ------------------------------------------------------------ 2PC verbs
-    def pre_commit(self, uid: str, subtask: int, epoch: int, attempt: str, records: list[Any]) -> str | None:
+    def pre_commit(self, uid: str, subtask: int, epoch: int, attempt: str, records: Any) -> str | None:
         """Stage an epoch's output as Parquet (workers); returns the path relative to the table."""
         if not records:
             return None
@@ -516,19 +543,20 @@ class DeltaSink:
             table = pa.Table.from_pylist(rows, schema=self.schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
             raise TypeError(f"sink {self.path}: records do not fit the schema {self.schema}: {exc}") from exc
-        rel = f"{STAGING}/{_safe(uid)}/e{epoch}-s{subtask}-a{attempt}.parquet"
-        atomic_write(Path(self.path) / rel, _parquet_bytes(table))
+        rel = f"{STAGING}/{safe_name(uid)}/e{epoch}-s{subtask}-a{attempt}.parquet"
+        self.store.put(self.store.root / rel, _parquet_bytes(table))
         return rel
 
-    def begin(self, uid: str, job: str, manifest: dict[str, Any] | None) -> None:
-        """At (re)start: continue the restored run's transaction ids, or start a new lineage."""
+    def start(self, uid: str, job: str, manifest: dict[str, Any] | None) -> None:
+        """At (re)start: continue the restored run's transaction ids, or start a new lineage;
+        create the table (or check that it is ours) before any output is staged in it."""
         entry = (manifest or {}).get("sinks", {}).get(uid, {}).get("delta")
         if entry and entry.get("app_id"):
             self._app_ids[uid] = entry["app_id"]
         else:
             self._app_ids[uid] = f"epochstream/{job}/sink/{uid}/{secrets.token_hex(4)}"
         self._check_table()
-        if not _is_delta_table(self.path):  # created before any output is staged inside it
+        if not _is_delta_table(self.path):
             self._create(spark_session.get_spark())
 
     def manifest_entry(self, uid: str) -> dict[str, Any]:
@@ -540,12 +568,11 @@ class DeltaSink:
             from delta.tables import DeltaTable
 
             spark = spark_session.get_spark()
-            have = DeltaTable.forPath(spark, _uri(self.path)).toDF().schema
-            want = [f.name for f in self.schema]
-            if [f.name for f in have.fields] != want:
+            have = [f.name for f in DeltaTable.forPath(spark, _uri(self.path)).toDF().schema.fields]
+            if have != self.schema.names:
                 raise CheckpointError(
-                    f"Delta sink {self.path}: the table has columns {[f.name for f in have.fields]}, the sink writes "
-                    f"{want}; nothing was written to it"
+                    f"Delta sink {self.path}: the table has columns {have}, the sink writes {self.schema.names}; "
+                    f"nothing was written to it"
                 )
         elif _path_has_files(self.path):
             raise CheckpointError(f"Delta sink {self.path}: the folder holds files but is not a Delta table; "
@@ -560,17 +587,16 @@ class DeltaSink:
         for k, v in self.table_properties.items():
             builder = builder.property(k, v)
         builder.execute()
+        _owned.add((self.path, SINK_FORMAT))
 
     def commit_epoch(self, uid: str, epoch: int, staged: list[str]) -> int | None:
         """Append the epoch's staged files in ONE transaction; a re-issue is a no-op."""
         app_id = self._app_ids.get(uid)
         if app_id is None:
-            raise CheckpointError(f"Delta sink {self.path}: commit of {uid!r} before begin()")
+            raise CheckpointError(f"Delta sink {self.path}: commit of {uid!r} before start()")
         spark = spark_session.get_spark()
-        if not _is_delta_table(self.path):
-            self._check_table()
-            self._create(spark)
-        present = [rel for rel in staged if (Path(self.path) / rel).exists()]
+        root = self.store.root
+        present = [rel for rel in staged if self.store.exists(root / rel)]
         done = version_of_epoch(self.path, app_id, epoch)
         if done is not None:
             self.abort(present)
@@ -581,11 +607,11 @@ class DeltaSink:
                 f"Delta sink {self.path}: staged output {missing[:3]} of epoch {epoch} is gone and was never "
                 f"committed; the epoch's output is lost (was the staging folder deleted by hand?)"
             )
+        spark_schema = spark.createDataFrame(self.schema.empty_table()).schema
         if present:
-            df = spark.read.schema(spark.createDataFrame(self.schema.empty_table()).schema).parquet(
-                *[_uri(str(Path(self.path) / rel)) for rel in present])
+            df = spark.read.schema(spark_schema).parquet(*[_uri(str(root / rel)) for rel in present])
         else:
-            df = spark.createDataFrame(self.schema.empty_table())
+            df = spark.createDataFrame([], spark_schema)
 
         @_retry_conflicts
         def run() -> None:
@@ -607,17 +633,16 @@ class DeltaSink:
 
     def abort(self, staged: Iterable[str]) -> None:
         for rel in staged:
-            (Path(self.path) / rel).unlink(missing_ok=True)
+            self.store.delete(self.store.root / rel)
 
     def recover(self, uid: str, committed: Iterable[str], epoch: int | None = None) -> None:
         """Re-issue the restored epoch's commit (a no-op if it happened), drop later staged output."""
         keep = list(committed)
-        if epoch is not None and (keep or self._app_ids.get(uid)):
+        if epoch is not None:
             self.commit_epoch(uid, epoch, keep)
-        folder = Path(self.path) / STAGING / _safe(uid)
-        if folder.is_dir():
-            for p in folder.iterdir():
-                p.unlink(missing_ok=True)
+        folder = self.store.root / STAGING / safe_name(uid)
+        for key in list(self.store.keys(folder)):
+            self.store.delete(folder / key)
 
     # ------------------------------------------------------------ reading committed output
     def read(self, version: int | None = None) -> list[dict[str, Any]]:
@@ -649,7 +674,7 @@ class DeltaSink:
             m = h["meta"]
             if isinstance(m, dict) and "/sink/" in str(m.get("epochstream")):
                 out.append((int(m["epoch"]), h["version"]))
-        return sorted(out)
+        return sorted(out, key=lambda ev: ev[1])
 
 
 class _RowWriter:
