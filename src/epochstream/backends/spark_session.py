@@ -93,12 +93,39 @@ def get_spark() -> Any:
         return spark
 
 
+def s3a_conf() -> dict[str, str]:
+    """S3A settings from the environment boto3 reads too, so ``s3://`` checkpoints (boto3) and
+    ``s3a://`` Delta tables (Spark) reach the same store: a custom endpoint
+    (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``: path-style, plain HTTP allowed, no SDK
+    checksums, which stores other than AWS reject), keys and region. Delta's default log store
+    for S3 (single driver) is what epochstream needs: one job master commits each table."""
+    env = os.environ
+    conf = {"spark.hadoop.fs.s3a.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem"}
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        conf.update({
+            "spark.hadoop.fs.s3a.endpoint": endpoint,
+            "spark.hadoop.fs.s3a.path.style.access": "true",
+            "spark.hadoop.fs.s3a.connection.ssl.enabled": str(endpoint.startswith("https")).lower(),
+            "spark.hadoop.fs.s3a.checksum.validation": "false",
+            "spark.hadoop.fs.s3a.checksum.generation": "false",
+            "spark.hadoop.fs.s3a.change.detection.mode": "none",
+        })
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        conf["spark.hadoop.fs.s3a.access.key"] = env["AWS_ACCESS_KEY_ID"]
+        conf["spark.hadoop.fs.s3a.secret.key"] = env["AWS_SECRET_ACCESS_KEY"]
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if region:
+        conf["spark.hadoop.fs.s3a.endpoint.region"] = region
+    return conf
+
+
 def builder(master: str = "local[2]", app_name: str = "epochstream") -> Any:
-    """A SparkSession builder with the jars and Delta settings (the spark driver starts from it)."""
+    """A SparkSession builder with the jars, Delta and S3A settings (the spark driver starts from it)."""
     from pyspark.sql import SparkSession
 
     b = SparkSession.builder.master(master).appName(app_name).config("spark.jars", ",".join(spark_jars()))
-    for k, v in {**DELTA_CONF, **LOCAL_CONF, **_extra_conf}.items():
+    for k, v in {**DELTA_CONF, **LOCAL_CONF, **s3a_conf(), **_extra_conf}.items():
         b = b.config(k, v)
     return b
 
