@@ -29,7 +29,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from epochstream import CheckpointError
+from epochstream import CheckpointError, CollectionSource
 from epochstream.backends import spark_session
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.backends.delta import DeltaCheckpointStorage, DeltaConflictError, DeltaSink, history
@@ -131,27 +131,46 @@ def test_exactly_once_with_delta_state_and_sink(spark, mode, tmp_path):
         assert manifest["sinks"]["counts"]["delta"]["app_id"].startswith("epochstream/delta-count/sink/counts/")
 
 
+class PacedSource(CollectionSource):
+    """A collection read at a bounded pace (``pause`` seconds per batch), so a run lasts
+    long enough in real time for kills to land while records flow."""
+
+    def __init__(self, items, num_splits: int, pause: float) -> None:
+        super().__init__(items, num_splits)
+        self.pause = pause
+
+    def read(self, split: int, offset: int, count: int):
+        time.sleep(self.pause)
+        return super().read(split, offset, count)
+
+
+def paced_delta_count(*, out=None, n: int = 3000, mode: str = "aligned"):
+    p = make_pipeline("delta-paced", parallelism=2, mode=mode, interval=0.4, batch_size=16, restart_attempts=10)
+    p.checkpoint.state_backend = "delta"
+    p.restart_delay = 0.05
+    target = Path(out) / "counts" if out is not None else Path("/nonexistent/epochstream-placeholder")
+    (
+        p.from_source(PacedSource(input_records(n, KEYS), 2, pause=0.03), uid="src")
+        .key_by(_key)
+        .process(RunningCount(), uid="count")
+        .sink(DeltaSink(target, SCHEMA), uid="counts")
+    )
+    return p
+
+
 def test_exactly_once_with_delta_on_the_local_driver_with_real_kills(spark, tmp_path):
-    """Worker processes SIGKILLed mid-run (pre-commit and staging happen in them) and a job-master
-    crash between manifest and commits, on the local driver: the oracle passes on Delta."""
-    runs: dict[str, float] = {}
+    """Worker processes SIGKILLed while records flow (state capture and output staging happen
+    in them) and a job-master crash between a manifest and its commits, on the local driver:
+    the oracle passes with Delta state and sink, one transaction per epoch."""
 
     def run(p, chk, failing):
-        p.restart_delay = 0.05
-        failures = None
-        if failing:
-            horizon = runs["reference"]
-            failures = FailureSchedule(kill_times=[0.3 * horizon, 0.6 * horizon],
-                                       fail_points={"after_manifest": {2}})
-        t0 = time.perf_counter()
-        result = p.run(deployment="local", checkpoint_dir=chk, failures=failures, seed=5)
-        runs["chaos" if failing else "reference"] = time.perf_counter() - t0
-        return result
+        failures = FailureSchedule(kill_times=[0.8, 1.6], fail_points={"after_manifest": {2}}) if failing else None
+        return p.run(deployment="local", checkpoint_dir=chk, failures=failures, seed=5)
 
-    report = check_exactly_once(lambda: delta_count(n=4000, interval=0.3, batch_size=16), run, tmp_path)
+    report = check_exactly_once(paced_delta_count, run, tmp_path)
     assert report.ok, report.to_json()
-    assert report.restarts >= 2, (report.to_json(), runs)
-    assert report.records_committed == report.records_expected == 4000
+    assert report.restarts >= 2, report.to_json()
+    assert report.records_committed == report.records_expected == 3000
     storage = DeltaCheckpointStorage(tmp_path / "chaos" / "chk")
     assert txn_epochs(storage.table_path("count")) == storage.list_checkpoints()
 
