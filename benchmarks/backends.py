@@ -24,7 +24,12 @@ costs plus a local in-memory server, not AWS's latency or bandwidth.
 Writes ``benchmarks/results/backends.csv`` (one row per epoch, plus one ``restore`` row per
 run) and ``backends.png``; prints a summary table. Not a test.
 
-    python benchmarks/backends.py [--sizes 10,100,1000] [--backends local,s3] [--epochs 4]
+    python benchmarks/backends.py [--sizes 10,100,1000] [--backends local,s3,delta] [--epochs 4]
+
+The ``delta`` backend commits each epoch as the job master does (``commit`` writes the manifest,
+then ``commit_epoch`` makes the Delta MERGE, so "commit" includes it) and restores as recovery
+does (``recover_epoch``: time travel to the recorded version, then the rows); it needs the jars
+of ``scripts/setup.sh``. ``--name backends_delta`` keeps its results apart from the S3 run's.
 """
 
 from __future__ import annotations
@@ -104,6 +109,17 @@ def _s3(label: str) -> Iterator[CheckpointStorage]:
         client.delete_bucket(Bucket=bucket)
 
 
+@contextlib.contextmanager
+def _delta(label: str) -> Iterator[CheckpointStorage]:
+    from epochstream.backends.delta import DeltaCheckpointStorage
+
+    root = Path(tempfile.mkdtemp(prefix=f"bench-{label}-"))
+    try:
+        yield DeltaCheckpointStorage(str(root))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @dataclass(frozen=True)
 class Backend:
     """One row of the comparison: ``open(label)`` yields a fresh, empty checkpoint storage."""
@@ -117,12 +133,18 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "local": Backend("local", _local, "local filesystem (temporary folder), fsync on"),
     "s3": Backend("s3", _s3, "S3 API on moto's ThreadedMotoServer in this process"),
+    "delta": Backend("delta", _delta, "local folder plus a Delta table of committed state (one MERGE per epoch, "
+                                      "local Spark session local[2]; restore by time travel)"),
 }
 
 
 def shutdown() -> None:
     if "server" in _moto:
         _moto.pop("server").stop()
+    if "pyspark" in sys.modules:
+        from epochstream.backends import spark_session
+
+        spark_session.stop()
 
 
 # ---------------------------------------------------------------- the workload
@@ -202,6 +224,9 @@ def run_one(backend: Backend, size_mb: int, kind: str, epochs: int, dirty: float
             t0 = time.perf_counter()
             manifest = builder.build(epoch, "checkpoint", acks, {"created_at": "bench"})
             storage.commit(manifest)
+            commit_state = getattr(storage, "commit_epoch", None)
+            if commit_state is not None:  # Delta: the epoch's transaction, as the job master makes it
+                commit_state(manifest)
             builder.completed(epoch, manifest)
             retained.append(manifest)
             while len(retained) > 1:
@@ -220,6 +245,9 @@ def run_one(backend: Backend, size_mb: int, kind: str, epochs: int, dirty: float
         gc.collect()
         t0 = time.perf_counter()
         manifest, root = storage.latest()
+        recover_state = getattr(storage, "recover_epoch", None)
+        if recover_state is not None:  # Delta: re-issue (a no-op) and read the state back by time travel
+            recover_state(manifest, root)
         restored_keys = 0
         for s in range(parallelism):
             heap = HeapKeyedState(OPERATOR, lambda k: 0, key_group_range(MAX_PARALLELISM, parallelism, s))
@@ -281,10 +309,12 @@ def print_summary(table: list[dict[str, Any]]) -> None:
               f"{r['restore_s'] / max(f['restore_s'], 1e-9):.2f}x the time")
     for mb in sorted({k[1] for k in by}):
         for kind in ("full", "incremental"):
-            if ("local", mb, kind) in by and ("s3", mb, kind) in by:
-                l, s = by[("local", mb, kind)], by[("s3", mb, kind)]
-                print(f"s3/local at {mb} MB {kind}: pre-commit (epoch 1) {s['first_pre_commit_s'] / l['first_pre_commit_s']:.1f}x, "
-                      f"commit {s['commit_s'] / l['commit_s']:.1f}x, restore {s['restore_s'] / l['restore_s']:.1f}x")
+            for other in ("s3", "delta"):
+                if ("local", mb, kind) in by and (other, mb, kind) in by:
+                    l, s = by[("local", mb, kind)], by[(other, mb, kind)]
+                    print(f"{other}/local at {mb} MB {kind}: pre-commit (epoch 1) "
+                          f"{s['first_pre_commit_s'] / l['first_pre_commit_s']:.1f}x, "
+                          f"commit {s['commit_s'] / l['commit_s']:.1f}x, restore {s['restore_s'] / l['restore_s']:.1f}x")
 
 
 def plot(table: list[dict[str, Any]], path: Path) -> None:
@@ -297,7 +327,7 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
     series = sorted({(r["backend"], r["snapshot"]) for r in table})
     panels = (("later_epoch_mb", "snapshot MB per epoch (after the first)"),
               ("later_pre_commit_s", "pre-commit s per epoch (after the first)"),
-              ("commit_s", "commit s per epoch (manifest + retention)"),
+              ("commit_s", "commit s per epoch (manifest + retention; delta: + MERGE)"),
               ("restore_s", "restore s (latest checkpoint)"))
     for ax, (field, title) in zip(axes, panels):
         for b, kind in series:
@@ -325,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--value-bytes", type=int, default=4096)
     ap.add_argument("--parallelism", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--name", default="backends", help="file name of the CSV and PNG (default backends)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     names = [b for b in args.backends.split(",") if b]
@@ -344,15 +375,15 @@ def main(argv: list[str] | None = None) -> int:
                             lambda s: print(s, flush=True))
     finally:
         shutdown()
-    with open(out / "backends.csv", "w", newline="") as f:
+    with open(out / f"{args.name}.csv", "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
     table = summary(rows)
     print_summary(table)
-    plot(table, out / "backends.png")
+    plot(table, out / f"{args.name}.png")
     print(f"\nbackends: " + "; ".join(f"{b}: {BACKENDS[b].note}" for b in names))
-    print(f"wrote {out / 'backends.csv'} and {out / 'backends.png'} in {time.perf_counter() - t_start:.0f}s")
+    print(f"wrote {out / (args.name + '.csv')} and {out / (args.name + '.png')} in {time.perf_counter() - t_start:.0f}s")
     return 0
 
 
