@@ -233,6 +233,28 @@ def test_restore_reads_state_back_from_delta_by_time_travel(spark, tmp_path):
         (f"k{k}", c) for k in range(KEYS) for c in range(1, 2 * N // KEYS + 1))
 
 
+def test_checkpoint_copied_without_its_tables_restores_from_its_files(spark, tmp_path):
+    """A checkpoint folder copied elsewhere without the Delta tables (as a relocated savepoint
+    is) restores from its state files; the new run builds new tables in its own checkpoint dir."""
+    p = delta_count(out=tmp_path / "out", restart_attempts=0, n=2 * N)
+    with pytest.raises(JobFailedError):
+        sim_run(p, tmp_path / "chk", seed=2, failures=FailureSchedule(fail_points={"after_commit": {2}}))
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "chk", copy, ignore=shutil.ignore_patterns("delta"))
+    latest = max(DeltaCheckpointStorage(copy).list_checkpoints())
+    sim_run(delta_count(out=tmp_path / "out", n=2 * N), tmp_path / "chk2", seed=2, restore=str(copy / f"chk-{latest}"))
+    rows = DeltaSink(tmp_path / "out" / "counts", SCHEMA).read()
+    assert sorted((r["key"], r["n"]) for r in rows) == sorted(
+        (f"k{k}", c) for k in range(KEYS) for c in range(1, 2 * N // KEYS + 1))
+    storage = DeltaCheckpointStorage(tmp_path / "chk2")
+    final = max(storage.list_checkpoints())
+    manifest, _ = storage.load_manifest(final)
+    version = manifest["delta"]["state"]["count"]["version"]
+    got = {pickle.loads(r["key"]): pickle.loads(r["value"]) for r in spark.read.format("delta")
+           .option("versionAsOf", version).load(storage.table_path("count")).collect()}
+    assert got == {f"k{k}": 2 * N // KEYS for k in range(KEYS)}
+
+
 # ---------------------------------------------------------------- bad inputs
 
 

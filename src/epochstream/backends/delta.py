@@ -94,7 +94,7 @@ def _is_delta_table(path: str) -> bool:
     if "://" in path and not path.startswith("file:"):
         from delta.tables import DeltaTable
 
-        return DeltaTable.isDeltaTable(spark_session.get_spark(), path)
+        return DeltaTable.isDeltaTable(spark_session.get_spark(), _uri(path))
     return (Path(path) / "_delta_log").is_dir()
 
 
@@ -290,7 +290,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         _owned.add((table, STATE_FORMAT))
 
     def commit_epoch(self, manifest: dict[str, Any], fail_point: Callable[[str], None] | None = None,
-                     root: Any = None) -> dict[str, int]:
+                     root: Any = None, only: set[str] | None = None) -> dict[str, int]:
         """One Delta transaction per operator for the manifest's epoch; idempotent.
 
         Returns uid -> the Delta version holding the epoch (the one the manifest recorded).
@@ -298,6 +298,8 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         root = self.root if root is None else root
         versions: dict[str, int] = {}
         for uid, entry in sorted(manifest.get("delta", {}).get("state", {}).items()):
+            if only is not None and uid not in only:
+                continue
             table = str(root / entry["table"])
             version = self._commit_operator(manifest, uid, table, entry["app_id"], root)
             if entry.get("version") is not None and version != entry["version"]:
@@ -418,10 +420,18 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         entries = manifest.get("delta", {}).get("state", {})
         if not entries:
             return
-        self.commit_epoch(manifest, fail_point, root)
+        # a checkpoint copied away from its tables (a relocated savepoint) restores from its
+        # state files, which are complete; its new epochs go to new tables under this root
+        present = {uid for uid, e in entries.items() if _is_delta_table(str(root / e["table"]))}
+        for uid in sorted(set(entries) - present):
+            log.warning("checkpoint chk-%s: the Delta table of operator %r is not at %s; restoring it from the "
+                        "checkpoint's state files", manifest["epoch"], uid, root / entries[uid]["table"])
+        self.commit_epoch(manifest, fail_point, root, only=present)
         cache = self.root / "delta" / "_restore"
         keep = set()
         for uid, entry in entries.items():
+            if uid not in present:
+                continue
             loc = self._cache_location(root, entry)
             keep.add(loc.name)
             if not self.store.exists(loc):
@@ -454,6 +464,9 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
             table = pq.read_table(pa.BufferReader(self.store.get(cache)))
         else:
             table_path = str(root / entry["table"])
+            if not _is_delta_table(table_path):  # copied away from its tables: the state files are complete
+                yield from super().read_operator_rows(manifest, root, operator, key_groups)
+                return
             if version_of_epoch(table_path, entry["app_id"], int(entry["txn_version"])) is None:
                 raise CheckpointError(
                     f"checkpoint chk-{manifest['epoch']}: the Delta commit of operator {operator!r} has not "
