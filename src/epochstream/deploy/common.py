@@ -239,7 +239,7 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
     """
     staged = restored.manifest["sinks"] if restored else {}
     recover_state = getattr(storage, "recover_epoch", None)
-    if restored is not None and recover_state is not None:
+    if restored is not None and recover_state is not None and restored.reader is None:
         fail_point("recovery")
         recover_state(restored.manifest, restored.root, fail_point)
     for uid, sink in sorted(sinks.items()):
