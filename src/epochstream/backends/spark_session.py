@@ -120,6 +120,18 @@ def s3a_conf() -> dict[str, str]:
     return conf
 
 
+def delta_conf() -> dict[str, str]:
+    """The settings a session needs for Delta commits (jars, extension, S3A), for drivers
+    that build their own session (the spark driver)."""
+    return {"spark.jars": ",".join(spark_jars()), **DELTA_CONF, **s3a_conf(), **_extra_conf}
+
+
+def uses_delta(pipeline: Any) -> bool:
+    """Whether a job commits to Delta tables (state backend or a sink)."""
+    return pipeline.checkpoint.state_backend == "delta" or any(
+        getattr(s, "epoch_transactions", False) for s in pipeline.sinks.values())
+
+
 def builder(master: str = "local[2]", app_name: str = "epochstream") -> Any:
     """A SparkSession builder with the jars, Delta and S3A settings (the spark driver starts from it)."""
     from pyspark.sql import SparkSession

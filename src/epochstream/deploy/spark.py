@@ -43,6 +43,7 @@ from typing import Any
 
 import cloudpickle
 
+from ..backends.spark_session import delta_conf, uses_delta
 from ..runtime.errors import ConfigurationError
 from .cluster import ClusterDriver, WorkerGroup
 from .common import Failover
@@ -286,6 +287,8 @@ class SparkDriver(ClusterDriver):
             raise TypeError(f"unknown option(s) for the spark driver: {sorted(options)}")
         super().__init__(pipeline, storage, seed, failures, parallelism, savepoint_dir=savepoint_dir,
                          stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start)
+        if spark is None and uses_delta(pipeline):  # its job master commits to Delta through this session
+            spark_conf = {**delta_conf(), **(spark_conf or {})}
         self.spark = spark if spark is not None else spark_session(master, spark_conf)
         self.sc = self.spark.sparkContext
         self.master = self.sc.master
