@@ -58,6 +58,9 @@ class ClusterDriver(Driver):
     deployment = "cluster"
     #: seconds a chaos kill waits for its protocol moment before it is carried out anyway
     MOMENT_TIMEOUT = 3.0
+    #: chaos kills wait until every worker of the attempt is up (spark: so each kill has a
+    #: measured recovery); the local driver may also kill while workers restore
+    KILL_AFTER_READY = False
 
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  savepoint_dir: str | None = None, stop_with_savepoint: bool = False, rest: bool = True,
@@ -247,7 +250,7 @@ class ClusterDriver(Driver):
         try:
             while True:
                 now = time.monotonic()
-                if ready == n:
+                if ready == n or not self.KILL_AFTER_READY:
                     self._chaos(group, now)
                 if master.finished and len(stopped) == n:
                     break

@@ -278,6 +278,7 @@ class SparkGroup(WorkerGroup):
 
 class SparkDriver(ClusterDriver):
     deployment = "spark"
+    KILL_AFTER_READY = True
 
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  spark=None, master: str | None = None, spark_conf: dict[str, str] | None = None,
