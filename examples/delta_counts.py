@@ -26,7 +26,7 @@ class Count(KeyedProcessFunction):
         yield (ctx.key, self.n.value())
 
 
-words = [w for i in range(2_000) for w in ("apple", "pear", "fig")[: 1 + i % 3]]
+words = [w for i in range(200_000) for w in ("apple", "pear", "fig")[: 1 + i % 3]]
 p = Pipeline("delta-counts", parallelism=2, mode="aligned",
              checkpoint=CheckpointConfig(interval=0.5, state_backend="delta"))
 (p.from_collection(words)
@@ -49,5 +49,7 @@ for epoch in result.completed_epochs:               # time travel: the committed
     rows = spark.sql(f"SELECT key, value FROM delta.`{table}` VERSION AS OF {version}").collect()
     print(f"epoch {epoch} (Delta version {version}):",
           sorted((pickle.loads(r.key), pickle.loads(r.value)) for r in rows))
-spark.sql("SELECT word, max(n) AS n FROM delta.`out/delta-counts` GROUP BY word ORDER BY word").show()
+sink = p.sinks["counts"]                            # the committed output, one append per epoch
+spark.read.format("delta").load(sink.path).groupBy("word").max("n").orderBy("word").show()
+print("sink commits (epoch, Delta version):", sink.epochs())
 spark_session.stop()
