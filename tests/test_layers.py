@@ -26,8 +26,12 @@ ALLOWED = {
     "snapshot": {"runtime"},
     "backends": {"snapshot", "runtime"},
     "deploy": {"graph", "runtime", "alignment", "tracker", "loops", "snapshot", "backends"},
-    "api": {"graph", "runtime", "deploy", "backends"},
+    "api": {"graph", "runtime", "deploy", "backends", "pyspark"},
+    # PySpark's stateful operators: imports pyspark and pandas, so nothing below api/ imports it
+    "pyspark": {"runtime", "graph"},
 }
+#: third-party packages only epochstream.pyspark may import (the base install has none of them)
+OPTIONAL = {"pyspark", "pandas", "numpy"}
 
 
 def _imports(path: Path):
@@ -83,3 +87,52 @@ def test_the_checker_sees_imports():
     nothing would pass everything)."""
     found = {name for _line, name in _imports(SRC / "runtime" / "task.py")}
     assert "epochstream.runtime.chain" in found and "epochstream.graph.plan" in found
+
+
+def test_only_the_pyspark_wrappers_import_pyspark_or_pandas_at_module_level():
+    """The base install (no pyspark, no pandas) must import epochstream: outside
+    ``epochstream/pyspark/`` those packages may only be imported inside functions, and
+    api/'s methods import ``epochstream.pyspark`` only when called."""
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.relative_to(SRC).parts[0] == "pyspark":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in tree.body:  # module level only
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pyspark":
+                names = ["epochstream.pyspark"]
+            for name in names:
+                if name.split(".")[0] in OPTIONAL or name == "epochstream.pyspark":
+                    bad.append(f"{path.relative_to(SRC)}:{node.lineno} imports {name} at module level")
+    assert not bad, "\n".join(bad)
+
+
+def test_epochstream_imports_without_pyspark_and_pandas():
+    """Run the import in a fresh interpreter where pyspark, pandas and numpy cannot be found."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('pyspark', 'pandas', 'numpy'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import epochstream, epochstream.oracle, epochstream.cli\n"
+        "p = epochstream.Pipeline('x')\n"
+        "s = p.from_collection([1])\n"
+        "try:\n"
+        "    s.transform_with_state(object(), 'a long', key='a')\n"
+        "except ImportError as e:\n"
+        "    print('lazy', e)\n"
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": str(SRC.parent)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "lazy blocked: pyspark" in res.stdout, res.stdout

@@ -170,7 +170,11 @@ class Reference:
             fn, ctx = self.fns[node.id]
             keyslot = self.states[node.uid].keys
             key_fn = node.inputs[edge].key_fn
-            out = []
+            if hasattr(fn, "process_batch"):  # batch-at-a-time keyed functions (the PySpark wrappers)
+                out = list(fn.process_batch(records, [key_fn(r) for r in records], ctx) or ())
+                records = ()
+            else:
+                out = []
             for r in records:
                 keyslot.key = key_fn(r)
                 res = fn.process(r, ctx)

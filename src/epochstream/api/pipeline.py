@@ -132,6 +132,69 @@ class Stream:
     def process(self, fn: Any, uid: str | None = None, name: str | None = None) -> "Stream":
         raise TypeError("process() needs keyed state: call key_by(...) first")
 
+    # -- PySpark's stateful operators, run unchanged (epochstream.pyspark; needs pyspark, pandas)
+    def transform_with_state(
+        self,
+        processor: Any,
+        output_schema: Any,
+        time_mode: str = "none",
+        key: str | Sequence[str] | None = None,
+        *,
+        output_mode: str = "append",
+        event_time: str | None = None,
+        watermark_delay_ms: int = 0,
+        input_schema: Any = None,
+        rows: str = "pandas",
+        clock: Any = None,
+        initial_state: Any = None,
+        uid: str | None = None,
+    ) -> "Stream":
+        """Run a ``pyspark.sql.streaming.StatefulProcessor`` unchanged, grouped by the
+        ``key`` column(s), as ``df.groupBy(key).transformWithStateInPandas(...)`` would
+        (``rows="row"``: ``transformWithState`` with Rows). Records in are dicts or Rows;
+        records out are dicts of ``output_schema``. See docs/PYSPARK.md."""
+        if initial_state is not None:
+            raise NotImplementedError(
+                "transform_with_state(initial_state=...): transformWithStateInPandas's initialState / "
+                "StatefulProcessor.handleInitialState is not supported yet (docs/PYSPARK.md)"
+            )
+        from ..pyspark.operators import TransformWithState
+
+        op = TransformWithState(processor, output_schema, time_mode, _key_columns(key), output_mode, event_time,
+                                watermark_delay_ms, input_schema, rows, clock)
+        name = type(processor).__name__
+        return self.key_by(op.key_of).process(op, uid=uid, name=name)
+
+    def apply_in_pandas_with_state(
+        self,
+        func: Callable[..., Any],
+        output_schema: Any,
+        state_schema: Any,
+        output_mode: str,
+        timeout_conf: str,
+        key: str | Sequence[str] | None = None,
+        *,
+        event_time: str | None = None,
+        watermark_delay_ms: int = 0,
+        input_schema: Any = None,
+        clock: Any = None,
+        uid: str | None = None,
+    ) -> "Stream":
+        """Run an ``applyInPandasWithState`` function ``func(key, pdf_iter, state)`` with
+        PySpark's ``GroupState`` unchanged, grouped by the ``key`` column(s). See docs/PYSPARK.md."""
+        from ..pyspark.operators import ApplyInPandasWithState
+
+        op = ApplyInPandasWithState(func, output_schema, state_schema, output_mode, timeout_conf, _key_columns(key),
+                                    event_time, watermark_delay_ms, input_schema, clock)
+        name = getattr(func, "__name__", "apply_in_pandas_with_state")
+        return self.key_by(op.key_of).process(op, uid=uid, name=name)
+
+
+def _key_columns(key: Any) -> Any:
+    if key is None:
+        raise TypeError("name the grouping column(s) with key=... (Spark: df.groupBy(...))")
+    return key
+
 
 @dataclass
 class Iteration:

@@ -67,6 +67,8 @@ class ChainRuntime:
         self.sink_writers: dict[str, Any] = {}
         self.functions: list[tuple[Any, Any]] = []  # (user fn, ctx) to open/close
         self.contexts: list[Any] = []
+        #: keyed functions with an ``on_epoch_end`` hook: (fn, ctx, downstream push, label)
+        self._epoch_hooks: list[tuple[Any, Any, Push, str]] = []
         out_channels = plan.outputs[(chain.id, subtask)]
         all_channels = [c for chans in out_channels for c in chans]
         keyed = {c for oe, chans in zip(chain.out_edges, out_channels) if oe.partition == HASH for c in chans}
@@ -215,9 +217,13 @@ class ChainRuntime:
         self.functions.append((fn, ctx))
         self.contexts.append(ctx)
         keyslot = state.keys
-        process = fn.process
         key_fns = [e.key_fn for e in node.inputs]
         label = node.uid
+        if hasattr(fn, "on_epoch_end"):
+            self._epoch_hooks.append((fn, ctx, down, label))
+        if hasattr(fn, "process_batch"):
+            return self._compile_process_batch(fn, ctx, key_fns, label, down)
+        process = fn.process
 
         def op_process(records: list[Any], keys: list[Any] | None) -> None:
             if keys is None:  # only when fed directly by a source in tests; normal path carries keys
@@ -241,6 +247,25 @@ class ChainRuntime:
                 down(out, None)
 
         return op_process
+
+    @staticmethod
+    def _compile_process_batch(fn, ctx, key_fns, label: str, down: Push) -> Push:
+        """A keyed function that takes the whole batch (``process_batch(records, keys, ctx)``)
+        and returns its output records; it sets the current key itself (the PySpark wrappers
+        group a batch per key and call the user once per key)."""
+        process_batch = fn.process_batch
+
+        def op_process_batch(records: list[Any], keys: list[Any] | None) -> None:
+            if keys is None:
+                keys = [key_fns[0](r) for r in records]
+            try:
+                out = process_batch(records, keys, ctx)
+            except Exception as exc:
+                raise UserFunctionError(f"process {label!r} failed on key {ctx.key!r}: {exc!r}") from exc
+            if out:
+                down(out, None)
+
+        return op_process_batch
 
     # ------------------------------------------------------------ lifecycle
     def open(self, epoch: int) -> None:
@@ -281,6 +306,24 @@ class ChainRuntime:
     def set_epoch(self, epoch: int) -> None:
         for ctx in self.contexts:
             ctx.epoch = epoch
+
+    def set_now(self, now: float) -> None:
+        """The driver's time of the current step (virtual in the simulator), for functions
+        that ask for processing time through ``ctx.now``."""
+        for ctx in self.contexts:
+            ctx.now = now
+
+    def end_epoch(self, epoch: int) -> None:
+        """Run the ``on_epoch_end(epoch, ctx)`` hooks at the bound of ``epoch``, before the
+        task's flush and capture: their output belongs to ``epoch`` and their state changes
+        are in its snapshot (timers that fire at an epoch bound, TTL clean-up)."""
+        for fn, ctx, down, label in self._epoch_hooks:
+            try:
+                out = fn.on_epoch_end(epoch, ctx)
+            except Exception as exc:
+                raise UserFunctionError(f"on_epoch_end of {label!r} failed at epoch {epoch}: {exc!r}") from exc
+            if out:
+                down(list(out), None)
 
     def capture(
         self, epoch: int, incremental: bool, full_every: int

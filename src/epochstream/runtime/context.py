@@ -8,7 +8,8 @@ from typing import Any
 class Context:
     """Current key, epoch and subtask, and the way to declare keyed state."""
 
-    __slots__ = ("_state", "_keys", "_operator", "subtask_index", "parallelism", "operator_uid", "epoch", "timers")
+    __slots__ = ("_state", "_keys", "_operator", "subtask_index", "parallelism", "operator_uid", "epoch", "timers",
+                 "now")
 
     def __init__(self, state, subtask_index: int, parallelism: int, operator_uid: str, timers=None,
                  operator_state=None) -> None:
@@ -21,6 +22,8 @@ class Context:
         self.parallelism = parallelism
         self.operator_uid = operator_uid
         self.epoch = 0
+        #: the driver's time of the current step in seconds (virtual in the simulator)
+        self.now = 0.0
 
     @property
     def key(self) -> Any:
@@ -28,6 +31,15 @@ class Context:
 
     def get_current_key(self) -> Any:
         return self._keys.key
+
+    def set_current_key(self, key: Any) -> None:
+        """Make ``key`` current (Flink's ``setCurrentKey``): for work that is not driven by a
+        record of that key, such as timers that fire at an epoch bound."""
+        self._keys.key = key
+
+    def keys(self, name: str) -> list[Any]:
+        """The keys of this subtask that hold a value in state ``name`` (a snapshot list)."""
+        return self._state.keys_of(name)
 
     def state(self, descriptor):
         """The handle of ``descriptor``'s state for the current key (declare it in ``open``)."""

@@ -240,6 +240,11 @@ class HeapKeyedState:
             return MapState(table, self.keys)
         raise ValueError(f"unknown state kind {kind!r}")
 
+    def keys_of(self, name: str) -> list[Any]:
+        """Keys holding a value in state ``name`` (a copy: callers may write while iterating)."""
+        table = self.tables.get(name)
+        return list(table.data) if table is not None else []
+
     def capture(self, epoch: int, incremental: bool = True, full_every: int = 10) -> KeyedCapture:
         """Serialize the state at an epoch bound: the keys written since the last capture, or
         every key when a full capture is due (not incremental, first after restore, or the

@@ -145,6 +145,7 @@ class Task:
     def step(self, now: float, budget: int = 1024, read_source: bool = True) -> list[Any]:
         """Process up to ``budget`` records (or one message); return actions."""
         actions: list[Any] = []
+        self.chain.set_now(now)
         if self.is_source:
             while self.triggers:
                 self._snapshot_and_forward(self.triggers.popleft(), 0.0, actions, now)
@@ -348,6 +349,7 @@ class Task:
         tracker.rcv(note.token_of(self.id), note.epoch, seg)
 
     def _snapshot_and_forward(self, epoch: int, waited: float, actions: list[Any], now: float) -> None:
+        self.chain.end_epoch(epoch)  # epoch-bound hooks emit into this epoch, before the flush
         self._flush(actions)
         keyed, sinks, operator_state = self.chain.capture(epoch, self.incremental, self.full_every)
         offsets = {self.source_uid: dict(self.offsets)} if self.is_source else {}

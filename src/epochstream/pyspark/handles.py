@@ -1,0 +1,311 @@
+"""PySpark's state handles (``StatefulProcessorHandle``, ``ValueState``, ``ListState``,
+``MapState``) backed by epochstream keyed state.
+
+Each Spark state variable is one declared epochstream state of the same name, so it is
+captured per epoch, restored, rescaled by key group and stored by every backend like
+native state. Entries carry their TTL expiry with them: a value is stored as
+``(value, expires_ms)`` (``expires_ms`` None without TTL), a list as a list of such pairs
+and a map as ``{user key: (value, expires_ms)}``. Values are tuples in the schema's field
+order, as Spark hands them out.
+
+TTL follows Spark: an update sets ``expires = batch processing time + ttl``; an entry whose
+``expires <= current batch processing time`` is invisible at once and removed at the next
+epoch bound (Spark removes it at the end of the micro-batch). Timers of a key live in the
+reserved state ``$timers`` as a sorted tuple of expiry times.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+from pyspark.sql.streaming.stateful_processor import ListState, MapState, StatefulProcessorHandle, ValueState
+
+from ..runtime.state import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
+from .schema import DataType, SchemaError, struct_schema, state_tuple
+
+if TYPE_CHECKING:
+    from .operators import TransformWithState
+
+#: reserved state names (Spark state variable names cannot clash: they may not start with "$")
+TIMERS = "$timers"
+EVENT_TIME = "$eventTime"
+
+
+def _check_ttl(ttl: int | None, name: str, time_mode: str) -> int | None:
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0:
+        raise ValueError(f"state {name!r}: ttlDurationMs must be a positive int, got {ttl!r} (Spark: TTL_MUST_BE_POSITIVE)")
+    return ttl
+
+
+class _Var:
+    """What every state variable shares: its operator, name, schema and TTL."""
+
+    def __init__(self, op: "TransformWithState", name: str, ttl: int | None) -> None:
+        self._op, self._name, self._ttl = op, name, ttl
+
+    def _expires(self) -> int | None:
+        return None if self._ttl is None else self._op.batch_time_ms + self._ttl
+
+    def _live(self, expires: int | None) -> bool:
+        return expires is None or expires > self._op.batch_time_ms
+
+
+class EpochValueState(_Var, ValueState):
+    """``ValueState``: one row per grouping key."""
+
+    def __init__(self, op, name: str, schema, ttl: int | None) -> None:
+        _Var.__init__(self, op, name, ttl)
+        self._schema = struct_schema(schema, f"value state {name!r} schema")
+        self._h = op.ctx.state(ValueStateDescriptor(name))
+
+    def exists(self) -> bool:
+        v = self._h.value()
+        return v is not None and self._live(v[1])
+
+    def get(self) -> tuple | None:
+        v = self._h.value()
+        if v is None or not self._live(v[1]):
+            return None
+        return v[0]
+
+    def update(self, newValue: tuple) -> None:
+        self._h.update((state_tuple(newValue, self._schema, f"value state {self._name!r}"), self._expires()))
+
+    def clear(self) -> None:
+        self._h.clear()
+
+    def _purge_expired(self) -> None:
+        v = self._h.value()
+        if v is not None and not self._live(v[1]):
+            self._h.clear()
+
+
+class EpochListState(_Var, ListState):
+    """``ListState``: a list of rows per grouping key; with TTL each element expires alone."""
+
+    def __init__(self, op, name: str, schema, ttl: int | None) -> None:
+        _Var.__init__(self, op, name, ttl)
+        self._schema = struct_schema(schema, f"list state {name!r} schema")
+        self._h = op.ctx.state(ListStateDescriptor(name))
+
+    def exists(self) -> bool:
+        return any(self._live(e) for _v, e in self._h.get())
+
+    def get(self) -> Iterator[tuple]:
+        return iter([v for v, e in self._h.get() if self._live(e)])
+
+    def _rows(self, values: list[tuple], call: str) -> list[tuple]:
+        if values is None:
+            raise SchemaError(f"list state {self._name!r}.{call}: None (Spark: ILLEGAL_STATE_STORE_VALUE.NULL_VALUE)")
+        values = list(values)
+        if not values:
+            raise SchemaError(
+                f"list state {self._name!r}.{call}: an empty list (Spark: ILLEGAL_STATE_STORE_VALUE.EMPTY_LIST_VALUE)"
+            )
+        exp = self._expires()
+        return [(state_tuple(v, self._schema, f"list state {self._name!r}"), exp) for v in values]
+
+    def put(self, newState: list[tuple]) -> None:
+        self._h.update(self._rows(newState, "put"))
+
+    def appendValue(self, newState: tuple) -> None:
+        exp = self._expires()
+        self._h.add((state_tuple(newState, self._schema, f"list state {self._name!r}"), exp))
+
+    def appendList(self, newState: list[tuple]) -> None:
+        self._h.add_all(self._rows(newState, "appendList"))
+
+    def clear(self) -> None:
+        self._h.clear()
+
+    def _purge_expired(self) -> None:
+        entries = self._h.get()
+        if entries and any(not self._live(e) for _v, e in entries):
+            live = [(v, e) for v, e in entries if self._live(e)]
+            if live:
+                self._h.update(live)
+            else:
+                self._h.clear()
+
+
+class EpochMapState(_Var, MapState):
+    """``MapState``: a map of user-key rows to value rows per grouping key."""
+
+    def __init__(self, op, name: str, key_schema, value_schema, ttl: int | None) -> None:
+        _Var.__init__(self, op, name, ttl)
+        self._kschema = struct_schema(key_schema, f"map state {name!r} user key schema")
+        self._vschema = struct_schema(value_schema, f"map state {name!r} value schema")
+        self._h = op.ctx.state(MapStateDescriptor(name))
+
+    def _key(self, key: tuple) -> tuple:
+        return state_tuple(key, self._kschema, f"map state {self._name!r} user key")
+
+    def exists(self) -> bool:
+        return any(self._live(e) for _v, e in self._h.values())
+
+    def getValue(self, key: tuple) -> tuple | None:
+        entry = self._h.get(self._key(key))
+        if entry is None or not self._live(entry[1]):
+            return None
+        return entry[0]
+
+    def containsKey(self, key: tuple) -> bool:
+        return self.getValue(key) is not None
+
+    def updateValue(self, key: tuple, value: tuple) -> None:
+        self._h.put(self._key(key), (state_tuple(value, self._vschema, f"map state {self._name!r} value"), self._expires()))
+
+    def iterator(self) -> Iterator[tuple[tuple, tuple]]:
+        return iter([(k, v) for k, (v, e) in self._h.items() if self._live(e)])
+
+    def keys(self) -> Iterator[tuple]:
+        return iter([k for k, (_v, e) in self._h.items() if self._live(e)])
+
+    def values(self) -> Iterator[tuple]:
+        return iter([v for _k, (v, e) in self._h.items() if self._live(e)])
+
+    def removeKey(self, key: tuple) -> None:
+        self._h.remove(self._key(key))
+
+    def clear(self) -> None:
+        self._h.clear()
+
+    def _purge_expired(self) -> None:
+        for k, (_v, e) in self._h.items():
+            if not self._live(e):
+                self._h.remove(k)
+
+
+class EpochStatefulProcessorHandle(StatefulProcessorHandle):
+    """The handle a ``StatefulProcessor`` gets in ``init``: state variables and timers of
+    the current grouping key, over the operator's epochstream keyed state."""
+
+    def __init__(self, op: "TransformWithState") -> None:
+        self._op = op
+
+    def _declare(self, name: str, kind: str, ttl: int | None):
+        if not isinstance(name, str) or not name or name.startswith("$"):
+            raise ValueError(f"state name must be a non-empty string not starting with '$', got {name!r}")
+        ttl = _check_ttl(ttl, name, self._op.time_mode)
+        known = self._op.variables.get(name)
+        if known is not None and known[0] != kind:
+            raise ValueError(f"state {name!r} is already declared as {known[0]} state, not {kind} state")
+        return ttl
+
+    def getValueState(self, stateName: str, schema: DataType | str, ttlDurationMs: int | None = None) -> ValueState:
+        ttl = self._declare(stateName, "value", ttlDurationMs)
+        var = EpochValueState(self._op, stateName, schema, ttl)
+        self._op.variables[stateName] = ("value", var)
+        return var
+
+    def getListState(self, stateName: str, schema: DataType | str, ttlDurationMs: int | None = None) -> ListState:
+        ttl = self._declare(stateName, "list", ttlDurationMs)
+        var = EpochListState(self._op, stateName, schema, ttl)
+        self._op.variables[stateName] = ("list", var)
+        return var
+
+    def getMapState(
+        self,
+        stateName: str,
+        userKeySchema: DataType | str,
+        valueSchema: DataType | str,
+        ttlDurationMs: int | None = None,
+    ) -> MapState:
+        ttl = self._declare(stateName, "map", ttlDurationMs)
+        var = EpochMapState(self._op, stateName, userKeySchema, valueSchema, ttl)
+        self._op.variables[stateName] = ("map", var)
+        return var
+
+    def registerTimer(self, expiryTimestampMs: int) -> None:
+        self._op.timers.register(self._op.ctx.key, int(expiryTimestampMs))
+
+    def deleteTimer(self, expiryTimestampMs: int) -> None:
+        self._op.timers.delete(self._op.ctx.key, int(expiryTimestampMs))
+
+    def listTimers(self) -> Iterator[int]:
+        return iter(self._op.timers.list(self._op.ctx.key))
+
+    def deleteIfExists(self, stateName: str) -> None:
+        """Drop state variable ``stateName`` for every key of this subtask (Spark purges the
+        whole column family)."""
+        ctx = self._op.ctx
+        current = ctx.key
+        for key in ctx.keys(stateName):
+            ctx.set_current_key(key)
+            for kind in ("value", "list", "map"):
+                try:
+                    h = ctx.state({"value": ValueStateDescriptor, "list": ListStateDescriptor,
+                                   "map": MapStateDescriptor}[kind](stateName))
+                except ValueError:
+                    continue
+                h.clear()
+                break
+        ctx.set_current_key(current)
+        self._op.variables.pop(stateName, None)
+
+
+class Timers:
+    """Timers of one operator subtask: per key in keyed state (``$timers``), plus an
+    in-memory heap of (expiry, seq, key) to find the expired ones without a scan. The heap
+    is rebuilt from the state after every restore; entries of deleted timers are skipped
+    when they come up."""
+
+    def __init__(self, op: "TransformWithState") -> None:
+        import heapq
+
+        self._op = op
+        self._h = op.ctx.state(ValueStateDescriptor(TIMERS))
+        self._heap: list[tuple[int, int, Any]] = []
+        self._seq = 0
+        self._push = heapq.heappush
+        self._pop = heapq.heappop
+        ctx = op.ctx
+        current = ctx.key
+        for key in ctx.keys(TIMERS):  # restored timers
+            ctx.set_current_key(key)
+            for ts in self._h.value() or ():
+                self._push(self._heap, (ts, self._next(), key))
+        ctx.set_current_key(current)
+
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _check_mode(self, call: str) -> None:
+        if self._op.time_mode == "none":
+            raise ValueError(f"{call}: timers need time_mode 'processingtime' or 'eventtime' "
+                             f"(Spark: UNSUPPORTED_OPERATION 'Timers with TimeMode.None')")
+
+    def register(self, key: Any, ts: int) -> None:
+        self._check_mode("registerTimer")
+        current = tuple(self._h.value() or ())
+        if ts in current:
+            return
+        self._h.update(tuple(sorted(current + (ts,))))
+        self._push(self._heap, (ts, self._next(), key))
+
+    def delete(self, key: Any, ts: int) -> None:
+        self._check_mode("deleteTimer")
+        current = self._h.value()
+        if current and ts in current:
+            rest = tuple(t for t in current if t != ts)
+            if rest:
+                self._h.update(rest)
+            else:
+                self._h.clear()
+
+    def list(self, key: Any) -> list[int]:
+        self._check_mode("listTimers")
+        return list(self._h.value() or ())
+
+    def expired(self, threshold: int) -> Iterator[tuple[Any, int]]:
+        """Pop every (key, expiry) with expiry <= threshold in expiry order; the caller makes
+        the key current, runs the user's handler and then deletes the timer."""
+        heap, ctx = self._heap, self._op.ctx
+        while heap and heap[0][0] <= threshold:
+            ts, _seq, key = self._pop(heap)
+            ctx.set_current_key(key)
+            if ts in (self._h.value() or ()):
+                yield key, ts

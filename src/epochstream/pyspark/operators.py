@@ -1,0 +1,457 @@
+"""Keyed operators that run PySpark stateful code unchanged: a ``StatefulProcessor``
+(``transformWithStateInPandas`` / ``transformWithState``) and an ``applyInPandasWithState``
+function with its ``GroupState``.
+
+Grouping. The runtime hands a keyed operator one batch at a time (the records one
+upstream subtask sent on one channel in one step, at most ``batch_size``). The operator
+groups the batch by grouping key, keeping first-appearance order of keys and arrival order
+within a key, and calls the user once per key per batch with one pandas DataFrame (built
+through Arrow). Spark calls it once per key per micro-batch and partition, with every row
+of that key in the trigger. A key therefore gets more, smaller calls here; a processor
+whose result depends on how rows are cut into calls sees a different cut (as it does in
+Spark when the trigger changes).
+
+Time. ``batch_time_ms`` is read once per batch and once per epoch bound from ``clock``
+(default: the wall clock in ms, as Spark's batch timestamp), and stays fixed while that
+batch runs. Expired timers (and applyInPandasWithState timeouts) fire after the batch's
+data, as Spark fires them after the micro-batch's data, and at every epoch bound, so a
+quiet key still times out (Spark runs no-data micro-batches for that). Event time: the
+watermark advances only at epoch bounds, to ``max event time seen - delay`` (Spark: at
+micro-batch boundaries); rows at or below the current watermark are dropped as late,
+event-time timers fire when the watermark reaches them. The maximum event time is kept
+per key in keyed state (``$eventTime``), so it is snapshotted and rescales with the keys;
+a subtask's watermark is the maximum over its own keys (see docs/PYSPARK.md).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable
+
+from .handles import EVENT_TIME, EpochStatefulProcessorHandle, Timers
+from .schema import (
+    Row,
+    StructType,
+    arrow_schema,
+    as_dicts,
+    frames_to_records,
+    parse_schema,
+    rows_to_records,
+    struct_schema,
+    to_pandas,
+    to_python,
+)
+from ..runtime.state import ValueStateDescriptor
+
+TIME_MODES = ("none", "processingtime", "eventtime")
+OUTPUT_MODES = ("append", "update")
+GROUP_STATE = "$groupState"
+
+
+def _wall_clock_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _clock(clock: Any) -> Callable[[Any], int]:
+    """``clock`` -> function of the operator's context returning ms."""
+    if clock is None:
+        return lambda ctx: _wall_clock_ms()
+    if clock == "pipeline":  # the driver's time: virtual seconds in the simulator
+        return lambda ctx: int(ctx.now * 1000)
+    if callable(clock):
+        return lambda ctx: int(clock())
+    raise ValueError(f"clock must be None (wall clock), 'pipeline' or a callable returning ms, got {clock!r}")
+
+
+def _event_time_ms(v: Any) -> int:
+    if isinstance(v, bool) or v is None:
+        raise ValueError(f"event time must be a timestamp or epoch milliseconds, got {v!r}")
+    if isinstance(v, (int, float)):
+        return int(v)
+    v = to_python(v)
+    if hasattr(v, "timestamp"):
+        return int(v.timestamp() * 1000)
+    raise ValueError(f"event time must be a timestamp or epoch milliseconds, got {v!r}")
+
+
+class _Keyed:
+    """Shared by both operators: key columns, input conversion, event time and watermark."""
+
+    def __init__(
+        self,
+        key: str | list[str] | tuple[str, ...],
+        output_schema,
+        input_schema,
+        event_time: str | None,
+        watermark_delay_ms: int,
+        clock: Any,
+    ) -> None:
+        self.key_columns = (key,) if isinstance(key, str) else tuple(key)
+        if not self.key_columns or not all(isinstance(c, str) for c in self.key_columns):
+            raise ValueError(f"key must name one or more columns, got {key!r}")
+        self.output_schema: StructType = struct_schema(output_schema, "output schema")
+        self.input_schema: StructType | None = (
+            struct_schema(input_schema, "input schema") if input_schema is not None else None
+        )
+        if watermark_delay_ms < 0:
+            raise ValueError(f"watermark_delay_ms must be >= 0, got {watermark_delay_ms}")
+        self.event_time = event_time
+        self.watermark_delay_ms = int(watermark_delay_ms)
+        self.clock = clock
+        self._now = _clock(clock)
+        self.batch_time_ms = -1
+        self.watermark_ms = 0
+
+    # the key function routes records to subtasks; the same tuple is the grouping key
+    def key_of(self, record: Any) -> tuple:
+        if isinstance(record, dict):
+            return tuple(record[c] for c in self.key_columns)
+        if isinstance(record, Row) and hasattr(record, "__fields__"):
+            return tuple(record[c] for c in self.key_columns)
+        if self.input_schema is not None:
+            names = self.input_schema.names
+            return tuple(record[names.index(c)] for c in self.key_columns)
+        raise TypeError(f"records must be dicts or pyspark Rows (or tuples with input_schema=...), got {type(record).__name__}")
+
+    def _open_common(self, ctx) -> None:
+        self.ctx = ctx
+        self._arrow_in = arrow_schema(self.input_schema) if self.input_schema is not None else None
+        self._arrow_out = arrow_schema(self.output_schema)
+        self._max_event = None
+        if self.event_time is not None:
+            self._et = ctx.state(ValueStateDescriptor(EVENT_TIME))
+            current = ctx.key
+            for key in ctx.keys(EVENT_TIME):  # restored: the watermark is a function of the keys' maxima
+                ctx.set_current_key(key)
+                v = self._et.value()
+                if self._max_event is None or v > self._max_event:
+                    self._max_event = v
+            ctx.set_current_key(current)
+            self.watermark_ms = 0
+            self._advance_watermark()
+
+    def _advance_watermark(self) -> None:
+        if self._max_event is not None:
+            self.watermark_ms = max(self.watermark_ms, self._max_event - self.watermark_delay_ms)
+
+    def _group(self, records: list[Any], keys: list[Any]) -> dict[Any, list[dict]]:
+        """Records grouped per key (first-appearance order), late rows dropped in event time."""
+        rows = as_dicts(records, self.input_schema)
+        groups: dict[Any, list[dict]] = {}
+        if self.event_time is None:
+            for r, k in zip(rows, keys):
+                g = groups.get(k)
+                if g is None:
+                    groups[k] = [r]
+                else:
+                    g.append(r)
+            return groups
+        col, wm = self.event_time, self.watermark_ms
+        maxima: dict[Any, int] = {}
+        for r, k in zip(rows, keys):
+            et = _event_time_ms(r[col])
+            if et <= wm:
+                continue  # late: at or below the watermark (Spark drops it before the operator)
+            if et > maxima.get(k, -(2**63)):
+                maxima[k] = et
+            g = groups.get(k)
+            if g is None:
+                groups[k] = [r]
+            else:
+                g.append(r)
+        ctx, h = self.ctx, self._et
+        for k, et in maxima.items():
+            ctx.set_current_key(k)
+            old = h.value()
+            if old is None or et > old:
+                h.update(et)
+            if self._max_event is None or et > self._max_event:
+                self._max_event = et
+        return groups
+
+
+class TransformWithState(_Keyed):
+    """Runs a ``pyspark.sql.streaming.StatefulProcessor`` as an epochstream keyed operator
+    (``Stream.transform_with_state``)."""
+
+    def __init__(
+        self,
+        processor: Any,
+        output_schema,
+        time_mode: str = "none",
+        key: str | list[str] | tuple[str, ...] = "key",
+        output_mode: str = "append",
+        event_time: str | None = None,
+        watermark_delay_ms: int = 0,
+        input_schema=None,
+        rows: str = "pandas",
+        clock: Any = None,
+    ) -> None:
+        from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+        super().__init__(key, output_schema, input_schema, event_time, watermark_delay_ms, clock)
+        if not isinstance(processor, StatefulProcessor):
+            raise TypeError(f"transform_with_state needs a pyspark StatefulProcessor, got {type(processor).__name__}")
+        mode = str(time_mode).lower()
+        if mode not in TIME_MODES:
+            raise ValueError(f"time_mode must be one of 'None', 'ProcessingTime', 'EventTime', got {time_mode!r}")
+        if mode == "eventtime" and event_time is None:
+            raise ValueError("time_mode='eventtime' needs event_time=<column> (Spark: withWatermark on the input)")
+        if str(output_mode).lower() not in OUTPUT_MODES:
+            raise ValueError(f"output_mode must be 'Append' or 'Update', got {output_mode!r}")
+        if rows not in ("pandas", "row"):
+            raise ValueError(f"rows must be 'pandas' (transformWithStateInPandas) or 'row' (transformWithState), got {rows!r}")
+        self.processor = processor
+        self.time_mode = mode
+        self.output_mode = str(output_mode).lower()
+        self.rows = rows
+
+    # ------------------------------------------------------------ lifecycle
+    def open(self, ctx) -> None:
+        self._open_common(ctx)
+        #: state name -> (kind, handle), filled by the processor's init()
+        self.variables: dict[str, tuple[str, Any]] = {}
+        self.timers = Timers(self)
+        self.batch_time_ms = self._now(ctx) if self.time_mode != "none" else -1
+        self.handle = EpochStatefulProcessorHandle(self)
+        self.processor.init(self.handle)
+
+    def close(self) -> None:
+        self.processor.close()
+
+    def _check_ttl_mode(self) -> None:
+        for name, (_kind, var) in self.variables.items():
+            if var._ttl is not None and self.time_mode != "processingtime":
+                raise ValueError(
+                    f"Cannot use TTL for state={name} in timeMode={self.time_mode}, use time_mode='processingtime' "
+                    f"instead (Spark: STATEFUL_PROCESSOR_INCORRECT_TIME_MODE_TO_ASSIGN_TTL)"
+                )
+
+    def _timer_values(self):
+        from pyspark.sql.streaming.stateful_processor import TimerValues
+
+        if self.time_mode == "none":
+            return TimerValues(-1, -1)
+        # Spark 4.2 reports watermark 0 in processing-time mode without a watermark (measured)
+        return TimerValues(self.batch_time_ms, self.watermark_ms)
+
+    # ------------------------------------------------------------ data
+    def process(self, value: Any, ctx) -> list[dict]:
+        return self.process_batch([value], [ctx.key], ctx)
+
+    def process_batch(self, records: list[Any], keys: list[Any], ctx) -> list[dict]:
+        if self.time_mode != "none":
+            self.batch_time_ms = self._now(ctx)
+        self._check_ttl_mode()
+        groups = self._group(records, keys)
+        out: list[dict] = []
+        tv = self._timer_values()
+        handle_rows = self.processor.handleInputRows
+        for key, rows in groups.items():
+            ctx.set_current_key(key)
+            if self.rows == "pandas":
+                data: Iterable[Any] = iter([to_pandas(rows, self._arrow_in)])
+            else:
+                data = iter([Row(**r) for r in rows])
+            result = handle_rows(key, data, tv)
+            if result is not None:
+                out.extend(self._records(result, "handleInputRows"))
+        self._fire_timers(out)
+        return out
+
+    def on_epoch_end(self, epoch: int, ctx) -> list[dict]:
+        if self.time_mode == "none":
+            return []
+        self.batch_time_ms = self._now(ctx)
+        if self.time_mode == "eventtime":
+            self._advance_watermark()
+        out: list[dict] = []
+        self._fire_timers(out)
+        self._purge_expired()
+        return out
+
+    def _records(self, result: Iterable[Any], what: str) -> list[dict]:
+        label = f"{type(self.processor).__name__}.{what}"
+        if self.rows == "pandas":
+            return frames_to_records(result, self.output_schema, self._arrow_out, label)
+        return rows_to_records(result, self.output_schema, label)
+
+    def _fire_timers(self, out: list[dict]) -> None:
+        if self.time_mode == "none":
+            return
+        from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo
+
+        threshold = self.batch_time_ms if self.time_mode == "processingtime" else self.watermark_ms
+        tv = self._timer_values()
+        on_timer = self.processor.handleExpiredTimer
+        for key, ts in self.timers.expired(threshold):
+            result = on_timer(key=key, timerValues=tv, expiredTimerInfo=ExpiredTimerInfo(ts))
+            if result is not None:
+                out.extend(self._records(result, "handleExpiredTimer"))
+            self.ctx.set_current_key(key)
+            self.timers.delete(key, ts)  # as Spark: the fired timer is deleted after its handler
+
+    def _purge_expired(self) -> None:
+        """Remove entries whose TTL ran out (reads already skip them)."""
+        ctx = self.ctx
+        for name, (_kind, var) in list(self.variables.items()):
+            if var._ttl is None:
+                continue
+            for key in ctx.keys(name):
+                ctx.set_current_key(key)
+                var._purge_expired()
+
+
+class ApplyInPandasWithState(_Keyed):
+    """Runs an ``applyInPandasWithState`` function ``func(key, pdf_iter, state)`` with
+    PySpark's own ``GroupState`` as an epochstream keyed operator
+    (``Stream.apply_in_pandas_with_state``).
+
+    Per key the state is stored as ``(value tuple or None, timeout timestamp)`` in the
+    reserved keyed state ``$groupState``. After each call the state is written back as
+    Spark's ``FlatMapGroupsWithStateExec`` does: removed without a timeout -> deleted;
+    otherwise written when updated, removed or its timeout changed. As in Spark, the
+    timeout is reset on every call: set it again in every call that should keep one.
+    A key with no data in a batch times out when its timeout timestamp is strictly below
+    the batch processing time (``ProcessingTimeTimeout``) or the watermark
+    (``EventTimeTimeout``); ``func`` then gets an empty iterator and ``hasTimedOut`` true.
+    """
+
+    def __init__(
+        self,
+        func: Callable[..., Iterable[Any]],
+        output_schema,
+        state_schema,
+        output_mode: str,
+        timeout_conf: str,
+        key: str | list[str] | tuple[str, ...] = "key",
+        event_time: str | None = None,
+        watermark_delay_ms: int = 0,
+        input_schema=None,
+        clock: Any = None,
+    ) -> None:
+        from pyspark.sql.streaming.state import GroupStateTimeout
+
+        super().__init__(key, output_schema, input_schema, event_time, watermark_delay_ms, clock)
+        if not callable(func):
+            raise TypeError(f"apply_in_pandas_with_state needs a function (key, pdf_iter, state), got {func!r}")
+        if str(output_mode).lower() not in OUTPUT_MODES:
+            raise ValueError(f"output_mode must be 'Append' or 'Update', got {output_mode!r}")
+        modes = (GroupStateTimeout.NoTimeout, GroupStateTimeout.ProcessingTimeTimeout, GroupStateTimeout.EventTimeTimeout)
+        if timeout_conf not in modes:
+            raise ValueError(f"timeout_conf must be one of {modes} (GroupStateTimeout), got {timeout_conf!r}")
+        if timeout_conf == GroupStateTimeout.EventTimeTimeout and event_time is None:
+            raise ValueError("EventTimeTimeout needs event_time=<column> (Spark: withWatermark on the input)")
+        self.func = func
+        self.state_schema = struct_schema(state_schema, "state schema")
+        self.output_mode = str(output_mode).lower()
+        self.timeout_conf = timeout_conf
+
+    def open(self, ctx) -> None:
+        import heapq
+
+        self._open_common(ctx)
+        self._state = ctx.state(ValueStateDescriptor(GROUP_STATE))
+        self._heap: list[tuple[int, int, Any]] = []
+        self._seq = 0
+        self._hpush, self._hpop = heapq.heappush, heapq.heappop
+        current = ctx.key
+        for key in ctx.keys(GROUP_STATE):  # restored timeouts
+            ctx.set_current_key(key)
+            _v, ts = self._state.value()
+            if ts != -1:
+                self._push(ts, key)
+        ctx.set_current_key(current)
+
+    def close(self) -> None:
+        pass
+
+    def _push(self, ts: int, key: Any) -> None:
+        self._seq += 1
+        self._hpush(self._heap, (ts, self._seq, key))
+
+    def process(self, value: Any, ctx) -> list[dict]:
+        return self.process_batch([value], [ctx.key], ctx)
+
+    def process_batch(self, records: list[Any], keys: list[Any], ctx) -> list[dict]:
+        self.batch_time_ms = self._now(ctx)
+        groups = self._group(records, keys)
+        out: list[dict] = []
+        for key, rows in groups.items():
+            ctx.set_current_key(key)
+            out.extend(self._call(key, iter([to_pandas(rows, self._arrow_in)]), timed_out=False))
+        self._time_out(out, skip=groups)
+        return out
+
+    def on_epoch_end(self, epoch: int, ctx) -> list[dict]:
+        self.batch_time_ms = self._now(ctx)
+        if self.event_time is not None:
+            self._advance_watermark()
+        out: list[dict] = []
+        self._time_out(out, skip={})
+        return out
+
+    def _call(self, key: Any, data, timed_out: bool) -> list[dict]:
+        from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
+
+        stored = self._state.value()
+        value, old_timeout = stored if stored is not None else (None, GroupState.NO_TIMESTAMP)
+        watermark = self.watermark_ms if self.event_time is not None else GroupState.NO_TIMESTAMP
+        gs = GroupState(
+            optionalValue=Row(*value) if value is not None else None,
+            batchProcessingTimeMs=self.batch_time_ms,
+            eventTimeWatermarkMs=watermark,
+            timeoutConf=self.timeout_conf,
+            hasTimedOut=timed_out,
+            watermarkPresent=self.event_time is not None,
+            defined=value is not None,
+            updated=False,
+            removed=False,
+            timeoutTimestamp=GroupState.NO_TIMESTAMP,
+            keyAsUnsafe=b"",
+            valueSchema=self.state_schema,
+        )
+        result = self.func(key, data, gs)
+        records = [] if result is None else frames_to_records(
+            result, self.output_schema, self._arrow_out, f"{getattr(self.func, '__name__', 'func')}"
+        )
+        # write back as FlatMapGroupsWithStateExec does
+        new_timeout = int(gs._timeout_timestamp)
+        if gs._removed and new_timeout == GroupState.NO_TIMESTAMP:
+            if stored is not None:
+                self._state.clear()
+        elif gs._updated or gs._removed or new_timeout != old_timeout:
+            new_value = tuple(to_python(v) for v in gs._value) if gs.exists else None
+            if new_value is not None and len(new_value) != len(self.state_schema.fields):
+                raise ValueError(
+                    f"state value {new_value!r} does not fit state schema {self.state_schema.simpleString()}"
+                )
+            self._state.update((new_value, new_timeout))
+            if new_timeout != GroupState.NO_TIMESTAMP and self.timeout_conf != GroupStateTimeout.NoTimeout:
+                self._push(new_timeout, key)
+        return records
+
+    def _time_out(self, out: list[dict], skip) -> None:
+        from pyspark.sql.streaming.state import GroupStateTimeout
+
+        if self.timeout_conf == GroupStateTimeout.NoTimeout:
+            return
+        threshold = (
+            self.batch_time_ms if self.timeout_conf == GroupStateTimeout.ProcessingTimeTimeout else self.watermark_ms
+        )
+        heap, ctx = self._heap, self.ctx
+        later, done = [], set()
+        while heap and heap[0][0] < threshold:
+            ts, seq, key = self._hpop(heap)
+            ctx.set_current_key(key)
+            stored = self._state.value()
+            if stored is None or stored[1] != ts:
+                continue  # stale entry: the timeout was changed or the state removed
+            if key in skip or key in done:
+                # had data in this batch, or timed out already: not again in this batch
+                later.append((ts, seq, key))
+                continue
+            done.add(key)
+            out.extend(self._call(key, iter([]), timed_out=True))
+        for entry in later:
+            self._hpush(heap, entry)

@@ -1,0 +1,298 @@
+"""Spark schemas for the wrappers: DDL strings without a JVM, Arrow conversion of batches.
+
+PySpark parses DDL strings (``"id long, name string"``) in the JVM; the wrappers run
+without a SparkSession, so this module parses the common subset itself and accepts any
+``StructType`` (or other ``DataType``) as is. Batches move between epochstream records and
+pandas through Arrow, as PySpark's Arrow serializers move them between the JVM and Python.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Sequence
+
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    BooleanType,
+    ByteType,
+    DataType,
+    DateType,
+    DecimalType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    MapType,
+    Row,
+    ShortType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
+
+_ATOMIC = {
+    "string": StringType, "varchar": StringType, "char": StringType,
+    "int": IntegerType, "integer": IntegerType,
+    "long": LongType, "bigint": LongType,
+    "short": ShortType, "smallint": ShortType,
+    "byte": ByteType, "tinyint": ByteType,
+    "double": DoubleType, "float": FloatType, "real": FloatType,
+    "boolean": BooleanType, "bool": BooleanType,
+    "binary": BinaryType, "date": DateType,
+    "timestamp": TimestampType, "timestamp_ntz": TimestampNTZType,
+}
+
+_TOKEN = re.compile(r"\s*(<|>|\(|\)|,|:|`[^`]*`|[A-Za-z_][A-Za-z0-9_]*|\d+)")
+
+
+class SchemaError(ValueError):
+    """A schema string this module cannot parse, or a value that does not fit its schema."""
+
+
+def parse_schema(schema: DataType | str, what: str = "schema") -> DataType:
+    """A ``DataType`` from a DDL string (``"a long, b string"``, ``"long"``,
+    ``"array<string>"``); ``DataType`` objects pass through."""
+    if isinstance(schema, DataType):
+        return schema
+    if not isinstance(schema, str):
+        raise SchemaError(f"{what} must be a pyspark DataType or a DDL string, got {type(schema).__name__}")
+    tokens = _tokens(schema, what)
+    parser = _Parser(tokens, schema, what)
+    # a bare type ("long") or a field list ("a long, b string")
+    if len(tokens) >= 2 and tokens[1] not in ("<", "(") and tokens[0].lower() not in ("struct",):
+        result: DataType = parser.fields(end=None)
+    else:
+        result = parser.type_()
+    if parser.i != len(tokens):
+        raise SchemaError(f"{what} {schema!r}: unexpected {tokens[parser.i]!r}")
+    return result
+
+
+def struct_schema(schema: DataType | str, what: str) -> StructType:
+    """Like ``parse_schema``, but a bare type becomes a one-field struct named ``value``
+    (Spark's state variables are rows)."""
+    parsed = parse_schema(schema, what)
+    if isinstance(parsed, StructType):
+        return parsed
+    return StructType([StructField("value", parsed, True)])
+
+
+def _tokens(text: str, what: str) -> list[str]:
+    out, pos = [], 0
+    text = text.strip()
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if not m:
+            raise SchemaError(f"{what} {text!r}: cannot parse at {text[pos:]!r}")
+        out.append(m.group(1))
+        pos = m.end()
+    return out
+
+
+class _Parser:
+    def __init__(self, tokens: list[str], text: str, what: str) -> None:
+        self.t, self.i, self.text, self.what = tokens, 0, text, what
+
+    def _next(self) -> str:
+        if self.i >= len(self.t):
+            raise SchemaError(f"{self.what} {self.text!r}: ends too early")
+        tok = self.t[self.i]
+        self.i += 1
+        return tok
+
+    def _expect(self, tok: str) -> None:
+        got = self._next()
+        if got != tok:
+            raise SchemaError(f"{self.what} {self.text!r}: expected {tok!r}, found {got!r}")
+
+    def _peek(self) -> str | None:
+        return self.t[self.i] if self.i < len(self.t) else None
+
+    def fields(self, end: str | None) -> StructType:
+        fields = []
+        while True:
+            name = self._next().strip("`")
+            if self._peek() == ":":
+                self.i += 1
+            fields.append(StructField(name, self.type_(), True))
+            if self._peek() == ",":
+                self.i += 1
+                continue
+            break
+        if end is not None:
+            self._expect(end)
+        return StructType(fields)
+
+    def type_(self) -> DataType:
+        name = self._next().lower()
+        if name in _ATOMIC:
+            if self._peek() == "(":  # char(10), varchar(10)
+                self.i += 1
+                self._next()
+                self._expect(")")
+            return _ATOMIC[name]()
+        if name in ("decimal", "dec", "numeric"):
+            if self._peek() == "(":
+                self.i += 1
+                p = int(self._next())
+                s = 0
+                if self._peek() == ",":
+                    self.i += 1
+                    s = int(self._next())
+                self._expect(")")
+                return DecimalType(p, s)
+            return DecimalType()
+        if name == "array":
+            self._expect("<")
+            elem = self.type_()
+            self._expect(">")
+            return ArrayType(elem, True)
+        if name == "map":
+            self._expect("<")
+            k = self.type_()
+            self._expect(",")
+            v = self.type_()
+            self._expect(">")
+            return MapType(k, v, True)
+        if name == "struct":
+            self._expect("<")
+            return self.fields(end=">")
+        raise SchemaError(
+            f"{self.what} {self.text!r}: unknown type {name!r}; pass a pyspark.sql.types DataType instead"
+        )
+
+
+# ---------------------------------------------------------------- values
+
+
+def to_python(v: Any) -> Any:
+    """numpy and pandas scalars -> plain Python, as PySpark normalises state values."""
+    if v is None:
+        return None
+    t = type(v)
+    if t in (int, str, float, bool, bytes):
+        return v
+    if hasattr(v, "item") and hasattr(v, "dtype"):  # numpy scalar
+        return v.item()
+    if hasattr(v, "to_pydatetime"):
+        return v.to_pydatetime()
+    if hasattr(v, "to_pytimedelta"):
+        return v.to_pytimedelta()
+    if isinstance(v, Row):
+        return Row(*[to_python(x) for x in v]) if not hasattr(v, "__fields__") else Row(**{k: to_python(x) for k, x in v.asDict().items()})
+    if isinstance(v, (list, tuple)):
+        return type(v)(to_python(x) for x in v)
+    if isinstance(v, dict):
+        return {to_python(k): to_python(x) for k, x in v.items()}
+    return v
+
+
+def state_tuple(value: Any, schema: StructType, what: str) -> tuple:
+    """A state value as Spark stores it: a tuple with one item per schema field."""
+    if value is None:
+        raise SchemaError(f"{what}: a state value cannot be None (Spark: ILLEGAL_STATE_STORE_VALUE.NULL_VALUE)")
+    if isinstance(value, Row) and hasattr(value, "__fields__"):
+        value = tuple(value)
+    if not isinstance(value, (tuple, list)):
+        raise SchemaError(f"{what}: state values are tuples matching {schema.simpleString()}, got {type(value).__name__}")
+    if len(value) != len(schema.fields):
+        raise SchemaError(
+            f"{what}: value {tuple(value)!r} has {len(value)} item(s), schema {schema.simpleString()} has "
+            f"{len(schema.fields)}"
+        )
+    return tuple(to_python(v) for v in value)
+
+
+# ---------------------------------------------------------------- batches
+
+
+def arrow_schema(schema: StructType):
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(schema)
+
+
+def column_getter(record: Any, input_schema: StructType | None):
+    """How to read named columns from a record: dicts and Rows by name, tuples by position."""
+    if isinstance(record, dict):
+        return lambda r, c: r[c]
+    if isinstance(record, Row) and hasattr(record, "__fields__"):
+        return lambda r, c: r[c]
+    if isinstance(record, (tuple, list)) and input_schema is not None:
+        index = {f.name: i for i, f in enumerate(input_schema.fields)}
+        return lambda r, c: r[index[c]]
+    raise SchemaError(
+        f"records must be dicts or pyspark Rows (or tuples with input_schema=...), got {type(record).__name__}"
+    )
+
+
+def as_dicts(records: Sequence[Any], input_schema: StructType | None) -> list[dict]:
+    first = records[0]
+    if isinstance(first, dict):
+        return records  # type: ignore[return-value]
+    if isinstance(first, Row) and hasattr(first, "__fields__"):
+        return [r.asDict() for r in records]
+    if input_schema is None:
+        raise SchemaError("tuple records need input_schema=... to name their columns")
+    names = input_schema.names
+    return [dict(zip(names, r)) for r in records]
+
+
+def to_pandas(rows: list[dict], schema) -> Any:
+    """Rows -> one pandas DataFrame through Arrow (``schema``: an Arrow schema or None to infer)."""
+    import pyarrow as pa
+
+    return pa.Table.from_pylist(rows, schema=schema).to_pandas()
+
+
+def frames_to_records(frames: Iterable[Any], schema: StructType, arrow_out, what: str) -> list[dict]:
+    """The pandas DataFrames a user function yielded -> records (dicts in schema order).
+
+    As in Spark, columns match the schema by name when the frame's labels are strings,
+    by position otherwise."""
+    import pandas as pd
+    import pyarrow as pa
+
+    out: list[dict] = []
+    names = schema.names
+    for df in frames:
+        if not isinstance(df, pd.DataFrame):
+            raise SchemaError(f"{what} must yield pandas DataFrames, got {type(df).__name__}")
+        if len(df) == 0:
+            continue
+        if not all(isinstance(c, str) for c in df.columns):
+            if len(df.columns) != len(names):
+                raise SchemaError(f"{what}: a frame with {len(df.columns)} unnamed columns for schema {schema.simpleString()}")
+            df = df.set_axis(names, axis=1)
+        missing = [n for n in names if n not in df.columns]
+        if missing:
+            raise SchemaError(f"{what}: output frame lacks column(s) {missing} of schema {schema.simpleString()}")
+        try:
+            table = pa.Table.from_pandas(df[names], schema=arrow_out, preserve_index=False)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+            raise SchemaError(f"{what}: output does not fit schema {schema.simpleString()}: {exc}") from exc
+        out.extend(table.to_pylist())
+    return out
+
+
+def rows_to_records(rows: Iterable[Any], schema: StructType, what: str) -> list[dict]:
+    """Rows a Row-mode processor yielded -> records (dicts in schema order)."""
+    out: list[dict] = []
+    names = schema.names
+    for r in rows:
+        if isinstance(r, Row) and hasattr(r, "__fields__"):
+            d = r.asDict()
+        elif isinstance(r, dict):
+            d = r
+        elif isinstance(r, (tuple, list)) and len(r) == len(names):
+            d = dict(zip(names, r))
+        else:
+            raise SchemaError(f"{what} must yield pyspark Rows, got {type(r).__name__}")
+        try:
+            out.append({n: to_python(d[n]) for n in names})
+        except KeyError as exc:
+            raise SchemaError(f"{what}: output row {r!r} lacks field {exc} of schema {schema.simpleString()}") from None
+    return out

@@ -1,0 +1,599 @@
+"""PySpark's stateful operators on epochstream: semantics of the handle, TTL, timers,
+event time and GroupState, driven through the runtime's own interface.
+
+``Harness`` builds what a task builds for a keyed operator (``HeapKeyedState``,
+``Context``, the operator's ``open``) and calls ``process_batch`` and ``on_epoch_end``
+as ``ChainRuntime`` does, with a clock the test moves. Differential tests against Spark
+itself are in ``test_pyspark_differential.py``; exactly-once, rescaling and the drivers
+in ``test_pyspark_exactly_once.py``.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+from pyspark.sql import Row
+from pyspark.sql.streaming import StatefulProcessor
+from pyspark.sql.streaming.state import GroupStateTimeout
+from pyspark.sql.types import LongType, StructField, StructType
+
+from epochstream import Pipeline
+from epochstream.pyspark.operators import ApplyInPandasWithState, TransformWithState
+from epochstream.pyspark.schema import SchemaError, parse_schema
+from epochstream.runtime.context import Context
+from epochstream.runtime.state import HeapKeyedState
+
+
+class Clock:
+    def __init__(self, ms: int = 1_000) -> None:
+        self.ms = ms
+
+    def __call__(self) -> int:
+        return self.ms
+
+
+class Harness:
+    """One operator subtask, fed like ChainRuntime feeds it; ``restart()`` restores its
+    state from a capture into a fresh copy (what a failover does)."""
+
+    def __init__(self, make_op) -> None:
+        self.make_op = make_op
+        self.clock = Clock()
+        self.state = HeapKeyedState("op", lambda k: 0, (0, 0))
+        self.ctx = Context(self.state, 0, 1, "op")
+        self.op = make_op(self.clock)
+        self.op.open(self.ctx)
+        self.epoch = 0
+
+    def feed(self, *records) -> list[dict]:
+        recs = list(records)
+        return self.op.process_batch(recs, [self.op.key_of(r) for r in recs], self.ctx)
+
+    def bound(self) -> list[dict]:
+        self.epoch += 1
+        return self.op.on_epoch_end(self.epoch, self.ctx)
+
+    def restart(self) -> None:
+        cap = self.state.capture(self.epoch, incremental=False)
+        self.state = HeapKeyedState("op", lambda k: 0, (0, 0))
+        self.state.restore_rows(cap.rows, dict(cap.kinds))
+        self.ctx = Context(self.state, 0, 1, "op")
+        self.op = self.make_op(self.clock)
+        self.op.open(self.ctx)
+
+    def value(self, name: str, key) -> object:
+        return self.state.as_dict().get(name, {}).get(key)
+
+
+# ---------------------------------------------------------------- processors
+
+
+class Everything(StatefulProcessor):
+    """Value, List and Map state, a TTL'd value, processing-time timers."""
+
+    def __init__(self, ttl: int | None = None, timer_after: int | None = None) -> None:
+        self.ttl, self.timer_after = ttl, timer_after
+
+    def init(self, handle) -> None:
+        self.handle = handle
+        self.count = handle.getValueState("count", "c long")
+        self.ids = handle.getListState("ids", StructType([StructField("id", LongType())]))
+        self.parity = handle.getMapState("parity", "p long", "n long")
+        self.recent = handle.getValueState("recent", "id long", self.ttl) if self.ttl else None
+
+    def handleInputRows(self, key, rows, timerValues):
+        for pdf in rows:
+            for i in pdf["id"]:
+                n = (self.count.get() or (0,))[0] + 1
+                self.count.update((n,))
+                self.ids.appendValue((i,))  # numpy int64: normalised like Spark
+                p = (int(i) % 2,)
+                self.parity.updateValue(p, ((self.parity.getValue(p) or (0,))[0] + 1,))
+                if self.recent is not None:
+                    self.recent.update((i,))
+                yield pd.DataFrame({"k": [key[0]], "n": [n]})
+        if self.timer_after is not None:
+            self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + self.timer_after)
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+        recent = self.recent.get() if self.recent is not None else None
+        yield pd.DataFrame({"k": [key[0]], "n": [-expiredTimerInfo.getExpiryTimeInMs()],
+                            })
+        self.fired = (key, recent, list(self.handle.listTimers()))
+
+    def close(self) -> None:
+        pass
+
+
+def tws(processor, time_mode="processingtime", **kw):
+    return lambda clock: TransformWithState(processor, "k string, n long", time_mode, "k", clock=clock, **kw)
+
+
+# ---------------------------------------------------------------- state
+
+
+def test_value_list_and_map_state_per_key():
+    h = Harness(tws(Everything(), "none"))
+    out = h.feed({"k": "a", "id": 1}, {"k": "b", "id": 2}, {"k": "a", "id": 3})
+    out += h.feed({"k": "a", "id": 4})
+    assert sorted((r["k"], r["n"]) for r in out) == [("a", 1), ("a", 2), ("a", 3), ("b", 1)]
+    assert h.value("count", ("a",)) == ((3,), None)
+    assert h.value("ids", ("a",)) == [((1,), None), ((3,), None), ((4,), None)]
+    assert h.value("parity", ("a",)) == {(1,): ((2,), None), (0,): ((1,), None)}
+    assert all(type(v[0][0]) is int for v in h.value("ids", ("a",)))  # numpy scalars became ints
+
+
+def test_state_survives_a_restore():
+    h = Harness(tws(Everything(), "none"))
+    h.feed({"k": "a", "id": 1})
+    h.restart()
+    out = h.feed({"k": "a", "id": 2})
+    assert out == [{"k": "a", "n": 2}]
+    assert h.value("ids", ("a",)) == [((1,), None), ((2,), None)]
+
+
+def test_one_call_per_key_per_batch_with_the_rows_of_that_key_in_arrival_order():
+    calls = []
+
+    class Spy(StatefulProcessor):
+        def init(self, handle):
+            pass
+
+        def handleInputRows(self, key, rows, timerValues):
+            frames = list(rows)
+            calls.append((key, [list(f["id"]) for f in frames]))
+            return iter([])
+
+    h = Harness(tws(Spy(), "none"))
+    h.feed({"k": "b", "id": 1}, {"k": "a", "id": 2}, {"k": "b", "id": 3})
+    assert calls == [(("b",), [[1, 3]]), (("a",), [[2]])]
+
+
+def test_map_state_api():
+    seen = {}
+
+    class Maps(StatefulProcessor):
+        def init(self, handle):
+            self.m = handle.getMapState("m", "name string", "v long, w string")
+
+        def handleInputRows(self, key, rows, timerValues):
+            for pdf in rows:
+                for name, v in zip(pdf["name"], pdf["v"]):
+                    self.m.updateValue((name,), (v, name * 2))
+            self.m.removeKey(("gone",))
+            seen.update(exists=self.m.exists(), has_x=self.m.containsKey(("x",)), get=self.m.getValue(("x",)),
+                        missing=self.m.getValue(("nope",)), keys=sorted(self.m.keys()),
+                        values=sorted(self.m.values()), items=sorted(self.m.iterator()))
+            return iter([])
+
+    h = Harness(lambda c: TransformWithState(Maps(), "k string", "none", "k", clock=c))
+    h.feed({"k": "a", "name": "x", "v": 1}, {"k": "a", "name": "y", "v": 2}, {"k": "a", "name": "gone", "v": 3})
+    assert seen == dict(exists=True, has_x=True, get=(1, "xx"), missing=None, keys=[("x",), ("y",)],
+                        values=[(1, "xx"), (2, "yy")], items=[(("x",), (1, "xx")), (("y",), (2, "yy"))])
+
+
+def test_list_state_put_append_and_clear():
+    seen = []
+
+    class Lists(StatefulProcessor):
+        def init(self, handle):
+            self.l = handle.getListState("l", "v long")
+
+        def handleInputRows(self, key, rows, timerValues):
+            list(rows)
+            seen.append(self.l.exists())
+            self.l.put([(1,), (2,)])
+            self.l.appendList([(3,)])
+            self.l.appendValue((4,))
+            seen.append(list(self.l.get()))
+            self.l.clear()
+            seen.append((self.l.exists(), list(self.l.get())))
+            return iter([])
+
+    h = Harness(lambda c: TransformWithState(Lists(), "k string", "none", "k", clock=c))
+    h.feed({"k": "a"})
+    assert seen == [False, [(1,), (2,), (3,), (4,)], (False, [])]
+
+
+def test_delete_if_exists_drops_a_variable_for_every_key():
+    class Old(StatefulProcessor):
+        def init(self, handle):
+            self.v = handle.getValueState("old", "v long")
+
+        def handleInputRows(self, key, rows, timerValues):
+            list(rows)
+            self.v.update((1,))
+            return iter([])
+
+    class New(StatefulProcessor):
+        def init(self, handle):
+            handle.deleteIfExists("old")
+
+        def handleInputRows(self, key, rows, timerValues):
+            return iter([])
+
+    h = Harness(lambda c: TransformWithState(Old(), "k string", "none", "k", clock=c))
+    h.feed({"k": "a"}, {"k": "b"})
+    assert set(h.state.as_dict()["old"]) == {("a",), ("b",)}
+    h.make_op = lambda c: TransformWithState(New(), "k string", "none", "k", clock=c)
+    h.restart()
+    assert "old" not in h.state.as_dict()
+
+
+# ---------------------------------------------------------------- TTL
+
+
+def test_ttl_hides_a_value_once_the_batch_time_reaches_its_expiry_and_the_bound_removes_it():
+    proc = Everything(ttl=100)
+    h = Harness(tws(proc))
+    h.clock.ms = 1_000
+    h.feed({"k": "a", "id": 1})
+    assert h.value("recent", ("a",)) == ((1,), 1_100)
+    h.clock.ms = 1_099
+    h.feed({"k": "b", "id": 2})
+    h.op.ctx.set_current_key(("a",))
+    assert h.op.variables["recent"][1].get() == (1,)
+    h.clock.ms = 1_100  # expires <= batch time: expired (Spark's StateTTL.isExpired)
+    h.feed({"k": "b", "id": 3})
+    h.op.ctx.set_current_key(("a",))
+    assert h.op.variables["recent"][1].get() is None and not h.op.variables["recent"][1].exists()
+    assert h.value("recent", ("a",)) is not None  # invisible, not yet removed
+    h.bound()
+    assert h.value("recent", ("a",)) is None
+    assert h.value("recent", ("b",)) == ((3,), 1_200)
+
+
+def test_ttl_of_list_and_map_entries_expires_each_entry_alone():
+    class Ttl(StatefulProcessor):
+        def init(self, handle):
+            self.l = handle.getListState("l", "v long", 50)
+            self.m = handle.getMapState("m", "k long", "v long", 50)
+
+        def handleInputRows(self, key, rows, timerValues):
+            for pdf in rows:
+                for v in pdf["v"]:
+                    self.l.appendValue((v,))
+                    self.m.updateValue((v,), (v,))
+            yield pd.DataFrame({"k": [key[0]], "n": [len(list(self.l.get())) * 100 + len(list(self.m.keys()))]})
+
+    h = Harness(lambda c: TransformWithState(Ttl(), "k string, n long", "processingtime", "k", clock=c))
+    h.clock.ms = 0
+    assert h.feed({"k": "a", "v": 1}) == [{"k": "a", "n": 101}]
+    h.clock.ms = 30
+    assert h.feed({"k": "a", "v": 2}) == [{"k": "a", "n": 202}]
+    h.clock.ms = 60  # the first entries (expiry 50) are gone, the second (80) live
+    assert h.feed({"k": "a", "v": 3}) == [{"k": "a", "n": 202}]
+    h.bound()
+    assert [v for v, _e in h.value("l", ("a",))] == [(2,), (3,)]
+    assert sorted(h.value("m", ("a",))) == [(2,), (3,)]
+
+
+def test_ttl_needs_processing_time_mode_as_in_spark():
+    h = Harness(tws(Everything(ttl=10), "none"))
+    with pytest.raises(ValueError, match="Cannot use TTL for state=recent"):
+        h.feed({"k": "a", "id": 1})
+
+
+# ---------------------------------------------------------------- timers
+
+
+def test_processing_time_timers_fire_after_the_data_of_a_batch_and_at_epoch_bounds():
+    proc = Everything(timer_after=500)
+    h = Harness(tws(proc))
+    h.clock.ms = 1_000
+    assert [r["n"] for r in h.feed({"k": "a", "id": 1})] == [1]
+    assert h.value("$timers", ("a",)) == (1_500,)
+    h.clock.ms = 1_499
+    assert h.bound() == []
+    h.clock.ms = 1_500
+    assert h.bound() == [{"k": "a", "n": -1_500}]
+    assert proc.fired == (("a",), None, [1_500])  # listTimers still shows it inside the handler
+    assert h.value("$timers", ("a",)) is None  # deleted after the handler, as Spark does
+    h.clock.ms = 2_000
+    out = h.feed({"k": "b", "id": 2})  # b's new timer 2500 is not due; nothing else is left
+    assert [r["n"] for r in out] == [1]
+
+
+def test_timers_survive_a_restore_and_fire_once():
+    proc = Everything(timer_after=10)
+    h = Harness(tws(proc))
+    h.clock.ms = 0
+    h.feed({"k": "a", "id": 1}, {"k": "b", "id": 2})
+    h.restart()
+    h.clock.ms = 10
+    fired = h.bound()
+    assert sorted(r["k"] for r in fired) == ["a", "b"]
+    assert h.bound() == []
+
+
+def test_register_list_and_delete_timers():
+    seen = []
+
+    class T(StatefulProcessor):
+        def init(self, handle):
+            self.h = handle
+
+        def handleInputRows(self, key, rows, timerValues):
+            list(rows)
+            for t in (30, 10, 20, 10):
+                self.h.registerTimer(t + 10_000)
+            self.h.deleteTimer(10_020)
+            self.h.deleteTimer(99)  # absent: nothing happens
+            seen.append(list(self.h.listTimers()))
+            return iter([])
+
+    h = Harness(lambda c: TransformWithState(T(), "k string", "processingtime", "k", clock=c))
+    h.feed({"k": "a"})
+    assert seen == [[10_010, 10_030]]
+
+
+def test_timers_need_a_time_mode():
+    class T(StatefulProcessor):
+        def init(self, handle):
+            self.h = handle
+
+        def handleInputRows(self, key, rows, timerValues):
+            self.h.registerTimer(5)
+            return iter([])
+
+    h = Harness(lambda c: TransformWithState(T(), "k string", "none", "k", clock=c))
+    with pytest.raises(ValueError, match="Timers with TimeMode.None"):
+        h.feed({"k": "a"})
+
+
+def test_timer_values_per_time_mode():
+    seen = []
+
+    class T(StatefulProcessor):
+        def init(self, handle):
+            pass
+
+        def handleInputRows(self, key, rows, timerValues):
+            list(rows)
+            seen.append((timerValues.getCurrentProcessingTimeInMs(), timerValues.getCurrentWatermarkInMs()))
+            return iter([])
+
+    for mode, extra in (("none", {}), ("processingtime", {}), ("eventtime", {"event_time": "t"})):
+        h = Harness(lambda c: TransformWithState(T(), "k string", mode, "k", clock=c, **extra))
+        h.clock.ms = 777
+        h.feed({"k": "a", "t": 5_000})
+    assert seen == [(-1, -1), (777, 0), (777, 0)]  # as Spark 4.2 reports them
+
+
+# ---------------------------------------------------------------- event time
+
+
+class Sessions(StatefulProcessor):
+    """Event time: counts rows per key and emits the count when the watermark passes the
+    key's last event time + 1000 ms (an event-time timer)."""
+
+    def init(self, handle):
+        self.handle = handle
+        self.count = handle.getValueState("count", "c long")
+        self.last = handle.getValueState("last", "t long")
+
+    def handleInputRows(self, key, rows, timerValues):
+        for pdf in rows:
+            for t in pdf["t"]:
+                self.count.update(((self.count.get() or (0,))[0] + 1,))
+                last = (self.last.get() or (0,))[0]
+                if t > last:
+                    for old in list(self.handle.listTimers()):
+                        self.handle.deleteTimer(old)
+                    self.last.update((t,))
+                    self.handle.registerTimer(int(t) + 1_000)
+        return iter([])
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+        yield pd.DataFrame({"k": [key[0]], "n": [self.count.get()[0]]})
+        self.count.clear()
+        self.last.clear()
+
+
+def sessions(clock):
+    return TransformWithState(Sessions(), "k string, n long", "eventtime", "k", event_time="t",
+                              watermark_delay_ms=500, clock=clock)
+
+
+def test_event_time_timers_fire_when_the_watermark_advances_at_an_epoch_bound():
+    h = Harness(sessions)
+    h.feed({"k": "a", "t": 1_000}, {"k": "a", "t": 1_200}, {"k": "b", "t": 1_100})
+    assert h.op.watermark_ms == 0
+    assert h.bound() == []  # watermark 1200 - 500 = 700
+    assert h.op.watermark_ms == 700
+    h.feed({"k": "c", "t": 3_000})
+    assert h.feed({"k": "a", "t": 650}) == []  # late: 650 <= 700, dropped
+    assert h.value("count", ("a",)) == ((2,), None)
+    assert sorted((r["k"], r["n"]) for r in h.bound()) == [("a", 2), ("b", 1)]  # watermark 2500
+    assert h.op.watermark_ms == 2_500
+    assert h.value("count", ("c",)) == ((1,), None)
+
+
+def test_the_watermark_is_restored_from_the_keys_event_times():
+    h = Harness(sessions)
+    h.feed({"k": "a", "t": 10_000})
+    h.bound()
+    assert h.op.watermark_ms == 9_500
+    h.restart()
+    assert h.op.watermark_ms == 9_500
+    assert h.feed({"k": "b", "t": 9_400}) == [] and h.value("count", ("b",)) is None  # still late
+
+
+def test_event_time_mode_needs_an_event_time_column():
+    with pytest.raises(ValueError, match="event_time"):
+        TransformWithState(Sessions(), "k string, n long", "eventtime", "k")
+
+
+# ---------------------------------------------------------------- rows mode
+
+
+def test_row_mode_passes_rows_and_takes_rows():
+    class Rows(StatefulProcessor):
+        def init(self, handle):
+            self.c = handle.getValueState("c", "c long")
+
+        def handleInputRows(self, key, rows, timerValues):
+            n = sum(1 for r in rows if isinstance(r, Row) and r.k == key[0])
+            self.c.update(((self.c.get() or (0,))[0] + n,))
+            yield Row(k=key[0], n=self.c.get()[0])
+
+    h = Harness(lambda c: TransformWithState(Rows(), "k string, n long", "none", "k", rows="row", clock=c))
+    assert h.feed({"k": "a"}, {"k": "a"}) == [{"k": "a", "n": 2}]
+    assert h.feed(Row(k="a", x=1)) == [{"k": "a", "n": 3}]
+
+
+# ---------------------------------------------------------------- applyInPandasWithState
+
+
+def counter(key, pdf_iter, state):
+    """Counts rows per key; on a processing-time timeout emits the count and removes it."""
+    if state.hasTimedOut:
+        yield pd.DataFrame({"k": [key[0]], "n": [-state.get[0]]})
+        state.remove()
+        return
+    n = sum(len(pdf) for pdf in pdf_iter) + (state.get[0] if state.exists else 0)
+    state.update((n,))
+    state.setTimeoutDuration(100)
+    yield pd.DataFrame({"k": [key[0]], "n": [n]})
+
+
+def group_state(func=counter, timeout=GroupStateTimeout.ProcessingTimeTimeout, **kw):
+    return lambda clock: ApplyInPandasWithState(func, "k string, n long", "n long", "Update", timeout, "k",
+                                                clock=clock, **kw)
+
+
+def test_group_state_update_and_processing_time_timeout():
+    h = Harness(group_state())
+    h.clock.ms = 1_000
+    assert h.feed({"k": "a"}, {"k": "a"}, {"k": "b"}) == [{"k": "a", "n": 2}, {"k": "b", "n": 1}]
+    assert h.value("$groupState", ("a",)) == ((2,), 1_100)
+    h.clock.ms = 1_050
+    assert h.feed({"k": "a"}) == [{"k": "a", "n": 3}]  # a's timeout moves to 1150
+    h.clock.ms = 1_100  # b's timeout 1100 is not strictly below 1100
+    assert h.bound() == []
+    h.clock.ms = 1_101
+    assert h.bound() == [{"k": "b", "n": -1}]
+    assert h.value("$groupState", ("b",)) is None
+    h.restart()
+    h.clock.ms = 1_200
+    assert h.feed({"k": "c"}) == [{"k": "c", "n": 1}, {"k": "a", "n": -3}]  # data first, then timeouts
+
+
+def test_group_state_timeout_is_reset_on_every_call():
+    def once(key, pdf_iter, state):
+        list(pdf_iter)
+        if not state.exists:
+            state.update((1,))
+            state.setTimeoutDuration(10)
+        return iter([])
+
+    h = Harness(group_state(once))
+    h.clock.ms = 0
+    h.feed({"k": "a"})
+    assert h.value("$groupState", ("a",)) == ((1,), 10)
+    h.feed({"k": "a"})  # no timeout set in this call: Spark clears it
+    assert h.value("$groupState", ("a",)) == ((1,), -1)
+    h.clock.ms = 100
+    assert h.bound() == []
+
+
+def test_group_state_event_time_timeout():
+    def session(key, pdf_iter, state):
+        if state.hasTimedOut:
+            yield pd.DataFrame({"k": [key[0]], "n": [state.get[0]]})
+            state.remove()
+            return
+        rows = pd.concat(list(pdf_iter))
+        n = len(rows) + (state.get[0] if state.exists else 0)
+        state.update((n,))
+        state.setTimeoutTimestamp(int(rows["t"].max()) + 1_000)
+
+    h = Harness(group_state(session, GroupStateTimeout.EventTimeTimeout, event_time="t"))
+    h.feed({"k": "a", "t": 1_000}, {"k": "b", "t": 5_000})
+    assert h.op.watermark_ms == 0
+    # the bound advances the watermark to 5000, then a's timeout 2000 < 5000 fires (Spark: in the
+    # no-data micro-batch that follows); b's 6000 waits
+    assert h.bound() == [{"k": "a", "n": 1}]
+    assert h.op.watermark_ms == 5_000
+    assert h.value("$groupState", ("a",)) is None and h.value("$groupState", ("b",)) == ((1,), 6_000)
+
+
+def test_group_state_errors_are_pysparks_own():
+    def bad(key, pdf_iter, state):
+        state.setTimeoutTimestamp(5)  # processing-time timeout configured
+        return iter([])
+
+    h = Harness(group_state(bad))
+    with pytest.raises(Exception, match="CANNOT_WITHOUT|set timeout"):
+        h.feed({"k": "a"})
+
+
+# ---------------------------------------------------------------- errors and unsupported parts
+
+
+def test_initial_state_is_not_supported_and_says_so():
+    p = Pipeline("x")
+    with pytest.raises(NotImplementedError, match="initial_state.*handleInitialState"):
+        p.from_collection([{"k": "a"}]).transform_with_state(Everything(), "k string, n long", key="k",
+                                                              initial_state=[("a", pd.DataFrame())])
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="StatefulProcessor"):
+        TransformWithState(object(), "k string", "none", "k")
+    with pytest.raises(ValueError, match="time_mode"):
+        TransformWithState(Everything(), "k string", "realtime", "k")
+    with pytest.raises(ValueError, match="output_mode"):
+        TransformWithState(Everything(), "k string", "none", "k", output_mode="complete")
+    with pytest.raises(ValueError, match="timeout_conf"):
+        ApplyInPandasWithState(counter, "k string", "n long", "update", "Sometimes", "k")
+    with pytest.raises(TypeError, match="key="):
+        Pipeline("x").from_collection([{"k": 1}]).transform_with_state(Everything(), "k string")
+
+
+def test_state_values_must_fit_their_schema():
+    class Bad(StatefulProcessor):
+        def init(self, handle):
+            self.v = handle.getValueState("v", "a long, b long")
+            self.l = handle.getListState("l", "a long")
+
+        def handleInputRows(self, key, rows, timerValues):
+            which = list(rows)[0]["what"][0]
+            if which == "arity":
+                self.v.update((1,))
+            elif which == "none":
+                self.v.update(None)
+            elif which == "empty":
+                self.l.put([])
+            return iter([])
+
+    h = Harness(lambda c: TransformWithState(Bad(), "k string", "none", "k", clock=c))
+    with pytest.raises(SchemaError, match="has 1 item"):
+        h.feed({"k": "a", "what": "arity"})
+    with pytest.raises(SchemaError, match="NULL_VALUE"):
+        h.feed({"k": "a", "what": "none"})
+    with pytest.raises(SchemaError, match="EMPTY_LIST_VALUE"):
+        h.feed({"k": "a", "what": "empty"})
+
+
+def test_output_must_fit_the_output_schema():
+    class Out(StatefulProcessor):
+        def init(self, handle):
+            pass
+
+        def handleInputRows(self, key, rows, timerValues):
+            yield pd.DataFrame({"k": [key[0]]})  # no "n"
+
+    h = Harness(lambda c: TransformWithState(Out(), "k string, n long", "none", "k", clock=c))
+    with pytest.raises(SchemaError, match=r"lacks column\(s\) \['n'\]"):
+        h.feed({"k": "a"})
+
+
+def test_ddl_schemas_parse_without_a_jvm():
+    assert parse_schema("a long, b string").simpleString() == "struct<a:bigint,b:string>"
+    assert parse_schema("long").simpleString() == "bigint"
+    assert parse_schema("a: array<int>, m map<string, double>, d decimal(10, 2)").simpleString() == (
+        "struct<a:array<int>,m:map<string,double>,d:decimal(10,2)>"
+    )
+    with pytest.raises(SchemaError, match="unknown type 'lung'"):
+        parse_schema("a lung")
