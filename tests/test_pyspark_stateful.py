@@ -419,6 +419,28 @@ def test_the_watermark_is_restored_from_the_keys_event_times():
     assert h.feed({"k": "b", "t": 9_400}) == [] and h.value("count", ("b",)) is None  # still late
 
 
+def test_timestamp_columns_arrive_naive_in_utc_and_drive_event_time():
+    import datetime
+
+    seen = []
+
+    class T(StatefulProcessor):
+        def init(self, handle):
+            pass
+
+        def handleInputRows(self, key, rows, timerValues):
+            for pdf in rows:
+                seen.append((str(pdf["t"].dtype), pdf["t"].iloc[0]))
+            return iter([])
+
+    h = Harness(lambda c: TransformWithState(T(), "k string", "eventtime", "k", event_time="t",
+                                             input_schema="k string, t timestamp", clock=c))
+    h.feed({"k": "a", "t": datetime.datetime(2024, 1, 1, 0, 0, 1)})
+    h.bound()
+    assert seen[0][0].startswith("datetime64") and seen[0][1] == pd.Timestamp("2024-01-01 00:00:01")
+    assert h.op.watermark_ms == 1_704_067_201_000
+
+
 def test_event_time_mode_needs_an_event_time_column():
     with pytest.raises(ValueError, match="event_time"):
         TransformWithState(Sessions(), "k string, n long", "eventtime", "k")

@@ -25,6 +25,7 @@ a subtask's watermark is the maximum over its own keys (see docs/PYSPARK.md).
 
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Any, Callable, Iterable
 
@@ -69,7 +70,9 @@ def _event_time_ms(v: Any) -> int:
     if isinstance(v, (int, float)):
         return int(v)
     v = to_python(v)
-    if hasattr(v, "timestamp"):
+    if isinstance(v, datetime.datetime):
+        if v.tzinfo is None:  # naive timestamps are UTC (Spark: the session time zone)
+            v = v.replace(tzinfo=datetime.timezone.utc)
         return int(v.timestamp() * 1000)
     raise ValueError(f"event time must be a timestamp or epoch milliseconds, got {v!r}")
 

@@ -212,7 +212,7 @@ def state_tuple(value: Any, schema: StructType, what: str) -> tuple:
 def arrow_schema(schema: StructType):
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    return to_arrow_schema(schema)
+    return to_arrow_schema(schema, timezone="UTC")
 
 
 def column_getter(record: Any, input_schema: StructType | None):
@@ -245,7 +245,11 @@ def to_pandas(rows: list[dict], schema) -> Any:
     """Rows -> one pandas DataFrame through Arrow (``schema``: an Arrow schema or None to infer)."""
     import pyarrow as pa
 
-    return pa.Table.from_pylist(rows, schema=schema).to_pandas()
+    df = pa.Table.from_pylist(rows, schema=schema).to_pandas()
+    for name, dtype in df.dtypes.items():  # Spark hands timestamps over naive, in the session time zone (UTC here)
+        if getattr(dtype, "tz", None) is not None:
+            df[name] = df[name].dt.tz_convert("UTC").dt.tz_localize(None)
+    return df
 
 
 def frames_to_records(frames: Iterable[Any], schema: StructType, arrow_out, what: str) -> list[dict]:
