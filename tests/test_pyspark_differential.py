@@ -47,7 +47,7 @@ import pytest
 from pyspark.sql.streaming import StatefulProcessor
 from pyspark.sql.streaming.state import GroupStateTimeout
 
-from epochstream import CheckpointConfig, FileSink, Pipeline
+from epochstream import CheckpointConfig, FileSink, Pipeline, TrackerConfig
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.sim import SimConfig
 from epochstream.oracle import committed_state
@@ -155,7 +155,7 @@ class Sessions(StatefulProcessor):
                 self.count.update(((self.count.get() or (0,))[0] + 1,))
                 self.all.updateValue((ms,), (int(i),))
                 last = (self.last.get() or (0,))[0]
-                if ms > last:
+                if ms > last and key[0] != "z":  # z only moves event time: no session of its own
                     for old in list(self.handle.listTimers()):
                         self.handle.deleteTimer(old)
                     self.last.update((ms,))
@@ -284,14 +284,17 @@ def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool) -> di
 
 
 def run_epochstream(tmp: Path, driver: str, batches, attach, uid: str = "op", convert=None,
-                    parallelism: int = 2) -> tuple[list[dict], dict]:
+                    parallelism: int = 2, mode: str = "aligned") -> tuple[list[dict], dict]:
     rows = list(itertools.chain.from_iterable(batches))
     if convert is not None:
         rows = [convert(r) for r in rows]
-    p = Pipeline("differential", parallelism=parallelism, max_parallelism=128,
+    p = Pipeline("differential", parallelism=parallelism, max_parallelism=128, mode=mode,
                  checkpoint=CheckpointConfig(interval=0.002 if driver == "sim" else 0.05), batch_size=4,
-                 restart_attempts=0)
-    attach(p.from_collection(rows, splits=1, uid="input")).sink(FileSink(tmp / "es-out"), uid="out")
+                 restart_attempts=0, tracker=TrackerConfig(time_slack=1_000.0))
+    # tracker mode: the source's timestamps (epoch ms) drive event time
+    timestamps = (lambda r: r["t"].replace(tzinfo=datetime.timezone.utc).timestamp() * 1000) if mode == "tracker" else None
+    source = p.from_collection(rows, splits=1, uid="input", timestamps=timestamps)
+    attach(source).sink(FileSink(tmp / "es-out"), uid="out")
     options = {"sim": SimConfig(source_rate=2_000.0)} if driver == "sim" else {}
     p.run(deployment=driver, checkpoint_dir=str(tmp / "es-chk"), **options)
     storage = LocalCheckpointStorage(tmp / "es-chk")
@@ -312,8 +315,7 @@ def epochstream_state(raw: dict, variables: dict[str, str]) -> dict[str, dict]:
             else:
                 got[key] = {uk: x for uk, (x, _e) in v.items()}
         out[name] = got
-    if "$timers" in raw or "$timers" in variables:
-        out["$timers"] = {k: sorted(v) for k, v in raw.get("$timers", {}).items()}
+    out["$timers"] = {k: sorted(v) for k, v in raw.get("$timers", {}).items()}
     return out
 
 
@@ -348,18 +350,21 @@ def test_value_list_map_state_ttl_and_processing_time_timers_match_spark(everyth
     assert epochstream_state(raw, EVERYTHING_VARS) == spark_st
 
 
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
 @pytest.mark.parametrize("driver", DRIVERS)
-def test_event_time_timers_match_spark(spark, tmp_path_factory, driver, sessions_spark):
-    """At parallelism 1: Spark's watermark is global, epochstream's is per subtask (the maximum
-    over its own keys) until the job-wide event-time progress of issue #3 is in the runtime;
-    at parallelism 1 the two are the same (docs/PYSPARK.md, "Event time")."""
+def test_event_time_timers_match_spark(spark, tmp_path_factory, driver, mode, sessions_spark):
+    """Tracker mode (parallelism 2): the source has timestamps, and timers fire from the
+    trAcker's job-wide time bounds. Aligned mode has no job-wide event time: the watermark is
+    per subtask (the maximum over its own keys, advanced at epoch bounds), which equals
+    Spark's global one only at parallelism 1, so it runs there (docs/PYSPARK.md, "Event time")."""
     spark_rows, spark_st = sessions_spark
     assert sorted(r["k"] for r in spark_rows) == ["a", "b", "c", "d"]
-    tmp = tmp_path_factory.mktemp(f"es-sessions-{driver}")
+    tmp = tmp_path_factory.mktemp(f"es-sessions-{driver}-{mode}")
     # a Python source produces datetimes where Spark's JSON reader parses the strings
     rows, raw = run_epochstream(tmp, driver, sessions_input(), lambda s: s.transform_with_state(
         Sessions(), SESSIONS_OUT, "EventTime", key="k", event_time="t", input_schema="k string, t timestamp, id long",
-        uid="op"), convert=lambda r: {**r, "t": datetime.datetime.fromisoformat(r["t"])}, parallelism=1)
+        uid="op"), convert=lambda r: {**r, "t": datetime.datetime.fromisoformat(r["t"])},
+        parallelism=2 if mode == "tracker" else 1, mode=mode)
     assert canon(rows) == canon(spark_rows)
     assert epochstream_state(raw, SESSIONS_VARS) == spark_st
 

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from pyspark.sql.streaming import StatefulProcessor
 from pyspark.sql.streaming.state import GroupStateTimeout
 
-from epochstream import CheckpointConfig, FileSink, Pipeline
+from epochstream import CheckpointConfig, FileSink, Pipeline, TrackerConfig
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.sim import FailureSchedule, SimConfig
 from epochstream.oracle import check_exactly_once, committed_state, reference_run
@@ -162,6 +162,102 @@ def test_the_oracle_sees_wrapped_state(tmp_path):
 
     report = check_exactly_once(partial(tally_pipeline, parallelism=2), run, tmp_path)
     assert report.restarts >= 1 and report.mismatched_state > 0, report.to_json()
+
+
+# ---------------------------------------------------------------- event time from the trAcker
+
+
+class Sessions(StatefulProcessor):
+    """Event time: a key's session ends 10 s after its last event; the timer emits its count.
+    Every key has one session (its events span less than the gap), so the count at firing is
+    every event of the key whatever was processed first."""
+
+    def init(self, handle):
+        self.handle = handle
+        self.count = handle.getValueState("count", "n long")
+        self.last = handle.getValueState("last", "t long")
+
+    def handleInputRows(self, key, rows, timerValues):
+        for pdf in rows:
+            for t in pdf["t"]:
+                self.count.update(((self.count.get() or (0,))[0] + 1,))
+                if int(t) > (self.last.get() or (0,))[0]:
+                    for old in list(self.handle.listTimers()):
+                        self.handle.deleteTimer(old)
+                    self.last.update((int(t),))
+                    self.handle.registerTimer(int(t) + 10_000)
+        return iter([])
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+        assert timerValues.getCurrentWatermarkInMs() >= expiredTimerInfo.getExpiryTimeInMs()
+        yield pd.DataFrame({"k": [key[0]], "n": [self.count.get()[0]], "end": [expiredTimerInfo.getExpiryTimeInMs()]})
+        self.count.clear()
+        self.last.clear()
+
+
+def session_timeout(key, pdf_iter, state):
+    """applyInPandasWithState with EventTimeTimeout: the same sessions through GroupState."""
+    if state.hasTimedOut:
+        yield pd.DataFrame({"k": [key[0]], "n": [state.get[0]], "end": [state.get[1] + 10_000]})
+        state.remove()
+        return
+    n, last = state.get if state.exists else (0, 0)
+    for pdf in pdf_iter:
+        n += len(pdf)
+        last = max(last, int(pdf["t"].max()))
+    state.update((n, last))
+    state.setTimeoutTimestamp(last + 10_000)
+
+
+def session_input(n_keys: int = 12, per_key: int = 20) -> list[dict]:
+    """Key k's events lie in [k * 8 s, k * 8 s + 5.7 s]: one session each, the sessions of
+    early keys end while later keys still get events. Sorted by time (per split, as event
+    time requires)."""
+    rows = [{"k": f"s{k}", "t": 1_000_000 + k * 8_000 + 300 * j, "id": k * 1000 + j}
+            for k in range(n_keys) for j in range(per_key)]
+    return sorted(rows, key=lambda r: r["t"])
+
+
+def session_pipeline(*, parallelism=2, which="tws", out=None, batch_size=8, interval=0.0005) -> Pipeline:
+    p = Pipeline(f"sessions-{which}", parallelism=parallelism, max_parallelism=128, mode="tracker",
+                 checkpoint=CheckpointConfig(interval=interval), batch_size=batch_size, restart_attempts=30,
+                 restart_delay=0.0, tracker=TrackerConfig(time_slack=1_000.0, flush_interval=0.0005))
+    s = p.from_collection(session_input(), splits=3, uid="events", timestamps=lambda r: r["t"])
+    if which == "tws":
+        s = s.transform_with_state(Sessions(), "k string, n long, end long", "EventTime", key="k", event_time="t",
+                                   uid="sessions")
+    else:
+        s = s.apply_in_pandas_with_state(session_timeout, "k string, n long, end long", "n long, last long", "Append",
+                                         GroupStateTimeout.EventTimeTimeout, key="k", event_time="t", uid="sessions")
+    s.sink(FileSink(out if out is not None else Path("/nonexistent/placeholder")), uid="out")
+    return p
+
+
+@pytest.mark.parametrize("which", ["tws", "group_state"])
+def test_event_time_timers_fire_from_the_tracker(tmp_path, which):
+    """Tracker mode with a timestamped source: every session is emitted once, with all of
+    its events, from the trAcker's time bounds (the last ones at the end of input)."""
+    p = session_pipeline(which=which, out=tmp_path / "out")
+    sim_run(p, tmp_path / "chk")
+    got = sorted((r["k"], r["n"], r["end"]) for r in committed_output(tmp_path / "out"))
+    assert got == sorted((f"s{k}", 20, 1_000_000 + k * 8_000 + 300 * 19 + 10_000) for k in range(12))
+
+
+@pytest.mark.parametrize("which", ["tws", "group_state"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(1, 3))
+def test_event_time_timers_are_exactly_once_in_tracker_mode(tmp_path_factory, which, seed, parallelism, kills):
+    """The oracle's reference replays the timers up to each epoch's recorded time label."""
+    import random
+
+    rng = random.Random(seed)
+    schedule = FailureSchedule(kill_times=sorted(rng.uniform(0, 0.02) for _ in range(kills)))
+
+    def run(p, chk, failing):
+        return sim_run(p, chk, seed=seed, failures=schedule if failing else None)
+
+    build = partial(session_pipeline, which=which, parallelism=parallelism)
+    assert_ok(check_exactly_once(build, run, tmp_path_factory.mktemp("eo-et")))
 
 
 # ---------------------------------------------------------------- rescaling

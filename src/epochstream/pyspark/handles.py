@@ -284,7 +284,10 @@ class Timers:
         if ts in current:
             return
         self._h.update(tuple(sorted(current + (ts,))))
-        self._push(self._heap, (ts, self._next(), key))
+        if self._op.tracker_time is not None:
+            self._op.tracker_time.register_event_time_timer(ts)  # the trAcker fires it (tracker mode)
+        else:
+            self._push(self._heap, (ts, self._next(), key))
 
     def delete(self, key: Any, ts: int) -> None:
         self._check_mode("deleteTimer")
@@ -295,6 +298,12 @@ class Timers:
                 self._h.update(rest)
             else:
                 self._h.clear()
+            if self._op.tracker_time is not None:
+                self._op.tracker_time.delete_event_time_timer(ts)
+
+    def has(self, ts: int) -> bool:
+        """The current key has a timer at ``ts``."""
+        return ts in (self._h.value() or ())
 
     def list(self, key: Any) -> list[int]:
         self._check_mode("listTimers")

@@ -26,6 +26,7 @@ a subtask's watermark is the maximum over its own keys (see docs/PYSPARK.md).
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from typing import Any, Callable, Iterable
 
@@ -118,6 +119,10 @@ class _Keyed:
 
     def _open_common(self, ctx) -> None:
         self.ctx = ctx
+        #: the runtime's TimerService when the trAcker drives event time (tracker mode, timestamped
+        #: source): timers then fire on its time bounds instead of the epoch-bound watermark
+        timers = getattr(ctx, "timers", None)
+        self.tracker_time = timers if self.uses_event_time and timers is not None and timers.enabled else None
         self._arrow_in = arrow_schema(self.input_schema) if self.input_schema is not None else None
         self._arrow_out = arrow_schema(self.output_schema)
         self._max_event = None
@@ -134,8 +139,24 @@ class _Keyed:
             self._advance_watermark()
 
     def _advance_watermark(self) -> None:
+        if self.tracker_time is not None:
+            self._tracker_watermark()
+            return
         if self._max_event is not None:
             self.watermark_ms = max(self.watermark_ms, self._max_event - self.watermark_delay_ms)
+
+    def _tracker_watermark(self, firing: int | None = None) -> None:
+        """Every record with an event time below the trAcker's bound W has been processed:
+        Spark's watermark (rows at or below it are late, timers at or below it fire) is W - 1.
+        At the end of bounded input W is infinite (every timer fires, as at Flink's end of
+        input); the watermark reported is then the largest event time seen or the expiry of
+        the timer firing, whichever is later."""
+        w = self.tracker_time.watermark
+        if w == float("inf"):
+            w = max(self._max_event if self._max_event is not None else self.watermark_ms,
+                    firing if firing is not None else -(2**63)) + 1
+        if w != float("-inf"):
+            self.watermark_ms = max(self.watermark_ms, int(math.ceil(w)) - 1)
 
     def _group(self, records: list[Any], keys: list[Any]) -> dict[Any, list[dict]]:
         """Records grouped per key (first-appearance order), late rows dropped in event time."""
@@ -149,6 +170,8 @@ class _Keyed:
                 else:
                     g.append(r)
             return groups
+        if self.tracker_time is not None:
+            self._tracker_watermark()
         col, wm = self.event_time, self.watermark_ms
         maxima: dict[Any, int] = {}
         for r, k in zip(rows, keys):
@@ -208,6 +231,8 @@ class TransformWithState(_Keyed):
         self.time_mode = mode
         self.output_mode = str(output_mode).lower()
         self.rows = rows
+        #: event-time timers fire from the trAcker's time bounds where the pipeline has them
+        self.uses_event_time = mode == "eventtime"
 
     # ------------------------------------------------------------ lifecycle
     def open(self, ctx) -> None:
@@ -284,6 +309,8 @@ class TransformWithState(_Keyed):
             return
         from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo
 
+        if self.tracker_time is not None:
+            return  # the runtime fires them through on_timer
         threshold = self.batch_time_ms if self.time_mode == "processingtime" else self.watermark_ms
         tv = self._timer_values()
         on_timer = self.processor.handleExpiredTimer
@@ -293,6 +320,25 @@ class TransformWithState(_Keyed):
                 out.extend(self._records(result, "handleExpiredTimer"))
             self.ctx.set_current_key(key)
             self.timers.delete(key, ts)  # as Spark: the fired timer is deleted after its handler
+
+    def on_timer(self, timestamp: float, ctx) -> list[dict]:
+        """Tracker mode: the trAcker's event time passed ``timestamp`` for the current key."""
+        from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo
+
+        ts = int(timestamp)
+        key = ctx.key
+        if not self.timers.has(ts):
+            return []
+        self._tracker_watermark(ts)
+        self.batch_time_ms = self._now(ctx)
+        out: list[dict] = []
+        result = self.processor.handleExpiredTimer(key=key, timerValues=self._timer_values(),
+                                                   expiredTimerInfo=ExpiredTimerInfo(ts))
+        if result is not None:
+            out.extend(self._records(result, "handleExpiredTimer"))
+        ctx.set_current_key(key)
+        self.timers.delete(key, ts)
+        return out
 
     def _purge_expired(self) -> None:
         """Remove entries whose TTL ran out (reads already skip them)."""
@@ -349,6 +395,8 @@ class ApplyInPandasWithState(_Keyed):
         self.state_schema = struct_schema(state_schema, "state schema")
         self.output_mode = str(output_mode).lower()
         self.timeout_conf = timeout_conf
+        #: event-time timeouts fire from the trAcker's time bounds where the pipeline has them
+        self.uses_event_time = timeout_conf == GroupStateTimeout.EventTimeTimeout
 
     def open(self, ctx) -> None:
         import heapq
@@ -423,6 +471,8 @@ class ApplyInPandasWithState(_Keyed):
         if gs._removed and new_timeout == GroupState.NO_TIMESTAMP:
             if stored is not None:
                 self._state.clear()
+            if self.tracker_time is not None and old_timeout != GroupState.NO_TIMESTAMP:
+                self.tracker_time.delete_event_time_timer(old_timeout)  # removed: its timeout goes too
         elif gs._updated or gs._removed or new_timeout != old_timeout:
             new_value = tuple(to_python(v) for v in gs._value) if gs.exists else None
             if new_value is not None and len(new_value) != len(self.state_schema.fields):
@@ -430,14 +480,30 @@ class ApplyInPandasWithState(_Keyed):
                     f"state value {new_value!r} does not fit state schema {self.state_schema.simpleString()}"
                 )
             self._state.update((new_value, new_timeout))
-            if new_timeout != GroupState.NO_TIMESTAMP and self.timeout_conf != GroupStateTimeout.NoTimeout:
+            tracker = self.tracker_time
+            if tracker is not None and old_timeout != new_timeout:
+                if old_timeout != GroupState.NO_TIMESTAMP:
+                    tracker.delete_event_time_timer(old_timeout)
+                if new_timeout != GroupState.NO_TIMESTAMP:
+                    tracker.register_event_time_timer(new_timeout)  # times out once event time passes it
+            elif new_timeout != GroupState.NO_TIMESTAMP and self.timeout_conf != GroupStateTimeout.NoTimeout:
                 self._push(new_timeout, key)
+
         return records
+
+    def on_timer(self, timestamp: float, ctx) -> list[dict]:
+        """Tracker mode: event time passed the current key's timeout ``timestamp``."""
+        stored = self._state.value()
+        if stored is None or stored[1] != int(timestamp):
+            return []
+        self._tracker_watermark(int(timestamp))
+        self.batch_time_ms = self._now(ctx)
+        return self._call(ctx.key, iter([]), timed_out=True)
 
     def _time_out(self, out: list[dict], skip) -> None:
         from pyspark.sql.streaming.state import GroupStateTimeout
 
-        if self.timeout_conf == GroupStateTimeout.NoTimeout:
+        if self.timeout_conf == GroupStateTimeout.NoTimeout or self.tracker_time is not None:
             return
         threshold = (
             self.batch_time_ms if self.timeout_conf == GroupStateTimeout.ProcessingTimeTimeout else self.watermark_ms
