@@ -122,7 +122,7 @@ def assert_ok(report) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("which", ["tws", "group_state"])
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(0, 3),
        batch_size=st.sampled_from([1, 8, 32]), incremental=st.booleans(),
        points=st.sets(st.sampled_from(["before_manifest", "after_manifest", "mid_commit", "recovery"]), max_size=2))

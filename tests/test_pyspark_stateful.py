@@ -269,9 +269,8 @@ def test_ttl_of_list_and_map_entries_expires_each_entry_alone():
 
 
 def test_ttl_needs_processing_time_mode_as_in_spark():
-    h = Harness(tws(Everything(ttl=10), "none"))
     with pytest.raises(ValueError, match="Cannot use TTL for state=recent"):
-        h.feed({"k": "a", "id": 1})
+        Harness(tws(Everything(ttl=10), "none"))  # at init(), when the variable is declared
 
 
 # ---------------------------------------------------------------- timers

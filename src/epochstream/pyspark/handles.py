@@ -34,6 +34,11 @@ EVENT_TIME = "$eventTime"
 def _check_ttl(ttl: int | None, name: str, time_mode: str) -> int | None:
     if ttl is None:
         return None
+    if time_mode != "processingtime":
+        raise ValueError(
+            f"Cannot use TTL for state={name} in timeMode={time_mode}, use time_mode='processingtime' instead "
+            f"(Spark: STATEFUL_PROCESSOR_INCORRECT_TIME_MODE_TO_ASSIGN_TTL)"
+        )
     if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0:
         raise ValueError(f"state {name!r}: ttlDurationMs must be a positive int, got {ttl!r} (Spark: TTL_MUST_BE_POSITIVE)")
     return ttl

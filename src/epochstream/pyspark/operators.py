@@ -247,14 +247,6 @@ class TransformWithState(_Keyed):
     def close(self) -> None:
         self.processor.close()
 
-    def _check_ttl_mode(self) -> None:
-        for name, (_kind, var) in self.variables.items():
-            if var._ttl is not None and self.time_mode != "processingtime":
-                raise ValueError(
-                    f"Cannot use TTL for state={name} in timeMode={self.time_mode}, use time_mode='processingtime' "
-                    f"instead (Spark: STATEFUL_PROCESSOR_INCORRECT_TIME_MODE_TO_ASSIGN_TTL)"
-                )
-
     def _timer_values(self):
         from pyspark.sql.streaming.stateful_processor import TimerValues
 
@@ -270,7 +262,6 @@ class TransformWithState(_Keyed):
     def process_batch(self, records: list[Any], keys: list[Any], ctx) -> list[dict]:
         if self.time_mode != "none":
             self.batch_time_ms = self._now(ctx)
-        self._check_ttl_mode()
         groups = self._group(records, keys)
         out: list[dict] = []
         tv = self._timer_values()
