@@ -28,7 +28,8 @@ Making the runs comparable:
 * **Event time.** Timers are set a session gap after a key's last event; only the last
   input file advances the watermark past them, so neither engine closes a session early,
   and both fire every timer at or below the final watermark (max event time - delay).
-  epochstream runs this one at parallelism 1: its watermark is per subtask (see the test).
+  With a timestamped source epochstream's event time is job-wide (trAcker bounds or aligned
+  watermarks); without one it is per subtask and that variant runs at parallelism 1.
   No input row is late under either engine's batching (late rows: test_pyspark_stateful).
 """
 
@@ -284,16 +285,16 @@ def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool) -> di
 
 
 def run_epochstream(tmp: Path, driver: str, batches, attach, uid: str = "op", convert=None,
-                    parallelism: int = 2, mode: str = "aligned") -> tuple[list[dict], dict]:
+                    parallelism: int = 2, mode: str = "aligned", timestamps: bool = False) -> tuple[list[dict], dict]:
     rows = list(itertools.chain.from_iterable(batches))
     if convert is not None:
         rows = [convert(r) for r in rows]
     p = Pipeline("differential", parallelism=parallelism, max_parallelism=128, mode=mode,
                  checkpoint=CheckpointConfig(interval=0.002 if driver == "sim" else 0.05), batch_size=4,
                  restart_attempts=0, tracker=TrackerConfig(time_slack=1_000.0))
-    # tracker mode: the source's timestamps (epoch ms) drive event time
-    timestamps = (lambda r: r["t"].replace(tzinfo=datetime.timezone.utc).timestamp() * 1000) if mode == "tracker" else None
-    source = p.from_collection(rows, splits=1, uid="input", timestamps=timestamps)
+    # the source's timestamps (epoch ms) drive job-wide event time
+    stamp = (lambda r: r["t"].replace(tzinfo=datetime.timezone.utc).timestamp() * 1000) if timestamps else None
+    source = p.from_collection(rows, splits=1, uid="input", timestamps=stamp)
     attach(source).sink(FileSink(tmp / "es-out"), uid="out")
     options = {"sim": SimConfig(source_rate=2_000.0)} if driver == "sim" else {}
     p.run(deployment=driver, checkpoint_dir=str(tmp / "es-chk"), **options)
@@ -350,21 +351,23 @@ def test_value_list_map_state_ttl_and_processing_time_timers_match_spark(everyth
     assert epochstream_state(raw, EVERYTHING_VARS) == spark_st
 
 
-@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+@pytest.mark.parametrize("progress", ["tracker", "aligned", "epoch-bound"])
 @pytest.mark.parametrize("driver", DRIVERS)
-def test_event_time_timers_match_spark(spark, tmp_path_factory, driver, mode, sessions_spark):
-    """Tracker mode (parallelism 2): the source has timestamps, and timers fire from the
-    trAcker's job-wide time bounds. Aligned mode has no job-wide event time: the watermark is
-    per subtask (the maximum over its own keys, advanced at epoch bounds), which equals
-    Spark's global one only at parallelism 1, so it runs there (docs/PYSPARK.md, "Event time")."""
+def test_event_time_timers_match_spark(spark, tmp_path_factory, driver, progress, sessions_spark):
+    """``tracker`` and ``aligned`` (parallelism 2): the source has timestamps, so timers fire
+    from the job-wide event time (the trAcker's time bounds, or watermarks on the data
+    channels). ``epoch-bound``: no timestamps on the source, so the watermark is per subtask
+    (the maximum over its own keys, advanced at epoch bounds), which equals Spark's global
+    one only at parallelism 1, so it runs there (docs/PYSPARK.md, "Event time")."""
+    mode = "tracker" if progress == "tracker" else "aligned"
     spark_rows, spark_st = sessions_spark
     assert sorted(r["k"] for r in spark_rows) == ["a", "b", "c", "d"]
-    tmp = tmp_path_factory.mktemp(f"es-sessions-{driver}-{mode}")
+    tmp = tmp_path_factory.mktemp(f"es-sessions-{driver}-{progress}")
     # a Python source produces datetimes where Spark's JSON reader parses the strings
     rows, raw = run_epochstream(tmp, driver, sessions_input(), lambda s: s.transform_with_state(
         Sessions(), SESSIONS_OUT, "EventTime", key="k", event_time="t", input_schema="k string, t timestamp, id long",
         uid="op"), convert=lambda r: {**r, "t": datetime.datetime.fromisoformat(r["t"])},
-        parallelism=2 if mode == "tracker" else 1, mode=mode)
+        parallelism=1 if progress == "epoch-bound" else 2, mode=mode, timestamps=progress != "epoch-bound")
     assert canon(rows) == canon(spark_rows)
     assert epochstream_state(raw, SESSIONS_VARS) == spark_st
 

@@ -164,7 +164,7 @@ def test_the_oracle_sees_wrapped_state(tmp_path):
     assert report.restarts >= 1 and report.mismatched_state > 0, report.to_json()
 
 
-# ---------------------------------------------------------------- event time from the trAcker
+# ---------------------------------------------------------------- job-wide event time (timestamped sources)
 
 
 class Sessions(StatefulProcessor):
@@ -218,8 +218,9 @@ def session_input(n_keys: int = 12, per_key: int = 20) -> list[dict]:
     return sorted(rows, key=lambda r: r["t"])
 
 
-def session_pipeline(*, parallelism=2, which="tws", out=None, batch_size=8, interval=0.0005) -> Pipeline:
-    p = Pipeline(f"sessions-{which}", parallelism=parallelism, max_parallelism=128, mode="tracker",
+def session_pipeline(*, parallelism=2, which="tws", out=None, batch_size=8, interval=0.0005,
+                     mode="tracker") -> Pipeline:
+    p = Pipeline(f"sessions-{which}", parallelism=parallelism, max_parallelism=128, mode=mode,
                  checkpoint=CheckpointConfig(interval=interval), batch_size=batch_size, restart_attempts=30,
                  restart_delay=0.0, tracker=TrackerConfig(time_slack=1_000.0, flush_interval=0.0005))
     s = p.from_collection(session_input(), splits=3, uid="events", timestamps=lambda r: r["t"])
@@ -233,21 +234,24 @@ def session_pipeline(*, parallelism=2, which="tws", out=None, batch_size=8, inte
     return p
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("which", ["tws", "group_state"])
-def test_event_time_timers_fire_from_the_tracker(tmp_path, which):
-    """Tracker mode with a timestamped source: every session is emitted once, with all of
-    its events, from the trAcker's time bounds (the last ones at the end of input)."""
-    p = session_pipeline(which=which, out=tmp_path / "out")
+def test_event_time_timers_fire_from_job_wide_event_time(tmp_path, which, mode):
+    """A timestamped source: every session is emitted once, with all of its events, from the
+    job-wide event time (the trAcker's time bounds, or aligned watermarks), the last ones at
+    the end of input."""
+    p = session_pipeline(which=which, out=tmp_path / "out", mode=mode)
     sim_run(p, tmp_path / "chk")
     got = sorted((r["k"], r["n"], r["end"]) for r in committed_output(tmp_path / "out"))
     assert got == sorted((f"s{k}", 20, 1_000_000 + k * 8_000 + 300 * 19 + 10_000) for k in range(12))
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("which", ["tws", "group_state"])
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(1, 3))
-def test_event_time_timers_are_exactly_once_in_tracker_mode(tmp_path_factory, which, seed, parallelism, kills):
-    """The oracle's reference replays the timers up to each epoch's recorded time label."""
+def test_event_time_timers_are_exactly_once(tmp_path_factory, which, mode, seed, parallelism, kills):
+    """The oracle's reference replays the timers up to each epoch's recorded event time."""
     import random
 
     rng = random.Random(seed)
@@ -256,7 +260,7 @@ def test_event_time_timers_are_exactly_once_in_tracker_mode(tmp_path_factory, wh
     def run(p, chk, failing):
         return sim_run(p, chk, seed=seed, failures=schedule if failing else None)
 
-    build = partial(session_pipeline, which=which, parallelism=parallelism)
+    build = partial(session_pipeline, which=which, parallelism=parallelism, mode=mode)
     assert_ok(check_exactly_once(build, run, tmp_path_factory.mktemp("eo-et")))
 
 

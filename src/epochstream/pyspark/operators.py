@@ -16,11 +16,12 @@ Time. ``batch_time_ms`` is read once per batch and once per epoch bound from ``c
 batch runs. Expired timers (and applyInPandasWithState timeouts) fire after the batch's
 data, as Spark fires them after the micro-batch's data, and at every epoch bound, so a
 quiet key still times out (Spark runs no-data micro-batches for that). Event time: the
-watermark advances only at epoch bounds, to ``max event time seen - delay`` (Spark: at
-micro-batch boundaries); rows at or below the current watermark are dropped as late,
-event-time timers fire when the watermark reaches them. The maximum event time is kept
-per key in keyed state (``$eventTime``), so it is snapshotted and rescales with the keys;
-a subtask's watermark is the maximum over its own keys (see docs/PYSPARK.md).
+job's own event time drives timers where a source has timestamps (the trAcker's time bounds,
+or aligned watermarks). Otherwise the watermark advances only at epoch bounds, to ``max
+event time seen - delay`` (Spark: at micro-batch boundaries); rows at or below it are
+dropped as late, event-time timers fire when it reaches them. That maximum is kept per key
+in keyed state (``$eventTime``), so it is snapshotted and rescales with the keys; a
+subtask's watermark is then the maximum over its own keys (see docs/PYSPARK.md).
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ class _Keyed:
 
     def _open_common(self, ctx) -> None:
         self.ctx = ctx
-        #: the runtime's TimerService when the trAcker drives event time (tracker mode, timestamped
-        #: source): timers then fire on its time bounds instead of the epoch-bound watermark
+        #: the runtime's TimerService when the job has event time (a timestamped source: trAcker
+        #: bounds or aligned watermarks); timers then fire from it instead of the epoch-bound watermark
         timers = getattr(ctx, "timers", None)
         self.tracker_time = timers if self.uses_event_time and timers is not None and timers.enabled else None
         self._arrow_in = arrow_schema(self.input_schema) if self.input_schema is not None else None
@@ -313,7 +314,7 @@ class TransformWithState(_Keyed):
             self.timers.delete(key, ts)  # as Spark: the fired timer is deleted after its handler
 
     def on_timer(self, timestamp: float, ctx) -> list[dict]:
-        """Tracker mode: the trAcker's event time passed ``timestamp`` for the current key."""
+        """Job-wide event time passed ``timestamp`` for the current key (timestamped sources)."""
         from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo
 
         ts = int(timestamp)
@@ -483,7 +484,7 @@ class ApplyInPandasWithState(_Keyed):
         return records
 
     def on_timer(self, timestamp: float, ctx) -> list[dict]:
-        """Tracker mode: event time passed the current key's timeout ``timestamp``."""
+        """Job-wide event time passed the current key's timeout ``timestamp`` (timestamped sources)."""
         stored = self._state.value()
         if stored is None or stored[1] != int(timestamp):
             return []
