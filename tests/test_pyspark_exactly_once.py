@@ -1,6 +1,6 @@
 """Wrapped PySpark stateful code is exactly-once like native operators: the oracle under
 injected failures in both exactly-once modes (simulator; local driver with real SIGKILLs in
-the slow suite), ``epochstream chaos`` on the example, and a checkpoint taken at
+the slow suite), ``epochstream chaos`` on the example, and a savepoint taken at
 parallelism 2 restored at parallelism 3.
 
 The processors are built so that the oracle's sequential reference can check every epoch
@@ -269,22 +269,25 @@ def test_event_time_timers_are_exactly_once(tmp_path_factory, which, mode, seed,
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("which", ["tws", "group_state"])
-def test_a_checkpoint_taken_at_parallelism_2_restores_at_parallelism_3(tmp_path, mode, which):
-    """Run at parallelism 2 for part of the input (the sim stops at ``duration`` with a final
-    epoch), then restore that checkpoint at parallelism 3 and finish: the output of both
-    runs together and the final state equal the sequential reference over all input. (The
-    savepoint of issue #6 was not on main when this was written; a retained checkpoint is
-    restored the same way.)"""
+def test_a_savepoint_taken_at_parallelism_2_restores_at_parallelism_3(tmp_path, mode, which):
+    """Stop part-way at parallelism 2 with a savepoint (the simulator stops at ``duration``),
+    restore the savepoint at parallelism 3 into a new checkpoint folder and finish: the
+    output of both runs together and the final state equal the sequential reference over
+    all input."""
     n = 600
     first = tally_pipeline(n=n, parallelism=2, mode=mode, which=which, out=tmp_path / "out")
-    r1 = sim_run(first, tmp_path / "chk", duration=0.006)
-    storage = LocalCheckpointStorage(tmp_path / "chk")
-    manifest, _root = storage.latest()
+    r1 = first.run(deployment="sim", checkpoint_dir=str(tmp_path / "chk-a"), duration=0.006, seed=0,
+                   savepoint_dir=str(tmp_path / "savepoints"), stop_with_savepoint=True,
+                   sim=SimConfig(source_rate=20_000.0))
+    assert r1.savepoints, r1.metrics
+    savepoint = r1.savepoints[-1]
+    manifest, _root = LocalCheckpointStorage(tmp_path / "chk-a").load_manifest(savepoint)
     done = sum(int(v) for v in manifest["sources"]["input"]["offsets"].values())
     assert manifest["parallelism"] == 2 and 0 < done < n, (r1.completed_epochs, done)
 
     second = tally_pipeline(n=n, parallelism=3, mode=mode, which=which, out=tmp_path / "out")
-    sim_run(second, tmp_path / "chk", restore="latest", seed=1)
+    sim_run(second, tmp_path / "chk-b", restore=savepoint, seed=1)
+    storage = LocalCheckpointStorage(tmp_path / "chk-b")
     manifest, root = storage.latest()
     assert manifest["parallelism"] == 3
 
