@@ -1,7 +1,7 @@
 """Differential tests against Spark itself: the same StatefulProcessor class (or
 applyInPandasWithState function) and the same input through Spark Structured Streaming
-(micro-batch, RocksDB state store, file source) and through epochstream (sim and local
-drivers) give the same final output and the same final state.
+(micro-batch, RocksDB state store, file source) and through epochstream (sim, local and
+spark drivers) give the same final output and the same final state.
 
 Spark's state is read back with its own state data source (``format("statestore")``: value,
 list and map state variables and registered timers), epochstream's from the latest
@@ -56,7 +56,7 @@ from pipelines import committed_output
 
 pytestmark = pytest.mark.slow
 
-DRIVERS = ("sim", "local")
+DRIVERS = ("sim", "local", "spark")
 FAR = 10**13
 ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 
@@ -285,7 +285,8 @@ def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool) -> di
 
 
 def run_epochstream(tmp: Path, driver: str, batches, attach, uid: str = "op", convert=None,
-                    parallelism: int = 2, mode: str = "aligned", timestamps: bool = False) -> tuple[list[dict], dict]:
+                    parallelism: int = 2, mode: str = "aligned", timestamps: bool = False,
+                    spark=None) -> tuple[list[dict], dict]:
     rows = list(itertools.chain.from_iterable(batches))
     if convert is not None:
         rows = [convert(r) for r in rows]
@@ -296,7 +297,9 @@ def run_epochstream(tmp: Path, driver: str, batches, attach, uid: str = "op", co
     stamp = (lambda r: r["t"].replace(tzinfo=datetime.timezone.utc).timestamp() * 1000) if timestamps else None
     source = p.from_collection(rows, splits=1, uid="input", timestamps=stamp)
     attach(source).sink(FileSink(tmp / "es-out"), uid="out")
-    options = {"sim": SimConfig(source_rate=2_000.0)} if driver == "sim" else {}
+    options: dict = {"sim": SimConfig(source_rate=2_000.0)} if driver == "sim" else {}
+    if driver == "spark":  # barrier-stage workers in the module's own SparkSession (local[2])
+        options = {"spark": spark}
     p.run(deployment=driver, checkpoint_dir=str(tmp / "es-chk"), **options)
     storage = LocalCheckpointStorage(tmp / "es-chk")
     manifest, root = storage.latest()
@@ -342,11 +345,11 @@ EVERYTHING_VARS = {"count": "value", "ids": "list", "parity": "map", "brief": "v
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
-def test_value_list_map_state_ttl_and_processing_time_timers_match_spark(everything_spark, tmp_path, driver):
+def test_value_list_map_state_ttl_and_processing_time_timers_match_spark(spark, everything_spark, tmp_path, driver):
     spark_rows, spark_st = everything_spark
     assert any(r["kind"] == "timer" for r in spark_rows) and spark_st["kept"] and not spark_st["brief"]
     rows, raw = run_epochstream(tmp_path, driver, everything_input(), lambda s: s.transform_with_state(
-        Everything(), EVERYTHING_OUT, "ProcessingTime", key="k", clock=SteppingClock(), uid="op"))
+        Everything(), EVERYTHING_OUT, "ProcessingTime", key="k", clock=SteppingClock(), uid="op"), spark=spark)
     assert canon(rows) == canon(spark_rows)
     assert epochstream_state(raw, EVERYTHING_VARS) == spark_st
 
@@ -367,7 +370,8 @@ def test_event_time_timers_match_spark(spark, tmp_path_factory, driver, progress
     rows, raw = run_epochstream(tmp, driver, sessions_input(), lambda s: s.transform_with_state(
         Sessions(), SESSIONS_OUT, "EventTime", key="k", event_time="t", input_schema="k string, t timestamp, id long",
         uid="op"), convert=lambda r: {**r, "t": datetime.datetime.fromisoformat(r["t"])},
-        parallelism=1 if progress == "epoch-bound" else 2, mode=mode, timestamps=progress != "epoch-bound")
+        parallelism=1 if progress == "epoch-bound" else 2, mode=mode, timestamps=progress != "epoch-bound",
+        spark=spark)
     assert canon(rows) == canon(spark_rows)
     assert epochstream_state(raw, SESSIONS_VARS) == spark_st
 
@@ -390,7 +394,7 @@ def test_apply_in_pandas_with_state_matches_spark(spark, tmp_path_factory, drive
     spark_rows, spark_st = fives_spark
     tmp = tmp_path_factory.mktemp(f"es-fives-{driver}")
     rows, raw = run_epochstream(tmp, driver, fives_input(), lambda s: s.apply_in_pandas_with_state(
-        fives, FIVES_OUT, "n long", "Append", GroupStateTimeout.NoTimeout, key="k", uid="op"))
+        fives, FIVES_OUT, "n long", "Append", GroupStateTimeout.NoTimeout, key="k", uid="op"), spark=spark)
     assert canon(rows) == canon(spark_rows)
     mine = {k: v[0] for k, v in raw.get("$groupState", {}).items()}
     assert mine == spark_st
