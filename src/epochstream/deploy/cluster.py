@@ -301,17 +301,17 @@ class ClusterDriver(Driver):
                         notes = tracking.notes(tracking.agent.receive(msg[1], now))
                         if notes:
                             self._send_all(conns, ("neoss", notes))
-                    # the final epoch waits for every timer to have fired (agent.py: time_finished)
-                    if (len(exhausted) == n_sources and not final_requested
-                            and (tracking is None or tracking.agent.time_finished())):
-                        final_requested = True
-                        self._apply(master.request(now, FINAL, drain=True), conns)
                     elif kind == "stopped":
                         stopped[msg[1]] = msg[2]
                         for kind_sent, count in (("marker", msg[3]), ("watermark", msg[4])):
                             if count:
                                 traffic.record(kind_sent, msg[1], None, nbytes=MARKER_BYTES * count, messages=count,
                                                entries=count)
+                    # the final epoch waits for every timer to have fired (agent.py: time_finished)
+                    if (len(exhausted) == n_sources and not final_requested
+                            and (tracking is None or tracking.agent.time_finished())):
+                        final_requested = True
+                        self._apply(master.request(now, FINAL, drain=True), conns)
                 group.check(stopped, stop_sent)
                 if master.finished and not stop_sent:
                     stop_sent = True
