@@ -31,7 +31,9 @@ def spark_oracle(build, work, spark, *, targets: list[str], moments: list[str] =
         failures = None
         if failing:
             horizon = runs["reference"].metrics["run_seconds"]
-            failures = FailureSchedule(kill_times=[0.2 * horizon + 0.1 * i * horizon for i in range(len(targets))],
+            # early, so that a short run on an idle machine still sees them all: the driver kills
+            # at most once per attempt, so a passed kill time waits for the next attempt's moment
+            failures = FailureSchedule(kill_times=[(0.1 + 0.02 * i) * horizon for i in range(len(targets))],
                                        kill_moments=list(moments[:len(targets)]), kill_targets=list(targets))
         t0 = time.perf_counter()
         result = p.run(deployment="spark", checkpoint_dir=chk, failures=failures, seed=seed, spark=spark)

@@ -118,7 +118,8 @@ def _local_oracle(work: str, mode: str, kills: list[float], seed: int,
         failures = None
         if failing:
             horizon = runs["reference_seconds"]
-            failures = FailureSchedule(kill_times=[max(f * horizon, 0.25 * (i + 1)) for i, f in enumerate(kills)],
+            # one kill per attempt (the driver's rule): a passed kill time waits for the next attempt
+            failures = FailureSchedule(kill_times=[f * horizon for f in kills],
                                        fail_points=dict(fail_points or {}))
         t0 = time.perf_counter()
         runs["chaos" if failing else "reference"] = r = p.run(deployment="local", checkpoint_dir=chk,
@@ -171,7 +172,7 @@ def test_s3_worker_killed_mid_upload_under_throttling(s3_url, fault_proxy, monke
              fault_proxy.add(Fault("PUT", chaos_only + r"out/counts/_staging/", "kill_sender", times=1, skip=5))]
     fault_proxy.add(Fault("PUT", chaos_only + r"chk/shared/", "error", 503, "SlowDown", times=3))
     fault_proxy.add(Fault("PUT", chaos_only + r"out/counts/_staging/", "delay", seconds=2.5, times=1, skip=1))
-    build = partial(running_count, n=20_000, parallelism=2, mode=mode, interval=0.1, batch_size=64)
+    build = partial(running_count, n=60_000, parallelism=2, mode=mode, interval=0.1, batch_size=64)
     report, runs = _local_oracle(s3_url, mode, kills=[], seed=6, build=build)
     chaos = runs["chaos"]
     why = f"{mode}: {report.to_json()} failovers={chaos.metrics['failovers']} proxy={fault_proxy.log[-5:]}"
