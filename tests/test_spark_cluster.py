@@ -35,7 +35,7 @@ def spark():
 
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])
 def test_exactly_once_with_executor_and_worker_kills(tmp_path, spark, mode):
-    build = partial(running_count, n=40_000, parallelism=2, mode=mode, interval=0.1, batch_size=64)
+    build = partial(running_count, n=150_000, parallelism=2, mode=mode, interval=0.05, batch_size=64)
     report, runs = spark_oracle(build, tmp_path, spark, targets=TARGETS, seed=11)
     assert_exactly_once_with_kills(report, runs, len(TARGETS))
     kills = runs["chaos"].metrics["kills"]

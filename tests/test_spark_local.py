@@ -50,7 +50,7 @@ def test_exactly_once_with_python_worker_kills(tmp_path, spark, mode):
     """5 SIGKILLs of task Python workers (now, mid-alignment, mid-snapshot-write, mid-commit,
     now): every kill aborts the barrier job, the driver resubmits it and the tasks restore
     from the latest completed epoch; committed output and every epoch's state are exact."""
-    build = partial(union_chain, n=30_000, parallelism=2, mode=mode, interval=0.1, batch_size=64)
+    build = partial(union_chain, n=90_000, parallelism=2, mode=mode, interval=0.05, batch_size=64)
     report, runs = spark_oracle(build, tmp_path, spark, targets=["worker"] * KILLS, seed=3)
     assert_exactly_once_with_kills(report, runs, KILLS)
     chaos = runs["chaos"]
