@@ -18,7 +18,6 @@ import random as _random
 import secrets
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import tenacity
@@ -50,7 +49,6 @@ from ..snapshot.coordinator import (
     CoordinatorConfig,
     EpochCoordinator,
     FailJob,
-    FINAL,
     JobFinished,
     TriggerEpoch,
 )

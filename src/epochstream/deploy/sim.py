@@ -124,7 +124,6 @@ class SimDriver(Driver):
                 push(max(self.now, busy[tid]), "step", tid)
 
         def handle(tid, actions: list[Any], done_at: float) -> None:
-            nonlocal final_requested
             for a in actions:
                 if type(a) is Send:
                     ch = plan.channels[a.channel]
