@@ -473,3 +473,61 @@ def committed_counts(chk, uid: str = "count", state: str = "count") -> dict:
         else:
             out[pickle.loads(kbytes)] = pickle.loads(vbytes)
     return out
+
+
+# ---------------------------------------------------------------- typed state (typed Delta columns)
+
+
+class TypedProfile(KeyedProcessFunction):
+    """Keyed state of every declared type: a typed key, value states (LONG, DOUBLE, a row),
+    a list of strings, a map string -> long, and one untyped state (pickled only).
+
+    Emits ``(key, n)`` like ``RunningCount``; ``declare`` may leave out types (schema changes).
+    """
+
+    def __init__(self, declare: tuple[str, ...] = ("count", "total", "recent", "buckets", "last")) -> None:
+        self.declare = declare
+
+    def open(self, ctx) -> None:
+        from epochstream import Types
+
+        t = lambda name, typ: typ if name in self.declare else None  # noqa: E731
+        self.count = ctx.state(ValueStateDescriptor("count", t("count", Types.LONG()), default=0))
+        self.total = ctx.state(ValueStateDescriptor("total", t("total", Types.DOUBLE()), default=0.0))
+        self.recent = ctx.state(ListStateDescriptor("recent", t("recent", Types.STRING())))
+        self.buckets = ctx.state(MapStateDescriptor("buckets", t("buckets", (Types.STRING(), Types.LONG()))))
+        self.last = ctx.state(ValueStateDescriptor(
+            "last", t("last", Types.ROW_NAMED(["id", "even"], [Types.LONG(), Types.BOOLEAN()]))))
+        self.seen = ctx.state(ValueStateDescriptor("seen", default=frozenset()))
+
+    def process(self, value, ctx):
+        i = value[1]
+        n = self.count.value() + 1
+        self.count.update(n)
+        self.total.update(self.total.value() + i * 0.5)
+        # the three largest ids and the largest one: state that does not depend on arrival order
+        top = sorted([int(s[2:]) for s in self.recent.get()] + [i])[-3:]
+        self.recent.update([f"id{j}" for j in top])
+        b = f"b{i % 3}"
+        self.buckets.put(b, (self.buckets.get(b) or 0) + 1)
+        last = self.last.value()
+        if last is None or i > last[0]:
+            self.last.update((i, i % 2 == 0))
+        self.seen.update(self.seen.value() | {i % 7})
+        return ((ctx.key, n),)
+
+
+def typed_profile(*, n: int = 200, keys: int = 5, out=None, declare=None, key_type=True, sink=None,
+                  **knobs: Any) -> Pipeline:
+    """collection -> key_by(key_type=STRING) -> TypedProfile [uid "profile"] -> sink."""
+    from epochstream import Types
+
+    p = make_pipeline("typed-profile", **knobs)
+    fn = TypedProfile() if declare is None else TypedProfile(declare)
+    (
+        p.from_collection(input_records(n, keys), uid="src")
+        .key_by(_key, key_type=Types.STRING() if key_type else None)
+        .process(fn, uid="profile")
+        .sink(sink if sink is not None else _sink(out, "counts"), uid="counts")
+    )
+    return p

@@ -10,6 +10,7 @@ from .runtime.context import Context
 from .runtime.errors import EpochStreamError, StateSerializationError, UserFunctionError
 from .runtime.sources import CollectionSource, GeneratorSource, Source
 from .runtime.state import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
+from .runtime.types import TypeInformation, Types
 from .snapshot.manifest import CheckpointError
 
 __version__ = "0.1.0"
@@ -19,5 +20,6 @@ __all__ = [
     "FileSink",
     "GeneratorSource", "IterativeStream", "JobResult", "KeyedProcessFunction", "KeyedStream", "ListStateDescriptor",
     "MapStateDescriptor", "ParallelismError", "Pipeline", "Source", "StateSerializationError", "Stream",
-    "TrackerConfig", "TumblingEventTimeWindows", "UserFunctionError", "ValueStateDescriptor",
+    "TrackerConfig", "TumblingEventTimeWindows", "TypeInformation", "Types", "UserFunctionError",
+    "ValueStateDescriptor",
 ]

@@ -16,7 +16,9 @@ can type every value of the column (ints, strings, lists, dicts of one shape, ..
 their JSON text otherwise (``repr`` for what JSON cannot hold); ``key_pickle`` and
 ``value_pickle`` keep the exact pickled bytes, so nothing is lost to the conversion.
 ``subtask`` is the subtask that held the key at the epoch's parallelism (the key-group
-formula), ``key_group`` the key's key group.
+formula), ``key_group`` the key's key group. A key or state that declares a type
+(``key_by(..., key_type=)``, ``ValueStateDescriptor(name, Types.LONG())``) adds the typed
+columns ``typed_key`` / ``typed_<state>`` of exactly that Arrow type, as in a Delta state table.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def query(checkpoint_dir: Any, operator_uid: str, key: Any = ALL, epoch: int | N
     items = sorted(latest.items(), key=lambda kv: (kv[0][0], kv[1][0], repr(kv[0][1])))
     n = len(items)
     values = [pickle.loads(v[3]) for _, v in items]
+    typed = _typed(manifest["operators"][operator_uid], items, operator_uid)
     return pa.table({
         "epoch": pa.array([int(manifest["epoch"])] * n, pa.int64()),
         "operator": pa.array([operator_uid] * n, pa.string()),
@@ -141,7 +144,21 @@ def query(checkpoint_dir: Any, operator_uid: str, key: Any = ALL, epoch: int | N
         "value": _column(values),
         "key_pickle": pa.array([v[2] for _, v in items], pa.binary()),
         "value_pickle": pa.array([v[3] for _, v in items], pa.binary()),
+        **typed,
     })
+
+
+def _typed(entry: dict[str, Any], items: list, operator_uid: str) -> dict[str, pa.Array]:
+    """The declared typed columns (``backends.typed``) for the query's rows."""
+    from .backends.typed import declared_columns, typed_arrays
+
+    columns = declared_columns(entry)
+    if not columns:
+        return {}
+    rows = pa.table({"key": pa.array([v[2] for _, v in items], pa.binary()),
+                     "state": pa.array([s for (s, _k), _ in items], pa.string()),
+                     "value": pa.array([v[3] for _, v in items], pa.binary())})
+    return typed_arrays(rows, columns, f"operator {operator_uid!r}")
 
 
 def query_df(checkpoint_dir: str | os.PathLike[str], operator_uid: str, key: Any = ALL, epoch: int | None = None,

@@ -99,8 +99,15 @@ class Stream:
         return self._p._add("filter", name, fn, self._heads)
 
     # -- partitioning
-    def key_by(self, key_fn: Callable[[Any], Any]) -> "KeyedStream":
-        return KeyedStream(self._p, [Edge(e.src, HASH, key_fn) for e in self._heads])
+    def key_by(self, key_fn: Callable[[Any], Any], key_type: Any = None) -> "KeyedStream":
+        """Partition by ``key_fn(record)``; ``key_type`` (``Types.STRING()`` ...) is optional, as in
+        PyFlink: it is checked at each snapshot and types the key column of committed state."""
+        if key_type is not None:
+            from ..runtime.types import TypeInformation
+
+            if not isinstance(key_type, TypeInformation):
+                raise TypeError(f"key_by(key_type=...) needs a type from epochstream.Types, got {key_type!r}")
+        return KeyedStream(self._p, [Edge(e.src, HASH, key_fn, key_type) for e in self._heads])
 
     def rebalance(self) -> "Stream":
         return Stream(self._p, [Edge(e.src, REBALANCE, None) for e in self._heads])

@@ -46,13 +46,16 @@ import pyarrow.parquet as pq
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from ..snapshot.manifest import CheckpointError, StateFileRef
+from ..runtime.types import TypeInformation
 from . import spark_session
 from .base import Row, TransactionalSink
 from .objects import ObjectCheckpointStorage, safe_name
+from .typed import declared_columns, spec_of_spark_type, typed_arrays
 
 log = logging.getLogger(__name__)
 
-#: the columns of a state table (key and value are pickled bytes, as in the state files)
+#: the columns of a state table (key and value are pickled bytes, as in the state files); a
+#: state or key that declares a type adds a typed column (``backends.typed``)
 STATE_COLUMNS = ("key_group", "key", "state", "value", "epoch")
 STATE_DDL = "key_group INT, key BINARY, state STRING, value BINARY, epoch BIGINT"
 #: table property naming what wrote a table; anything else at the path is refused
@@ -186,6 +189,20 @@ def version_of_epoch(table: str, app_id: str, epoch: int) -> int | None:
 
 
 _owned: set[tuple[str, str]] = set()
+#: table -> its typed columns, as read from its schema (only epochstream changes them: MERGE
+#: schema evolution, after which the entry is dropped)
+_schemas: dict[str, dict[str, TypeInformation]] = {}
+
+
+def _table_columns(table: str) -> dict[str, TypeInformation]:
+    """The typed columns (``typed_*``) a state table has now."""
+    if table not in _schemas:
+        from delta.tables import DeltaTable
+
+        schema = DeltaTable.forPath(spark_session.get_spark(), _uri(table)).toDF().schema
+        _schemas[table] = {f.name: TypeInformation.from_json(spec_of_spark_type(f.dataType))
+                           for f in schema.fields if f.name.startswith("typed_")}
+    return dict(_schemas[table])
 
 
 def _check_owned(table: str, fmt: str, props: dict[str, str], what: str) -> None:
@@ -254,7 +271,12 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         for uid in sorted(manifest["operators"]):
             table = self.table_path(uid)
             app_id = self.app_id(manifest["job"], uid)
-            self._ensure_table(table, manifest["job"], uid, app_id)
+            try:
+                declared = declared_columns(manifest["operators"][uid])
+            except ValueError as exc:
+                raise CheckpointError(f"committed state of operator {uid!r}: {exc}") from None
+            self._ensure_table(table, manifest["job"], uid, app_id, declared)
+            columns = self._typed_columns(table, uid, declared)
             hist = history(table)
             last = self._last_epoch(hist, app_id, table, f"committed state of operator {uid!r}")
             if last >= epoch:
@@ -265,9 +287,29 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
                 )
             state[uid] = {"table": f"delta/{safe_name(uid)}", "app_id": app_id, "txn_version": epoch,
                           "version": hist[0]["version"] + 1}
+            if columns:
+                state[uid]["columns"] = {c: t.to_json() for c, t in columns.items()}
         return super().commit(manifest)
 
-    def _ensure_table(self, table: str, job: str, uid: str, app_id: str) -> None:
+    def _typed_columns(self, table: str, uid: str, declared: dict[str, TypeInformation]) -> dict[str, TypeInformation]:
+        """The typed columns the epoch's commit writes: the table's and the newly declared ones.
+
+        A column keeps its type for the table's life: a state declared with another type than
+        its column has is refused here, before the checkpoint exists (nothing is lost: the
+        epoch fails). A column the job no longer declares keeps being filled from its type.
+        """
+        have = _table_columns(table)
+        for col, t in declared.items():
+            if col in have and have[col] != t:
+                raise CheckpointError(
+                    f"committed state of operator {uid!r}: {col} is declared as {t.sql}, but the Delta table {table} "
+                    f"holds it as {have[col].sql}; a typed column keeps its type. Declare {have[col].sql}, or "
+                    f"restore into a new checkpoint dir (its tables start afresh)"
+                )
+        return {**have, **declared}
+
+    def _ensure_table(self, table: str, job: str, uid: str, app_id: str,
+                      declared: dict[str, TypeInformation] | None = None) -> None:
         from delta.tables import DeltaTable
 
         what = f"committed state of operator {uid!r}"
@@ -282,12 +324,15 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         for name, typ in (("key_group", "INT"), ("key", "BINARY"), ("state", "STRING"), ("value", "BINARY"),
                           ("epoch", "BIGINT")):
             builder = builder.addColumn(name, typ, nullable=name == "value")
+        for name, t in (declared or {}).items():
+            builder = builder.addColumn(name, t.sql, nullable=True)
         builder = builder.property(FORMAT_PROPERTY, STATE_FORMAT)
         for k, v in props.items():
             builder = builder.property(k, v)
         with _Txn(spark, app_id, 0):
             builder.execute()
         _owned.add((table, STATE_FORMAT))
+        _schemas.pop(table, None)
 
     def commit_epoch(self, manifest: dict[str, Any], fail_point: Callable[[str], None] | None = None,
                      root: Any = None, only: set[str] | None = None) -> dict[str, int]:
@@ -301,7 +346,8 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
             if only is not None and uid not in only:
                 continue
             table = str(root / entry["table"])
-            version = self._commit_operator(manifest, uid, table, entry["app_id"], root)
+            columns = {c: TypeInformation.from_json(t) for c, t in entry.get("columns", {}).items()}
+            version = self._commit_operator(manifest, uid, table, entry["app_id"], root, columns)
             if entry.get("version") is not None and version != entry["version"]:
                 raise DeltaConflictError(
                     f"committed state of operator {uid!r}: epoch {manifest['epoch']} landed at Delta version "
@@ -313,7 +359,8 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
                 fail_point("mid_commit")
         return versions
 
-    def _commit_operator(self, manifest: dict[str, Any], uid: str, table: str, app_id: str, root: Any) -> int:
+    def _commit_operator(self, manifest: dict[str, Any], uid: str, table: str, app_id: str, root: Any,
+                         columns: dict[str, TypeInformation] | None = None) -> int:
         from delta.tables import DeltaTable
 
         spark = spark_session.get_spark()
@@ -333,12 +380,19 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
                     f"it was written by another run of job {manifest['job']!r} (restore into a new checkpoint dir)"
                 )
             return version
-        source, full_ranges = self._changes(manifest, uid, last, root)
+        columns = columns or {}
+        # a typed column new to the table is filled for every row: the whole state is written
+        new = sorted(set(columns) - set(_table_columns(table)))
+        source, full_ranges = self._changes(manifest, uid, 0 if new else last, root)
+        for col, arr in typed_arrays(source, columns, what).items():
+            source = source.append_column(col, arr)
         df = spark.createDataFrame(source)
         cond = "t.key_group = s.key_group AND t.key = s.key AND t.state = s.state"
+        merge = DeltaTable.forPath(spark, _uri(table)).alias("t").merge(df.alias("s"), cond)
+        if new:  # the columns are added by this same transaction (MERGE schema evolution)
+            merge = merge.withSchemaEvolution()
         merge = (
-            DeltaTable.forPath(spark, _uri(table)).alias("t").merge(df.alias("s"), cond)
-            .whenMatchedDelete("s.value IS NULL")
+            merge.whenMatchedDelete("s.value IS NULL")
             .whenMatchedUpdateAll()
             .whenNotMatchedInsertAll("s.value IS NOT NULL")
         )
@@ -362,6 +416,8 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
                     f"({type(exc).__name__}); the checkpoint stays complete and the commit is re-issued on recovery"
                 ) from exc
             raise
+        if new:
+            _schemas.pop(table, None)
         version = version_of_epoch(table, app_id, epoch)
         if version is None:  # pragma: no cover - Delta skipped a transaction we did not make
             raise CheckpointError(f"{what}: Delta reports no transaction for epoch {epoch} in {table}")

@@ -445,6 +445,7 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
     files = []
     chains: dict[str, tuple[int, ...]] = {}
     kinds: dict[str, dict[str, str]] = {}
+    types: dict[str, dict[str, Any]] = {}
     size = 0
     for kc in capture.keyed:
         try:
@@ -461,13 +462,15 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
         files.append(ref)
         chains[kc.operator_uid] = kc.chain
         kinds[kc.operator_uid] = dict(kc.kinds)
+        if kc.types or kc.key_type is not None:
+            types[kc.operator_uid] = dict(kc.types, **({"": kc.key_type} if kc.key_type is not None else {}))
         size += ref.bytes
     return AckInfo(
         capture.task, capture.epoch, tuple(files), chains, kinds, capture.offsets, staged, size,
         capture.alignment_seconds, time.perf_counter() - t0, capture.held_records,
         event_time={kc.operator_uid: kc.event_time for kc in capture.keyed if kc.event_time is not None},
         captured_at=capture.captured_at, operator_state=capture.operator_state,
-        loop_log_records=capture.loop_log_records, loop_log_bytes=capture.loop_log_bytes,
+        loop_log_records=capture.loop_log_records, loop_log_bytes=capture.loop_log_bytes, types=types,
     )
 
 

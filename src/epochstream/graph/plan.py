@@ -26,6 +26,8 @@ class Edge:
     src: int
     partition: str = FORWARD
     key_fn: Callable[[Any], Any] | None = None
+    #: the key's declared type (``key_by(fn, key_type)``), for typed key columns
+    key_type: Any = None
 
 
 @dataclass

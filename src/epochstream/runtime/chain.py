@@ -206,7 +206,11 @@ class ChainRuntime:
     def _compile_process(self, node, down: Push) -> Push:
         kg_range = self.plan.key_group_range(self.subtask)
         m = self.plan.max_parallelism
-        state = HeapKeyedState(node.uid, lambda k: murmur_mix(zlib.crc32(key_bytes(k))) % m, kg_range)
+        key_types = {e.key_type for e in node.inputs if e.key_type is not None}
+        if len(key_types) > 1:
+            raise ValueError(f"operator {node.uid!r}: its inputs declare different key types {sorted(map(repr, key_types))}")
+        state = HeapKeyedState(node.uid, lambda k: murmur_mix(zlib.crc32(key_bytes(k))) % m, kg_range,
+                               key_types.pop() if key_types else None)
         self.states[node.uid] = state
         op_state = self.operator_states[node.uid] = OperatorStateBackend(node.uid, self.subtask)
         fn = copy.deepcopy(node.payload)  # one instance per subtask, as Flink deserializes one each

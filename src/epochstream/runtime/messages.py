@@ -78,6 +78,10 @@ class KeyedCapture:
     kinds: tuple[tuple[str, str], ...] = ()  # (state name, value | list | map)
     #: newest time label whose timers this operator fired (None: no event time)
     event_time: int | None = None
+    #: (state name, declared type as JSON) of the states that declare one (``runtime.types``)
+    types: tuple[tuple[str, Any], ...] = ()
+    #: the declared key type as JSON (None: undeclared)
+    key_type: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 
 from .errors import StateSerializationError
 from .messages import KeyedCapture
+from .types import TypeInformation, column_type, typed_column_name
 
 _PICKLE = pickle.HIGHEST_PROTOCOL
 
@@ -28,7 +29,9 @@ _PICKLE = pickle.HIGHEST_PROTOCOL
 
 @dataclass(frozen=True)
 class StateDescriptor:
-    """Names a piece of keyed state; ``type_info`` is informational (typed columns later)."""
+    """Names a piece of keyed state. ``type_info`` (``Types.LONG()`` ...) is optional: state is
+    always pickled; a declared type is checked at each capture and gives the state a typed
+    column where a backend has columns (Delta)."""
 
     name: str
     type_info: Any = None
@@ -77,13 +80,15 @@ class _KeyContext:
 class _Table:
     """Values of one declared state; ``dirty`` holds keys written since the last capture."""
 
-    __slots__ = ("name", "kind", "data", "dirty")
+    __slots__ = ("name", "kind", "data", "dirty", "type")
 
     def __init__(self, name: str, kind: str) -> None:
         self.name = name
         self.kind = kind
         self.data: dict[Any, Any] = {}
         self.dirty: set[Any] = set()
+        #: the declared column type (None: pickled only)
+        self.type: TypeInformation | None = None
 
 
 class ValueState:
@@ -210,8 +215,11 @@ _EMPTY: dict[Any, Any] = {}
 class HeapKeyedState:
     """All keyed state of one operator instance (one subtask of one ``process`` operator)."""
 
-    def __init__(self, operator_uid: str, key_group_of, key_group_range: tuple[int, int]) -> None:
+    def __init__(self, operator_uid: str, key_group_of, key_group_range: tuple[int, int],
+                 key_type: TypeInformation | None = None) -> None:
         self.operator_uid = operator_uid
+        #: the key's declared type (``key_by(..., key_type=)``), checked at each capture
+        self.key_type = key_type
         self.keys = _KeyContext()
         self.tables: dict[str, _Table] = {}
         self._key_group_of = key_group_of
@@ -232,6 +240,15 @@ class HeapKeyedState:
                 f"operator {self.operator_uid!r}: state {descriptor.name!r} is declared as {table.kind} "
                 f"state and again as {kind} state"
             )
+        typ = column_type(kind, descriptor.type_info)
+        if typ is not None:
+            typed_column_name(descriptor.name)  # a typed state needs a name that can be a column
+            if table.type is not None and table.type != typ:
+                raise ValueError(
+                    f"operator {self.operator_uid!r}: state {descriptor.name!r} is declared with type "
+                    f"{table.type.sql} and again with {typ.sql}"
+                )
+            table.type = typ
         if kind == "value":
             return ValueState(table, self.keys, getattr(descriptor, "default", None))
         if kind == "list":
@@ -253,10 +270,13 @@ class HeapKeyedState:
         rows: list[tuple[int, bytes, str, bytes | None]] = []
         kg_of = self._key_group_of
         dumps = pickle.dumps
+        key_type = self.key_type
         for table in self.tables.values():
             data = table.data
             keys = data.keys() if full else table.dirty
             name = table.name
+            if table.type is not None or key_type is not None:
+                self._check_types(table, keys, key_type)
             for key in keys:
                 try:
                     kbytes = dumps(key, _PICKLE)
@@ -276,8 +296,29 @@ class HeapKeyedState:
         else:
             self.chain.append(epoch)
         kinds = tuple((t.name, t.kind) for t in self.tables.values())
+        types = tuple((t.name, t.type.to_json()) for t in self.tables.values() if t.type is not None)
         return KeyedCapture(self.operator_uid, rows, full, tuple(self.chain), self.key_group_range, kinds,
-                            self.event_time)
+                            self.event_time, types, None if key_type is None else key_type.to_json())
+
+    def _check_types(self, table: _Table, keys: Iterable[Any], key_type: TypeInformation | None) -> None:
+        """Declared types are a contract: a value that breaks it fails the capture (and so the
+        epoch) here, in the task, before anything could reach a typed column."""
+        data, typ = table.data, table.type
+        for key in keys:
+            why = None if key_type is None else key_type.check(key)
+            if why:
+                raise StateSerializationError(
+                    f"operator {self.operator_uid!r}: key {key!r} does not fit the declared key type "
+                    f"{key_type.sql}: {why}"
+                )
+            if typ is not None:
+                value = data.get(key)
+                why = typ.check(value)
+                if why:
+                    raise StateSerializationError(
+                        f"operator {self.operator_uid!r}, state {table.name!r}, key {key!r}: the value does not fit "
+                        f"the declared type {typ.sql}: {why}"
+                    )
 
     def restore_rows(self, rows: Iterable[tuple[int, bytes, str, bytes | None]], kinds: dict[str, str]) -> None:
         """Apply rows of a file chain in order (later rows win; ``None`` deletes)."""

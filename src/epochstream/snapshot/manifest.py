@@ -88,6 +88,8 @@ class AckInfo:
     #: a loop head's log of in-transit records: records and pickled bytes
     loop_log_records: int = 0
     loop_log_bytes: int = 0
+    #: operator uid -> state name -> declared type (JSON, ``runtime.types``); "" for the key's
+    types: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class ManifestBuilder:
@@ -120,6 +122,11 @@ class ManifestBuilder:
             for op, chain in info.chains.items():
                 entry = operators.setdefault(op, {"kind": "process", "states": {}, "files": []})
                 entry["states"].update(info.kinds.get(op, {}))
+                declared = dict(info.types.get(op, {}))
+                if "" in declared:  # the key's declared type
+                    entry["key_type"] = declared.pop("")
+                if declared:  # typed columns (Delta): state name -> declared type
+                    entry.setdefault("types", {}).update(declared)
                 if op in info.event_time:  # how far event time got in this epoch (the oracle replays it)
                     entry["event_time"] = min(entry.get("event_time", info.event_time[op]), info.event_time[op])
                 for link in chain:
