@@ -531,3 +531,23 @@ def typed_profile(*, n: int = 200, keys: int = 5, out=None, declare=None, key_ty
         .sink(sink if sink is not None else _sink(out, "counts"), uid="counts")
     )
     return p
+
+
+#: crashes at each delicate point of a Delta-backed epoch: a worker kill mid-epoch and a failed
+#: state write (pre-commit), a crash after the manifest (before any Delta commit), after the state
+#: MERGE and before the sink append (mid_commit), and during recovery (after the state re-issue,
+#: before the sinks')
+DELTA_CHAOS = dict(
+    kill_times=[0.0031],
+    write_failures={3},
+    fail_points={"after_manifest": {2}, "mid_commit": {3}, "recovery": {4}},
+)
+
+
+def delta_chaos_run(seed: int = 3):
+    """The oracle's ``run`` for Delta suites: ``DELTA_CHAOS`` (a fresh schedule each run) when failing."""
+    def run(p, chk, failing):
+        failures = FailureSchedule(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in DELTA_CHAOS.items()})
+        return sim_run(p, chk, seed=seed, failures=failures if failing else None)
+
+    return run

@@ -37,7 +37,7 @@ from epochstream.deploy.common import JobFailedError
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
 from epochstream.runtime.errors import ConfigurationError
-from pipelines import RunningCount, _key, input_records, make_pipeline, sim_run, without_fsync
+from pipelines import RunningCount, _key, delta_chaos_run, input_records, make_pipeline, sim_run, without_fsync
 
 pytestmark = pytest.mark.slow
 
@@ -96,23 +96,9 @@ def txn_epochs(table: str | Path) -> list[int]:
 # ---------------------------------------------------------------- exactly-once, the oracle
 
 
-#: crashes at each delicate point: a worker kill mid-epoch and a failed state write (pre-commit),
-#: a crash after the manifest (before any Delta commit), after the state MERGE and before the
-#: sink append (mid_commit), and during recovery (after the state re-issue, before the sinks')
-CHAOS = dict(
-    kill_times=[0.0031],
-    write_failures={3},
-    fail_points={"after_manifest": {2}, "mid_commit": {3}, "recovery": {4}},
-)
-
-
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])
 def test_exactly_once_with_delta_state_and_sink(spark, mode, tmp_path):
-    def run(p, chk, failing):
-        failures = FailureSchedule(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in CHAOS.items()})
-        return sim_run(p, chk, seed=3, failures=failures if failing else None)
-
-    report = check_exactly_once(lambda: delta_count(mode=mode), run, tmp_path)
+    report = check_exactly_once(lambda: delta_count(mode=mode), delta_chaos_run(), tmp_path)
     assert report.ok, report.to_json()
     assert report.restarts >= 3, report.to_json()
     assert report.epochs_checked >= 2

@@ -28,7 +28,7 @@ from epochstream.deploy.common import JobFailedError
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
 from epochstream.runtime.types import TypeInformation
-from pipelines import TypedProfile, committed_output, input_records, make_pipeline, sim_run, \
+from pipelines import delta_chaos_run, TypedProfile, committed_output, input_records, make_pipeline, sim_run, \
     typed_profile, without_fsync
 
 pytestmark = pytest.mark.slow
@@ -89,20 +89,9 @@ COLUMNS = {
     "typed_last": Types.ROW_NAMED(["id", "even"], [Types.LONG(), Types.BOOLEAN()]),
 }
 
-CHAOS = dict(
-    kill_times=[0.0031],
-    write_failures={3},
-    fail_points={"after_manifest": {2}, "mid_commit": {3}, "recovery": {4}},
-)
-
-
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])
 def test_exactly_once_with_typed_delta_columns(spark, mode, tmp_path):
-    def run(p, chk, failing):
-        failures = FailureSchedule(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in CHAOS.items()})
-        return sim_run(p, chk, seed=3, failures=failures if failing else None)
-
-    report = check_exactly_once(lambda: delta_profile(mode=mode), run, tmp_path)
+    report = check_exactly_once(lambda: delta_profile(mode=mode), delta_chaos_run(), tmp_path)
     assert report.ok, report.to_json()
     assert report.restarts >= 3, report.to_json()
     storage = DeltaCheckpointStorage(tmp_path / "chaos" / "chk")
