@@ -287,6 +287,23 @@ def test_missing_jars_is_a_clear_configuration_error(monkeypatch, tmp_path):
         spark_session.spark_jars()
 
 
+def test_s3a_jars_go_on_the_session_only_when_s3_is_in_play(monkeypatch, tmp_path):
+    """The AWS SDK bundle (~650 MB, copied into every session's and executor's temp folder) is
+    left out of spark.jars for local tables, and put in for S3 ones."""
+    for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(spark_session, "_s3a_needed", False)
+    names = lambda: {Path(j).name.split("-")[0] for j in spark_session.spark_jars()}  # noqa: E731
+    DeltaCheckpointStorage(tmp_path / "chk")
+    DeltaSink(tmp_path / "out", SCHEMA)
+    assert "delta" in names() and "hadoop" not in names() and "bundle" not in names()
+    DeltaSink("s3://bucket/out", SCHEMA)  # an S3 table: the session it starts needs S3A
+    assert {"hadoop", "bundle"} <= names()
+    monkeypatch.setattr(spark_session, "_s3a_needed", False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # so does a process configured for S3
+    assert {"hadoop", "bundle"} <= names()
+
+
 def test_delta_sink_rejects_records_that_do_not_fit(tmp_path):
     sink = DeltaSink(tmp_path / "t", SCHEMA)
     with pytest.raises(TypeError, match="does not match the columns"):

@@ -243,6 +243,8 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         from . import open_objects
 
         super().__init__(open_objects(where))
+        if "://" in str(self.root) and not str(self.root).startswith("file:"):
+            spark_session.need_s3a()  # its tables live on S3: the session must carry the S3A jars
 
     def __repr__(self) -> str:
         return f"DeltaCheckpointStorage({str(self.root)!r})"
@@ -565,6 +567,8 @@ class DeltaSink(TransactionalSink):
         from . import location
 
         self.path = str(location(path))
+        if "://" in self.path and not self.path.startswith("file:"):
+            spark_session.need_s3a()
         self.schema = schema if isinstance(schema, pa.Schema) else pa.schema(schema)
         self.table_properties = dict(table_properties or {})
         self._app_ids: dict[str, str] = {}

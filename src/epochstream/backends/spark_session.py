@@ -7,7 +7,11 @@ takes seconds, so nothing starts it unless Delta is used).
 
 The jars are not on PyPI: ``scripts/setup.sh`` fetches them from Maven Central with
 ``mvn`` (``jars/pom.xml``) into ``jars/lib``, and they reach Spark through ``spark.jars``
-(no Ivy download at run time). ``EPOCHSTREAM_JARS`` points elsewhere if needed.
+(no Ivy download at run time). ``EPOCHSTREAM_JARS`` points elsewhere if needed. The S3A
+connector's jars (hadoop-aws and the AWS SDK bundle, ~650 MB) go on ``spark.jars`` only when
+S3 is in play (``need_s3a``, or ``AWS_*`` settings in the environment): Spark copies every
+jar of ``spark.jars`` into each session's temporary folder and each executor's work folder,
+so a job on local tables should not carry them.
 """
 
 from __future__ import annotations
@@ -40,6 +44,27 @@ LOCAL_CONF = {
 _lock = threading.Lock()
 _extra_conf: dict[str, str] = {}
 
+#: jar name prefixes of the S3A connector: hadoop-aws and what it pulls in from Maven
+S3A_JARS = ("hadoop-aws-", "bundle-", "analyticsaccelerator-s3-")
+#: environment variables that say this process talks to S3 (they configure boto3 and S3A alike)
+_S3_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_PROFILE")
+_s3a_needed = False
+#: whether the session this module started has the S3A jars (None: it started none)
+_own_session_s3a: bool | None = None
+
+
+def need_s3a() -> None:
+    """Say that a Delta table lives on S3, so the session (started later) needs the S3A jars.
+
+    ``DeltaCheckpointStorage`` and ``DeltaSink`` call it for ``s3://`` locations when built.
+    """
+    global _s3a_needed
+    _s3a_needed = True
+
+
+def s3a_wanted() -> bool:
+    return _s3a_needed or any(os.environ.get(k) for k in _S3_ENV)
+
 
 def jars_dir() -> Path:
     """Where ``scripts/setup.sh`` puts the jars (``EPOCHSTREAM_JARS`` overrides)."""
@@ -49,8 +74,10 @@ def jars_dir() -> Path:
     return Path(__file__).resolve().parents[3] / "jars" / "lib"
 
 
-def spark_jars() -> list[str]:
-    """The jar files to put on ``spark.jars``; a clear error if setup has not fetched them."""
+def spark_jars(s3a: bool | None = None) -> list[str]:
+    """The jar files to put on ``spark.jars``; a clear error if setup has not fetched them.
+
+    ``s3a``: include the S3A connector (default: ``s3a_wanted()``)."""
     folder = jars_dir()
     jars = sorted(str(p) for p in folder.glob("*.jar")) if folder.is_dir() else []
     if not any(Path(j).name.startswith("delta-spark_") for j in jars):
@@ -58,7 +85,14 @@ def spark_jars() -> list[str]:
             f"the Delta Lake jars are missing from {folder}: run `bash scripts/setup.sh` (it fetches them from "
             f"Maven Central with mvn, see jars/pom.xml) or point EPOCHSTREAM_JARS at a folder holding them"
         )
-    return jars
+    if s3a is None:
+        s3a = s3a_wanted()
+    if s3a:
+        if not any(Path(j).name.startswith("hadoop-aws-") for j in jars):
+            raise ConfigurationError(
+                f"the S3A jars (hadoop-aws) are missing from {folder}: run `bash scripts/setup.sh` (see jars/pom.xml)")
+        return jars
+    return [j for j in jars if not Path(j).name.startswith(S3A_JARS)]
 
 
 def configure(conf: dict[str, str]) -> None:
@@ -78,6 +112,7 @@ def get_spark() -> Any:
         from pyspark.sql import SparkSession
     except ImportError as exc:  # pragma: no cover - pyspark is a declared dependency of the delta extra
         raise ConfigurationError("the Delta backend needs pyspark (pip install 'epochstream[delta]')") from exc
+    global _own_session_s3a
     with _lock:
         active = SparkSession.getActiveSession()
         if active is not None:
@@ -87,9 +122,17 @@ def get_spark() -> Any:
                     "epochstream.backends.spark_session.builder() (or set spark.jars to the jars of "
                     f"{jars_dir()} plus {DELTA_CONF})"
                 )
+            if _own_session_s3a is False and s3a_wanted():
+                raise ConfigurationError(
+                    "a Delta table on S3 is used, but this process's Spark session was started for local tables "
+                    "without the S3A jars: call epochstream.backends.spark_session.stop() first, or "
+                    "spark_session.need_s3a() before the first Delta commit"
+                )
             return active
-        spark = builder().getOrCreate()
+        s3a = s3a_wanted()
+        spark = builder(s3a=s3a).getOrCreate()
         spark.sparkContext.setLogLevel("ERROR")
+        _own_session_s3a = s3a
         return spark
 
 
@@ -132,11 +175,11 @@ def uses_delta(pipeline: Any) -> bool:
         getattr(s, "epoch_transactions", False) for s in pipeline.sinks.values())
 
 
-def builder(master: str = "local[2]", app_name: str = "epochstream") -> Any:
+def builder(master: str = "local[2]", app_name: str = "epochstream", s3a: bool | None = None) -> Any:
     """A SparkSession builder with the jars, Delta and S3A settings (the spark driver starts from it)."""
     from pyspark.sql import SparkSession
 
-    b = SparkSession.builder.master(master).appName(app_name).config("spark.jars", ",".join(spark_jars()))
+    b = SparkSession.builder.master(master).appName(app_name).config("spark.jars", ",".join(spark_jars(s3a)))
     for k, v in {**DELTA_CONF, **LOCAL_CONF, **s3a_conf(), **_extra_conf}.items():
         b = b.config(k, v)
     return b
@@ -151,7 +194,9 @@ def stop() -> None:
     """Stop the session this process holds (tests and benchmarks end with it)."""
     from pyspark.sql import SparkSession
 
+    global _own_session_s3a
     with _lock:
         active = SparkSession.getActiveSession()
         if active is not None:
             active.stop()
+        _own_session_s3a = None
