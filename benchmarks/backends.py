@@ -22,14 +22,25 @@ server started in this process (``ThreadedMotoServer``): the numbers are the cli
 costs plus a local in-memory server, not AWS's latency or bandwidth.
 
 Writes ``benchmarks/results/backends.csv`` (one row per epoch, plus one ``restore`` row per
-run) and ``backends.png``; prints a summary table. Not a test.
+run; rewritten after every run, so an interrupted run keeps what it measured) and
+``backends.png``; prints a progress line per epoch (with the elapsed time) and a summary table.
+Each row carries the 1-minute load average when it was measured (``load1``): the machine is
+shared, so read the numbers with it. Not a test.
 
-    python benchmarks/backends.py [--sizes 10,100,1000] [--backends local,s3,delta] [--epochs 4]
+    python benchmarks/backends.py [--sizes 10,100,1000] [--backends local,s3,delta,delta-s3] [--epochs 4]
 
-The ``delta`` backend commits each epoch as the job master does (``commit`` writes the manifest,
-then ``commit_epoch`` makes the Delta MERGE, so "commit" includes it) and restores as recovery
-does (``recover_epoch``: time travel to the recorded version, then the rows); it needs the jars
-of ``scripts/setup.sh``. ``--name backends_delta`` keeps its results apart from the S3 run's.
+The ``delta`` and ``delta-s3`` backends commit each epoch as the job master does (``commit``
+writes the manifest, then ``commit_epoch`` makes the Delta MERGE, so "commit" includes it) and
+restore as recovery does (``recover_epoch``: time travel to the recorded version, then the rows);
+they need the jars of ``scripts/setup.sh``. ``delta-s3`` keeps checkpoints (boto3) and the Delta
+tables (Spark through S3A, ``spark_session.s3a_conf``) in one bucket of the same moto server as
+``s3``. The local Spark session gets ``--spark-driver-memory`` (a 1 GB MERGE does not fit the
+default 1g) and no cap on results collected to Python (the time-travel read of 1 GB is above
+Spark's default ``spark.driver.maxResultSize`` of 1g). Where a Delta commit's time goes is
+measured by timers around delta.py's steps (the ``delta_*_s`` columns): ``fold`` (read the
+epoch's state files and fold them to one row per key), ``to_spark`` (``createDataFrame`` of that
+Arrow table), ``merge`` (the MERGE transaction), ``history`` (reads of the Delta log) and, on
+restore, ``time_travel`` (the table at the recorded version, collected to Arrow).
 """
 
 from __future__ import annotations
@@ -77,17 +88,16 @@ def _local(label: str) -> Iterator[CheckpointStorage]:
 _moto: dict[str, Any] = {}
 
 
-@contextlib.contextmanager
-def _s3(label: str) -> Iterator[CheckpointStorage]:
-    import logging
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-
+def start_moto() -> str:
+    """moto's S3 server in this process (once), and AWS_* pointed at it for boto3 and, if
+    called before the Spark session starts, for S3A."""
     if "server" not in _moto:
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        import logging
         import socket
 
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -96,17 +106,34 @@ def _s3(label: str) -> Iterator[CheckpointStorage]:
         _moto.update(server=server, url=f"http://127.0.0.1:{port}")
         os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
                           AWS_ENDPOINT_URL=_moto["url"])
+        for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+            os.environ.pop(k, None)
+    return str(_moto["url"])
+
+
+@contextlib.contextmanager
+def _bucket(label: str) -> Iterator[str]:
+    """A fresh bucket on the moto server, emptied and removed afterwards."""
+    import boto3
+
+    url = start_moto()
     bucket = f"bench-{label}".lower().replace("_", "-")[:60]
-    client = boto3.client("s3", endpoint_url=_moto["url"])
+    client = boto3.client("s3", endpoint_url=url)
     client.create_bucket(Bucket=bucket)
     try:
-        yield open_storage(f"s3://{bucket}/chk")
+        yield bucket
     finally:
         keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
                 for o in page.get("Contents", [])]
         for i in range(0, len(keys), 1000):
             client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
         client.delete_bucket(Bucket=bucket)
+
+
+@contextlib.contextmanager
+def _s3(label: str) -> Iterator[CheckpointStorage]:
+    with _bucket(label) as bucket:
+        yield open_storage(f"s3://{bucket}/chk")
 
 
 @contextlib.contextmanager
@@ -118,6 +145,14 @@ def _delta(label: str) -> Iterator[CheckpointStorage]:
         yield DeltaCheckpointStorage(str(root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _delta_s3(label: str) -> Iterator[CheckpointStorage]:
+    from epochstream.backends.delta import DeltaCheckpointStorage
+
+    with _bucket(label) as bucket:
+        yield DeltaCheckpointStorage(f"s3://{bucket}/chk")
 
 
 @dataclass(frozen=True)
@@ -135,7 +170,62 @@ BACKENDS: dict[str, Backend] = {
     "s3": Backend("s3", _s3, "S3 API on moto's ThreadedMotoServer in this process"),
     "delta": Backend("delta", _delta, "local folder plus a Delta table of committed state (one MERGE per epoch, "
                                       "local Spark session local[2]; restore by time travel)"),
+    "delta-s3": Backend("delta-s3", _delta_s3, "the delta backend with checkpoints and Delta table in one bucket of "
+                                               "the moto server (Spark through S3A, single-driver log store)"),
 }
+#: backends that commit through Spark (the session is configured before it starts)
+SPARK_BACKENDS = {"delta", "delta-s3"}
+#: backends on the moto server (started before Spark, so S3A picks up its endpoint)
+MOTO_BACKENDS = {"s3", "delta-s3"}
+
+
+class DeltaTimers:
+    """Seconds spent in the steps of a Delta commit and restore, accumulated between ``take``s.
+
+    Wraps delta.py's steps (and the two Spark calls it makes) with timers; the wrapped code
+    runs unchanged. Installed only when a Delta backend is measured.
+    """
+
+    STEPS = ("fold", "to_spark", "merge", "history", "time_travel")
+
+    def __init__(self) -> None:
+        self.acc = dict.fromkeys(self.STEPS, 0.0)
+        self.installed = False
+
+    def _timed(self, step: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.acc[step] += time.perf_counter() - t0
+
+        return wrapper
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        from delta.tables import DeltaMergeBuilder
+        from pyspark.sql import SparkSession
+
+        from epochstream.backends import delta
+
+        cls = delta.DeltaCheckpointStorage
+        cls._changes = self._timed("fold", cls._changes)  # type: ignore[method-assign]
+        cls._read_table = staticmethod(self._timed("time_travel", cls._read_table))  # type: ignore[method-assign]
+        delta.history = self._timed("history", delta.history)
+        SparkSession.createDataFrame = self._timed("to_spark", SparkSession.createDataFrame)  # type: ignore
+        DeltaMergeBuilder.execute = self._timed("merge", DeltaMergeBuilder.execute)  # type: ignore[method-assign]
+        self.installed = True
+
+    def take(self) -> dict[str, Any]:
+        """The step times since the last call (empty cells when no Delta backend ran)."""
+        out = {f"delta_{k}_s": (round(v, 4) if self.installed else "") for k, v in self.acc.items()}
+        self.acc = dict.fromkeys(self.STEPS, 0.0)
+        return out
+
+
+TIMERS = DeltaTimers()
 
 
 def shutdown() -> None:
@@ -186,6 +276,7 @@ def run_one(backend: Backend, size_mb: int, kind: str, epochs: int, dirty: float
     n = max(parallelism, size_mb * 1_000_000 // value_bytes)
     state = State(n, value_bytes, parallelism)
     label = f"{backend.name}-{size_mb}-{kind}-{os.getpid()}"
+    TIMERS.take()  # drop what set-up spent
     rows_out: list[dict[str, Any]] = []
     base = {"backend": backend.name, "state_mb": size_mb, "snapshot": kind, "keys": n, "parallelism": parallelism}
     job = {"job": "bench", "parallelism": parallelism, "max_parallelism": MAX_PARALLELISM, "mode": "aligned",
@@ -234,15 +325,17 @@ def run_one(backend: Backend, size_mb: int, kind: str, epochs: int, dirty: float
             storage.collect_garbage(retained, keep_after=epoch)
             commit = time.perf_counter() - t0
             snap_bytes = sum(r.bytes for r in refs)
+            steps = TIMERS.take()
             rows_out.append({**base, "epoch": epoch, "phase": "epoch", "full_capture": full,
                              "snapshot_bytes": snap_bytes, "rows_written": sum(len(r) for r in per_subtask),
                              "pre_commit_s": round(pre_commit, 4), "commit_s": round(commit, 4),
-                             "restore_s": "", "restore_bytes": ""})
-            progress(f"  {backend.name:<6} {size_mb:>5} MB {kind:<11} epoch {epoch}: {snap_bytes / 1e6:9.1f} MB "
-                     f"pre-commit {pre_commit:7.3f}s commit {commit:6.3f}s")
+                             "restore_s": "", "restore_bytes": "", **steps, "load1": round(os.getloadavg()[0], 2)})
+            progress(f"  {backend.name:<8} {size_mb:>5} MB {kind:<11} epoch {epoch}: {snap_bytes / 1e6:9.1f} MB "
+                     f"pre-commit {pre_commit:7.3f}s commit {commit:7.3f}s{_steps_text(steps)}")
             del per_subtask
         del state
         gc.collect()
+        TIMERS.take()
         t0 = time.perf_counter()
         manifest, root = storage.latest()
         recover_state = getattr(storage, "recover_epoch", None)
@@ -258,11 +351,19 @@ def run_one(backend: Backend, size_mb: int, kind: str, epochs: int, dirty: float
         read = sum(f["bytes"] for f in manifest["operators"][OPERATOR]["files"])
         if restored_keys != n:
             raise RuntimeError(f"{backend.name}: restored {restored_keys} keys, expected {n}")
+        steps = TIMERS.take()
         rows_out.append({**base, "epoch": manifest["epoch"], "phase": "restore", "full_capture": "",
                          "snapshot_bytes": "", "rows_written": "", "pre_commit_s": "", "commit_s": "",
-                         "restore_s": round(restore, 4), "restore_bytes": read})
-        progress(f"  {backend.name:<6} {size_mb:>5} MB {kind:<11} restore: {read / 1e6:9.1f} MB in {restore:7.3f}s")
+                         "restore_s": round(restore, 4), "restore_bytes": read, **steps,
+                         "load1": round(os.getloadavg()[0], 2)})
+        progress(f"  {backend.name:<8} {size_mb:>5} MB {kind:<11} restore: {read / 1e6:9.1f} MB in {restore:7.3f}s"
+                 f"{_steps_text(steps)}")
     return rows_out
+
+
+def _steps_text(steps: dict[str, Any]) -> str:
+    parts = [f"{k[6:-2]} {v:.1f}s" for k, v in steps.items() if v not in ("", 0.0)]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 # ---------------------------------------------------------------- report
@@ -280,23 +381,37 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         def mean(field: str, xs: list[dict[str, Any]]) -> float:
             return sum(float(x[field]) for x in xs) / len(xs)
 
-        out.append({
-            "backend": b, "state_mb": mb, "snapshot": kind,
+        entry = {
+            "backend": b, "state_mb": mb, "snapshot": kind, "epochs": len(eps),
             "first_epoch_mb": eps[0]["snapshot_bytes"] / 1e6, "later_epoch_mb": mean("snapshot_bytes", later) / 1e6,
             "first_pre_commit_s": float(eps[0]["pre_commit_s"]), "later_pre_commit_s": mean("pre_commit_s", later),
-            "commit_s": mean("commit_s", eps), "restore_s": float(rest[0]["restore_s"]) if rest else float("nan"),
+            "commit_s": mean("commit_s", eps), "later_commit_s": mean("commit_s", later),
+            "restore_s": float(rest[0]["restore_s"]) if rest else float("nan"),
             "restore_mb": rest[0]["restore_bytes"] / 1e6 if rest else float("nan"),
-        })
+        }
+        if b in SPARK_BACKENDS and eps[0].get("delta_merge_s", "") != "":  # where a Delta commit's time goes
+            for step in DeltaTimers.STEPS:
+                entry[f"{step}_s"] = mean(f"delta_{step}_s", later)
+            entry["restore_time_travel_s"] = float(rest[0]["delta_time_travel_s"]) if rest else float("nan")
+        out.append(entry)
     return out
 
 
 def print_summary(table: list[dict[str, Any]]) -> None:
-    print(f"\n{'backend':<7} {'state':>7} {'snapshot':<11} {'epoch-1 MB':>10} {'later MB':>9} {'pre-commit 1':>12} "
-          f"{'pre-commit n':>12} {'commit':>8} {'restore':>8} {'read MB':>8}")
+    print(f"\n{'backend':<8} {'state':>7} {'snapshot':<11} {'epochs':>6} {'epoch-1 MB':>10} {'later MB':>9} "
+          f"{'pre-commit 1':>12} {'pre-commit n':>12} {'commit':>8} {'commit n':>8} {'restore':>8} {'read MB':>8}")
     for r in table:
-        print(f"{r['backend']:<7} {r['state_mb']:>5}MB {r['snapshot']:<11} {r['first_epoch_mb']:>10.1f} "
+        print(f"{r['backend']:<8} {r['state_mb']:>5}MB {r['snapshot']:<11} {r['epochs']:>6} {r['first_epoch_mb']:>10.1f} "
               f"{r['later_epoch_mb']:>9.1f} {r['first_pre_commit_s']:>11.3f}s {r['later_pre_commit_s']:>11.3f}s "
-              f"{r['commit_s']:>7.3f}s {r['restore_s']:>7.3f}s {r['restore_mb']:>8.1f}")
+              f"{r['commit_s']:>7.3f}s {r['later_commit_s']:>7.3f}s {r['restore_s']:>7.3f}s {r['restore_mb']:>8.1f}")
+    delta_rows = [r for r in table if "merge_s" in r]
+    if delta_rows:
+        print(f"\nDelta commits, epochs after the first (mean s): {'commit':>8} {'fold':>7} {'to_spark':>8} "
+              f"{'merge':>7} {'history':>7} | restore {'total':>7} {'time travel':>11}")
+        for r in delta_rows:
+            print(f"  {r['backend']:<8} {r['state_mb']:>5}MB {r['snapshot']:<11}{'':>17}{r['later_commit_s']:>8.2f} "
+                  f"{r['fold_s']:>7.2f} {r['to_spark_s']:>8.2f} {r['merge_s']:>7.2f} {r['history_s']:>7.2f} |"
+                  f"{'':>8} {r['restore_s']:>7.2f} {r['restore_time_travel_s']:>11.2f}")
     by = {(r["backend"], r["state_mb"], r["snapshot"]): r for r in table}
     print()
     for (b, mb, kind), r in sorted(by.items()):
@@ -309,12 +424,16 @@ def print_summary(table: list[dict[str, Any]]) -> None:
               f"{r['restore_s'] / max(f['restore_s'], 1e-9):.2f}x the time")
     for mb in sorted({k[1] for k in by}):
         for kind in ("full", "incremental"):
-            for other in ("s3", "delta"):
+            for other in ("s3", "delta", "delta-s3"):
                 if ("local", mb, kind) in by and (other, mb, kind) in by:
                     l, s = by[("local", mb, kind)], by[(other, mb, kind)]
                     print(f"{other}/local at {mb} MB {kind}: pre-commit (epoch 1) "
                           f"{s['first_pre_commit_s'] / l['first_pre_commit_s']:.1f}x, "
-                          f"commit {s['commit_s'] / l['commit_s']:.1f}x, restore {s['restore_s'] / l['restore_s']:.1f}x")
+                          f"commit (epochs after the first) {s['later_commit_s'] / l['later_commit_s']:.0f}x, "
+                          f"restore {s['restore_s'] / l['restore_s']:.1f}x")
+
+
+COLORS = {"local": "tab:blue", "s3": "tab:orange", "delta": "tab:green", "delta-s3": "tab:red"}
 
 
 def plot(table: list[dict[str, Any]], path: Path) -> None:
@@ -327,13 +446,13 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
     series = sorted({(r["backend"], r["snapshot"]) for r in table})
     panels = (("later_epoch_mb", "snapshot MB per epoch (after the first)"),
               ("later_pre_commit_s", "pre-commit s per epoch (after the first)"),
-              ("commit_s", "commit s per epoch (manifest + retention; delta: + MERGE)"),
+              ("later_commit_s", "commit s per epoch after the first\n(manifest + retention; delta: + MERGE)"),
               ("restore_s", "restore s (latest checkpoint)"))
     for ax, (field, title) in zip(axes, panels):
         for b, kind in series:
             pts = sorted((r["state_mb"], r[field]) for r in table if (r["backend"], r["snapshot"]) == (b, kind))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="-" if b == "local" else "--",
-                    label=f"{b} {kind}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if kind == "full" else "s",
+                    linestyle="-" if kind == "full" else "--", color=COLORS.get(b), label=f"{b} {kind}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("keyed state (MB)")
@@ -351,6 +470,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, from {sorted(BACKENDS)}")
     ap.add_argument("--snapshots", default="full,incremental")
     ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--epochs-large", type=int, default=None,
+                    help="epochs for states of --large-mb and more (default: --epochs), to fit a time budget")
+    ap.add_argument("--large-mb", type=int, default=1000)
+    ap.add_argument("--spark-driver-memory", default="6g",
+                    help="spark.driver.memory of the local Spark session of the Delta backends (default 6g)")
     ap.add_argument("--dirty", type=float, default=0.1, help="fraction of keys changed per epoch (default 0.1)")
     ap.add_argument("--value-bytes", type=int, default=4096)
     ap.add_argument("--parallelism", type=int, default=2)
@@ -364,27 +488,47 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown backend(s) {unknown}; known: {sorted(BACKENDS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    csv_path = out / f"{args.name}.csv"
     rows: list[dict[str, Any]] = []
+    load_start = _uptime()
+    print(f"load at start: {load_start}", flush=True)
     encode_state([(0, b"k", "v", b"x")])  # warm-up outside the timings: pyarrow's Parquet writer, zstd
+    if MOTO_BACKENDS & set(names):
+        start_moto()  # before Spark: S3A reads the endpoint when the session starts
+    if SPARK_BACKENDS & set(names):
+        from epochstream.backends import spark_session
+
+        spark_session.configure({"spark.driver.memory": args.spark_driver_memory, "spark.driver.maxResultSize": "0"})
+        TIMERS.install()
     t_start = time.perf_counter()
     runs = [(mb, b, kind) for mb in sizes for b in names for kind in args.snapshots.split(",")]
+
+    def progress(line: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.0f}s] {line}", flush=True)
+
     try:
         for i, (mb, b, kind) in enumerate(runs, 1):
-            print(f"[{i}/{len(runs)}] {b} {mb} MB {kind} ({time.perf_counter() - t_start:.0f}s so far)", flush=True)
-            rows += run_one(BACKENDS[b], mb, kind, args.epochs, args.dirty, args.value_bytes, args.parallelism,
-                            lambda s: print(s, flush=True))
+            epochs = args.epochs if args.epochs_large is None or mb < args.large_mb else args.epochs_large
+            progress(f"[{i}/{len(runs)}] {b} {mb} MB {kind}, {epochs} epochs (load {os.getloadavg()[0]:.2f})")
+            rows += run_one(BACKENDS[b], mb, kind, epochs, args.dirty, args.value_bytes, args.parallelism, progress)
+            with open(csv_path, "w", newline="") as f:  # after every run: an interrupted run keeps its rows
+                wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+                wr.writeheader()
+                wr.writerows(rows)
     finally:
         shutdown()
-    with open(out / f"{args.name}.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
     table = summary(rows)
     print_summary(table)
     plot(table, out / f"{args.name}.png")
     print(f"\nbackends: " + "; ".join(f"{b}: {BACKENDS[b].note}" for b in names))
-    print(f"wrote {out / (args.name + '.csv')} and {out / (args.name + '.png')} in {time.perf_counter() - t_start:.0f}s")
+    print(f"load at start: {load_start}\nload at end:   {_uptime()}")
+    print(f"wrote {csv_path} and {out / (args.name + '.png')} in {time.perf_counter() - t_start:.0f}s")
     return 0
+
+
+def _uptime() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{time.strftime('%H:%M:%S', time.gmtime())} UTC load average {one:.2f}, {five:.2f}, {fifteen:.2f}"
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ LOCAL_CONF = {
     "spark.driver.memory": "1g",
 }
 
+#: overrides ``spark.driver.memory`` of the local session (e.g. ``6g``): a MERGE or a restore of
+#: a large operator state runs in this one JVM (``configure`` overrides it in code)
+DRIVER_MEMORY_ENV = "EPOCHSTREAM_SPARK_DRIVER_MEMORY"
+
 _lock = threading.Lock()
 _extra_conf: dict[str, str] = {}
 
@@ -180,7 +184,8 @@ def builder(master: str = "local[2]", app_name: str = "epochstream", s3a: bool |
     from pyspark.sql import SparkSession
 
     b = SparkSession.builder.master(master).appName(app_name).config("spark.jars", ",".join(spark_jars(s3a)))
-    for k, v in {**DELTA_CONF, **LOCAL_CONF, **s3a_conf(), **_extra_conf}.items():
+    memory = {"spark.driver.memory": os.environ[DRIVER_MEMORY_ENV]} if os.environ.get(DRIVER_MEMORY_ENV) else {}
+    for k, v in {**DELTA_CONF, **LOCAL_CONF, **memory, **s3a_conf(), **_extra_conf}.items():
         b = b.config(k, v)
     return b
 
