@@ -304,6 +304,21 @@ def test_s3a_jars_go_on_the_session_only_when_s3_is_in_play(monkeypatch, tmp_pat
     assert {"hadoop", "bundle"} <= names()
 
 
+def test_driver_memory_of_the_local_session_comes_from_the_environment(monkeypatch):
+    """EPOCHSTREAM_SPARK_DRIVER_MEMORY sizes the local session (large MERGEs); configure() still wins."""
+    monkeypatch.setenv(spark_session.DRIVER_MEMORY_ENV, "3g")
+    try:
+        assert spark_session.builder()._options["spark.driver.memory"] == "3g"
+        monkeypatch.delenv(spark_session.DRIVER_MEMORY_ENV)
+        assert spark_session.builder()._options["spark.driver.memory"] == "1g"
+        monkeypatch.setenv(spark_session.DRIVER_MEMORY_ENV, "3g")
+        monkeypatch.setitem(spark_session._extra_conf, "spark.driver.memory", "5g")
+        assert spark_session.builder()._options["spark.driver.memory"] == "5g"
+    finally:
+        monkeypatch.undo()
+        spark_session.builder()  # the builder's options are shared: leave the defaults behind
+
+
 def test_delta_sink_rejects_records_that_do_not_fit(tmp_path):
     sink = DeltaSink(tmp_path / "t", SCHEMA)
     with pytest.raises(TypeError, match="does not match the columns"):
