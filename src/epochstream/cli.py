@@ -111,6 +111,10 @@ def _spark_options(args) -> dict[str, Any]:
         conf[key] = value
     from .deploy.spark import spark_session
 
+    if getattr(args, "state_backend", None) == "delta":  # the job master commits through this session
+        from .backends.spark_session import delta_conf
+
+        conf = {**delta_conf(), **conf}
     session = spark_session(args.master or "local[*]", conf)
     _SESSIONS.append(session)
     return {"spark": session}
