@@ -2,7 +2,8 @@
 
 * ``epochstream run ... --state-backend delta`` (local driver, worker processes) is SIGKILLed,
   whole process group, in the window between an epoch's manifest and its Delta commit; ``run
-  --restore latest`` re-issues that commit once and goes on. Every retained epoch's committed
+  --restore latest --deployment spark`` re-issues that commit once and goes on on the spark
+  driver (the CLI's session gets the Delta settings). Every retained epoch's committed
   state, read with Spark SQL (``VERSION AS OF`` the version its manifest records) and with
   ``epochstream state query --json``, equals the counts its source offsets name; the Delta
   sink holds each emitted count once; ``epochstream checkpoints list`` lists the checkpoints.
@@ -179,11 +180,15 @@ def test_cli_run_sigkill_restore_then_sql_and_state_query_agree(spark, tmp_path)
     assert max(storage.list_checkpoints()) == killed
     assert killed not in txn_epochs(table)  # the kill landed after the manifest, before the MERGE
 
-    # restore: recovery re-issues epoch `killed`'s commits, then the job runs 2 s more
-    r = cli("run", "job.py:endless", *flags, "--restore", "latest", "--duration", "2", "--json", cwd=tmp_path, env=env)
+    # restore on the spark driver (the CLI gives its session the Delta settings; local[3]: a slot
+    # beyond the barrier stage for the commits): recovery re-issues epoch `killed`'s commits, then
+    # the job runs 2 s more
+    r = cli("run", "job.py:endless", *flags, "--restore", "latest", "--duration", "2", "--deployment", "spark",
+            "--master", "local[3]", "--json", cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout)
     assert result["restarts"] == 0 and result["completed_epochs"], result
+    assert result["metrics"]["deployment"] == "spark"
     epochs = storage.list_checkpoints()
     assert epochs[-1] == result["completed_epochs"][-1] > killed
     # one transaction per completed epoch in each table: the re-issued commit happened once
