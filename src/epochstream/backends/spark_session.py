@@ -204,4 +204,31 @@ def stop() -> None:
         active = SparkSession.getActiveSession()
         if active is not None:
             active.stop()
+        if _own_session_s3a is False:
+            # the JVM's classpath was fixed at its launch, without the S3A jars: a later session
+            # on S3 tables needs a JVM of its own, not this one with a new spark.jars
+            _end_jvm()
         _own_session_s3a = None
+
+
+def _end_jvm() -> None:
+    """End the JVM pyspark launched for this process (the next session launches a new one)."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    if gateway is None or SparkContext._active_spark_context is not None:
+        return
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    try:
+        gateway.shutdown()
+    except Exception:  # noqa: BLE001 - a gateway already gone is what we want
+        pass
+    proc = getattr(gateway, "proc", None)
+    if proc is not None:  # the JVM exits when its stdin closes (pyspark's launch_gateway)
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except Exception:  # noqa: BLE001
+            proc.kill()
