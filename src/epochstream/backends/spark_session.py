@@ -134,10 +134,25 @@ def get_spark() -> Any:
                 )
             return active
         s3a = s3a_wanted()
+        if s3a:
+            _drop_jvm_without_s3a()
         spark = builder(s3a=s3a).getOrCreate()
         spark.sparkContext.setLogLevel("ERROR")
         _own_session_s3a = s3a
         return spark
+
+
+def _drop_jvm_without_s3a() -> None:
+    """End this process's idle Spark JVM if it was launched without the S3A jars, whoever
+    started it (``stop()`` ends only those of sessions started here; the spark driver's session
+    may have launched it): the jars of a later session never reach a running JVM's classpath."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    if gateway is None or SparkContext._active_spark_context is not None:
+        return
+    if "hadoop-aws-" not in (gateway.jvm.java.lang.System.getProperty("spark.jars") or ""):
+        _end_jvm()
 
 
 def s3a_conf() -> dict[str, str]:
