@@ -219,10 +219,9 @@ def stop() -> None:
         active = SparkSession.getActiveSession()
         if active is not None:
             active.stop()
-        if _own_session_s3a is False:
-            # the JVM's classpath was fixed at its launch, without the S3A jars: a later session
-            # on S3 tables needs a JVM of its own, not this one with a new spark.jars
-            _end_jvm()
+        # the JVM's classpath was fixed at its launch (perhaps without the S3A jars, by this module
+        # or by the spark driver's session): the next session launches a JVM with its own spark.jars
+        _end_jvm()
         _own_session_s3a = None
 
 
