@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 _status: list[int] = []
 
 
@@ -26,3 +28,15 @@ def pytest_unconfigure(config):
 
 # the S3 fixtures (moto's HTTP server, a fault-injecting proxy) for every test module
 from s3server import fault_proxy, moto_s3, s3_env, s3_url  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """A local Spark session with Delta for one test module, stopped after it (missing jars
+    make it, and so every test using it, fail: no skip). Modules with other needs (a spark
+    driver's master, S3A) define their own ``spark``."""
+    from epochstream.backends import spark_session
+
+    s = spark_session.get_spark()
+    yield s
+    spark_session.stop()

@@ -47,6 +47,7 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -54,6 +55,7 @@ from epochstream.backends import location
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream import (
     CheckpointConfig,
+    CollectionSource,
     FileSink,
     KeyedProcessFunction,
     ListStateDescriptor,
@@ -551,3 +553,16 @@ def delta_chaos_run(seed: int = 3):
         return sim_run(p, chk, seed=seed, failures=failures if failing else None)
 
     return run
+
+
+class PacedSource(CollectionSource):
+    """A collection read at a bounded pace (``pause`` seconds per batch): the run lasts long
+    enough in real time, even on an idle machine, for kills to land while records flow."""
+
+    def __init__(self, items, num_splits: int, pause: float) -> None:
+        super().__init__(items, num_splits)
+        self.pause = pause
+
+    def read(self, split: int, offset: int, count: int):
+        time.sleep(self.pause)
+        return super().read(split, offset, count)

@@ -22,14 +22,13 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
 
-from epochstream import CheckpointError, CollectionSource
+from epochstream import CheckpointError
 from epochstream.backends import spark_session
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.backends.delta import DeltaCheckpointStorage, DeltaConflictError, DeltaSink, history
@@ -37,20 +36,12 @@ from epochstream.deploy.common import JobFailedError
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
 from epochstream.runtime.errors import ConfigurationError
-from pipelines import RunningCount, _key, delta_chaos_run, input_records, make_pipeline, sim_run, without_fsync
+from pipelines import PacedSource, RunningCount, _key, delta_chaos_run, input_records, make_pipeline, sim_run, without_fsync
 
 pytestmark = pytest.mark.slow
 
 SCHEMA = pa.schema([("key", pa.string()), ("n", pa.int64())])
 N, KEYS = 160, 5
-
-
-@pytest.fixture(scope="module")
-def spark():
-    """One local Spark session with Delta for the module (fails if the jars are missing)."""
-    s = spark_session.get_spark()
-    yield s
-    spark_session.stop()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -115,19 +106,6 @@ def test_exactly_once_with_delta_state_and_sink(spark, mode, tmp_path):
         entry = manifest["delta"]["state"]["count"]
         assert entry["txn_version"] == epoch and isinstance(entry["version"], int)
         assert manifest["sinks"]["counts"]["delta"]["app_id"].startswith("epochstream/delta-count/sink/counts/")
-
-
-class PacedSource(CollectionSource):
-    """A collection read at a bounded pace (``pause`` seconds per batch), so a run lasts
-    long enough in real time for kills to land while records flow."""
-
-    def __init__(self, items, num_splits: int, pause: float) -> None:
-        super().__init__(items, num_splits)
-        self.pause = pause
-
-    def read(self, split: int, offset: int, count: int):
-        time.sleep(self.pause)
-        return super().read(split, offset, count)
 
 
 def paced_delta_count(*, out=None, n: int = 3000, mode: str = "aligned"):

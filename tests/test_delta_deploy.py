@@ -33,7 +33,6 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from epochstream import CollectionSource
 from epochstream.backends import spark_session as delta_session
 from epochstream.backends.delta import DeltaCheckpointStorage, DeltaSink, history
 from epochstream.deploy.common import FailureSchedule
@@ -41,7 +40,7 @@ from epochstream.deploy.restart import FixedDelayRestart
 from epochstream.deploy.spark import spark_session
 from epochstream.oracle import check_exactly_once
 from epochstream.runtime.errors import ConfigurationError
-from pipelines import RunningCount, _key, input_records, make_pipeline
+from pipelines import PacedSource, RunningCount, _key, input_records, make_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -223,19 +222,6 @@ def test_cli_run_sigkill_restore_then_sql_and_state_query_agree(spark, tmp_path)
 
 
 # ---------------------------------------------------------------- the spark driver
-
-
-class PacedSource(CollectionSource):
-    """A collection read at a bounded pace (``pause`` seconds per batch): the run lasts long
-    enough in real time, even on an idle machine, for the kills to land while records flow."""
-
-    def __init__(self, items, num_splits: int, pause: float) -> None:
-        super().__init__(items, num_splits)
-        self.pause = pause
-
-    def read(self, split: int, offset: int, count: int):
-        time.sleep(self.pause)
-        return super().read(split, offset, count)
 
 
 SPARK_N = 2400

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from epochstream import CheckpointError, Types
-from epochstream.backends import spark_session
 from epochstream.backends.delta import DeltaCheckpointStorage, history
 from epochstream.deploy.common import JobFailedError
 from epochstream.deploy.sim import FailureSchedule
@@ -34,13 +33,6 @@ from pipelines import delta_chaos_run, TypedProfile, committed_output, input_rec
 pytestmark = pytest.mark.slow
 
 N, KEYS = 200, 5
-
-
-@pytest.fixture(scope="module")
-def spark():
-    s = spark_session.get_spark()
-    yield s
-    spark_session.stop()
 
 
 @pytest.fixture(scope="module", autouse=True)
