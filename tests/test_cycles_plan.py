@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 import epochstream.graph.cycles as cycles_module
 from epochstream import Pipeline
-from epochstream.graph.cycles import LOOP_HEAD, LOOP_TAIL, back_edges, loop_components, tarjan
-from epochstream.graph.plan import FORWARD, HASH, Edge, GraphError, Node, _topological
+from epochstream.graph.cycles import back_edges, loop_components, tarjan
+from epochstream.graph.kinds import OpKind
+from epochstream.graph.plan import FORWARD, HASH, Edge, GraphError, Node, topological_order
 from epochstream.tracker.segments import build_segments, chain_graph
 from cycle_pipelines import nested, reachability, rounds, self_loop
 from pipelines import running_count
@@ -82,7 +83,7 @@ def test_removing_back_edges_leaves_a_dag_and_every_loop_keeps_one(g):
     for u, v, pos in sorted(found, key=lambda t: -t[2]):
         assert comp_of.get(u) is not None and comp_of.get(u) == comp_of.get(v)
         del cut[v].inputs[pos]
-    _topological(cut)  # raises on a cycle
+    topological_order(cut)  # raises on a cycle
     assert {comp_of[u] for u, _v, _p in found} == set(range(len(comps)))
     # Tarjan agrees with the segment builder (which shares it) on the condensation
     seg = build_segments(list(range(n)), edges)
@@ -103,7 +104,7 @@ def test_iterate_expands_into_head_tail_and_a_phantom_channel():
     (lp,) = plan.loops
     assert lp.uid == "loop/loop-head"
     head, tail = plan.nodes[lp.head], plan.nodes[lp.tail]
-    assert (head.kind, tail.kind) == (LOOP_HEAD, LOOP_TAIL) and head.inputs == []
+    assert (head.kind, tail.kind) == (OpKind.LOOP_HEAD, OpKind.LOOP_TAIL) and head.inputs == []
     assert plan.nodes[lp.dst].kind == "iterate"
     assert plan.nodes[lp.dst].inputs[lp.edge].src == lp.head
     head_chain = next(c for c in plan.chains if c.is_loop_head)
@@ -156,7 +157,7 @@ def test_loop_expansion_does_not_touch_the_pipelines_graph():
     p.plan()
     p.plan(4)
     assert {nid: list(n.inputs) for nid, n in p._nodes.items()} == before
-    assert not any(n.kind in (LOOP_HEAD, LOOP_TAIL) for n in p._nodes.values())
+    assert not any(n.kind in (OpKind.LOOP_HEAD, OpKind.LOOP_TAIL) for n in p._nodes.values())
 
 
 # ---------------------------------------------------------------- API errors
@@ -184,7 +185,7 @@ def test_close_with_twice_or_across_pipelines_is_refused():
 def test_reserved_kinds_and_colliding_head_uids_are_refused():
     p = Pipeline("bad")
     s = p.from_collection([1])
-    p._add(LOOP_HEAD, "fake", None, s._heads, uid="x")
+    p._add(OpKind.LOOP_HEAD, "fake", None, s._heads, uid="x")
     with pytest.raises(GraphError, match="reserved"):
         p.plan()
     p = Pipeline("collide")

@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .graph.cycles import back_edges
-from .graph.plan import Node, _topological
+from .graph.kinds import OpKind
+from .graph.plan import Node, topological_order
 from .runtime.context import Context
 from .runtime.messages import END_OF_TIME
 from .runtime.state import HeapKeyedState, OperatorStateBackend
@@ -71,15 +72,15 @@ class Reference:
             for i, e in enumerate(n.inputs):
                 self.consumers[e.src].append((n, i))
         self.offsets: dict[str, dict[int, int]] = {}
-        self.sinks: dict[str, list[Any]] = {n.uid: [] for n in self.nodes.values() if n.kind == "sink"}
+        self.sinks: dict[str, list[Any]] = {n.uid: [] for n in self.nodes.values() if n.kind == OpKind.SINK}
         self.states: dict[str, HeapKeyedState] = {}
         self.fns: dict[int, tuple[Any, Context]] = {}
         event_time = any(getattr(n.payload, "timestamp", None) is not None
-                         for n in self.nodes.values() if n.kind == "source")
+                         for n in self.nodes.values() if n.kind == OpKind.SOURCE)
         self.slack = pipeline.tracker.time_slack
         self.timers: dict[int, TimerService] = {}
         for n in self.nodes.values():
-            if n.kind == "process":
+            if n.kind == OpKind.PROCESS:
                 state = HeapKeyedState(n.uid, lambda k: 0, (0, 0))
                 fn = copy.deepcopy(n.payload)
                 timers = None
@@ -95,7 +96,7 @@ class Reference:
         """Advance every source to ``offsets`` (None: to the end of bounded sources), then
         fire timers up to ``event_time`` (operator uid -> time label; all at the end)."""
         for n in self.nodes.values():
-            if n.kind != "source":
+            if n.kind != OpKind.SOURCE:
                 continue
             src = n.payload
             if offsets is None:
@@ -155,18 +156,18 @@ class Reference:
 
     def _apply(self, node: Node, records: list[Any], edge: int) -> None:
         kind = node.kind
-        if kind in ("source", "iterate"):
+        if kind in (OpKind.SOURCE, OpKind.ITERATE):
             out = records
-        elif kind == "map":
+        elif kind == OpKind.MAP:
             out = [node.payload(r) for r in records]
-        elif kind == "filter":
+        elif kind == OpKind.FILTER:
             out = [r for r in records if node.payload(r)]
-        elif kind == "flat_map":
+        elif kind == OpKind.FLAT_MAP:
             out = [o for r in records for o in node.payload(r)]
-        elif kind == "sink":
+        elif kind == OpKind.SINK:
             self.sinks[node.uid].extend(records)
             return
-        elif kind == "process":
+        elif kind == OpKind.PROCESS:
             fn, ctx = self.fns[node.id]
             keyslot = self.states[node.uid].keys
             key_fn = node.inputs[edge].key_fn
@@ -194,10 +195,10 @@ def _acyclic_order(nodes: dict[int, Node]) -> list[int]:
     """A topological order of the graph with its back edges cut (loops run to a fixpoint)."""
     cut = {(v, pos) for _u, v, pos in back_edges(nodes)}
     if not cut:
-        return _topological(nodes)
+        return topological_order(nodes)
     dag = {nid: Node(n.id, n.kind, n.name, n.payload, n.uid,
                      [e for i, e in enumerate(n.inputs) if (nid, i) not in cut]) for nid, n in nodes.items()}
-    return _topological(dag)
+    return topological_order(dag)
 
 
 def reference_run(pipeline, offsets: dict[str, dict[int, int]] | None = None) -> tuple[dict, dict]:
@@ -327,7 +328,7 @@ def relocated(pipeline, root: Path):
     clone._nodes = {}
     for nid, n in pipeline._nodes.items():
         payload = n.payload
-        if n.kind == "sink":
+        if n.kind == OpKind.SINK:
             payload = payload.relocated(root / n.uid)
         clone._nodes[nid] = Node(n.id, n.kind, n.name, payload, n.uid, list(n.inputs))
     clone.checkpoint = copy.copy(pipeline.checkpoint)

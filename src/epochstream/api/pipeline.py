@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
+from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, REBALANCE, Edge, Node, PhysicalPlan, build_plan
 from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, RestartStrategy
 from ..deploy.result import JobResult
@@ -90,13 +91,13 @@ class Stream:
 
     # -- stateless transformations
     def map(self, fn: Callable[[Any], Any], name: str = "map") -> "Stream":
-        return self._p._add("map", name, fn, self._heads)
+        return self._p._add(OpKind.MAP, name, fn, self._heads)
 
     def flat_map(self, fn: Callable[[Any], Iterable[Any]], name: str = "flat_map") -> "Stream":
-        return self._p._add("flat_map", name, fn, self._heads)
+        return self._p._add(OpKind.FLAT_MAP, name, fn, self._heads)
 
     def filter(self, fn: Callable[[Any], bool], name: str = "filter") -> "Stream":
-        return self._p._add("filter", name, fn, self._heads)
+        return self._p._add(OpKind.FILTER, name, fn, self._heads)
 
     # -- partitioning
     def key_by(self, key_fn: Callable[[Any], Any], key_type: Any = None) -> "KeyedStream":
@@ -125,14 +126,14 @@ class Stream:
         """Start a loop (Flink's ``DataStream.iterate()``): the returned stream carries this
         stream's records and every record later fed back with ``close_with``."""
         uid = uid or f"iterate-{len(self._p._nodes)}"
-        s = self._p._add("iterate", name, Iteration(uid), self._heads, uid=uid)
+        s = self._p._add(OpKind.ITERATE, name, Iteration(uid), self._heads, uid=uid)
         return IterativeStream(self._p, s._heads)
 
     # -- sinks
     def sink(self, sink: Any, uid: str | None = None, name: str = "sink") -> "Stream":
         """Write to a transactional sink: only committed epochs become visible."""
         uid = uid or f"sink-{len(self._p._nodes)}"
-        return self._p._add("sink", name, sink, self._heads, uid=uid)
+        return self._p._add(OpKind.SINK, name, sink, self._heads, uid=uid)
 
     add_sink = sink
 
@@ -243,7 +244,7 @@ class KeyedStream(Stream):
             raise TypeError(f"process() needs a KeyedProcessFunction, got {type(fn).__name__}")
         name = name or type(fn).__name__
         uid = uid or f"{name}-{len(self._p._nodes)}"
-        return self._p._add("process", name, fn, self._heads, uid=uid)
+        return self._p._add(OpKind.PROCESS, name, fn, self._heads, uid=uid)
 
     def reduce(self, fn: Callable[[Any, Any], Any], uid: str | None = None) -> Stream:
         """Running reduce per key, emitting the new aggregate for every record."""
@@ -404,10 +405,10 @@ class Pipeline:
         uid = uid or f"source-{len(self._nodes)}"
         if timestamps is not None:
             source.timestamp = timestamps
-        return self._add("source", name, source, [], uid=uid)
+        return self._add(OpKind.SOURCE, name, source, [], uid=uid)
 
     # -- building
-    def _add(self, kind: str, name: str, payload: Any, inputs: list[Edge], uid: str | None = None) -> Stream:
+    def _add(self, kind: OpKind, name: str, payload: Any, inputs: list[Edge], uid: str | None = None) -> Stream:
         nid = len(self._nodes)
         self._nodes[nid] = Node(nid, kind, name, payload, uid, list(inputs))
         return Stream(self, [Edge(nid, FORWARD, None)])
@@ -417,11 +418,11 @@ class Pipeline:
 
     @property
     def sources(self) -> dict[str, Source]:
-        return {n.uid: n.payload for n in self._nodes.values() if n.kind == "source"}
+        return {n.uid: n.payload for n in self._nodes.values() if n.kind == OpKind.SOURCE}
 
     @property
     def sinks(self) -> dict[str, Any]:
-        return {n.uid: n.payload for n in self._nodes.values() if n.kind == "sink"}
+        return {n.uid: n.payload for n in self._nodes.values() if n.kind == OpKind.SINK}
 
     def run(
         self,

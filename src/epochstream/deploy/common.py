@@ -25,7 +25,7 @@ import tenacity
 from ..alignment import BarrierAligner
 from ..backends import location, open_storage, scheme_of
 from ..backends.objects import StorageAccessError
-from ..graph.cycles import LOOP_HEAD
+from ..graph.kinds import OpKind
 from ..graph.plan import PhysicalPlan
 from ..runtime.chain import ChainRuntime
 from ..runtime.context import Context
@@ -183,7 +183,7 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
     nodes = {n.uid: n for n in plan.nodes.values() if n.uid}
     held = {**{uid: "process" for uid in m["operators"]}, **{uid: "source" for uid in m["sources"]}}
     # a loop head keeps its log as keyed state, like a keyed process
-    kind_of = {uid: "process" if n.kind == LOOP_HEAD else n.kind for uid, n in nodes.items()}
+    kind_of = {uid: OpKind.PROCESS if n.kind == OpKind.LOOP_HEAD else n.kind for uid, n in nodes.items()}
     wrong = sorted(f"{uid!r} ({kind} in the {what}, {nodes[uid].kind} in the pipeline)"
                    for uid, kind in held.items() if uid in nodes and kind_of[uid] != kind)
     if wrong:
@@ -295,7 +295,7 @@ def firing_segments(plan: PhysicalPlan, seg_of: dict[int, int]) -> dict[int, lis
     firing: dict[int, list[TaskId]] = {}
     for c in plan.chains:
         if any(getattr(plan.nodes[n].payload, "uses_event_time", False) for n in c.nodes
-               if plan.nodes[n].kind == "process"):
+               if plan.nodes[n].kind == OpKind.PROCESS):
             firing.setdefault(seg_of[c.id], [])
     for c in plan.chains:
         if seg_of[c.id] in firing:

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-LOOP_HEAD, LOOP_TAIL = "loop_head", "loop_tail"
+from .kinds import OpKind
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def back_edges(nodes) -> list[tuple[int, int, int]]:
     WHITE, GREY, BLACK = 0, 1, 2
     color = {nid: WHITE for nid in nodes}
     found: list[tuple[int, int, int]] = []
-    for root in sorted(nid for nid, n in nodes.items() if n.kind == "source"):
+    for root in sorted(nid for nid, n in nodes.items() if n.kind == OpKind.SOURCE):
         if color[root] != WHITE:
             continue
         color[root] = GREY
@@ -189,9 +189,9 @@ def expand_loops(nodes, node_factory, edge_factory) -> tuple[dict, tuple[Loop, .
         tail_id, head_id = next_id, next_id + 1
         next_id += 2
         src = out[u]
-        out[tail_id] = node_factory(tail_id, LOOP_TAIL, f"loop-tail({src.uid or src.name})", k, None,
+        out[tail_id] = node_factory(tail_id, OpKind.LOOP_TAIL, f"loop-tail({src.uid or src.name})", k, None,
                                     [edge_factory(u)])
-        out[head_id] = node_factory(head_id, LOOP_HEAD, f"loop-head({entry.uid or entry.name})", k, uid, [])
+        out[head_id] = node_factory(head_id, OpKind.LOOP_HEAD, f"loop-head({entry.uid or entry.name})", k, uid, [])
         entry.inputs[pos] = edge_factory(head_id, back.partition, back.key_fn)
         loops.append(Loop(k, u, v, pos, head_id, tail_id, uid, comp_of.get(v, (v,))))
     return out, tuple(loops)

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .cycles import LOOP_HEAD, LOOP_TAIL, Loop, expand_loops
+from .cycles import Loop, expand_loops
+from .kinds import OpKind
 from .keygroups import check_parallelism, default_max_parallelism, key_group_range
 
 FORWARD, HASH, REBALANCE = "forward", "hash", "rebalance"
@@ -32,11 +33,10 @@ class Edge:
 
 @dataclass
 class Node:
-    """A logical operator. ``kind``: source, map, flat_map, filter, process, sink, iterate
-    (a loop's entry: passes records on); the planner adds loop_head and loop_tail."""
+    """A logical operator; ``kind`` says which (``graph.kinds.OpKind``)."""
 
     id: int
-    kind: str
+    kind: OpKind
     name: str
     payload: Any
     uid: str | None = None
@@ -131,9 +131,9 @@ def build_plan(name: str, nodes: dict[int, Node], parallelism: int, max_parallel
     # A node starts a new chain unless it has exactly one input and that input is forward;
     # a loop head always does (its records come through the phantom channel).
     def is_head(n: Node) -> bool:
-        return n.kind == LOOP_HEAD or not (len(n.inputs) == 1 and n.inputs[0].partition == FORWARD)
+        return n.kind == OpKind.LOOP_HEAD or not (len(n.inputs) == 1 and n.inputs[0].partition == FORWARD)
 
-    order = _topological(nodes)
+    order = topological_order(nodes)
     chain_of: dict[int, int] = {}
     members: list[list[int]] = []
     for nid in order:
@@ -152,7 +152,7 @@ def build_plan(name: str, nodes: dict[int, Node], parallelism: int, max_parallel
         for nid in ms:
             for dst, e in consumers[nid]:
                 if chain_of[dst] != cid or is_head(nodes[dst]):
-                    phantom = nodes[dst].kind == LOOP_HEAD
+                    phantom = nodes[dst].kind == OpKind.LOOP_HEAD
                     outs.append(OutEdge(nid, chain_of[dst], dst, e.partition, e.key_fn, len(outs), phantom))
         head = nodes[ms[0]]
         chains.append(
@@ -162,8 +162,8 @@ def build_plan(name: str, nodes: dict[int, Node], parallelism: int, max_parallel
                 nodes=tuple(ms),
                 heads=(ms[0],),
                 out_edges=tuple(outs),
-                is_source=head.kind == "source",
-                is_loop_head=head.kind == LOOP_HEAD,
+                is_source=head.kind == OpKind.SOURCE,
+                is_loop_head=head.kind == OpKind.LOOP_HEAD,
             )
         )
 
@@ -191,22 +191,24 @@ def _check_graph(nodes: dict[int, Node]) -> None:
             if n.uid in uids:
                 raise GraphError(f"operator uid {n.uid!r} is used twice; uids must be unique in a pipeline")
             uids[n.uid] = n.id
-        if n.kind in (LOOP_HEAD, LOOP_TAIL):
+        if n.kind in (OpKind.LOOP_HEAD, OpKind.LOOP_TAIL):
             raise GraphError(f"operator {n.name!r}: kind {n.kind!r} is reserved for the planner's loop expansion")
-        if n.kind == "source" and n.inputs:
+        if n.kind == OpKind.SOURCE and n.inputs:
             raise GraphError(f"source {n.name!r} cannot have inputs")
-        if n.kind != "source" and not n.inputs:
+        if n.kind != OpKind.SOURCE and not n.inputs:
             raise GraphError(f"operator {n.name!r} has no input")
-        if n.kind == "iterate" and not getattr(n.payload, "closed", True):
+        if n.kind == OpKind.ITERATE and not getattr(n.payload, "closed", True):
             raise GraphError(f"iteration {n.uid!r} was never closed: call close_with(feedback_stream) on it")
-        if n.kind == "process":
+        if n.kind == OpKind.PROCESS:
             if any(e.partition != HASH for e in n.inputs):
                 raise GraphError(f"operator {n.name!r}: keyed process needs a key_by() before it")
-    if not any(n.kind == "source" for n in nodes.values()):
+    if not any(n.kind == OpKind.SOURCE for n in nodes.values()):
         raise GraphError("a pipeline needs at least one source")
 
 
-def _topological(nodes: dict[int, Node]) -> list[int]:
+def topological_order(nodes: dict[int, Node]) -> list[int]:
+    """Node ids, every node after its inputs; ties in id order, so the order is the same in
+    every process. Raises ``GraphError`` on a cycle (cut loops first: ``cycles.expand_loops``)."""
     indeg = {nid: len(n.inputs) for nid, n in nodes.items()}
     succ: dict[int, list[int]] = {nid: [] for nid in nodes}
     for n in nodes.values():

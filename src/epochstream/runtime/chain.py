@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..graph.keygroups import key_bytes, key_group_table, murmur_mix
-from ..graph.cycles import LOOP_HEAD, LOOP_TAIL
+from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, Chain, PhysicalPlan
 from .errors import UserFunctionError
 from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
@@ -142,11 +142,11 @@ class ChainRuntime:
     def _compile(self, nid: int) -> Push:
         node = self.plan.nodes[nid]
         kind, fn, label = node.kind, node.payload, node.uid or node.name
-        down = self._downstream(nid) if kind != "sink" else None
+        down = self._downstream(nid) if kind != OpKind.SINK else None
 
-        if kind == "source" or kind == "iterate" or kind == LOOP_TAIL:
+        if kind == OpKind.SOURCE or kind == OpKind.ITERATE or kind == OpKind.LOOP_TAIL:
             return down  # records pass on unchanged
-        if kind == LOOP_HEAD:
+        if kind == OpKind.LOOP_HEAD:
             # the head's only state: its log of in-transit records (loops.head), kept as
             # keyed state under the head's uid so every backend stores it like any other;
             # the key is the subtask's first key group, so a restore at another parallelism
@@ -154,7 +154,7 @@ class ChainRuntime:
             kg_range = self.plan.key_group_range(self.subtask)
             self.states[node.uid] = HeapKeyedState(node.uid, _key_is_key_group, kg_range)
             return down
-        if kind == "map":
+        if kind == OpKind.MAP:
 
             def op_map(records: list[Any], keys: list[Any] | None) -> None:
                 try:
@@ -164,7 +164,7 @@ class ChainRuntime:
                 down(out, None)
 
             return op_map
-        if kind == "filter":
+        if kind == OpKind.FILTER:
 
             def op_filter(records: list[Any], keys: list[Any] | None) -> None:
                 try:
@@ -175,7 +175,7 @@ class ChainRuntime:
                     down(out, None)
 
             return op_filter
-        if kind == "flat_map":
+        if kind == OpKind.FLAT_MAP:
 
             def op_flat_map(records: list[Any], keys: list[Any] | None) -> None:
                 try:
@@ -186,7 +186,7 @@ class ChainRuntime:
                     down(out, None)
 
             return op_flat_map
-        if kind == "sink":
+        if kind == OpKind.SINK:
             make = getattr(fn, "writer", None)
             writer = make() if make is not None else ListWriter()
             self.sink_writers[node.uid] = writer
@@ -199,7 +199,7 @@ class ChainRuntime:
                     raise UserFunctionError(f"sink {label!r} could not take records: {exc!r}") from exc
 
             return op_sink
-        if kind == "process":
+        if kind == OpKind.PROCESS:
             return self._compile_process(node, down)
         raise ValueError(f"unknown operator kind {kind!r}")
 
