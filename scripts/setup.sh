@@ -10,7 +10,8 @@ if ! command -v java >/dev/null; then
   echo "setup: java not found; the spark suites need Java 17 (e.g. apt-get install openjdk-17-jre-headless)" >&2
   exit 1
 fi
-"$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+# constraints.txt holds the exact versions CI tested (scripts/lock.py writes it)
+"$PY" -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
 "$PY" - <<'PY'
 import epochstream, pyarrow, hypothesis, pyspark
 print(f"epochstream {epochstream.__version__} installed (pyarrow {pyarrow.__version__}, pyspark {pyspark.__version__})")
