@@ -36,7 +36,8 @@ they need the jars of ``scripts/setup.sh``. ``delta-s3`` keeps checkpoints (boto
 tables (Spark through S3A, ``spark_session.s3a_conf``) in one bucket of the same moto server as
 ``s3``. The local Spark session gets ``--spark-driver-memory`` (6g; the session's default 1g was
 not tried at 1 GB) and no cap on results collected to Python (the time-travel read collects the
-whole table, and 1 GB of state is just under Spark's default ``spark.driver.maxResultSize``). Where a Delta commit's time goes is
+whole table, and 1 GB of state is just under Spark's default ``spark.driver.maxResultSize``).
+Where a Delta commit's time goes is
 measured by timers around delta.py's steps (the ``delta_*_s`` columns): ``fold`` (read the
 epoch's state files and fold them to one row per key), ``to_spark`` (``createDataFrame`` of that
 Arrow table), ``merge`` (the MERGE transaction), ``history`` (reads of the Delta log) and, on
@@ -292,8 +293,8 @@ def run_one(backend: Backend, size_mb: int, kind: str, epochs: int, dirty: float
             per_subtask = state.rows(range(n) if full else changed)
             refs: list[Any] = [None] * parallelism
 
-            def write(s: int) -> None:
-                refs[s] = storage.pre_commit(OPERATOR, s, epoch, "bench", per_subtask[s], state.ranges[s], full)
+            def write(s: int, refs=refs, epoch=epoch, rows=per_subtask, ranges=state.ranges, full=full) -> None:
+                refs[s] = storage.pre_commit(OPERATOR, s, epoch, "bench", rows[s], ranges[s], full)
 
             gc.collect()
             t0 = time.perf_counter()
@@ -374,8 +375,9 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     keys = sorted({(r["backend"], r["state_mb"], r["snapshot"]) for r in rows}, key=lambda k: (k[1], k[0], k[2]))
     for b, mb, kind in keys:
-        eps = [r for r in rows if (r["backend"], r["state_mb"], r["snapshot"]) == (b, mb, kind) and r["phase"] == "epoch"]
-        rest = [r for r in rows if (r["backend"], r["state_mb"], r["snapshot"]) == (b, mb, kind) and r["phase"] == "restore"]
+        mine = [r for r in rows if (r["backend"], r["state_mb"], r["snapshot"]) == (b, mb, kind)]
+        eps = [r for r in mine if r["phase"] == "epoch"]
+        rest = [r for r in mine if r["phase"] == "restore"]
         later = eps[1:] or eps
 
         def mean(field: str, xs: list[dict[str, Any]]) -> float:
@@ -401,7 +403,8 @@ def print_summary(table: list[dict[str, Any]]) -> None:
     print(f"\n{'backend':<8} {'state':>7} {'snapshot':<11} {'epochs':>6} {'epoch-1 MB':>10} {'later MB':>9} "
           f"{'pre-commit 1':>12} {'pre-commit n':>12} {'commit':>8} {'commit n':>8} {'restore':>8} {'read MB':>8}")
     for r in table:
-        print(f"{r['backend']:<8} {r['state_mb']:>5}MB {r['snapshot']:<11} {r['epochs']:>6} {r['first_epoch_mb']:>10.1f} "
+        print(f"{r['backend']:<8} {r['state_mb']:>5}MB {r['snapshot']:<11} {r['epochs']:>6} "
+              f"{r['first_epoch_mb']:>10.1f} "
               f"{r['later_epoch_mb']:>9.1f} {r['first_pre_commit_s']:>11.3f}s {r['later_pre_commit_s']:>11.3f}s "
               f"{r['commit_s']:>7.3f}s {r['later_commit_s']:>7.3f}s {r['restore_s']:>7.3f}s {r['restore_mb']:>8.1f}")
     delta_rows = [r for r in table if "merge_s" in r]
@@ -418,7 +421,8 @@ def print_summary(table: list[dict[str, Any]]) -> None:
         if kind != "incremental" or (b, mb, "full") not in by:
             continue
         f = by[(b, mb, "full")]
-        print(f"{b} {mb} MB: incremental epochs write {f['later_epoch_mb'] / max(r['later_epoch_mb'], 1e-9):.1f}x fewer "
+        fewer = f['later_epoch_mb'] / max(r['later_epoch_mb'], 1e-9)
+        print(f"{b} {mb} MB: incremental epochs write {fewer:.1f}x fewer "
               f"bytes and pre-commit {f['later_pre_commit_s'] / max(r['later_pre_commit_s'], 1e-9):.1f}x faster "
               f"than full ones; restore reads {r['restore_mb'] / max(f['restore_mb'], 1e-9):.2f}x the bytes and takes "
               f"{r['restore_s'] / max(f['restore_s'], 1e-9):.2f}x the time")
@@ -426,11 +430,11 @@ def print_summary(table: list[dict[str, Any]]) -> None:
         for kind in ("full", "incremental"):
             for other in ("s3", "delta", "delta-s3"):
                 if ("local", mb, kind) in by and (other, mb, kind) in by:
-                    l, s = by[("local", mb, kind)], by[(other, mb, kind)]
+                    lo, s = by[("local", mb, kind)], by[(other, mb, kind)]
                     print(f"{other}/local at {mb} MB {kind}: pre-commit (epoch 1) "
-                          f"{s['first_pre_commit_s'] / l['first_pre_commit_s']:.1f}x, "
-                          f"commit (epochs after the first) {s['later_commit_s'] / l['later_commit_s']:.0f}x, "
-                          f"restore {s['restore_s'] / l['restore_s']:.1f}x")
+                          f"{s['first_pre_commit_s'] / lo['first_pre_commit_s']:.1f}x, "
+                          f"commit (epochs after the first) {s['later_commit_s'] / lo['later_commit_s']:.0f}x, "
+                          f"restore {s['restore_s'] / lo['restore_s']:.1f}x")
 
 
 COLORS = {"local": "tab:blue", "s3": "tab:orange", "delta": "tab:green", "delta-s3": "tab:red"}
@@ -448,7 +452,7 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
               ("later_pre_commit_s", "pre-commit s per epoch (after the first)"),
               ("later_commit_s", "commit s per epoch after the first\n(manifest + retention; delta: + MERGE)"),
               ("restore_s", "restore s (latest checkpoint)"))
-    for ax, (field, title) in zip(axes, panels):
+    for ax, (field, title) in zip(axes, panels, strict=True):
         for b, kind in series:
             pts = sorted((r["state_mb"], r[field]) for r in table if (r["backend"], r["snapshot"]) == (b, kind))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if kind == "full" else "s",

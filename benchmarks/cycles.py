@@ -148,7 +148,8 @@ def _plot(rows, rounds, path: Path) -> None:
         axes[1].plot(rounds, [r["epoch_p50_ms"] for r in sel], marker="o", label=f"{mode} p50")
         axes[1].plot(rounds, [r["epoch_p99_ms"] for r in sel], marker="x", linestyle="--", label=f"{mode} p99")
         axes[2].plot(rounds, [r["passes_per_s"] for r in sel], marker="o", label=mode)
-    for ax, ylabel in zip(axes, ("records logged per epoch", "epoch trigger -> commit (ms)", "loop passes / s")):
+    ylabels = ("records logged per epoch", "epoch trigger -> commit (ms)", "loop passes / s")
+    for ax, ylabel in zip(axes, ylabels, strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("rounds per record")
         ax.set_ylabel(ylabel)

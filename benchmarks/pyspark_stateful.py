@@ -210,7 +210,8 @@ def main() -> None:
             w.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
 
     print(f"\n{args.records} records, {args.keys} keys, parallelism 2, one machine, one run")
-    print(f"{'system':<12} {'variant':<46} {'rec/s':>9} {'rec/s wall':>10} {'n':>4} {'median ms':>10} {'p95 ms':>8} state")
+    print(f"{'system':<12} {'variant':<46} {'rec/s':>9} {'rec/s wall':>10} {'n':>4} "
+          f"{'median ms':>10} {'p95 ms':>8} state")
     for r in results:
         print(f"{r['system']:<12} {r['variant'][:46]:<46} {r['records_per_s']:>9.0f} {r['records_per_s_wall']:>10.0f} "
               f"{r['batches']:>4} {r['latency_median_ms']:>10.0f} {r['latency_p95_ms']:>8.0f} "
@@ -229,7 +230,8 @@ def main() -> None:
     shown = [r for r in results if r["records_per_s"] == r["records_per_s"]]  # drop NaN (refused)
     labels = [f"{r['system']}\n{r['variant'].split(',')[0]}" for r in shown]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.bar(range(len(shown)), [r["records_per_s"] for r in shown], color=["C0" if r["system"] == "epochstream" else "C1" for r in shown])
+    colors = ["C0" if r["system"] == "epochstream" else "C1" for r in shown]
+    a.bar(range(len(shown)), [r["records_per_s"] for r in shown], color=colors)
     a.set_xticks(range(len(shown)), labels, fontsize=8)
     a.set_ylabel("records / s")
     a.set_title("throughput (Spark: busy time)")

@@ -16,15 +16,22 @@ Writes benchmarks/results/throughput.csv and throughput.png; prints a summary ta
 Not a test: nothing here asserts timings.
 
     python benchmarks/throughput.py [--records 3000000] [--repeats 3] [--peers bytewax,pyflink]
+
+``--baseline-src DIR`` also runs the epochstream variants from another source tree (the
+``src`` folder of a checkout of an earlier commit, e.g. a ``git worktree``), interleaved
+with this tree's in the same repetitions, as system ``epochstream@baseline``; both then run
+in a child process each, so neither has the benchmark's own process to itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -118,6 +125,16 @@ def run_epochstream(records: int, variant: str) -> dict:
         return row
 
 
+def run_epochstream_in(src: str, records: int, variant: str) -> dict:
+    """One epochstream run with the package imported from ``src``, in a child process."""
+    env = {**os.environ, "PYTHONPATH": src}
+    done = subprocess.run([sys.executable, __file__, "--single", variant, "--records", str(records)],
+                          env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"epochstream from {src}, {variant}: exit {done.returncode}\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _children_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
@@ -139,9 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default="bytewax", help="comma list of bytewax, pyflink ('' for none)")
     ap.add_argument("--pyflink-records", type=int, default=200_000, help="PyFlink is ~100x slower")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--baseline-src", help="src folder of an earlier checkout to compare with, in the same run")
+    ap.add_argument("--single", help=argparse.SUPPRESS)  # one epochstream run, a JSON row on stdout
     args = ap.parse_args(argv)
+    if args.single:
+        print(json.dumps(run_epochstream(args.records, args.single)))
+        return 0
     peers = [p for p in args.peers.split(",") if p]
-    plan = [("epochstream", v) for v in ("epochs-1s", "no-epochs", "latency")]
+    systems = ["epochstream"] + (["epochstream@baseline"] if args.baseline_src else [])
+    plan = [(system, v) for v in ("epochs-1s", "no-epochs", "latency") for system in systems]
     plan += [(peer, iv) for peer in peers for iv in (1.0, 0.0)]
     rows: list[dict] = []
     total = args.repeats * len(plan)
@@ -149,9 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):
         for system, variant in plan:
             done += 1
-            print(f"[{done}/{total}] repeat {rep + 1}: {system} {variant if system == 'epochstream' else ('snapshots 1s' if variant else 'no snapshots')} ...",
+            label = variant if system.startswith("epochstream") else ("snapshots 1s" if variant else "no snapshots")
+            print(f"[{done}/{total}] repeat {rep + 1}: {system} {label} ...",
                   end=" ", flush=True)
-            if system == "epochstream":
+            if system == "epochstream@baseline":
+                row = {**run_epochstream_in(args.baseline_src, args.records, variant), "system": system}
+            elif system == "epochstream" and args.baseline_src:
+                row = run_epochstream_in(str(HERE.parent / "src"), args.records, variant)
+            elif system == "epochstream":
                 row = run_epochstream(args.records, variant)
             else:
                 n = args.pyflink_records if system == "pyflink" else args.records
@@ -174,11 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         med[key] = statistics.median(r["records_per_s"] for r in rows if (r["system"], r["variant"]) == key)
     lat = [r for r in rows if r["variant"] == "latency"]
     print("\nmedian records/s (2 workers, keyed running count, 1000 keys)")
-    print(f"  {'system':<12} {'variant':<14} {'records/s':>12}")
+    print(f"  {'system':<21} {'variant':<14} {'records/s':>12}")
     for (system, variant), v in med.items():
-        print(f"  {system:<12} {variant:<14} {v:>12,.0f}")
+        print(f"  {system:<21} {variant:<14} {v:>12,.0f}")
     ratio = med[("epochstream", "epochs-1s")] / med[("epochstream", "no-epochs")]
     print(f"\nepochs every 1 s vs no epochs: {ratio:.2f} (target >= 0.9)")
+    for variant in ("epochs-1s", "no-epochs"):
+        if ("epochstream@baseline", variant) in med:
+            print(f"this tree / baseline ({args.baseline_src}), {variant}: "
+                  f"{med[('epochstream', variant)] / med[('epochstream@baseline', variant)]:.3f}")
     if ("bytewax", "snapshots-1s") in med:
         print(f"epochstream / Bytewax, both with 1 s snapshots: "
               f"{med[('epochstream', 'epochs-1s')] / med[('bytewax', 'snapshots-1s')]:.2f} (target >= 1)")
@@ -201,7 +233,8 @@ def _plot(med, lat, path: Path) -> None:
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
     labels = [f"{s}\n{v}" for s, v in med]
-    colors = ["tab:blue" if s == "epochstream" else "tab:gray" for s, _ in med]
+    colors = ["tab:blue" if s == "epochstream" else "tab:cyan" if s.startswith("epochstream") else "tab:gray"
+              for s, _ in med]
     ax.bar(labels, [v / 1000 for v in med.values()], color=colors)
     ax.set_ylabel("thousand records / s (median)")
     ax.set_title("keyed running count, 2 workers")

@@ -7,8 +7,14 @@ Run it:  python examples/event_time.py
 import math
 import random
 
-from epochstream import (FileSink, KeyedProcessFunction, Pipeline, TrackerConfig, TumblingEventTimeWindows,
-                         ValueStateDescriptor)
+from epochstream import (
+    FileSink,
+    KeyedProcessFunction,
+    Pipeline,
+    TrackerConfig,
+    TumblingEventTimeWindows,
+    ValueStateDescriptor,
+)
 
 rng = random.Random(1)
 clicks = [(f"page{rng.randrange(20)}", round(i * 0.01, 2)) for i in range(20_000)]   # (page, ts), ts grows

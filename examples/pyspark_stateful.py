@@ -37,7 +37,7 @@ class FraudFlags(StatefulProcessor):
         card = key[0]
         out = []
         for pdf in rows:
-            for amount, merchant in zip(pdf["amount"], pdf["merchant"]):
+            for amount, merchant in zip(pdf["amount"], pdf["merchant"], strict=True):
                 amount = int(amount)
                 recent = [a for (a,) in self.recent.get()]
                 flagged = bool(recent) and amount > 3 * sum(recent) / len(recent)
@@ -97,7 +97,8 @@ def run_spark(work: str) -> list[dict]:
                      "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
              .getOrCreate())
     try:
-        df = spark.readStream.schema("card string, merchant string, amount long").option("maxFilesPerTrigger", 1).json(src)
+        df = (spark.readStream.schema("card string, merchant string, amount long")
+              .option("maxFilesPerTrigger", 1).json(src))
         q = (df.groupBy("card").transformWithStateInPandas(FraudFlags(), OUTPUT, "Append", "None")
              .writeStream.format("json").option("path", os.path.join(work, "spark-out"))
              .option("checkpointLocation", os.path.join(work, "spark-chk")).trigger(availableNow=True).start())

@@ -19,8 +19,14 @@ import tempfile
 from pathlib import Path
 
 import epochstream.state
-from epochstream import (CheckpointConfig, FileSink, KeyedProcessFunction, ListStateDescriptor, Pipeline,
-                         ValueStateDescriptor)
+from epochstream import (
+    CheckpointConfig,
+    FileSink,
+    KeyedProcessFunction,
+    ListStateDescriptor,
+    Pipeline,
+    ValueStateDescriptor,
+)
 from epochstream.graph.keygroups import assign_key_to_operator
 
 

@@ -3,8 +3,15 @@
 Run it:  python examples/totals.py
 """
 
-from epochstream import (FileSink, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor,
-                         Pipeline, ValueStateDescriptor)
+from epochstream import (
+    FileSink,
+    KeyedProcessFunction,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    Pipeline,
+    ValueStateDescriptor,
+)
+
 
 class Totals(KeyedProcessFunction):
     def open(self, ctx):                       # declare keyed state once per subtask

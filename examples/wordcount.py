@@ -53,5 +53,6 @@ def build() -> Pipeline:
 
 
 if __name__ == "__main__":
-    result = build().run(deployment="local", checkpoint_dir=os.path.join(os.environ.get("DEMO_DIR", "demo-output"), "checkpoints"))
+    out = os.environ.get("DEMO_DIR", "demo-output")
+    result = build().run(deployment="local", checkpoint_dir=os.path.join(out, "checkpoints"))
     print(result.to_json())

@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import bytewax.operators as op
+from _procinfo import TreeCpuSampler, process_start_time
 from bytewax._bytewax import cli_main
 from bytewax.dataflow import Dataflow
 from bytewax.inputs import FixedPartitionedSource, StatefulSourcePartition
 from bytewax.outputs import DynamicSink, StatelessSinkPartition
 from bytewax.recovery import RecoveryConfig, init_db_dir
-
-from _procinfo import TreeCpuSampler, process_start_time
 
 BATCH = 1000  # records per source batch (next_batch call)
 PARTS_PER_WORKER = 4  # several input partitions per worker so assignment balances

@@ -33,13 +33,12 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
 import pyflink
+from _procinfo import TreeCpuSampler, process_start_time  # only used in main(), never in UDFs
 from pyflink.common import Configuration, Types, WatermarkStrategy
 from pyflink.datastream import RuntimeContext, StreamExecutionEnvironment
 from pyflink.datastream.connectors.number_seq import NumberSequenceSource
 from pyflink.datastream.functions import FlatMapFunction, KeyedProcessFunction, MapFunction
 from pyflink.datastream.state import ValueStateDescriptor
-
-from _procinfo import TreeCpuSampler, process_start_time  # only used in main(), never in UDFs
 
 KV = Types.TUPLE([Types.STRING(), Types.LONG()])
 

@@ -146,7 +146,7 @@ def run_matrix(reps: int = 3, out: Path | None = None) -> List[Dict[str, Any]]:
     print("|---|---|---|---|---|---|---|")
     for system, n, extra in MATRIX:
         mode = next(iter(extra.values()))
-        def med(interval: int) -> float:
+        def med(interval: int, system: str = system, mode: str = mode) -> float:
             return statistics.median(r["records_per_s"] for r in results if r["system"] == system
                                      and mode in (r.get("mode"), r.get("python_mode"))
                                      and r["snapshot_interval"] == interval)

@@ -40,7 +40,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .graph.cycles import back_edges
 from .graph.kinds import OpKind
@@ -50,6 +50,8 @@ from .runtime.messages import END_OF_TIME
 from .runtime.state import HeapKeyedState, OperatorStateBackend
 from .runtime.timers import TimerService
 
+if TYPE_CHECKING:  # the sinks module imports backends, which the oracle loads only when it reads output
+    from .backends.sinks import FileSink
 
 # ---------------------------------------------------------------- sequential reference
 
@@ -417,7 +419,8 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
                     if canonical(w.get(key)) != canonical(g.get(key)):
                         if exactly_once:
                             report.mismatched_state += 1
-                            report.note(f"epoch {epoch} {uid}.{name}[{key!r}]: committed {g.get(key)!r}, reference {w.get(key)!r}")
+                            report.note(f"epoch {epoch} {uid}.{name}[{key!r}]: committed {g.get(key)!r}, "
+                                        f"reference {w.get(key)!r}")
         if exactly_once:
             for uid in sinks:
                 got = got_out[uid]
@@ -432,7 +435,8 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
                     got = got + _encoded(completion_out[uid], pipeline.sinks[uid].encoder)
                 if got != want:
                     report.mismatched_epoch_output += 1
-                    report.note(f"epoch {epoch} sink {uid}: {sum((want - got).values())} missing, {sum((got - want).values())} extra")
+                    missing, extra = sum((want - got).values()), sum((got - want).values())
+                    report.note(f"epoch {epoch} sink {uid}: {missing} missing, {extra} extra")
     return report
 
 

@@ -67,7 +67,8 @@ def _open(where: Any, epoch: int | None, storage=None):
     if epoch is None:
         found = storage.latest()
         if found is None:
-            raise CheckpointError(f"checkpoint dir {storage.root} holds no completed checkpoint (nothing is committed yet)")
+            raise CheckpointError(f"checkpoint dir {storage.root} holds no completed checkpoint "
+                                  "(nothing is committed yet)")
         return storage, *found
     retained = storage.list_checkpoints()
     if epoch not in retained:

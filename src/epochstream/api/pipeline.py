@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
-from ..graph.kinds import OpKind
-from ..graph.plan import FORWARD, HASH, REBALANCE, Edge, Node, PhysicalPlan, build_plan
 from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, RestartStrategy
 from ..deploy.result import JobResult
+from ..graph.kinds import OpKind
+from ..graph.plan import FORWARD, HASH, REBALANCE, Edge, Node, PhysicalPlan, build_plan
 from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
 MODES = ("aligned", "at-least-once", "tracker")
@@ -296,8 +296,9 @@ class Pipeline:
 
     ``mode``: ``aligned`` (barrier alignment, exactly-once), ``at-least-once`` (barriers
     without blocking) or ``tracker`` (trAcker firm bounds: a central agent tells each task
-    when an epoch has no records left upstream; exactly-once, no markers on data channels). ``checkpoint_interval`` in seconds (None: only the final epoch of a
-    bounded job, and epochs asked for on demand).
+    when an epoch has no records left upstream; exactly-once, no markers on data channels).
+    ``checkpoint_interval`` in seconds (None: only the final epoch of a bounded job, and
+    epochs asked for on demand).
     """
 
     def __init__(

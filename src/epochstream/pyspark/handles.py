@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from pyspark.sql.streaming.stateful_processor import ListState, MapState, StatefulProcessorHandle, ValueState
 
 from ..runtime.state import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
-from .schema import DataType, SchemaError, struct_schema, state_tuple
+from .schema import DataType, SchemaError, state_tuple, struct_schema
 
 if TYPE_CHECKING:
     from .operators import TransformWithState
@@ -40,7 +40,8 @@ def _check_ttl(ttl: int | None, name: str, time_mode: str) -> int | None:
             f"(Spark: STATEFUL_PROCESSOR_INCORRECT_TIME_MODE_TO_ASSIGN_TTL)"
         )
     if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl <= 0:
-        raise ValueError(f"state {name!r}: ttlDurationMs must be a positive int, got {ttl!r} (Spark: TTL_MUST_BE_POSITIVE)")
+        raise ValueError(f"state {name!r}: ttlDurationMs must be a positive int, got {ttl!r} "
+                         f"(Spark: TTL_MUST_BE_POSITIVE)")
     return ttl
 
 
@@ -160,7 +161,8 @@ class EpochMapState(_Var, MapState):
         return self.getValue(key) is not None
 
     def updateValue(self, key: tuple, value: tuple) -> None:
-        self._h.put(self._key(key), (state_tuple(value, self._vschema, f"map state {self._name!r} value"), self._expires()))
+        stored = state_tuple(value, self._vschema, f"map state {self._name!r} value")
+        self._h.put(self._key(key), (stored, self._expires()))
 
     def iterator(self) -> Iterator[tuple[tuple, tuple]]:
         return iter([(k, v) for k, (v, e) in self._h.items() if self._live(e)])

@@ -31,6 +31,7 @@ import math
 import time
 from typing import Any, Callable, Iterable
 
+from ..runtime.state import ValueStateDescriptor
 from .handles import EVENT_TIME, EpochStatefulProcessorHandle, Timers
 from .schema import (
     Row,
@@ -38,13 +39,11 @@ from .schema import (
     arrow_schema,
     as_dicts,
     frames_to_records,
-    parse_schema,
     rows_to_records,
     struct_schema,
     to_pandas,
     to_python,
 )
-from ..runtime.state import ValueStateDescriptor
 
 TIME_MODES = ("none", "processingtime", "eventtime")
 OUTPUT_MODES = ("append", "update")
@@ -116,7 +115,8 @@ class _Keyed:
         if self.input_schema is not None:
             names = self.input_schema.names
             return tuple(record[names.index(c)] for c in self.key_columns)
-        raise TypeError(f"records must be dicts or pyspark Rows (or tuples with input_schema=...), got {type(record).__name__}")
+        raise TypeError("records must be dicts or pyspark Rows (or tuples with input_schema=...), "
+                        f"got {type(record).__name__}")
 
     def _open_common(self, ctx) -> None:
         self.ctx = ctx
@@ -164,7 +164,7 @@ class _Keyed:
         rows = as_dicts(records, self.input_schema)
         groups: dict[Any, list[dict]] = {}
         if self.event_time is None:
-            for r, k in zip(rows, keys):
+            for r, k in zip(rows, keys, strict=True):
                 g = groups.get(k)
                 if g is None:
                     groups[k] = [r]
@@ -175,7 +175,7 @@ class _Keyed:
             self._tracker_watermark()
         col, wm = self.event_time, self.watermark_ms
         maxima: dict[Any, int] = {}
-        for r, k in zip(rows, keys):
+        for r, k in zip(rows, keys, strict=True):
             et = _event_time_ms(r[col])
             if et <= wm:
                 continue  # late: at or below the watermark (Spark drops it before the operator)
@@ -227,7 +227,8 @@ class TransformWithState(_Keyed):
         if str(output_mode).lower() not in OUTPUT_MODES:
             raise ValueError(f"output_mode must be 'Append' or 'Update', got {output_mode!r}")
         if rows not in ("pandas", "row"):
-            raise ValueError(f"rows must be 'pandas' (transformWithStateInPandas) or 'row' (transformWithState), got {rows!r}")
+            raise ValueError("rows must be 'pandas' (transformWithStateInPandas) or 'row' (transformWithState), "
+                             f"got {rows!r}")
         self.processor = processor
         self.time_mode = mode
         self.output_mode = str(output_mode).lower()
@@ -378,7 +379,8 @@ class ApplyInPandasWithState(_Keyed):
             raise TypeError(f"apply_in_pandas_with_state needs a function (key, pdf_iter, state), got {func!r}")
         if str(output_mode).lower() not in OUTPUT_MODES:
             raise ValueError(f"output_mode must be 'Append' or 'Update', got {output_mode!r}")
-        modes = (GroupStateTimeout.NoTimeout, GroupStateTimeout.ProcessingTimeTimeout, GroupStateTimeout.EventTimeTimeout)
+        modes = (GroupStateTimeout.NoTimeout, GroupStateTimeout.ProcessingTimeTimeout,
+                 GroupStateTimeout.EventTimeTimeout)
         if timeout_conf not in modes:
             raise ValueError(f"timeout_conf must be one of {modes} (GroupStateTimeout), got {timeout_conf!r}")
         if timeout_conf == GroupStateTimeout.EventTimeTimeout and event_time is None:

@@ -182,7 +182,9 @@ def to_python(v: Any) -> Any:
     if hasattr(v, "to_pytimedelta"):
         return v.to_pytimedelta()
     if isinstance(v, Row):
-        return Row(*[to_python(x) for x in v]) if not hasattr(v, "__fields__") else Row(**{k: to_python(x) for k, x in v.asDict().items()})
+        if hasattr(v, "__fields__"):
+            return Row(**{k: to_python(x) for k, x in v.asDict().items()})
+        return Row(*[to_python(x) for x in v])
     if isinstance(v, (list, tuple)):
         return type(v)(to_python(x) for x in v)
     if isinstance(v, dict):
@@ -197,7 +199,8 @@ def state_tuple(value: Any, schema: StructType, what: str) -> tuple:
     if isinstance(value, Row) and hasattr(value, "__fields__"):
         value = tuple(value)
     if not isinstance(value, (tuple, list)):
-        raise SchemaError(f"{what}: state values are tuples matching {schema.simpleString()}, got {type(value).__name__}")
+        raise SchemaError(f"{what}: state values are tuples matching {schema.simpleString()}, "
+                          f"got {type(value).__name__}")
     if len(value) != len(schema.fields):
         raise SchemaError(
             f"{what}: value {tuple(value)!r} has {len(value)} item(s), schema {schema.simpleString()} has "
@@ -238,7 +241,10 @@ def as_dicts(records: Sequence[Any], input_schema: StructType | None) -> list[di
     if input_schema is None:
         raise SchemaError("tuple records need input_schema=... to name their columns")
     names = input_schema.names
-    return [dict(zip(names, r)) for r in records]
+    for r in records:
+        if len(r) != len(names):
+            raise SchemaError(f"a tuple record has {len(r)} fields where input_schema names {len(names)}: {r!r}")
+    return [dict(zip(names, r, strict=True)) for r in records]
 
 
 def to_pandas(rows: list[dict], schema) -> Any:
@@ -269,7 +275,8 @@ def frames_to_records(frames: Iterable[Any], schema: StructType, arrow_out, what
             continue
         if not all(isinstance(c, str) for c in df.columns):
             if len(df.columns) != len(names):
-                raise SchemaError(f"{what}: a frame with {len(df.columns)} unnamed columns for schema {schema.simpleString()}")
+                raise SchemaError(f"{what}: a frame with {len(df.columns)} unnamed columns "
+                                  f"for schema {schema.simpleString()}")
             df = df.set_axis(names, axis=1)
         missing = [n for n in names if n not in df.columns]
         if missing:
@@ -292,7 +299,7 @@ def rows_to_records(rows: Iterable[Any], schema: StructType, what: str) -> list[
         elif isinstance(r, dict):
             d = r
         elif isinstance(r, (tuple, list)) and len(r) == len(names):
-            d = dict(zip(names, r))
+            d = dict(zip(names, r, strict=True))
         else:
             raise SchemaError(f"{what} must yield pyspark Rows, got {type(r).__name__}")
         try:
