@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from epochstream import DiscardingSink, KeyedProcessFunction, Pipeline, ValueStateDescriptor  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
-from epochstream.deploy.common import FailureSchedule  # noqa: E402
+from epochstream.deploy.failures import FailureSchedule  # noqa: E402
 from epochstream.deploy.restart import FixedDelayRestart  # noqa: E402
 from epochstream.deploy.spark import spark_session  # noqa: E402
 from epochstream.oracle import committed_state  # noqa: E402

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from epochstream.deploy.common import FailureSchedule
+from epochstream.deploy.failures import FailureSchedule
 from epochstream.deploy.restart import FixedDelayRestart
 from epochstream.oracle import OracleReport, check_exactly_once
 

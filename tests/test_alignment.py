@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import epochstream as es
 from epochstream.alignment.barrier import BarrierAligner
 from epochstream.backends.local import LocalCheckpointStorage
-from epochstream.deploy.common import build_tasks
+from epochstream.deploy.assembly import build_tasks
 from epochstream.graph.keygroups import assign_key_to_operator, assign_to_key_group
 from epochstream.runtime.errors import ProtocolError
 from epochstream.runtime.messages import Batch, Marker, Send, Snapshot, SourceExhausted

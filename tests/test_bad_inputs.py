@@ -29,7 +29,7 @@ from epochstream import (
     ValueStateDescriptor,
 )
 from epochstream.backends.local import METADATA, LocalCheckpointStorage
-from epochstream.deploy.common import JobFailedError
+from epochstream.deploy.failures import JobFailedError
 from epochstream.runtime.errors import EpochStreamError, StateSerializationError, UserFunctionError
 from pipelines import (
     SOURCE_RATE,

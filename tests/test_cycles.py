@@ -28,10 +28,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import epochstream.deploy.common as common
 from epochstream import CheckpointConfig, FileSink, Pipeline
 from epochstream.backends.local import LocalCheckpointStorage
-from epochstream.deploy.common import InjectedFailure, JobFailedError
+from epochstream.deploy.failures import InjectedFailure, JobFailedError
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.loops.head import LoopHead
 from epochstream.loops.task import LoopHeadTask

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epochstream.backends.local import LocalCheckpointStorage
-from epochstream.deploy.common import Restored, build_tasks
+from epochstream.deploy.assembly import build_tasks
+from epochstream.deploy.restore import Restored
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.loops.head import LoopHead
 from epochstream.loops.task import LOG_STATE, LoopHeadTask
@@ -146,7 +147,7 @@ def test_head_task_sends_the_marker_logs_and_snapshots_when_it_returns(tmp_path)
 def test_tracker_mode_head_is_an_ordinary_task(tmp_path):
     p = rounds(parallelism=1, mode="tracker", out=tmp_path / "out")
     plan = p.plan()
-    from epochstream.deploy.common import new_local_tracker
+    from epochstream.deploy.tracking import new_local_tracker
 
     tasks = build_tasks(p, plan, None, None, None, trackers={0: new_local_tracker(p, 0, 0.0)})
     head = next(t for t in tasks.values() if isinstance(t, LoopHeadTask))

@@ -32,7 +32,7 @@ from epochstream import CheckpointError
 from epochstream.backends import spark_session
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.backends.delta import DeltaCheckpointStorage, DeltaConflictError, DeltaSink, history
-from epochstream.deploy.common import JobFailedError
+from epochstream.deploy.failures import JobFailedError
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
 from epochstream.runtime.errors import ConfigurationError

@@ -35,7 +35,7 @@ import pytest
 
 from epochstream.backends import spark_session as delta_session
 from epochstream.backends.delta import DeltaCheckpointStorage, DeltaSink, history
-from epochstream.deploy.common import FailureSchedule
+from epochstream.deploy.failures import FailureSchedule
 from epochstream.deploy.restart import FixedDelayRestart
 from epochstream.deploy.spark import spark_session
 from epochstream.oracle import check_exactly_once

@@ -24,7 +24,7 @@ import pytest
 
 from epochstream.backends import spark_session
 from epochstream.backends.delta import DeltaCheckpointStorage, DeltaSink, history
-from epochstream.deploy import common
+from epochstream.deploy.driver import Driver
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
 from pipelines import RunningCount, _key, input_records, make_pipeline, sim_run
@@ -99,17 +99,17 @@ class FailPointLog:
         self.passed: list[tuple[str, int, bool, bool]] = []
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        original = common.Driver.fail_point
+        original = Driver.fail_point
         log = self
 
-        def fail_point(driver: common.Driver, name: str) -> None:
+        def fail_point(driver: Driver, name: str) -> None:
             n = driver.point_counts.get(name, 0) + 1
             in_recovery = any(f.function == "recover" for f in inspect.stack(0)[1:8])
             crash = n in driver.failures.fail_points.get(name, ())
             log.passed.append((name, n, in_recovery, crash))
             original(driver, name)
 
-        monkeypatch.setattr(common.Driver, "fail_point", fail_point)
+        monkeypatch.setattr(Driver, "fail_point", fail_point)
 
     def crashes(self) -> list[tuple[str, int, bool]]:
         return [(name, n, rec) for name, n, rec, crash in self.passed if crash]

@@ -23,7 +23,7 @@ import pytest
 
 from epochstream import CheckpointError, Types
 from epochstream.backends.delta import DeltaCheckpointStorage, history
-from epochstream.deploy.common import JobFailedError
+from epochstream.deploy.failures import JobFailedError
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
 from epochstream.runtime.types import TypeInformation

@@ -136,7 +136,7 @@ def test_watermarks_must_grow_per_channel():
     from epochstream.runtime.messages import Watermark
 
     p = BUILDERS["window_counts"](out=Path("/nonexistent"), mode="aligned", parallelism=1)
-    from epochstream.deploy.common import build_tasks
+    from epochstream.deploy.assembly import build_tasks
 
     tasks = build_tasks(p, p.plan(), None, None, None)
     task = next(t for t in tasks.values() if not t.is_source)

@@ -43,10 +43,10 @@ from hypothesis import note as _note
 from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 
-import epochstream.deploy.common as common_module
+import epochstream.deploy.driver as driver_module
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.backends.sinks import FileSink
-from epochstream.deploy.common import Restored
+from epochstream.deploy.restore import Restored
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import OracleReport, check_exactly_once
 from pipelines import (
@@ -595,7 +595,7 @@ def test_oracle_catches_at_least_once_through_the_exactly_once_checks(tmp_path):
 def test_oracle_catches_state_restored_from_the_wrong_epoch(tmp_path):
     """Recovery takes source offsets from the latest checkpoint but keyed state from the one
     before: updates between the two are lost, so replayed records re-emit old counts."""
-    real_find_restore = common_module.find_restore
+    real_find_restore = driver_module.find_restore  # where the restart loop looks it up
 
     def stale_state(storage, restore):
         r = real_find_restore(storage, restore)
@@ -608,7 +608,7 @@ def test_oracle_catches_state_restored_from_the_wrong_epoch(tmp_path):
         return Restored(r.epoch, {**r.manifest, "operators": old_manifest["operators"]}, r.root, r.path)
 
     c = Chaos(**{**SABOTAGE.__dict__, "fail_points": (("after_commit", (2,)),)})
-    report = oracle(running_count, c, tmp_path, sabotage=lambda mp: mp.setattr(common_module, "find_restore", stale_state))
+    report = oracle(running_count, c, tmp_path, sabotage=lambda mp: mp.setattr(driver_module, "find_restore", stale_state))
     assert report.restarts == 1
     assert not report.ok
     assert report.duplicated > 0

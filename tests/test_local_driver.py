@@ -30,7 +30,8 @@ import pytest
 
 from epochstream import FileSink, KeyedProcessFunction, ValueStateDescriptor
 from epochstream.backends.local import LocalCheckpointStorage
-from epochstream.deploy.common import JobFailedError, JobMaster
+from epochstream.deploy.failures import JobFailedError
+from epochstream.deploy.master import JobMaster
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import OracleReport, check_exactly_once
 from pipelines import (

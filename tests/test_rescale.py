@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from epochstream import FileSink, KeyedProcessFunction, ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from epochstream.backends.local import LocalCheckpointStorage
-from epochstream.deploy.common import build_tasks, find_restore, resolve_sources
+from epochstream.deploy.assembly import build_tasks
+from epochstream.deploy.restore import find_restore, resolve_sources
 from epochstream.deploy.sim import SimConfig
 from epochstream.graph.keygroups import assign_key_to_operator, key_group_range
 from epochstream.oracle import reference_run

@@ -1,7 +1,7 @@
 """Restart strategies (``deploy.restart``): the decisions, and every driver obeying them.
 
 The decisions are pure functions of the failure times, tested directly and as doctests. The
-drivers share one retry loop (``deploy.common.Driver.run``, tenacity); the simulator shows it
+drivers share one retry loop (``deploy.driver.Driver.run``, tenacity); the simulator shows it
 end to end: how many attempts each strategy allows, the error when it gives up, and that a
 failure-rate strategy lets a job with spread-out failures finish.
 """
@@ -14,7 +14,7 @@ import pytest
 
 from epochstream import Pipeline
 from epochstream.deploy import restart
-from epochstream.deploy.common import JobFailedError
+from epochstream.deploy.failures import JobFailedError
 from epochstream.deploy.restart import (
     ExponentialDelayRestart,
     FailureRateRestart,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from epochstream import FileSink, Pipeline
-from epochstream.deploy.common import FailureSchedule, JobFailedError
+from epochstream.deploy.failures import FailureSchedule, JobFailedError
 from epochstream.deploy.restart import ExponentialDelayRestart, FixedDelayRestart
 from epochstream.deploy.spark import spark_session
 from epochstream.runtime.errors import ConfigurationError, UserFunctionError

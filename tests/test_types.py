@@ -15,7 +15,7 @@ import epochstream.state
 from epochstream import ListStateDescriptor, MapStateDescriptor, Types, ValueStateDescriptor
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.backends.typed import arrow_type, declared_columns, typed_arrays
-from epochstream.deploy.common import JobFailedError
+from epochstream.deploy.failures import JobFailedError
 from epochstream.oracle import check_exactly_once
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.runtime.errors import StateSerializationError

@@ -3,6 +3,7 @@
 from .api.builtin import TumblingEventTimeWindows
 from .api.functions import KeyedProcessFunction
 from .api.pipeline import CheckpointConfig, IterativeStream, KeyedStream, Pipeline, Stream, TrackerConfig
+from .deploy.failures import JobFailedError
 from .deploy.result import JobResult
 from .backends.sinks import DiscardingSink, FileSink
 from .graph.keygroups import ParallelismError
@@ -18,7 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointConfig", "CheckpointError", "CollectionSource", "Context", "DiscardingSink", "EpochStreamError",
     "FileSink",
-    "GeneratorSource", "IterativeStream", "JobResult", "KeyedProcessFunction", "KeyedStream", "ListStateDescriptor",
+    "GeneratorSource", "IterativeStream", "JobFailedError", "JobResult", "KeyedProcessFunction", "KeyedStream", "ListStateDescriptor",
     "MapStateDescriptor", "ParallelismError", "Pipeline", "Source", "StateSerializationError", "Stream",
     "TrackerConfig", "TumblingEventTimeWindows", "TypeInformation", "Types", "UserFunctionError",
     "ValueStateDescriptor",

@@ -125,7 +125,6 @@ _SESSIONS: list[Any] = []
 
 
 def cmd_run(args) -> int:
-    from .deploy.common import JobFailedError
     from .runtime.errors import EpochStreamError
     from .snapshot.manifest import CheckpointError
 
@@ -157,7 +156,7 @@ def cmd_run(args) -> int:
     except CheckpointError as exc:  # a checkpoint that cannot be used is bad input
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (EpochStreamError, JobFailedError) as exc:
+    except EpochStreamError as exc:  # JobFailedError included: the restart strategy gave up
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_FAILED
     doc = result.to_json()
@@ -346,7 +345,7 @@ def cmd_state_query(args) -> int:
 
 
 def cmd_chaos(args) -> int:
-    from .deploy.common import JobFailedError
+    from .deploy.failures import JobFailedError
     from .deploy.restart import FixedDelayRestart
     from .deploy.sim import FailureSchedule
     from .oracle import check_exactly_once

@@ -15,9 +15,9 @@ verb            checkpoint storage (``CheckpointStorage``)   transactional sink 
                 checkpoint names, set damaged ones aside     drop staged output of later epochs
 ==============  ==========================================  ==========================================
 
-Who calls what: ``deploy.common.persist`` (a worker, off the processing path) calls the
+Who calls what: ``deploy.persist.persist`` (a worker, off the processing path) calls the
 ``pre_commit`` verbs; the job master calls ``begin``, ``commit`` (manifest, then every sink)
-and ``abort``; ``deploy.common.recover`` calls the ``recover`` verbs before every attempt.
+and ``abort``; ``deploy.restore.recover`` calls the ``recover`` verbs before every attempt.
 An aborted epoch's sink output is *not* aborted: it was staged before the failure that
 aborted the epoch and commits with the next completed epoch (the manifest carries it), so
 ``TransactionalSink.abort`` only serves recovery and tests.

@@ -24,7 +24,9 @@ from ..snapshot.coordinator import FINAL
 from ..snapshot.manifest import CheckpointError
 from ..tracker.traffic import ServiceTraffic
 from . import jobs as _jobs
-from .common import Driver, Failover, make_tracking
+from .driver import Driver
+from .failures import Failover
+from .tracking import make_tracking
 from .control import IN_PROGRESS, JobControl
 from .rest import RestServer
 from .sim import MARKER_BYTES

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..runtime.errors import ConfigurationError
 from .cluster import ClusterDriver, WorkerGroup
-from .common import Failover
+from .failures import Failover
 from .worker import run_worker
 
 

@@ -1,6 +1,6 @@
 """Restart strategies: how often and how soon a failed job is tried again (Flink's three).
 
-Every driver fails a job over the same way (``deploy.common.Driver.run``): roll back to the
+Every driver fails a job over the same way (``deploy.driver.Driver.run``): roll back to the
 latest completed epoch and run again. The strategy only decides *whether* to try again and
 *after how long*, from the times of the failures so far. The decision is a pure function
 (``RestartStrategy.decide``), so the simulator can apply it to virtual time; the driver runs

@@ -26,16 +26,11 @@ from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted, Watermar
 from ..snapshot.coordinator import FINAL
 from ..tracker.traffic import ServiceTraffic
 from .control import SavepointRequest
-from .common import (
-    Driver,
-    Failover,
-    FailureSchedule,
-    StateWriteError,
-    build_tasks,
-    make_tracking,
-    new_local_tracker,
-    persist,
-)
+from .assembly import build_tasks
+from .driver import Driver
+from .failures import Failover, FailureSchedule
+from .persist import StateWriteError, persist
+from .tracking import make_tracking, new_local_tracker
 
 #: wire size of a marker (epoch number, channel, framing), for service-traffic accounting
 MARKER_BYTES = 16

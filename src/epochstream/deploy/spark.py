@@ -47,7 +47,7 @@ import cloudpickle
 from ..backends.spark_session import delta_conf, has_delta, uses_delta
 from ..runtime.errors import ConfigurationError
 from .cluster import ClusterDriver, WorkerGroup
-from .common import Failover
+from .failures import Failover
 from .net import Server, connect, mesh
 from .worker import run_worker
 

@@ -49,7 +49,9 @@ from typing import Any
 
 from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted, Watermark
 from ..snapshot.manifest import CheckpointError
-from .common import StateWriteError, build_tasks, new_local_tracker, persist
+from .assembly import build_tasks
+from .persist import StateWriteError, persist
+from .tracking import new_local_tracker
 
 HIGH_WATERMARK = 32  # messages
 LOW_WATERMARK = 8

@@ -1,0 +1,107 @@
+"""Assembling an attempt's tasks: chains with their restored state, gates and trackers.
+
+``build_tasks`` turns the physical plan into the tasks of one worker (or of all, for the
+simulator), each at the epoch after the restored one: keyed state is read by key group
+(only this subtask's range), operator state is redistributed by its mode
+(``snapshot.rescale``), source offsets come from the manifest, and every task gets the
+gate of the job's mode (a ``BarrierAligner`` in the aligned modes, a ``FirmBoundGate`` with
+its ``TaskTracking`` in trAcker mode).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Callable
+
+from ..alignment import BarrierAligner
+from ..graph.plan import PhysicalPlan
+from ..loops.task import LoopHeadTask
+from ..runtime.chain import ChainRuntime
+from ..runtime.context import Context
+from ..runtime.messages import TaskId
+from ..runtime.task import Task
+from ..runtime.tracking import TaskTracking
+from ..snapshot.manifest import CheckpointError, operator_state_parts
+from ..snapshot.rescale import redistribute
+from ..tracker.gate import FirmBoundGate
+from ..tracker.local import BatchIds, LocalTracker
+from ..tracker.segments import build_segments, chain_graph
+from .restore import Restored
+from .tracking import ids_seed, uses_event_time
+
+
+def build_tasks(
+    pipeline,
+    plan: PhysicalPlan,
+    worker: int | None,
+    storage,
+    restored: Restored | None,
+    gate_factory: Callable[[list[int]], Any] | None = None,
+    trackers: dict[int, LocalTracker] | None = None,
+    attempt: str = "",
+) -> dict[TaskId, Task]:
+    """The tasks of one worker (or all, if ``worker`` is None), with restored state.
+
+    In trAcker mode ``trackers`` maps each worker to its local tracker."""
+    exactly_once = pipeline.mode != "at-least-once"
+    start_epoch = restored.epoch + 1 if restored else 1
+    offsets: dict[str, dict[int, int]] = {}
+    if restored:
+        for uid, s in restored.manifest["sources"].items():
+            offsets[uid] = {int(k): int(v) for k, v in s["offsets"].items()}
+    tasks: dict[TaskId, Task] = {}
+    cfg = pipeline.checkpoint
+    tracker_mode = pipeline.mode == "tracker"
+    event_time = uses_event_time(pipeline)
+    slack = pipeline.tracker.time_slack if event_time else None
+    if tracker_mode:
+        seg_of = build_segments(*chain_graph(plan)).segment_of
+    for tid in plan.tasks:
+        if worker is not None and plan.worker_of(tid) != worker:
+            continue
+        chain = ChainRuntime(plan, plan.chains[tid[0]], tid[1], Context, event_time=event_time)
+        if restored:
+            _restore_chain(chain, restored, storage, plan.parallelism, tid[1])
+        chain.open(start_epoch)
+        tracking = None
+        if tracker_mode:
+            gate = FirmBoundGate(seg_of[tid[0]], last_closed=start_epoch - 1)
+            out_segment = {ch: seg_of[plan.channels[ch].dst[0]] for chans in plan.outputs[tid] for ch in chans}
+            tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(ids_seed(attempt, tid)),
+                                    slack)
+        else:
+            gate = (gate_factory or (lambda chans: BarrierAligner(chans, exactly_once)))(plan.inputs[tid])
+            if isinstance(gate, BarrierAligner):
+                gate.reset(start_epoch - 1)
+        kind = LoopHeadTask if plan.chains[tid[0]].is_loop_head else Task
+        tasks[tid] = kind(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets, tracking,
+                          None if tracker_mode else slack)
+    return tasks
+
+
+def _restore_chain(chain: ChainRuntime, restored: Restored, storage, parallelism: int, subtask: int) -> None:
+    """Load the keyed and operator state of every operator of ``chain`` the checkpoint holds."""
+    for uid, state in chain.states.items():
+        entry = restored.manifest["operators"].get(uid)
+        if entry is None:
+            continue
+        # keyed state moves by key group: read only the rows of this subtask's range
+        rows = (restored.reader or storage).read_operator_rows(restored.manifest, restored.root, uid,
+                                                               state.key_group_range)
+        state.restore_rows(rows, entry.get("states", {}))
+        state.event_time = entry.get("event_time", state.event_time)
+        for name, value in _operator_state(restored, uid, parallelism, subtask).items():
+            chain.operator_states[uid].restore(name, *value)
+
+
+def _operator_state(restored: Restored, uid: str, parallelism: int, subtask: int) -> dict[str, tuple[str, Any]]:
+    """Operator state of ``uid`` for one new subtask, redistributed by each state's mode."""
+    old_p = int(restored.manifest["parallelism"])
+    out = {}
+    for name, (mode, parts) in operator_state_parts(restored.manifest, uid).items():
+        try:
+            values = {s: pickle.loads(data) for s, data in parts.items()}
+        except Exception as exc:
+            raise CheckpointError(f"{restored.path}: operator state {name!r} of {uid!r} cannot be read: {exc!r}") from None
+        out[name] = (mode, redistribute(mode, values, old_p, parallelism)[subtask])
+    return out

@@ -1,0 +1,186 @@
+"""The run around the attempts: failure injection, run bookkeeping and the restart loop.
+
+``Driver`` is the base of every driver (sim, local, spark). ``run`` prepares the restore
+(``restore.find_restore``, ``check_compatible``, ``resolve_sources``), then runs attempts
+under the pipeline's restart strategy (``deploy.restart``; tenacity drives the loop): each
+attempt first ``recover``s storage and sinks to the checkpoint it starts from, then runs the
+job until it finishes or fails; a retryable failure rolls back to the latest completed
+checkpoint. A subclass supplies ``attempt``, ``clock`` and ``pause``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+import tenacity
+
+from ..backends import location
+from ..runtime.errors import ConfigurationError, EpochStreamError
+from ..snapshot.manifest import CheckpointError
+from ..tracker.traffic import ServiceTraffic
+from .control import SavepointRequest
+from .failures import Failover, FailureSchedule, InjectedFailure, JobFailedError
+from .master import JobMaster
+from .persist import SinkStagingError
+from .restore import Restored, check_compatible, find_restore, recover, resolve_sources
+from .tracking import uses_event_time
+
+log = logging.getLogger("epochstream")
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Failures a restart can cure; a damaged checkpoint or an impossible set-up cannot."""
+    if isinstance(exc, (CheckpointError, ConfigurationError)):
+        return False
+    return isinstance(exc, (Failover, InjectedFailure, SinkStagingError, EpochStreamError))
+
+
+class Driver:
+    """What every driver shares: failure injection, run bookkeeping, the restart strategy.
+
+    A subclass supplies ``attempt`` (run the job once from ``restored`` until it finishes or
+    raises), ``clock`` (seconds since the run began, real or virtual) and ``pause`` (wait
+    the restart delay).
+    """
+
+    def __init__(self, pipeline, storage, failures: FailureSchedule | None, parallelism: int | None,
+                 savepoint_dir: str | None = None, stop_with_savepoint: bool = False) -> None:
+        self.pipeline = pipeline
+        self.plan = pipeline.plan(parallelism)
+        if self.plan.loops and uses_event_time(pipeline):
+            # a loop's entry would wait for a watermark (or time bound) from its own loop head
+            raise ConfigurationError(
+                f"event time (a source with timestamps) is not supported in a pipeline with loops "
+                f"{[lp.uid for lp in self.plan.loops]}: time cannot progress round a cycle yet"
+            )
+        self.storage = storage
+        #: Flink-style 32-hex job id, new for every run (never from a seeded generator)
+        self.job_id = secrets.token_hex(16)
+        #: default target of savepoints (Flink's execution.checkpointing.savepoint-dir)
+        self.savepoint_dir = str(location(savepoint_dir)) if savepoint_dir else None
+        #: a stop asked for (at the end of ``duration`` or of bounded input, or over REST); with a
+        #: target the final epoch becomes a savepoint
+        self.stop_request: SavepointRequest | None = None
+        if stop_with_savepoint:
+            if not savepoint_dir:
+                raise ConfigurationError("stop_with_savepoint needs a savepoint_dir")
+            self.stop_request = SavepointRequest(self.savepoint_dir, stop=True)
+        #: savepoint folders written during the run
+        self.savepoints_written: list[str] = []
+        self.master: JobMaster | None = None
+        self.failures = failures or FailureSchedule()
+        self.restarts = 0
+        self.point_counts: dict[str, int] = {}
+        self.kills_done = 0
+        self.injected = 0  # failures actually injected (kills, fail points, write failures)
+        self.failover_log: list[dict[str, Any]] = []
+        self.epoch_log: list[dict[str, Any]] = []
+        self.completed: list[int] = []
+        self.records_in = 0
+        self.last_failure: float | None = None
+        self._next_delay: float | None = None
+        #: service messages of the whole run (markers, SND/RCV reports, promises, NEOSS)
+        self.traffic = ServiceTraffic()
+
+    def fail_point(self, name: str) -> None:
+        n = self.point_counts[name] = self.point_counts.get(name, 0) + 1
+        if n in self.failures.fail_points.get(name, ()):
+            self.injected += 1
+            raise InjectedFailure(f"injected crash at {name} (occurrence {n})")
+
+    def clock(self) -> float:
+        raise NotImplementedError
+
+    def pause(self, seconds: float) -> None:
+        """Wait ``seconds`` before the next attempt (real or virtual time)."""
+        raise NotImplementedError
+
+    def attempt(self, restored: Restored | None, attempt_id: str, duration: float | None) -> None:
+        raise NotImplementedError
+
+    def prepare(self, restore: str | None, allow_non_restored_state: bool) -> Restored | None:
+        """Find and check what the run starts from (before anything is started or written)."""
+        restored = find_restore(self.storage, restore)
+        if restored:
+            check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state)
+        resolve_sources(self.plan, self.pipeline, restored)
+        return restored
+
+    def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None,
+            prepared: Restored | None | bool = False) -> None:
+        """Run under the pipeline's restart strategy (``deploy.restart``; tenacity drives the
+        loop): on a failure, roll back to the latest completed checkpoint (or the one the run
+        started from) and try again while the strategy allows. A damaged checkpoint or an
+        impossible set-up is not retried. ``prepared``: the result of ``prepare`` if the
+        driver called it already."""
+        restored = self.prepare(restore, allow_non_restored_state) if prepared is False else prepared
+        initial = restored
+        run_id = secrets.token_hex(4)  # unique file names per run, never from a seeded rng
+        strategy = self.pipeline.restart_strategy
+        failure_times: list[float] = []
+        current = {"restored": restored}
+
+        def once() -> None:
+            recover(self.storage, self.pipeline.sinks, current["restored"], self.fail_point, self.pipeline.name)
+            self.attempt(current["restored"], f"{run_id}.{self.restarts}", duration)
+
+        def failed(state: tenacity.RetryCallState) -> None:  # after every retryable failure
+            exc = state.outcome.exception()
+            reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+            if self.master is not None:  # savepoints in flight die with the attempt (a stop stays asked)
+                for req in self.master.savepoints.values():
+                    req.fail(f"the job failed over before the savepoint completed: {reason.splitlines()[0]}")
+            self.last_failure = self.clock()
+            failure_times.append(self.last_failure)
+            self.failover_log.append({"time": self.last_failure, "reason": reason})
+            log.warning("job %s failing over: %s", self.pipeline.name, reason.splitlines()[0])
+            self.restarts += 1
+            self._next_delay = strategy.decide(failure_times, self.last_failure)
+
+        def give_up(state: tenacity.RetryCallState) -> bool:
+            return self._next_delay is None
+
+        def restore_latest(state: tenacity.RetryCallState) -> None:
+            current["restored"] = find_restore(self.storage, "latest") or initial
+            resolve_sources(self.plan, self.pipeline, current["restored"])
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_retryable),
+            stop=give_up,
+            wait=lambda state: self._next_delay or 0.0,
+            sleep=self.pause,
+            after=failed,
+            before_sleep=restore_latest,
+            reraise=False,
+        )
+        try:
+            retrying(once)
+        except tenacity.RetryError as err:
+            exc = err.last_attempt.exception()
+            self.restarts -= 1  # the failure the strategy refused is not a restart
+            reason = self.failover_log[-1]["reason"]
+            raise JobFailedError(
+                f"job {self.pipeline.name!r} failed: {strategy.describe()} (restarts: {self.restarts}); "
+                f"last failure: {reason}"
+            ) from exc
+
+    def collect(self, master: JobMaster) -> None:
+        """Move what the job master finished into the run's record."""
+        if master.completed:
+            self.completed.extend(master.completed)
+            master.completed = []
+        if master.epoch_log:
+            self.epoch_log.extend(master.epoch_log)
+            master.epoch_log = []
+        if master.written:
+            self.savepoints_written.extend(master.written)
+            master.written = []
+
+    def new_master(self, restored: Restored | None, now: float, deployment: str,
+                   traffic: ServiceTraffic | None = None, workers: int | None = None) -> JobMaster:
+        self.master = JobMaster(self.pipeline, self.plan, self.storage, restored, now, self.fail_point, deployment,
+                                job_id=self.job_id, stop_request=self.stop_request, traffic=traffic, workers=workers)
+        return self.master
+

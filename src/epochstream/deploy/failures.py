@@ -1,0 +1,75 @@
+"""What can go wrong in a run, on purpose or not, and how the restart loop tells them apart.
+
+``FailureSchedule`` says which failures the simulator and chaos runs inject (worker kills,
+crashes of the job master at named *fail points*, failed state writes). ``Failover`` and
+``InjectedFailure`` are failures the restart strategy rolls back from; ``JobFailedError`` is
+what a run raises once the strategy gives up. Fail points are named protocol moments
+(``before_manifest``, ``after_manifest``, ``mid_commit``, ``after_commit``, ``recovery``):
+the job master and ``restore.recover`` call a ``FailPoint`` there, and the driver's
+``fail_point`` raises when the schedule says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from ..runtime.errors import EpochStreamError
+
+if TYPE_CHECKING:
+    import random as _random
+
+FailPoint = Callable[[str], None]
+"""Called with a fail point's name at that protocol moment; raises to inject a crash."""
+
+
+class InjectedFailure(Exception):
+    """A failure injected on purpose (simulator, chaos); recovered like a real crash."""
+
+
+class JobFailedError(EpochStreamError):
+    """The job failed and the restart strategy gave up; carries the last cause."""
+
+
+@dataclass
+class FailureSchedule:
+    """What goes wrong, and when. Occurrence numbers count from 1 over the whole run."""
+
+    kill_times: list[float] = field(default_factory=list)
+    fail_points: dict[str, set[int]] = field(default_factory=dict)
+    write_failures: set[int] = field(default_factory=set)
+    #: local and spark drivers, per kill in ``kill_times`` order (missing: "now", "worker"): the
+    #: protocol moment the kill waits for ("now", "alignment", "snapshot_write", "commit") and
+    #: what it kills ("worker": the worker's process; "executor": the Spark executor JVM)
+    kill_moments: list[str] = field(default_factory=list)
+    kill_targets: list[str] = field(default_factory=list)
+
+    @classmethod
+    def random(cls, rng: _random.Random, kills: int, horizon: float) -> "FailureSchedule":
+        """``kills`` failures spread over ``horizon`` virtual seconds, a mix of worker kills
+        and job-master crashes at fail points."""
+        sched = cls()
+        points = ["before_manifest", "after_manifest", "mid_commit", "after_commit", "recovery"]
+        for _ in range(kills):
+            r = rng.random()
+            if r < 0.6:
+                sched.kill_times.append(rng.uniform(0, horizon))
+            elif r < 0.9:
+                sched.fail_points.setdefault(rng.choice(points), set()).add(rng.randint(1, 4))
+            else:
+                sched.write_failures.add(rng.randint(1, 20))
+        sched.kill_times.sort()
+        return sched
+
+
+class Failover(Exception):
+    """A failure the restart strategy handles by rolling back to the latest completed epoch."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def no_fail(point: str) -> None:
+    """The ``FailPoint`` of a run without injected crashes."""
+    return None

@@ -1,0 +1,154 @@
+"""Where a run starts from: choosing a completed checkpoint and making it safe to run on.
+
+``find_restore`` picks the checkpoint or savepoint (``"latest"`` or a path, possibly in
+another store); ``check_compatible`` refuses one the pipeline cannot take over, naming what
+differs; ``resolve_sources`` settles elastic sources' split counts from it; ``recover``
+finishes the commits its manifest promised and clears what later, unfinished epochs left
+behind. The drivers call ``recover`` before every attempt, so a rollback after a failover is
+the same code as a restore at start-up; ``assembly.build_tasks`` then reads the state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..backends import location, open_storage, scheme_of
+from ..graph.kinds import OpKind
+from ..graph.plan import PhysicalPlan
+from ..snapshot.manifest import CheckpointError, source_splits
+from .failures import FailPoint, no_fail
+
+log = logging.getLogger("epochstream")
+
+
+@dataclass
+class Restored:
+    """A completed checkpoint chosen for (re)start."""
+
+    epoch: int
+    manifest: dict[str, Any]
+    root: Any
+    path: Any
+    #: the storage that reads it, if not the job's own (a savepoint in another store, e.g. S3)
+    reader: Any = None
+
+
+def find_restore(storage, restore: str | None) -> Restored | None:
+    """The checkpoint ``restore`` names (None: start empty; ``"latest"``: the newest completed
+    one in ``storage``, None if there is none; else a checkpoint or savepoint path)."""
+    if restore is None:
+        return None
+    reader = None
+    if restore == "latest":
+        found = storage.latest()
+        if found is None:
+            return None
+    else:
+        if scheme_of(restore) != scheme_of(str(storage.root)):  # e.g. an S3 savepoint, local checkpoints
+            reader = open_storage(str(location(restore).parent))
+        found = (reader or storage).load_manifest(restore)
+    manifest, root = found
+    epoch = int(manifest["epoch"])
+    newer = [e for e in storage.list_checkpoints() if e > epoch]
+    if restore != "latest" and newer and root.resolve() == storage.root.resolve():
+        raise CheckpointError(
+            f"cannot restore chk-{epoch} into {storage.root}: it already holds newer checkpoints "
+            f"{newer[:5]} that new epochs would overwrite; restore it into a new checkpoint dir "
+            f"(checkpoint_dir=NEW, restore='{root / f'chk-{epoch}'}')"
+        )
+    return Restored(epoch, manifest, root, root if manifest.get("self_contained") else root / f"chk-{epoch}", reader)
+
+
+def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non_restored_state: bool) -> None:
+    """Refuse a checkpoint or savepoint this pipeline cannot take over, naming what differs.
+
+    State maps to operators by uid, as in Flink: the job's name may differ (a renamed or
+    forked job takes over its savepoint), but every uid that holds state in the checkpoint
+    must exist in the pipeline as the same kind of operator, unless
+    ``allow_non_restored_state`` drops the state of the missing ones. Max parallelism may
+    never change: it fixes the key groups."""
+    m = restored.manifest
+    what = "savepoint" if m.get("kind") == "savepoint" else "checkpoint"
+    where = f"{what} {restored.path}"
+    other_job = m["job"] != pipeline.name
+    origin = f" (a {what} of job {m['job']!r}{', id ' + m['job_id'] if m.get('job_id') else ''}; this job is " \
+             f"{pipeline.name!r})" if other_job else ""
+    if int(m["max_parallelism"]) != plan.max_parallelism:
+        raise CheckpointError(
+            f"{where} was taken with max_parallelism {m['max_parallelism']}, the job now has "
+            f"{plan.max_parallelism}: max parallelism fixes the key groups and cannot change once state exists; "
+            f"restore with max_parallelism={m['max_parallelism']} (--max-parallelism {m['max_parallelism']}) "
+            f"at any parallelism up to it"
+        )
+    nodes = {n.uid: n for n in plan.nodes.values() if n.uid}
+    held = {**{uid: OpKind.PROCESS for uid in m["operators"]}, **{uid: OpKind.SOURCE for uid in m["sources"]}}
+    # a loop head keeps its log as keyed state, like a keyed process
+    kind_of = {uid: OpKind.PROCESS if n.kind == OpKind.LOOP_HEAD else n.kind for uid, n in nodes.items()}
+    wrong = sorted(f"{uid!r} ({kind} in the {what}, {nodes[uid].kind} in the pipeline)"
+                   for uid, kind in held.items() if uid in nodes and kind_of[uid] != kind)
+    if wrong:
+        raise CheckpointError(f"{where}: operator uid(s) {', '.join(wrong)} are a different kind of operator"
+                              f"{origin}; their state cannot be restored")
+    unknown = sorted(uid for uid in held if uid not in nodes)
+    if unknown and not allow_non_restored_state:
+        known = sorted(uid for uid in held if uid in nodes)
+        raise CheckpointError(
+            f"{where} holds state of operator uid(s) {unknown} that the pipeline does not have{origin}"
+            f"{'; uids found: ' + str(known) if known else '; no uid matches: is this the right job?'}. "
+            f"Pass allow_non_restored_state=True (--allow-non-restored-state) to drop that state"
+        )
+    if other_job:
+        log.warning("restoring %s into job %r: operators matched by uid", where, pipeline.name)
+    for uid, src in pipeline.sources.items():
+        splits = source_splits(m, uid)
+        if splits is not None and splits != src.num_splits and not src.elastic:
+            raise CheckpointError(
+                f"{where}: source {uid!r} had {splits} splits, the source now has {src.num_splits}; offsets are "
+                f"kept per split, so the split count cannot change (build the source without splits= to adopt "
+                f"the {what}'s count)"
+            )
+
+
+def resolve_sources(plan: PhysicalPlan, pipeline, restored: Restored | None) -> None:
+    """Settle elastic sources' split counts: the checkpoint's on a restore, else the parallelism.
+
+    Splits are then dealt to source subtasks by ``split % parallelism``, so a restore at
+    another parallelism reassigns them with their offsets."""
+    for uid, src in pipeline.sources.items():
+        want = source_splits(restored.manifest, uid) if restored else None
+        if want is None:
+            want = plan.parallelism if src.elastic else src.num_splits
+        if want != src.num_splits:
+            if not src.elastic:
+                raise CheckpointError(f"source {uid!r} has {src.num_splits} splits, the checkpoint {want}")
+            src.resplit(want)
+
+
+def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_point: FailPoint = no_fail,
+            job: str | None = None) -> None:
+    """Finish what the restored checkpoint promised and clear what came after it.
+
+    Commits named by the manifest are re-issued (idempotent): first the state commits of a
+    storage that commits per epoch (Delta: ``recover_epoch``), then the sinks'; staged output
+    of later epochs is dropped, and the storage deletes state files no manifest names and sets
+    aside damaged checkpoints whose epochs will be written again (the ``recover`` verbs).
+    Sinks that commit once per epoch (``epoch_transactions``) are started first with the
+    restored manifest, which names their transaction ids.
+    """
+    staged = restored.manifest["sinks"] if restored else {}
+    recover_state = getattr(storage, "recover_epoch", None)
+    if restored is not None and recover_state is not None and restored.reader is None:
+        fail_point("recovery")
+        recover_state(restored.manifest, restored.root, fail_point)
+    for uid, sink in sorted(sinks.items()):
+        fail_point("recovery")
+        entry = staged.get(uid, {})
+        if getattr(sink, "epoch_transactions", False):
+            manifest = restored.manifest if restored else None
+            sink.start(uid, job or (manifest["job"] if manifest else "job"), manifest)
+            sink.recover(uid, entry.get("staged", []), epoch=restored.epoch if entry.get("delta") else None)
+        else:
+            sink.recover(uid, entry.get("staged", []))
+    storage.recover(restored.epoch if restored else None)
