@@ -39,8 +39,6 @@ def run_pipeline(
     stop_with_savepoint: bool = False,
     **options: Any,
 ):
-    from .result import JobResult
-
     storage = make_storage(checkpoint_dir, pipeline.checkpoint.state_backend)
     if restore is None and storage.list_checkpoints():
         raise CheckpointError(
@@ -48,6 +46,14 @@ def run_pipeline(
             f"pass restore='latest' (--restore latest) to resume, or use an empty directory"
         )
     t0 = time.perf_counter()
+    driver = _new_driver(pipeline, deployment, storage, seed, parallelism, sim, failures, savepoint_dir,
+                         stop_with_savepoint, options)
+    driver.run(restore, allow_non_restored_state, duration)
+    return _result(pipeline, deployment, storage, driver, time.perf_counter() - t0)
+
+
+def _new_driver(pipeline, deployment: str, storage, seed: int, parallelism: int | None, sim: Any, failures: Any,
+                savepoint_dir: str | None, stop_with_savepoint: bool, options: dict[str, Any]):
     if deployment == "sim":
         from .sim import SimDriver
 
@@ -67,7 +73,12 @@ def run_pipeline(
                              savepoint_dir=savepoint_dir, stop_with_savepoint=stop_with_savepoint, **options)
     else:
         raise ValueError(f"unknown deployment {deployment!r}")
-    driver.run(restore, allow_non_restored_state, duration)
+    return driver
+
+
+def _result(pipeline, deployment: str, storage, driver, seconds: float):
+    from .result import JobResult
+
     latest = storage.list_checkpoints()
     return JobResult(
         job=pipeline.name,
@@ -76,7 +87,7 @@ def run_pipeline(
         latest_checkpoint=str(storage.checkpoint_dir(latest[-1])) if latest else None,
         restarts=driver.restarts,
         records_in=driver.records_in,
-        seconds=time.perf_counter() - t0,
+        seconds=seconds,
         metrics={
             "epochs": driver.epoch_log,
             "failovers": driver.failover_log,
