@@ -68,6 +68,19 @@ def test_protocol_packages_do_no_io(package):
     assert not bad, "sans-IO core imports I/O, clocks or threads:\n" + "\n".join(bad)
 
 
+#: sans-IO modules inside deploy/ (a driver package): the attempt policy and the control messages
+SANS_IO_DEPLOY = ("attempt.py", "protocol.py")
+
+
+@pytest.mark.parametrize("module", SANS_IO_DEPLOY)
+def test_the_attempt_controller_does_no_io(module):
+    """Both drivers drive one ``AttemptController`` with their own clock: it must import none."""
+    path = SRC / "deploy" / module
+    bad = [f"deploy/{module}:{line} imports {name}" for line, name in _imports(path)
+           if name.split(".")[0] in IO_MODULES]
+    assert not bad, "sans-IO deploy module imports I/O, clocks or threads:\n" + "\n".join(bad)
+
+
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_imports_flow_one_way(package):
     bad = []

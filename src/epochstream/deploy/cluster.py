@@ -3,11 +3,14 @@ the job master and the tracking agent as services for the workers.
 
 A subclass only says how workers come to life and how they die: ``launch`` starts one
 attempt's workers and returns a ``WorkerGroup`` holding one control connection per worker
-(a pipe for the local driver, a TCP connection for spark). Everything else is shared: the
-coordinator's triggers, acks and declines, the final epoch, the trAcker agent and its NEOSS
-bundles, the stop handshake, failover detection and the chaos kills, and the job's HTTP API
-(``deploy.rest``: savepoints, stop, status), served by a thread of the driver process whose
-requests the loop carries out between its own steps (``deploy.control.JobControl``).
+(a pipe for the local driver, a TCP connection for spark). The attempt's policy (triggers,
+acks and declines, the final epoch, the trAcker agent's NEOSS, the stop handshake) is the
+``attempt.AttemptController``'s, the same the simulator drives; this loop does its I/O:
+it reads the workers' ``deploy.protocol`` messages, hands each to its handler by type and
+sends the controller's actions to every worker. It also detects failovers, carries out
+the chaos kills and serves the job's HTTP API (``deploy.rest``: savepoints, stop, status)
+from a thread of the driver process, whose requests the loop hands to the controller
+between its own steps (``deploy.control.JobControl``).
 """
 
 from __future__ import annotations
@@ -18,18 +21,27 @@ import random
 import signal
 import time
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, Iterator
 
-from ..snapshot.coordinator import FINAL
 from ..snapshot.manifest import CheckpointError
 from ..tracker.traffic import ServiceTraffic
 from . import jobs as _jobs
+from .attempt import AttemptController, CaptureFull
+from .control import JobControl, SavepointRequest
 from .driver import Driver
 from .failures import Failover
-from .tracking import make_tracking
-from .control import IN_PROGRESS, JobControl
+from .protocol import (
+    Ack,
+    Decline,
+    Die,
+    Exhausted,
+    Fatal,
+    Ready,
+    Stopped,
+    TrackerReport,
+    WorkerError,
+)
 from .rest import RestServer
-from .sim import MARKER_BYTES
 
 log = logging.getLogger("epochstream")
 
@@ -75,8 +87,6 @@ class ClusterDriver(Driver):
         self.on_start = on_start
         self.control = JobControl()
         self.endpoint: str | None = None
-        #: a stop was asked over REST (asked again after a failover until it completes)
-        self.stop_asked = False
         self._published = 0.0
         self.rng = random.Random(seed)
         self.recovery_seconds: list[float] = []
@@ -88,6 +98,8 @@ class ClusterDriver(Driver):
         #: chaos: a kill armed for the driver's next commit (victim, target)
         self._commit_kill: tuple[int, str] | None = None
         self._group: WorkerGroup | None = None
+        #: the running attempt's controller
+        self._controller: AttemptController | None = None
         #: every chaos kill: time, worker, target, moment
         self.kill_log: list[dict[str, Any]] = []
         #: a kill waiting for its moment: (armed at, victim, target, moment)
@@ -163,16 +175,14 @@ class ClusterDriver(Driver):
         done = [r for r in rows if r["status"] == "completed"]
         return {"counts": {"completed": len(done)}, "latest": done[-1] if done else None, "checkpoints": rows}
 
-    def _commands(self, master, conns, now: float) -> bool:
-        """Carry out REST requests; True once a stop (final epoch) has been asked for."""
-        stopping = False
+    def _commands(self) -> Iterator[SavepointRequest]:
+        """REST requests, drained when the controller reads them; a stop is remembered across
+        attempts (asked again after a failover until it completes)."""
         for req in self.control.drain():
             if req.stop:
                 self.stop_request = req
                 self.stop_asked = True
-                stopping = True
-            self._apply(master.savepoint(now, req), conns)
-        return stopping
+            yield req
 
     def launch(self, restored, attempt: str) -> WorkerGroup:
         raise NotImplementedError
@@ -216,7 +226,7 @@ class ClusterDriver(Driver):
         if moment == "commit":
             self._commit_kill = (victim, target)
         else:  # the worker kills at the moment itself
-            self._send(group.conns, victim, ("die", moment, group.pid(victim, target)))
+            self._send(group.conns, victim, Die(moment, group.pid(victim, target)))
 
     def _kill(self, group: WorkerGroup, victim: int, target: str, moment: str | None) -> None:
         """SIGKILL now; ``moment`` None: the kill was logged when it was armed."""
@@ -235,109 +245,87 @@ class ClusterDriver(Driver):
         self._attempt_killed = False
         self._armed = None
         self._commit_kill = None
-        conns = group.conns
-        n = len(conns)
         traffic = ServiceTraffic()
-        master = self.new_master(restored, time.monotonic(), self.deployment, traffic=traffic, workers=n)
-        tracking = (make_tracking(self.plan, restored, traffic, self.pipeline, attempt)
-                    if self.pipeline.mode == "tracker" else None)
-        if tracking is not None:
-            master.explain_timeout = tracking.undrained_loops
-        n_sources = sum(1 for c in self.plan.chains if c.is_source) * self.plan.parallelism
-        exhausted: set = set()
-        ready = 0
-        final_requested = False
-        stop_sent = False
-        stopped: dict[int, int] = {}
+        c = self._controller = self.new_attempt(restored, attempt, time.monotonic(), self.deployment, traffic,
+                                                workers=len(group.conns), stop_at=self.deadline)
+        #: worker -> driver messages by type (each handler returns the controller's actions)
+        on = {Ready: self._on_ready, Ack: self._on_ack, Decline: c.on_decline, Exhausted: c.on_exhausted,
+              TrackerReport: c.on_tracker_report, Stopped: c.on_stopped, WorkerError: self._on_worker_error,
+              Fatal: self._on_fatal}
         try:
             while True:
                 now = time.monotonic()
-                if ready == n or not self.KILL_AFTER_READY:
+                if c.all_ready or not self.KILL_AFTER_READY:
                     self._chaos(group, now)
-                if master.finished and len(stopped) == n:
+                if c.done:
                     break
-                if ready == n and not master.finished:
-                    # the duration ends the job even while a final epoch waits for its loops to drain
-                    if self.deadline is not None and now >= self.deadline and (
-                            not final_requested or master.drain_final):
-                        final_requested = True
-                        self._apply(master.request(now, FINAL), conns)
-                    stop = self.stop_request
-                    if self.stop_asked and stop.status == IN_PROGRESS and not final_requested:
-                        final_requested = True  # a stop asked before a failover is asked again
-                        self._apply(master.request(now, FINAL), conns)
-                    if self._commands(master, conns, now):
-                        final_requested = True
-                    self._apply(master.poll(now), conns)
-                    self._publish("RUNNING")
-                deadline = master.next_deadline(now)
-                timeout = 0.05 if deadline is None else min(0.05, max(0.0, deadline - now))
-                live = [c for w, c in enumerate(conns) if w not in stopped]
-                for conn in wait(live, timeout=timeout) if live else ():
-                    w = conns.index(conn)
-                    try:
-                        msg = conn.recv()
-                    except (EOFError, OSError) as exc:
-                        raise Failover(self._death_report(conn, f"worker {w} died ({type(exc).__name__})")) from None
-                    kind = msg[0]
-                    now = time.monotonic()
-                    if kind == "ready":
-                        ready += 1
-                        if ready == n and self.last_failure is not None:
-                            self.recovery_seconds.append(self.clock() - self.last_failure)
-                    elif kind == "ack":
-                        triggered = master.coordinator.epochs.get(msg[1].epoch)
-                        if triggered is not None:  # notification latency: trigger -> this task's bound
-                            self.bound_latency.append((msg[1].epoch, msg[1].task,
-                                                       msg[1].captured_at - triggered.triggered_at))
-                        self._apply(master.ack(msg[1], now), conns)
-                    elif kind == "decline":
-                        self._apply(master.decline(msg[1], msg[2], msg[3], now, msg[4]), conns)
-                    elif kind == "exhausted":
-                        exhausted.add(msg[1])
-                    elif kind == "error":
-                        raise Failover(msg[1])
-                    elif kind == "fatal":  # a damaged checkpoint: restarting cannot help
-                        raise CheckpointError(msg[1].split(": ", 2)[-1].split("\n")[0])
-                    elif kind == "tracker":
-                        notes = tracking.notes(tracking.agent.receive(msg[1], now))
-                        if notes:
-                            self._send_all(conns, ("neoss", notes))
-                    elif kind == "stopped":
-                        stopped[msg[1]] = msg[2]
-                        for kind_sent, count in (("marker", msg[3]), ("watermark", msg[4])):
-                            if count:
-                                traffic.record(kind_sent, msg[1], None, nbytes=MARKER_BYTES * count, messages=count,
-                                               entries=count)
-                    # the final epoch waits for every timer to have fired (agent.py: time_finished)
-                    if (len(exhausted) == n_sources and not final_requested
-                            and (tracking is None or tracking.agent.time_finished())):
-                        final_requested = True
-                        self._apply(master.request(now, FINAL, drain=True), conns)
-                group.check(stopped, stop_sent)
-                if master.finished and not stop_sent:
-                    stop_sent = True
-                    self._send_all(conns, ("stop",))
-                self.collect(master)
+                self._step(group, c, on, now)
         except BaseException:
             self.traffic.merge(traffic)  # a failed attempt's service messages were sent all the same
-            master.coordinator.fail(time.monotonic(), "failover")
-            self.collect(master)
+            c.fail(time.monotonic())
+            self.collect(c.master)
             self._publish("RESTARTING", force=True)  # until the next attempt runs (or the run ends)
             self._group = None
             group.abort()
             raise
+        finally:
+            self.bound_latency.extend(c.bound_latency)
         self._group = None
-        self.collect(master)
+        self.collect(c.master)
         self.traffic.merge(traffic)
-        self.records_in += sum(stopped.values())
+        self.records_in += c.records_in
         group.finish()
 
-    def _apply(self, out, conns) -> None:
-        if out.failover:
-            raise Failover(out.failover)
-        for trig in out.triggers:
-            self._send_all(conns, ("trigger", trig.epoch))
+    def _step(self, group: WorkerGroup, c: AttemptController, on: dict, now: float) -> None:
+        """One round of the driver loop: the controller's timers and REST requests, then what
+        the workers sent (waiting at most until the job master's next deadline)."""
+        conns = group.conns
+        if c.running:
+            self._do(c.tick(now, self._commands()), conns)
+            self._publish("RUNNING")
+        deadline = c.next_deadline(now)
+        timeout = 0.05 if deadline is None else min(0.05, max(0.0, deadline - now))
+        live = [conn for w, conn in enumerate(conns) if w not in c.stopped]
+        for conn in wait(live, timeout=timeout) if live else ():
+            w = conns.index(conn)
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError) as exc:
+                raise Failover(self._death_report(conn, f"worker {w} died ({type(exc).__name__})")) from None
+            handler = on.get(type(msg))
+            if handler is None:
+                raise Failover(f"worker {w} sent {type(msg).__name__} on its control connection mid-attempt")
+            self._do(handler(msg, time.monotonic()), conns)
+        group.check(c.stopped, c.stop_sent)
+        self._do(c.stop_workers(), conns)
+        self.collect(c.master)
+
+    # -- worker -> driver messages the driver handles itself (the rest go to the controller)
+    def _on_ready(self, msg: Ready, now: float) -> list[Any]:
+        c = self._controller
+        out = c.on_ready(msg, now)
+        if c.all_ready and self.last_failure is not None:
+            self.recovery_seconds.append(self.clock() - self.last_failure)
+        return out
+
+    def _on_ack(self, msg: Ack, now: float) -> list[Any]:
+        c = self._controller
+        c.bound(msg.info.epoch, msg.info.task, msg.info.captured_at)  # notification latency: trigger -> bound
+        return c.on_ack(msg, now)
+
+    def _on_worker_error(self, msg: WorkerError, now: float) -> list[Any]:
+        raise Failover(msg.text)
+
+    def _on_fatal(self, msg: Fatal, now: float) -> list[Any]:  # a damaged checkpoint: restarting cannot help
+        raise CheckpointError(msg.text.split(": ", 2)[-1].split("\n")[0])
+
+    # -- driver -> worker
+    def _do(self, actions: list[Any], conns) -> None:
+        """Send the controller's actions (``Trigger``, ``Neoss``, ``Stop``) to every worker."""
+        for a in actions:
+            if type(a) is CaptureFull:
+                continue  # the worker forced it itself before its Decline left (worker._writer)
+            self._send_all(conns, a)
 
     def _send_all(self, conns, msg) -> None:
         for w in range(len(conns)):
@@ -355,8 +343,8 @@ class ClusterDriver(Driver):
         try:
             while conn.poll():
                 msg = conn.recv()
-                if msg[0] in ("error", "fatal"):
-                    return msg[1]
+                if type(msg) in (WorkerError, Fatal):
+                    return msg.text
         except (EOFError, OSError):
             pass
         return fallback

@@ -5,7 +5,8 @@
 under the pipeline's restart strategy (``deploy.restart``; tenacity drives the loop): each
 attempt first ``recover``s storage and sinks to the checkpoint it starts from, then runs the
 job until it finishes or fails; a retryable failure rolls back to the latest completed
-checkpoint. A subclass supplies ``attempt``, ``clock`` and ``pause``.
+checkpoint. A subclass supplies ``attempt``, ``clock`` and ``pause``; the per-attempt policy
+they share lives in ``attempt.AttemptController``, which ``new_attempt`` builds.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from ..backends import location
 from ..runtime.errors import ConfigurationError, EpochStreamError
 from ..snapshot.manifest import CheckpointError
 from ..tracker.traffic import ServiceTraffic
+from .attempt import AttemptController
 from .control import SavepointRequest
 from .failures import Failover, FailureSchedule, InjectedFailure, JobFailedError
 from .master import JobMaster
 from .persist import SinkStagingError
 from .restore import Restored, check_compatible, find_restore, recover, resolve_sources
-from .tracking import uses_event_time
+from .tracking import make_tracking, uses_event_time
 
 log = logging.getLogger("epochstream")
 
@@ -67,6 +69,8 @@ class Driver:
             if not savepoint_dir:
                 raise ConfigurationError("stop_with_savepoint needs a savepoint_dir")
             self.stop_request = SavepointRequest(self.savepoint_dir, stop=True)
+        #: a stop was asked while the job ran (REST): asked again after a failover until it completes
+        self.stop_asked = False
         #: savepoint folders written during the run
         self.savepoints_written: list[str] = []
         self.master: JobMaster | None = None
@@ -184,3 +188,16 @@ class Driver:
                                 job_id=self.job_id, stop_request=self.stop_request, traffic=traffic, workers=workers)
         return self.master
 
+    def new_attempt(self, restored: Restored | None, attempt: str, now: float, deployment: str,
+                    traffic: ServiceTraffic, workers: int | None = None,
+                    stop_at: float | None = None) -> AttemptController:
+        """One attempt's job master, trAcker agent (tracker mode) and controller. ``workers``:
+        the workers that report over control connections (None: the simulator's tasks)."""
+        tracking = (make_tracking(self.plan, restored, traffic, self.pipeline, attempt)
+                    if self.pipeline.mode == "tracker" else None)
+        master = self.new_master(restored, now, deployment, traffic=traffic, workers=workers)
+        if tracking is not None:
+            master.explain_timeout = tracking.undrained_loops
+        sources = sum(1 for c in self.plan.chains if c.is_source) * self.plan.parallelism
+        return AttemptController(master, tracking, traffic, sources=sources, workers=workers or 0, stop_at=stop_at,
+                                 stop_request=self.stop_request, stop_asked=self.stop_asked)

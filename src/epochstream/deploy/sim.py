@@ -20,22 +20,27 @@ import heapq
 import itertools
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted, Watermark
-from ..snapshot.coordinator import FINAL
+from ..runtime.messages import (
+    Marker,
+    Send,
+    Snapshot,
+    SourceExhausted,
+    TaskCapture,
+    Watermark,
+)
 from ..tracker.traffic import ServiceTraffic
-from .control import SavepointRequest
 from .assembly import build_tasks
+from .attempt import MARKER_BYTES, AttemptController, CaptureFull
+from .control import SavepointRequest
 from .driver import Driver
 from .failures import Failover, FailureSchedule
 from .persist import StateWriteError, persist
-from .tracking import make_tracking, new_local_tracker
+from .protocol import Ack, Decline, Exhausted, Neoss, Stop, TrackerReport, Trigger
+from .tracking import new_local_tracker
 
-#: wire size of a marker (epoch number, channel, framing), for service-traffic accounting
-MARKER_BYTES = 16
-
-__all__ = ["FailureSchedule", "SimConfig", "SimDriver"]
+__all__ = ["MARKER_BYTES", "FailureSchedule", "SimConfig", "SimDriver"]
 
 
 @dataclass
@@ -76,213 +81,240 @@ class SimDriver(Driver):
 
     def attempt(self, restored, attempt: str, duration: float | None) -> None:
         self.attempt_traffic = ServiceTraffic()
+        run = None
         try:
-            self._attempt(restored, attempt, duration)
+            run = _SimAttempt(self, restored, attempt, duration)
+            run.run()
         finally:  # a failed attempt's service messages were sent all the same
             self.traffic.merge(self.attempt_traffic)
-
-    def _attempt(self, restored, attempt: str, duration: float | None) -> None:
-        plan, cfg, rng = self.plan, self.cfg, self.rng
-        traffic = self.attempt_traffic
-        trackers: dict[int, Any] = {}
-        tracking = None
-        if self.pipeline.mode == "tracker":
-            tracking = make_tracking(plan, restored, traffic, self.pipeline, attempt)
-            trackers = {w: new_local_tracker(self.pipeline, w, self.now) for w in range(plan.parallelism)}
-        self.tracking = tracking
-        tasks = build_tasks(self.pipeline, plan, None, self.storage, restored, trackers=trackers, attempt=attempt)
-        self.tasks = tasks  # the last attempt's tasks (benchmarks read their logs)
-        master = self.new_master(restored, self.now, "sim", traffic=traffic)
-        if tracking is not None:
-            master.explain_timeout = tracking.undrained_loops
-        savepoints_at = sorted(self.now + t for t in cfg.savepoints_at)
-        batch = cfg.source_batch or self.pipeline.batch_size
-        sources = [t for t in tasks.values() if t.is_source]
-        trigger_targets = [t for t in tasks.values() if t.takes_triggers]  # sources and (aligned) loop heads
-        exhausted: set = set()
-        events: list[tuple[float, int, str, Any]] = []
-        seq = itertools.count()
-        busy: dict = {tid: self.now for tid in tasks}
-        writer_busy: dict = {tid: self.now for tid in tasks}
-        step_scheduled: set = set()
-        last_arrival: dict[int, float] = {}
-        final_requested = False
-        final_waiting = False
-        stop_at = None if duration is None else self.now + duration
-
-        def push(t: float, kind: str, payload: Any) -> None:
-            heapq.heappush(events, (t, next(seq), kind, payload))
-
-        def schedule_step(tid) -> None:
-            if tid not in step_scheduled:
-                step_scheduled.add(tid)
-                push(max(self.now, busy[tid]), "step", tid)
-
-        def handle(tid, actions: list[Any], done_at: float) -> None:
-            for a in actions:
-                if type(a) is Send:
-                    ch = plan.channels[a.channel]
-                    same_worker = ch.src[1] == ch.dst[1]
-                    at = fifo(a.channel, done_at, cfg.local_delay if same_worker else cfg.net_delay)
-                    push(at, "deliver", a)
-                    if type(a.message) is Marker:
-                        traffic.record("marker", tid, a.message.epoch, nbytes=MARKER_BYTES)
-                    elif type(a.message) is Watermark:
-                        traffic.record("watermark", tid, None, nbytes=MARKER_BYTES)
-                elif type(a) is Snapshot:
-                    triggered = master.coordinator.epochs.get(a.capture.epoch)
-                    if triggered is not None:  # notification latency: epoch trigger -> this task's bound
-                        self.bound_latency.append((a.capture.epoch, tid, done_at - triggered.triggered_at))
-                    size = sum(len(k.rows) for k in a.capture.keyed) * 64 + sum(len(s.records) for s in a.capture.sinks) * 32
-                    at = max(done_at, writer_busy[tid]) + cfg.write_base + size * cfg.write_cost
-                    writer_busy[tid] = at
-                    push(at, "persisted", a.capture)
-                elif type(a) is SourceExhausted:
-                    exhausted.add(a.task)
-                    if len(exhausted) == len(sources):
-                        request_final_when_time_ends()
-
-        def request_final_when_time_ends() -> None:
-            """The final epoch waits for every timer to have fired (agent.py: time_finished)."""
-            nonlocal final_requested, final_waiting
-            final_waiting = True
-            if not final_requested and (tracking is None or tracking.agent.time_finished()):
-                final_requested = True
-                apply_master(master.request(self.now, FINAL, drain=True))
-
-        def fifo(link: Any, sent_at: float, mean_delay: float) -> float:
-            """Arrival time on a FIFO link: a random delay, never before the previous message."""
-            at = max(last_arrival.get(link, 0.0), sent_at + rng.expovariate(1.0 / mean_delay))
-            last_arrival[link] = at
-            return at
-
-        def flush_tracker(worker: int, at: float) -> None:
-            for msg in trackers[worker].poll(at):
-                push(fifo(("tracker", worker), at, cfg.net_delay), "tracker", msg)
-
-        def apply_master(out) -> None:
-            if out.failover:
-                raise Failover(out.failover)
-            for trig in out.triggers:
-                for s in trigger_targets:
-                    s.trigger(trig.epoch)
-                    schedule_step(s.id)
-
-        for s in sources:
-            push(self.now, "read", s.id)
-        for t in tasks.values():  # a loop head re-emits its restored log first
-            if not t.is_source and t.has_input():
-                schedule_step(t.id)
-        kill_times = self.failures.kill_times
-        while not master.finished:
-            if self.kills_done < len(kill_times) and kill_times[self.kills_done] <= self.now:
-                self.kills_done += 1
-                self.injected += 1
-                worker = rng.randrange(plan.parallelism)
-                raise Failover(f"worker {worker} killed at t={self.now:.6f}")
-            # the duration ends the job even while a final epoch waits for its loops to drain
-            if stop_at is not None and self.now >= stop_at and (not final_requested or master.drain_final):
-                final_requested = True
-                apply_master(master.request(self.now, FINAL))
-            while savepoints_at and savepoints_at[0] <= self.now:
-                savepoints_at.pop(0)
-                apply_master(master.savepoint(self.now, SavepointRequest(self.savepoint_dir)))
-            deadline = master.next_deadline(self.now)
-            if savepoints_at and (deadline is None or savepoints_at[0] < deadline):
-                deadline = savepoints_at[0]
-            if deadline is not None and deadline <= self.now:
-                apply_master(master.poll(self.now))
-                deadline = master.next_deadline(self.now)
-            for w, tr in trackers.items():
-                due = tr.next_deadline(self.now)
-                if due is not None and due <= self.now:
-                    flush_tracker(w, self.now)
-                    due = tr.next_deadline(self.now)
-                if due is not None and (deadline is None or due < deadline):
-                    deadline = due
-            next_kill = kill_times[self.kills_done] if self.kills_done < len(kill_times) else None
-            if not events:
-                if deadline is None:
-                    raise RuntimeError("simulation stalled: no events and no coordinator deadline")
-                self.now = max(self.now, deadline)
-                continue
-            t = events[0][0]
-            stop = stop_at if (not final_requested or master.drain_final) else None
-            wake = min(x for x in (t, deadline, next_kill, stop) if x is not None)
-            if wake < t:
-                self.now = max(self.now, wake)
-                continue
-            _, _, kind, payload = heapq.heappop(events)
-            self.now = max(self.now, t)
-            if kind == "deliver":
-                ch = plan.channels[payload.channel]
-                tasks[ch.dst].receive(payload.channel, payload.message)
-                schedule_step(ch.dst)
-            elif kind == "step":
-                tid = payload
-                step_scheduled.discard(tid)
-                task = tasks[tid]
-                before = task.records_in
-                actions = task.step(self.now, budget=1, read_source=False)
-                cost = cfg.message_cost + (task.records_in - before) * cfg.record_cost
-                busy[tid] = self.now + cost
-                if cfg.check_invariants:
-                    task.check_invariants()
-                handle(tid, actions, busy[tid])
-                if trackers:
-                    flush_tracker(tid[1], busy[tid])
-                if task.mailbox or task.triggers or task.neoss:
-                    schedule_step(tid)
-            elif kind == "read":
-                tid = payload
-                task = tasks[tid]
-                n = rng.randint(1, batch)
-                before = task.records_in
-                actions = task.step(self.now, budget=n, read_source=True)
-                got = task.records_in - before
-                self.records_in += got
-                busy[tid] = self.now + cfg.message_cost + got * cfg.record_cost
-                if cfg.check_invariants:
-                    task.check_invariants()
-                handle(tid, actions, busy[tid])
-                if trackers:
-                    flush_tracker(tid[1], busy[tid])
-                if task.source_has_more():
-                    push(max(busy[tid], self.now + got / cfg.source_rate), "read", tid)
-            elif kind == "tracker":
-                notes = tracking.notes(tracking.agent.receive(payload, self.now))
-                if notes:
-                    for w in range(plan.parallelism):  # one bundle per worker, FIFO per worker
-                        push(fifo(("neoss", w), self.now, cfg.net_delay), "neoss", (w, notes))
-                if cfg.check_invariants:
-                    tracking.agent.check_invariants()
-                if final_waiting:
-                    request_final_when_time_ends()
-            elif kind == "neoss":
-                w, notes = payload
-                for chains, epoch in notes:
-                    for cid in chains:
-                        dst = (cid, w)
-                        tasks[dst].on_neoss(epoch)
-                        if tasks[dst].neoss:
-                            schedule_step(dst)
-            elif kind == "persisted":
-                capture = payload
-                self.writes += 1
-                inject = self._injected_write_failure if self.writes in self.failures.write_failures else None
-                try:
-                    info = persist(self.storage, self.pipeline.sinks, capture, attempt, inject)
-                except StateWriteError as exc:
-                    for st in tasks[capture.task].chain.states.values():
-                        st.force_full = True  # the chain is broken: the next capture is full
-                    apply_master(master.decline(capture.task, capture.epoch, str(exc), self.now, exc.staged))
-                    continue
-                apply_master(master.ack(info, self.now))
-            self.collect(master)
-        self.collect(master)
-        for t in tasks.values():
-            t.chain.close()
+            if run is not None:
+                self.bound_latency.extend(run.controller.bound_latency)
 
     def _injected_write_failure(self) -> None:
         self.injected += 1
         raise OSError("injected state write failure")
+
+
+class _SimAttempt:
+    """One attempt in virtual time: the event queue, every task of the job, and the attempt's
+    ``AttemptController``. An event is (time, sequence number, handler, payload); the
+    sequence number keeps the heap FIFO among equal times, so handlers are never compared."""
+
+    def __init__(self, driver: SimDriver, restored, attempt: str, duration: float | None) -> None:
+        d = self.driver = driver
+        self.plan, self.cfg, self.rng, self.attempt = d.plan, d.cfg, d.rng, attempt
+        c: AttemptController = d.new_attempt(restored, attempt, d.now, "sim", d.attempt_traffic,
+                                             stop_at=None if duration is None else d.now + duration)
+        self.controller = c
+        d.tracking = c.tracking
+        self.trackers: dict[int, Any] = {}
+        if c.tracking is not None:
+            self.trackers = {w: new_local_tracker(d.pipeline, w, d.now) for w in range(self.plan.parallelism)}
+        self.tasks = build_tasks(d.pipeline, self.plan, None, d.storage, restored, trackers=self.trackers,
+                                 attempt=attempt)
+        d.tasks = self.tasks  # the last attempt's tasks (benchmarks read their logs)
+        self.savepoints_at = sorted(d.now + t for t in self.cfg.savepoints_at)
+        self.batch = self.cfg.source_batch or d.pipeline.batch_size
+        self.sources = [t for t in self.tasks.values() if t.is_source]
+        self.trigger_targets = [t for t in self.tasks.values() if t.takes_triggers]  # sources, (aligned) loop heads
+        self.events: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self.seq = itertools.count()
+        self.busy: dict = {tid: d.now for tid in self.tasks}
+        self.writer_busy: dict = {tid: d.now for tid in self.tasks}
+        self.step_scheduled: set = set()
+        self.last_arrival: dict[Any, float] = {}
+        #: what the controller's actions do here (the cluster driver sends them to workers)
+        self.act = {Trigger: self._trigger, Neoss: self._neoss, CaptureFull: self._capture_full, Stop: None}
+        #: what the tasks' actions do here
+        self.task_act = {Send: self._send, Snapshot: self._snapshot, SourceExhausted: self._exhausted}
+
+    # -- the loop
+    def run(self) -> None:
+        d, c = self.driver, self.controller
+        for s in self.sources:
+            self.push(d.now, self._on_read, s.id)
+        for t in self.tasks.values():  # a loop head re-emits its restored log first
+            if not t.is_source and t.has_input():
+                self.schedule_step(t.id)
+        while not c.master.finished:
+            self._kill_if_due()
+            self.apply(c.tick(d.now, self._due_savepoints()))
+            deadline = self._deadline()
+            if not self.events:
+                if deadline is None:
+                    raise RuntimeError("simulation stalled: no events and no coordinator deadline")
+                d.now = max(d.now, deadline)
+                continue
+            t = self.events[0][0]
+            wake = min(x for x in (t, deadline, self._next_kill(), c.pending_stop()) if x is not None)
+            if wake < t:
+                d.now = max(d.now, wake)
+                continue
+            _, _, handler, payload = heapq.heappop(self.events)
+            d.now = max(d.now, t)
+            handler(payload)
+            d.collect(c.master)
+        d.collect(c.master)
+        for t in self.tasks.values():
+            t.chain.close()
+
+    def _next_kill(self) -> float | None:
+        kill_times, done = self.driver.failures.kill_times, self.driver.kills_done
+        return kill_times[done] if done < len(kill_times) else None
+
+    def _kill_if_due(self) -> None:
+        d = self.driver
+        due = self._next_kill()
+        if due is not None and due <= d.now:
+            d.kills_done += 1
+            d.injected += 1
+            worker = self.rng.randrange(self.plan.parallelism)
+            raise Failover(f"worker {worker} killed at t={d.now:.6f}")
+
+    def _due_savepoints(self) -> list[SavepointRequest]:
+        """``SimConfig.savepoints_at``: what ``epochstream savepoint`` would ask of a running job."""
+        due = []
+        while self.savepoints_at and self.savepoints_at[0] <= self.driver.now:
+            self.savepoints_at.pop(0)
+            due.append(SavepointRequest(self.driver.savepoint_dir))
+        return due
+
+    def _deadline(self) -> float | None:
+        """The earliest timer: the job master's, a scheduled savepoint, a local tracker's flush
+        (flushing the trackers that are due now)."""
+        now = self.driver.now
+        deadline = self.controller.next_deadline(now)
+        if self.savepoints_at and (deadline is None or self.savepoints_at[0] < deadline):
+            deadline = self.savepoints_at[0]
+        for w, tr in self.trackers.items():
+            due = tr.next_deadline(now)
+            if due is not None and due <= now:
+                self.flush_tracker(w, now)
+                due = tr.next_deadline(now)
+            if due is not None and (deadline is None or due < deadline):
+                deadline = due
+        return deadline
+
+    # -- the virtual network
+    def push(self, t: float, handler: Callable[[Any], None], payload: Any) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), handler, payload))
+
+    def schedule_step(self, tid) -> None:
+        if tid not in self.step_scheduled:
+            self.step_scheduled.add(tid)
+            self.push(max(self.driver.now, self.busy[tid]), self._on_step, tid)
+
+    def fifo(self, link: Any, sent_at: float, mean_delay: float) -> float:
+        """Arrival time on a FIFO link: a random delay, never before the previous message."""
+        at = max(self.last_arrival.get(link, 0.0), sent_at + self.rng.expovariate(1.0 / mean_delay))
+        self.last_arrival[link] = at
+        return at
+
+    def flush_tracker(self, worker: int, at: float) -> None:
+        for msg in self.trackers[worker].poll(at):
+            self.push(self.fifo(("tracker", worker), at, self.cfg.net_delay), self._on_tracker, msg)
+
+    # -- the controller's actions
+    def apply(self, actions: list[Any]) -> None:
+        for a in actions:
+            handler = self.act[type(a)]
+            if handler is not None:
+                handler(a)
+
+    def _trigger(self, a: Trigger) -> None:
+        for s in self.trigger_targets:
+            s.trigger(a.epoch)
+            self.schedule_step(s.id)
+
+    def _neoss(self, a: Neoss) -> None:
+        for w in range(self.plan.parallelism):  # one bundle per worker, FIFO per worker
+            self.push(self.fifo(("neoss", w), self.driver.now, self.cfg.net_delay), self._on_neoss, (w, a.notes))
+
+    def _capture_full(self, a: CaptureFull) -> None:
+        for st in self.tasks[a.task].chain.states.values():
+            st.force_full = True
+
+    # -- the tasks' actions
+    def handle(self, tid, actions: list[Any], done_at: float) -> None:
+        for a in actions:
+            self.task_act[type(a)](tid, a, done_at)
+
+    def _send(self, tid, a: Send, done_at: float) -> None:
+        ch = self.plan.channels[a.channel]
+        delay = self.cfg.local_delay if ch.src[1] == ch.dst[1] else self.cfg.net_delay
+        self.push(self.fifo(a.channel, done_at, delay), self._on_deliver, a)
+        if type(a.message) is Marker:
+            self.controller.count_sent("marker", tid, a.message.epoch)
+        elif type(a.message) is Watermark:
+            self.controller.count_sent("watermark", tid, None)
+
+    def _snapshot(self, tid, a: Snapshot, done_at: float) -> None:
+        capture = a.capture
+        self.controller.bound(capture.epoch, tid, done_at)  # notification latency: trigger -> this task's bound
+        size = sum(len(k.rows) for k in capture.keyed) * 64 + sum(len(s.records) for s in capture.sinks) * 32
+        at = max(done_at, self.writer_busy[tid]) + self.cfg.write_base + size * self.cfg.write_cost
+        self.writer_busy[tid] = at
+        self.push(at, self._on_persisted, capture)
+
+    def _exhausted(self, tid, a: SourceExhausted, done_at: float) -> None:
+        self.apply(self.controller.on_exhausted(Exhausted(a.task), self.driver.now))
+
+    # -- events
+    def _on_deliver(self, a: Send) -> None:
+        dst = self.plan.channels[a.channel].dst
+        self.tasks[dst].receive(a.channel, a.message)
+        self.schedule_step(dst)
+
+    def _on_step(self, tid) -> None:
+        self.step_scheduled.discard(tid)
+        task = self.tasks[tid]
+        self._run_task(task, budget=1, read_source=False)
+        if task.mailbox or task.triggers or task.neoss:
+            self.schedule_step(tid)
+
+    def _on_read(self, tid) -> None:
+        task = self.tasks[tid]
+        got = self._run_task(task, budget=self.rng.randint(1, self.batch), read_source=True)
+        self.driver.records_in += got
+        if task.source_has_more():
+            self.push(max(self.busy[tid], self.driver.now + got / self.cfg.source_rate), self._on_read, tid)
+
+    def _run_task(self, task, budget: int, read_source: bool) -> int:
+        """One step of ``task``, busy for its cost; returns the records it took in."""
+        now, cfg = self.driver.now, self.cfg
+        before = task.records_in
+        actions = task.step(now, budget=budget, read_source=read_source)
+        got = task.records_in - before
+        self.busy[task.id] = done = now + cfg.message_cost + got * cfg.record_cost
+        if cfg.check_invariants:
+            task.check_invariants()
+        self.handle(task.id, actions, done)
+        if self.trackers:
+            self.flush_tracker(task.id[1], done)
+        return got
+
+    def _on_tracker(self, msg) -> None:
+        c = self.controller
+        self.apply(c.on_tracker_report(TrackerReport(msg), self.driver.now))
+        if self.cfg.check_invariants:
+            c.tracking.agent.check_invariants()
+
+    def _on_neoss(self, payload) -> None:
+        w, notes = payload
+        for chains, epoch in notes:
+            for cid in chains:
+                dst = (cid, w)
+                self.tasks[dst].on_neoss(epoch)
+                if self.tasks[dst].neoss:
+                    self.schedule_step(dst)
+
+    def _on_persisted(self, capture: TaskCapture) -> None:
+        d, c = self.driver, self.controller
+        d.writes += 1
+        inject = d._injected_write_failure if d.writes in d.failures.write_failures else None
+        try:
+            info = persist(d.storage, d.pipeline.sinks, capture, self.attempt, inject)
+        except StateWriteError as exc:
+            self.apply(c.on_decline(Decline(capture.task, capture.epoch, str(exc), exc.staged), d.now))
+            return
+        self.apply(c.on_ack(Ack(info), d.now))

@@ -49,6 +49,7 @@ from ..runtime.errors import ConfigurationError
 from .cluster import ClusterDriver, WorkerGroup
 from .failures import Failover
 from .net import Server, connect, mesh
+from .protocol import Hello, WorkerError
 from .worker import run_worker
 
 log = logging.getLogger("epochstream")
@@ -125,7 +126,7 @@ def task_main(blob: bytes, driver: tuple[str, int], authkey: bytes) -> list[int]
     control = connect(driver, authkey)
     peers: dict[int, Any] = {}
     try:
-        control.send(("hello", w, os.getpid(), _executor_jvm_pid()))
+        control.send(Hello(w, os.getpid(), _executor_jvm_pid()))
         pipeline, plan, storage, restored, attempt = cloudpickle.loads(blob)
         host = ctx.getTaskInfos()[w].address.rsplit(":", 1)[0]
         server = Server(host, authkey)
@@ -136,7 +137,7 @@ def task_main(blob: bytes, driver: tuple[str, int], authkey: bytes) -> list[int]
             server.close()
     except BaseException as exc:
         try:
-            control.send(("error", f"worker {w}: could not start: {type(exc).__name__}: {exc}"))
+            control.send(WorkerError(f"worker {w}: could not start: {type(exc).__name__}: {exc}"))
         finally:
             control.close()
         raise
@@ -346,10 +347,10 @@ class SparkDriver(ClusterDriver):
                 if conn is None:
                     continue
                 msg = conn.recv()
-                if msg[0] != "hello":
-                    raise Failover(f"a task sent {msg[0]!r} before hello")
-                conns[msg[1]] = conn
-                group.pids[msg[1]] = (msg[2], msg[3])
+                if type(msg) is not Hello:
+                    raise Failover(f"a task sent {type(msg).__name__} before Hello")
+                conns[msg.worker] = conn
+                group.pids[msg.worker] = (msg.pid, msg.executor_pid)
             group.conns = [conns[w] for w in range(p)]
             log.info("spark job %s: %d tasks connected after %.2fs", job.group, p,
                      time.monotonic() - deadline + self.connect_timeout)

@@ -28,7 +28,10 @@ limit while it waits for credit), only sources are throttled, a loop head is not
 and the phantom channel (loop tail -> head) is a hand-over inside the worker. So a loop's
 feedback keeps moving while the sources pause, and it drains (ARCHITECTURE.md §6a).
 
-Chaos: a driver may ask a worker to die at a protocol moment (``("die", moment, pid)``):
+The control connection carries ``deploy.protocol`` messages; ``_control`` hands each one
+from the driver to its ``_on_<kind>`` method by type.
+
+Chaos: a driver may ask a worker to die at a protocol moment (``Die(moment, pid)``):
 ``now``, ``alignment`` (while a task holds messages for its epoch gate: mid-alignment, or in
 trAcker mode mid-hold) or ``snapshot_write`` (in the writer thread, between staging sink
 output and writing state files). The worker then SIGKILLs ``pid``: its own process, or the
@@ -51,6 +54,21 @@ from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted, Watermar
 from ..snapshot.manifest import CheckpointError
 from .assembly import build_tasks
 from .persist import StateWriteError, persist
+from .protocol import (
+    MOMENTS,
+    Ack,
+    Decline,
+    Die,
+    Exhausted,
+    Fatal,
+    Neoss,
+    Ready,
+    Stop,
+    Stopped,
+    TrackerReport,
+    Trigger,
+    WorkerError,
+)
 from .tracking import new_local_tracker
 
 HIGH_WATERMARK = 32  # messages
@@ -62,7 +80,8 @@ WINDOW = 16
 CREDIT_HOLD = 64
 
 PRESSURE, CREDIT = -1, -2  # channel ids of control envelopes
-MOMENTS = ("now", "alignment", "snapshot_write")
+
+__all__ = ["MOMENTS", "PeerLink", "WorkerLoop", "run_worker"]
 
 
 class PeerLink:
@@ -165,6 +184,8 @@ class WorkerLoop:
         self.records_in = 0
         #: chaos: (moment, pid to SIGKILL) asked for by the driver
         self.die_at: tuple[str, int] | None = None
+        #: driver -> worker messages by type
+        self.on = {Trigger: self._on_trigger, Neoss: self._on_neoss, Stop: self._on_stop, Die: self._on_die}
 
     # -- threads
     def _writer(self) -> None:
@@ -176,13 +197,15 @@ class WorkerLoop:
             try:
                 info = persist(self.storage, sinks, capture, self.attempt,
                                fail_state_write=lambda: self._maybe_die("snapshot_write"))
-                self.results.put(("ack", info))
+                self.results.put(Ack(info))
             except StateWriteError as exc:
+                # the chain of increments is broken: the next capture is full (the controller's
+                # CaptureFull, applied here before the Decline leaves, so no capture slips through)
                 for st in self.tasks[capture.task].chain.states.values():
                     st.force_full = True
-                self.results.put(("decline", capture.task, capture.epoch, str(exc), exc.staged))
+                self.results.put(Decline(capture.task, capture.epoch, str(exc), exc.staged))
             except Exception as exc:  # sink staging or anything else: the job must fail over
-                self.results.put(("error", f"worker {self.index}: {type(exc).__name__}: {exc}"))
+                self.results.put(WorkerError(f"worker {self.index}: {type(exc).__name__}: {exc}"))
 
     def _maybe_die(self, moment: str) -> None:
         die = self.die_at
@@ -206,10 +229,10 @@ class WorkerLoop:
             for t in threads + [link.thread for link in self.links.values()]:
                 t.join(timeout=5)
         self._results()
-        self.control.send(("stopped", self.index, self.records_in, self.markers_sent, self.watermarks_sent))
+        self.control.send(Stopped(self.index, self.records_in, self.markers_sent, self.watermarks_sent))
 
     def _loop(self) -> None:
-        self.control.send(("ready", self.index))
+        self.control.send(Ready(self.index))
         inbound = list(self.peers.values())
         peer_of = {id(c): p for p, c in self.peers.items()}
         batch = self.pipeline.batch_size
@@ -247,7 +270,7 @@ class WorkerLoop:
             if self.tracker is not None:
                 now = time.monotonic()
                 for msg in self.tracker.poll(now):
-                    self.control.send(("tracker", msg))
+                    self.control.send(TrackerReport(msg))
                 due = self.tracker.next_deadline(now)
                 if due is not None:
                     timeout = max(0.0, min(timeout, due - now))
@@ -261,22 +284,27 @@ class WorkerLoop:
         while self.control.poll():
             msg = self.control.recv()
             did = True
-            if msg[0] == "trigger":
-                for s in self.triggered:
-                    s.trigger(msg[1])
-            elif msg[0] == "neoss":
-                for chains, epoch in msg[1]:
-                    for cid in chains:
-                        task = self.task_of_chain.get(cid)
-                        if task is not None:
-                            task.on_neoss(epoch)
-            elif msg[0] == "stop":
-                self.stopping = True
-            elif msg[0] == "die":
-                self.die_at = (msg[1], msg[2])
-                if msg[1] == "now":
-                    self._maybe_die("now")
+            self.on[type(msg)](msg)
         return did
+
+    def _on_trigger(self, msg: Trigger) -> None:
+        for s in self.triggered:
+            s.trigger(msg.epoch)
+
+    def _on_neoss(self, msg: Neoss) -> None:
+        for chains, epoch in msg.notes:
+            for cid in chains:
+                task = self.task_of_chain.get(cid)
+                if task is not None:
+                    task.on_neoss(epoch)
+
+    def _on_stop(self, msg: Stop) -> None:
+        self.stopping = True
+
+    def _on_die(self, msg: Die) -> None:
+        self.die_at = (msg.moment, msg.pid)
+        if msg.moment == "now":
+            self._maybe_die("now")
 
     def _deliver(self, peer: int, envelope: list) -> None:
         if envelope and envelope[0][0] < 0:  # a control envelope
@@ -306,7 +334,7 @@ class WorkerLoop:
             elif type(a) is Snapshot:
                 self.writes.put(a.capture)
             elif type(a) is SourceExhausted:
-                self.control.send(("exhausted", a.task))
+                self.control.send(Exhausted(a.task))
 
     def _flush(self) -> None:
         for peer, items in self.outbox.items():
@@ -352,9 +380,9 @@ def run_worker(index: int, pipeline, plan, storage, restored, attempt: str, cont
         WorkerLoop(index, pipeline, plan, storage, restored, attempt, control, peers).run()
         return True
     except BaseException as exc:  # report, then die: the driver fails the job over
-        kind = "fatal" if isinstance(exc, CheckpointError) else "error"
+        kind = Fatal if isinstance(exc, CheckpointError) else WorkerError
         try:
-            control.send((kind, f"worker {index}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+            control.send(kind(f"worker {index}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
         except Exception:
             pass
         return False

@@ -1,0 +1,154 @@
+"""The control channel between a cluster driver and its workers: one frozen value per message.
+
+Every worker has one control connection to the driver (a pipe for the local driver, a TCP
+connection for spark); it carries only the messages below, pickled whole. The data links
+between workers carry envelopes (``deploy.worker``), never these.
+
+Worker -> driver, in the order a healthy attempt sends them::
+
+    Hello (spark only, first)  Ready  {Exhausted | TrackerReport | Ack | Decline}*  Stopped
+
+and, instead of the rest, ``WorkerError`` (the job fails over) or ``Fatal`` (a damaged
+checkpoint: restarting cannot help). Driver -> worker: ``Trigger`` and ``Neoss`` while the
+job runs, ``Die`` (chaos) at any time, ``Stop`` once the job master has finished.
+
+Both ends dispatch on the message's type (``type(msg)`` in a dict of handlers), so a new
+message is a new class plus one handler on the receiving side. ``__reduce__`` rebuilds a
+message from its fields in order, which pickles about twice as fast as the slot-by-slot
+state frozen dataclasses use by default (the tracker's reports cross this channel often).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..runtime.messages import TaskId
+from ..snapshot.manifest import AckInfo
+
+#: protocol moments a ``Die`` may wait for in the worker ("commit" is the driver's own)
+MOMENTS = ("now", "alignment", "snapshot_write")
+
+
+class _Message:
+    __slots__ = ()
+
+    def __reduce__(self):
+        return type(self), tuple(getattr(self, name) for name in self.__match_args__)
+
+
+# ---------------------------------------------------------------- worker -> driver
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(_Message):
+    """Spark: the first message on a new connection; ``executor_pid`` is None if unknown."""
+
+    worker: int
+    pid: int
+    executor_pid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Ready(_Message):
+    """Worker ``worker`` has built its tasks (state restored) and starts its loop."""
+
+    worker: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(_Message):
+    """A task's capture is persisted (pre-committed) for ``info.epoch``."""
+
+    info: AckInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Decline(_Message):
+    """Writing ``task``'s state for ``epoch`` failed; ``staged`` is the sink output it had
+    already pre-committed, which still commits with the next completed epoch."""
+
+    task: TaskId
+    epoch: int
+    reason: str
+    staged: dict[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Exhausted(_Message):
+    """Source task ``task`` has read all its (bounded) input."""
+
+    task: TaskId
+
+
+@dataclass(frozen=True, slots=True)
+class TrackerReport(_Message):
+    """One flush of the worker's local tracker, for the tracking agent (trAcker mode)."""
+
+    message: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped(_Message):
+    """Worker ``worker`` left its loop after ``Stop``: the records its sources read and the
+    markers and watermarks it sent (service traffic)."""
+
+    worker: int
+    records: int
+    markers: int
+    watermarks: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerError(_Message):
+    """The worker failed (``text``: what and where); the job fails over."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fatal(_Message):
+    """The worker met a damaged checkpoint; the run ends (restarting cannot help)."""
+
+    text: str
+
+
+# ---------------------------------------------------------------- driver -> worker
+
+
+@dataclass(frozen=True, slots=True)
+class Trigger(_Message):
+    """Start epoch ``epoch`` at every task that takes triggers (sources; loop heads when aligned)."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Neoss(_Message):
+    """The tracking agent's notes for this step: (chain ids, epoch or ``WindowEnd``) pairs;
+    each worker hands every note to its own task of each chain."""
+
+    notes: list[tuple[tuple[int, ...], Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Die(_Message):
+    """Chaos: SIGKILL ``pid`` at protocol moment ``moment`` (one of ``MOMENTS``)."""
+
+    moment: str
+    pid: int
+
+    def __post_init__(self) -> None:
+        if self.moment not in MOMENTS:
+            raise ValueError(f"Die: unknown moment {self.moment!r} (one of {', '.join(MOMENTS)})")
+
+
+@dataclass(frozen=True, slots=True)
+class Stop(_Message):
+    """The job master has finished: leave the loop and report ``Stopped``."""
+
+
+#: messages a worker sends, for a driver's dispatch table
+FROM_WORKER = (Hello, Ready, Ack, Decline, Exhausted, TrackerReport, Stopped, WorkerError, Fatal)
+#: messages a driver sends
+TO_WORKER = (Trigger, Neoss, Die, Stop)
