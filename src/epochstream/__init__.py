@@ -3,9 +3,9 @@
 from .api.builtin import TumblingEventTimeWindows
 from .api.functions import KeyedProcessFunction
 from .api.pipeline import CheckpointConfig, IterativeStream, KeyedStream, Pipeline, Stream, TrackerConfig
+from .backends.sinks import DiscardingSink, FileSink
 from .deploy.failures import JobFailedError
 from .deploy.result import JobResult
-from .backends.sinks import DiscardingSink, FileSink
 from .graph.keygroups import ParallelismError
 from .runtime.context import Context
 from .runtime.errors import EpochStreamError, StateSerializationError, UserFunctionError
@@ -18,9 +18,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointConfig", "CheckpointError", "CollectionSource", "Context", "DiscardingSink", "EpochStreamError",
-    "FileSink",
-    "GeneratorSource", "IterativeStream", "JobFailedError", "JobResult", "KeyedProcessFunction", "KeyedStream", "ListStateDescriptor",
-    "MapStateDescriptor", "ParallelismError", "Pipeline", "Source", "StateSerializationError", "Stream",
+    "FileSink", "GeneratorSource", "IterativeStream", "JobFailedError", "JobResult", "KeyedProcessFunction",
+    "KeyedStream", "ListStateDescriptor", "MapStateDescriptor", "ParallelismError", "Pipeline", "Source", "StateSerializationError", "Stream",
     "TrackerConfig", "TumblingEventTimeWindows", "TypeInformation", "Types", "UserFunctionError",
     "ValueStateDescriptor",
 ]
