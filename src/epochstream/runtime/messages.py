@@ -1,8 +1,9 @@
 """What travels on data channels and what the core asks its driver to do.
 
-Data channels carry only two kinds of message: a ``Batch`` of records that all belong to
-one epoch, and a ``Marker`` closing an epoch (aligned mode). Everything else is an
-*action*: a frozen value a task returns from ``step`` for the driver to carry out.
+Data channels carry three kinds of message (``Message``): a ``Batch`` of records that all
+belong to one epoch, a ``Marker`` closing an epoch and a ``Watermark`` advancing event time
+(both aligned modes only). Everything else is an *action* (``TaskAction``): a frozen value
+a task returns from ``step`` for the driver to carry out.
 """
 
 from __future__ import annotations
@@ -55,10 +56,16 @@ class Watermark:
 # ---------------------------------------------------------------- actions
 
 
+Message = Batch | Marker | Watermark
+"""What a data channel carries."""
+
+
 @dataclass(frozen=True, slots=True)
 class Send:
+    """Put ``message`` on data channel ``channel`` (FIFO per channel)."""
+
     channel: int
-    message: Batch | Marker
+    message: Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,3 +132,7 @@ class SourceExhausted:
     """A bounded source task has emitted its last record."""
 
     task: TaskId
+
+
+TaskAction = Send | Snapshot | SourceExhausted
+"""What ``Task.step`` returns, in the order the driver must carry it out."""

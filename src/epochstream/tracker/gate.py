@@ -26,14 +26,17 @@ for an ack per epoch.
 With ``firm=False`` (soft bound; at-least-once, window GC) every record is admitted and
 ``on_neoss`` only reports which epochs ended.
 
-Same small interface as ``alignment.BarrierAligner`` where it makes sense: ``exactly_once``,
-``blocked`` (truthy while records are held; ``Task.check_invariants`` reads it),
-``is_blocked(channel)`` (always False: the gate is per epoch, not per channel), ``reset``.
+One of the two ``runtime.gate.Gate`` implementations (the other is
+``alignment.BarrierAligner``): ``admits`` (a batch if ``admit`` says so; anything else
+passes), ``holding``, ``open_epoch``, ``on_neoss``, ``reset``; a marker never travels in
+tracker mode, so ``on_marker`` raises ``ProtocolError``. ``blocked`` and
+``is_blocked(channel)`` (always False: the gate is per epoch, not per channel) remain for
+callers that knew the aligner.
 
-How ``runtime.task.Task`` uses it: a ``Batch`` whose epoch the gate does not ``admit`` is
-held (markers never appear in tracker mode); a NEOSS is buffered and applied at the start
-of the next ``step``: every epoch ``on_neoss`` returns is snapshotted in order (no marker
-forwarded), then held records go back to the head of the mailbox in arrival order.
+How ``runtime.task.Task`` uses it: a ``Batch`` the gate does not admit is held; a NEOSS
+is buffered and applied at the start of the next ``step``: every epoch ``on_neoss``
+returns is snapshotted in order (no marker forwarded), then held records go back to the
+head of the mailbox in arrival order.
 ``last_hold_seconds`` is reported where aligned mode reports the alignment time. An
 admitted batch has epoch == open epoch == ``task.epoch``, so the task's epoch check holds.
 """
@@ -43,6 +46,7 @@ from __future__ import annotations
 from typing import Hashable
 
 from ..runtime.errors import ProtocolError
+from ..runtime.messages import Batch, Message
 
 MACHINE = "FirmBoundGate"
 
@@ -74,6 +78,20 @@ class FirmBoundGate:
 
     def is_blocked(self, channel: Hashable) -> bool:
         return False
+
+    @property
+    def holding(self) -> bool:
+        return self._holding
+
+    def admits(self, channel: int, message: Message, now: float) -> bool:
+        """``Gate``: a batch if ``admit`` lets its epoch in; markers and watermarks never wait
+        here (they never travel in tracker mode: ``on_marker`` rejects one)."""
+        return type(message) is not Batch or self.admit(message.epoch, now)
+
+    def on_marker(self, channel: int, epoch: int, now: float) -> tuple[int, float] | None:
+        raise ProtocolError(MACHINE, f"segment {self.segment} closed up to {self.closed}", f"Marker({epoch})",
+                            f"on channel {channel}: trAcker mode ends epochs with NEOSS; markers belong to the "
+                            "aligned modes")
 
     def admit(self, epoch: int, now: float | None = None) -> bool:
         """May a record of ``epoch`` be processed now? False: the task holds it."""

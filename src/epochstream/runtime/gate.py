@@ -1,0 +1,70 @@
+"""The epoch gate: what a task with input channels may process now, and when an epoch ends.
+
+Theory of operation. A consuming task (``runtime.task.Task``) keeps one FIFO mailbox of
+(channel, message). For every message it takes out it asks its gate ``admits``; a refused
+message is set aside (held, in arrival order) and goes back to the head of the mailbox
+when the gate ends an epoch. The gate ends epochs in one of two ways, one per mode:
+
+==================  ==========================================  ==============================
+                    ``alignment.BarrierAligner`` (aligned)      ``tracker.FirmBoundGate``
+==================  ==========================================  ==============================
+refuses             any message on a channel whose marker n     a batch of an epoch after the
+                    arrived, until n is aligned (exactly-once)  open one, until its NEOSS
+ends epochs on      ``on_marker``: the last marker n arrived     ``on_neoss``: NEOSS(n) closes
+                    -> (n, alignment seconds)                    open .. n, oldest first
+the other entry     ``on_neoss`` raises ``ProtocolError``        ``on_marker`` raises
+==================  ==========================================  ==============================
+
+So the task never asks which mode it is in: markers go to ``on_marker``, notifications to
+``on_neoss``, and a message the mode never carries is the gate's protocol error. The gate
+only decides; the task holds the messages, snapshots and forwards.
+
+Invariant both keep (checked by ``Task.check_invariants``): ``open_epoch`` is the epoch of
+the records the task processes now, and nothing is held unless ``holding``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .messages import Message
+
+
+class Gate(Protocol):
+    """One task's epoch gate (structural: the two gates do not import this class)."""
+
+    @property
+    def exactly_once(self) -> bool:
+        """True: one epoch at a time (the task rejects a batch of another epoch)."""
+        ...
+
+    @property
+    def open_epoch(self) -> int:
+        """The epoch whose records are processed now (the last ended epoch + 1)."""
+        ...
+
+    @property
+    def holding(self) -> bool:
+        """True while the task may hold messages this gate refused (False: it holds none)."""
+        ...
+
+    @property
+    def last_hold_seconds(self) -> float:
+        """Seconds records were held before the last ``on_neoss`` (0.0 in the aligned modes)."""
+        ...
+
+    def admits(self, channel: int, message: Message, now: float) -> bool:
+        """May ``message``, just taken from ``channel``, be processed now? False: hold it."""
+        ...
+
+    def on_marker(self, channel: int, epoch: int, now: float) -> tuple[int, float] | None:
+        """Marker ``epoch`` was processed on ``channel``: (epoch, seconds aligning) once it ends."""
+        ...
+
+    def on_neoss(self, epoch: int, now: float) -> list[int]:
+        """NEOSS(``epoch``) for the task's segment: the epochs it ends, oldest first."""
+        ...
+
+    def reset(self, last_completed: int) -> None:
+        """Restart after a restore: every epoch <= ``last_completed`` has ended."""
+        ...
