@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.messages import Batch, Marker, Send, Snapshot, TaskCapture
-from ..runtime.state import ValueStateDescriptor
+from ..runtime.messages import Batch, Marker, Send, Snapshot, TaskAction, TaskCapture
+from ..runtime.state import ValueState, ValueStateDescriptor
 from ..runtime.task import Task
 from .head import LoopHead
 
@@ -34,15 +34,22 @@ LOG_STATE = "in_transit"
 
 
 class LoopHeadTask(Task):
+    """A ``Task`` that, in the aligned modes, runs Algorithm 7 instead of consuming through its gate."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         spec = self.plan.chains[self.id[0]]
         node = self.plan.nodes[spec.heads[0]]
+        assert node.uid is not None, f"loop head {node.name!r} has no uid"
         self.uid = node.uid
         self.head = LoopHead(last_triggered=self.epoch - 1)
-        self.takes_triggers = self.tracking is None
+        #: markers travel in band: the head is triggered like a source and logs (Algorithm 7)
+        self.logging = self.progress.in_band
+        self.takes_triggers = self.logging
         self._state = self.chain.states[self.uid]
-        self._log = self._state.handle(ValueStateDescriptor(LOG_STATE))
+        log = self._state.handle(ValueStateDescriptor(LOG_STATE))
+        assert isinstance(log, ValueState)
+        self._log = log
         self._own_key = self._state.key_group_range[0]
         self._push = self.chain.entry[node.id]
         #: records of the restored log, re-emitted by the first step before anything else
@@ -52,14 +59,14 @@ class LoopHeadTask(Task):
     def has_input(self) -> bool:
         return bool(self.replay) or super().has_input()
 
-    def step(self, now: float, budget: int = 1024, read_source: bool = True) -> list[Any]:
-        actions: list[Any] = []
+    def step(self, now: float, budget: int = 1024, read_source: bool = True) -> list[TaskAction]:
+        actions: list[TaskAction] = []
         if self.replay:
             records, self.replay = self.replay, []
             self._push(records, None)  # flushed below, stamped with the restored epoch + 1
             self.records_in += len(records)
             self._clear_log()  # replayed: the next capture must not carry it again
-        if self.tracking is not None:
+        if not self.logging:
             return actions + super().step(now, budget, read_source)
         head = self.head
         while self.triggers:
@@ -80,12 +87,12 @@ class LoopHeadTask(Task):
                 self._push(msg.records, msg.keys)
                 processed += len(msg.records)
                 self.records_in += len(msg.records)
-            else:
+            elif type(msg) is Marker:
                 self._snapshot(msg.epoch, head.on_marker(msg.epoch), actions, now)
         self._flush(actions)
         return actions
 
-    def _snapshot(self, epoch: int, logged: list[Any], actions: list[Any], now: float) -> None:
+    def _snapshot(self, epoch: int, logged: list[Any], actions: list[TaskAction], now: float) -> None:
         """The marker of ``epoch`` is back: its log is the head's state for ``epoch``."""
         self._clear_log()
         if logged:
@@ -103,5 +110,8 @@ class LoopHeadTask(Task):
             self._log.clear()
 
     def check_invariants(self) -> None:
-        super().check_invariants()
+        if self.logging:  # the gate is not consulted: the epoch follows the triggers
+            self._check_buffers()
+        else:
+            super().check_invariants()
         self.head.check_invariants()

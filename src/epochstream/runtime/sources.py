@@ -20,7 +20,7 @@ class Source:
 
     num_splits: int = 1
     #: event time of a record (set by ``Pipeline.from_source(timestamps=...)``), or None
-    timestamp = None
+    timestamp: Callable[[Any], Any] | None = None
     #: the split count was not chosen by the user: a fresh start sets it to the parallelism,
     #: a restore to the checkpoint's count
     elastic: bool = False

@@ -1,0 +1,128 @@
+"""The source role of a task: which splits it reads, from where, and their time labels.
+
+Theory of operation. Splits are assigned by ``split % parallelism`` (``runtime.sources``);
+a reader keeps one offset per split, which is all a source's state, and reads the splits
+round robin, one split per ``read``. With event time every record gets a label
+``floor(ts / slack)``; labels must not decrease within a split, and ``read`` cuts its
+records into *runs* of one label so the task can flush between runs (a batch never spans
+two labels). The time a source can promise is one below the smallest label a split with
+records left can still produce (``END_OF_TIME`` once every split is exhausted).
+
+Pure: no actions, no time. ``runtime.task.Task`` pushes the runs into its chain, counts
+them, and turns a grown time promise into a watermark or a tracker promise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .errors import EpochStreamError, UserFunctionError
+from .messages import END_OF_TIME
+from .sources import Source
+
+Run = tuple[int | None, list[Any]]
+"""(time label, records): consecutive records of one label (None: event time is off)."""
+
+
+class SplitReader:
+    """Offsets and time labels of the splits one source subtask reads."""
+
+    __slots__ = ("source", "uid", "splits", "offsets", "lengths", "_next_split", "timestamp", "slack",
+                 "_split_label", "time_promised")
+
+    def __init__(self, source: Source, uid: str, splits: list[int], offsets: dict[int, int],
+                 slack: float | None) -> None:
+        """``offsets``: restored offsets (a split without one starts at 0); ``slack``: seconds
+        per time label, or None to read without labels."""
+        self.source = source
+        self.uid = uid
+        self.splits = splits
+        #: next offset to read per split; only grows
+        self.offsets: dict[int, int] = {s: int(offsets.get(s, 0)) for s in splits}
+        #: records per split (None: unbounded)
+        self.lengths: dict[int, int | None] = {s: source.split_length(s) for s in splits}
+        self._next_split = 0
+        timestamp: Callable[[Any], Any] | None = source.timestamp if slack is not None else None
+        #: the source's timestamp function, when records are labelled
+        self.timestamp = timestamp
+        self.slack = slack
+        #: per split, the label of the last record read (or of the next one, after a restore)
+        self._split_label: dict[int, int] = {}
+        #: newest time label promised; only grows
+        self.time_promised = -1
+        if timestamp is not None:
+            for s in splits:
+                first = source.read(s, self.offsets[s], 1)
+                if first:
+                    self._split_label[s] = self._label(s, self.offsets[s], first[0])
+
+    def has_more(self) -> bool:
+        return any(ln is None or self.offsets[s] < ln for s, ln in self.lengths.items())
+
+    def read(self, budget: int) -> list[Run]:
+        """Up to ``budget`` records of the next split that has some, as runs of one label."""
+        splits = self.splits
+        for _ in range(len(splits)):
+            split = splits[self._next_split % len(splits)]
+            self._next_split += 1
+            offset = self.offsets[split]
+            length = self.lengths[split]
+            if length is not None and offset >= length:
+                continue
+            records = self.source.read(split, offset, budget)
+            if records:
+                self.offsets[split] = offset + len(records)
+                if self.timestamp is None:
+                    return [(None, records)]
+                return self._runs(split, offset, records)
+        return []
+
+    def next_time_promise(self) -> int | None:
+        """The labels no split can send any more, if that grew since the last call."""
+        bound = END_OF_TIME
+        for s in self.splits:
+            length = self.lengths[s]
+            if length is None or self.offsets[s] < length:
+                bound = min(bound, self._split_label.get(s, 0) - 1)
+        if bound <= self.time_promised:
+            return None
+        self.time_promised = bound
+        return bound
+
+    def _runs(self, split: int, offset: int, records: list[Any]) -> list[Run]:
+        last = self._split_label.get(split, 0)
+        runs: list[Run] = []
+        start = 0
+        run_label = self._label(split, offset, records[0])
+        for i, r in enumerate(records):
+            label = run_label if i == 0 else self._label(split, offset + i, r)
+            if label < last:
+                raise EpochStreamError(
+                    f"source {self.uid!r} split {split} offset {offset + i}: timestamp {self._timestamp(r)!r} "
+                    f"(time label {label}) is before label {last} of an earlier record; event timestamps must not "
+                    f"decrease within a split (sort each split by time, or use more splits)"
+                )
+            if label != run_label:
+                runs.append((run_label, records[start:i]))
+                run_label, start = label, i
+            last = label
+        runs.append((run_label, records[start:]))
+        self._split_label[split] = last
+        return runs
+
+    def _timestamp(self, record: Any) -> Any:
+        assert self.timestamp is not None
+        try:
+            return self.timestamp(record)
+        except Exception as exc:
+            raise UserFunctionError(f"timestamp function of source {self.uid!r} failed: {exc!r}") from exc
+
+    def _label(self, split: int, offset: int, record: Any) -> int:
+        ts = self._timestamp(record)
+        if not isinstance(ts, (int, float)) or ts < 0:
+            raise EpochStreamError(
+                f"source {self.uid!r} split {split} offset {offset}: the timestamp function returned {ts!r}; "
+                f"event timestamps must be numbers >= 0"
+            )
+        assert self.slack is not None
+        return int(ts // self.slack)
