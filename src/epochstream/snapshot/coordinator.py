@@ -83,6 +83,10 @@ class JobFinished:
 # ---------------------------------------------------------------- config / bookkeeping
 
 
+CoordinatorAction = TriggerEpoch | CompleteEpoch | CommitEpoch | AbortEpoch | FailJob | JobFinished
+"""What ``EpochCoordinator``'s events return, in the order the driver must carry it out."""
+
+
 @dataclass(frozen=True)
 class CoordinatorConfig:
     interval: float | None = 1.0
@@ -138,14 +142,14 @@ class EpochCoordinator:
             if self.final_requested:
                 times.append(now)
             elif cfg.interval is not None:
-                times.append(self._periodic_due())
+                times.append(self._periodic_due(cfg.interval))
         return min(times) if times else None
 
     # ------------------------------------------------------------ events
-    def poll(self, now: float) -> list[Any]:
+    def poll(self, now: float) -> list[CoordinatorAction]:
         if self.failed or self.finished:
             return []
-        actions: list[Any] = []
+        actions: list[CoordinatorAction] = []
         cfg = self.config
         for rec in list(self.epochs.values()):
             if rec.state is EpochState.PENDING and now >= rec.triggered_at + cfg.timeout:
@@ -158,12 +162,12 @@ class EpochCoordinator:
             cfg.interval is not None
             and self.final_epoch is None
             and len(self.pending()) < cfg.max_concurrent
-            and now >= self._periodic_due()
+            and now >= self._periodic_due(cfg.interval)
         ):
             actions.append(self._trigger(CHECKPOINT, now))
         return actions
 
-    def request(self, now: float, kind: str = CHECKPOINT) -> list[Any]:
+    def request(self, now: float, kind: str = CHECKPOINT) -> list[CoordinatorAction]:
         """Start an epoch now (savepoint or manual checkpoint), regardless of the interval."""
         if self.failed or self.finished:
             raise ProtocolError("EpochCoordinator", "failed" if self.failed else "finished", f"request({kind})")
@@ -172,7 +176,7 @@ class EpochCoordinator:
             return self.poll(now)
         return [self._trigger(kind, now)]
 
-    def ack(self, task: Hashable, epoch: int, info: Any, now: float) -> list[Any]:
+    def ack(self, task: Hashable, epoch: int, info: Any, now: float) -> list[CoordinatorAction]:
         rec = self._record(task, epoch, "ack")
         if rec is not None and task in rec.acks:
             raise ProtocolError("EpochCoordinator", f"epoch {epoch} {rec.state.value}", "ack", f"duplicate ack from {task}")
@@ -187,13 +191,13 @@ class EpochCoordinator:
         # Epochs complete in order: an older epoch still pending keeps this one waiting.
         return self._prepare_ready(now)
 
-    def decline(self, task: Hashable, epoch: int, reason: str, now: float) -> list[Any]:
+    def decline(self, task: Hashable, epoch: int, reason: str, now: float) -> list[CoordinatorAction]:
         rec = self._record(task, epoch, "decline")
         if rec is None or rec.state not in (EpochState.PENDING, EpochState.PREPARED):
             return []
         return self._abort(rec, f"task {task} declined epoch {epoch}: {reason}", now)
 
-    def manifest_written(self, epoch: int, now: float, drained: bool = True) -> list[Any]:
+    def manifest_written(self, epoch: int, now: float, drained: bool = True) -> list[CoordinatorAction]:
         """The manifest of ``epoch`` is durable. ``drained=False``: the epoch cut through
         records still circulating in a loop (its loop heads logged some), so if it is the
         final epoch the job is not finished and another final epoch follows."""
@@ -205,7 +209,7 @@ class EpochCoordinator:
         self.last_completed = epoch
         self.last_completion = now
         self.consecutive_failures = 0
-        actions: list[Any] = [CommitEpoch(epoch, rec.kind)]
+        actions: list[CoordinatorAction] = [CommitEpoch(epoch, rec.kind)]
         # older epochs can no longer complete: they were aborted or are subsumed
         for old in [e for e in self.pending() if e < epoch]:
             actions += self._abort(self.epochs[old], f"subsumed by epoch {epoch}", now, count=False)
@@ -217,24 +221,24 @@ class EpochCoordinator:
                 self.final_epoch = None  # poll triggers the next final epoch
         return actions + self._prepare_ready(now)
 
-    def manifest_failed(self, epoch: int, reason: str, now: float) -> list[Any]:
+    def manifest_failed(self, epoch: int, reason: str, now: float) -> list[CoordinatorAction]:
         rec = self.epochs.get(epoch)
         if rec is None or rec.state is not EpochState.PREPARED:
             raise ProtocolError("EpochCoordinator", rec.state.value if rec else "unknown", f"manifest_failed({epoch})")
         return self._abort(rec, f"writing the manifest of epoch {epoch} failed: {reason}", now)
 
-    def fail(self, now: float, reason: str) -> list[Any]:
+    def fail(self, now: float, reason: str) -> list[CoordinatorAction]:
         """A worker died: abort everything in flight; the driver restores and starts a new coordinator."""
-        actions: list[Any] = []
+        actions: list[CoordinatorAction] = []
         for e in self.pending():
             actions += self._abort(self.epochs[e], f"job failover: {reason}", now, count=False)
         self.failed = True
         return actions
 
     # ------------------------------------------------------------ internals
-    def _periodic_due(self) -> float:
+    def _periodic_due(self, interval: float) -> float:
         # one expression for both poll and next_deadline, so they agree to the last bit
-        return max(self.last_trigger + self.config.interval, self.last_completion + self.config.min_pause)
+        return max(self.last_trigger + interval, self.last_completion + self.config.min_pause)
 
     def _record(self, task: Hashable, epoch: int, event: str) -> EpochRecord | None:
         if task not in self.tasks:
@@ -252,7 +256,7 @@ class EpochCoordinator:
             self.final_epoch = epoch
         return TriggerEpoch(epoch, kind)
 
-    def _prepare_ready(self, now: float) -> list[Any]:
+    def _prepare_ready(self, now: float) -> list[CoordinatorAction]:
         """Move the oldest fully-acked epoch to PREPARED if nothing older is still pending."""
         if any(r.state is EpochState.PREPARED for r in self.epochs.values()):
             return []  # one manifest at a time, in order
@@ -265,11 +269,11 @@ class EpochCoordinator:
             return [CompleteEpoch(e, rec.kind, dict(rec.acks))]
         return []
 
-    def _abort(self, rec: EpochRecord, reason: str, now: float, count: bool = True) -> list[Any]:
+    def _abort(self, rec: EpochRecord, reason: str, now: float, count: bool = True) -> list[CoordinatorAction]:
         rec.state = EpochState.ABORTED
         rec.reason = reason
         rec.completed_at = now
-        actions: list[Any] = [AbortEpoch(rec.epoch, reason)]
+        actions: list[CoordinatorAction] = [AbortEpoch(rec.epoch, reason)]
         if rec.epoch == self.final_epoch:
             self.final_epoch = None  # try the final epoch again
         if count:

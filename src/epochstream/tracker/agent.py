@@ -105,7 +105,8 @@ from typing import Hashable, Iterable, Mapping, Sequence
 
 from ..runtime.errors import ProtocolError
 from .local import BatchIds
-from .messages import END_OF_TIME, EPOCHS, MAX_ID, NEOSS, NEOSS_WIRE, TIME, WINDOW_END_WIRE, TrackerMessage, WindowEnd
+from ..runtime.messages import END_OF_TIME
+from .messages import EPOCHS, AgentNote, MAX_ID, NEOSS, NEOSS_WIRE, TIME, WINDOW_END_WIRE, TrackerMessage, WindowEnd
 from .segments import Segmentation
 from .traffic import NEOSS_KIND, PROMISE, REPORT, ServiceTraffic
 
@@ -217,7 +218,7 @@ class TrackingAgent:
         return all(self.confirmed(s) >= END_OF_TIME for s in self._confirmed)
 
     # ------------------------------------------------------------ events
-    def receive(self, message: TrackerMessage, now: float) -> list[NEOSS | WindowEnd]:
+    def receive(self, message: TrackerMessage, now: float) -> list[AgentNote]:
         """Apply one flush of a local tracker; return the notes it enables, in topological order."""
         if self.failed is not None:
             raise ProtocolError(MACHINE, "FAILED", f"TrackerMessage(from {message.sender!r})", self.failed)
@@ -274,12 +275,12 @@ class TrackingAgent:
             cap = min(cap, min(slots) - 1)
         return max(cap, self._dims[dim].bound[s])
 
-    def _advance(self, dirty: list[set[int]], now: float) -> list[NEOSS | WindowEnd]:
+    def _advance(self, dirty: list[set[int]], now: float) -> list[AgentNote]:
         # Segments are numbered topologically and an advance only dirties later segments,
         # so one pass in increasing order sees every upstream change before its consumers.
         # Epochs go first: a WindowEnd names the epoch after the segment's epoch bound,
         # and must follow the NEOSS of that bound on the FIFO link to the process.
-        out: list[NEOSS | WindowEnd] = []
+        out: list[AgentNote] = []
         #: destination -> notes sent to it in this step: one service message each
         bundles: dict[Hashable, list[tuple[int | None, int]]] = {}
         for d in self._dims:
@@ -296,7 +297,7 @@ class TrackingAgent:
                     continue
                 d.bound[s] = b
                 if d.dim == EPOCHS:
-                    note: NEOSS | WindowEnd = NEOSS(s, b)
+                    note: AgentNote = NEOSS(s, b)
                     size = NEOSS_WIRE.size
                 elif s in self._confirmed:
                     note = self._window_end(s, b)

@@ -159,3 +159,7 @@ class WindowEnd:
             if p == process:
                 return token
         raise KeyError(process)
+
+
+AgentNote = NEOSS | WindowEnd
+"""What ``TrackingAgent.receive`` returns: notifications for the driver to deliver (FIFO per worker)."""
