@@ -32,7 +32,10 @@ Pure functions, no state; iterative (no recursion limit on deep graphs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+if TYPE_CHECKING:  # plan imports this module; the types are only for the checker
+    from .plan import Edge, Node
 
 from .kinds import OpKind
 
@@ -107,7 +110,7 @@ def tarjan(succ: Sequence[Sequence[int]]) -> list[list[int]]:
     return out
 
 
-def back_edges(nodes) -> list[tuple[int, int, int]]:
+def back_edges(nodes: Mapping[int, Node]) -> list[tuple[int, int, int]]:
     """Back edges ``(src, dst, position in dst.inputs)`` of a depth-first search from the
     sources, in discovery order; ``nodes``: id -> ``graph.plan.Node``.
 
@@ -145,7 +148,7 @@ def back_edges(nodes) -> list[tuple[int, int, int]]:
     return found
 
 
-def loop_components(nodes) -> list[list[int]]:
+def loop_components(nodes: Mapping[int, Node]) -> list[list[int]]:
     """The strongly connected components that are loops (several nodes, or a self-loop)."""
     ids = sorted(nodes)
     pos = {nid: i for i, nid in enumerate(ids)}
@@ -160,7 +163,8 @@ def loop_components(nodes) -> list[list[int]]:
     return sorted((c for c in comps if len(c) > 1 or c[0] in self_loop), key=lambda c: c[0])
 
 
-def expand_loops(nodes, node_factory, edge_factory) -> tuple[dict, tuple[Loop, ...]]:
+def expand_loops(nodes: Mapping[int, Node], node_factory: type[Node],
+                 edge_factory: type[Edge]) -> tuple[dict[int, Node], tuple[Loop, ...]]:
     """Replace every back edge by a loop head and a loop tail (a new dict; ``nodes`` is not
     changed). ``node_factory``/``edge_factory`` build ``graph.plan.Node``/``Edge`` values.
 

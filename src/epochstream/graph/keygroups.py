@@ -60,13 +60,16 @@ def key_bytes(key: Any) -> bytes:
     """
     t = type(key)
     if t is str:
-        return b"s" + key.encode("utf-8")
+        text: str = key
+        return b"s" + text.encode("utf-8")
     if t is bool or (t is float and key.is_integer()):
         key, t = int(key), int  # 1 == 1.0 == True share a dict slot, so they share a key group too
     if t is int:
-        return b"i" + key.to_bytes((key.bit_length() + 8) // 8 or 1, "little", signed=True)
+        number: int = key
+        return b"i" + number.to_bytes((number.bit_length() + 8) // 8 or 1, "little", signed=True)
     if t is bytes:
-        return b"b" + key
+        raw: bytes = key
+        return b"b" + raw
     if key is None:
         return b"n"
     if t is float:

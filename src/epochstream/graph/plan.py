@@ -142,9 +142,9 @@ def build_plan(name: str, nodes: dict[int, Node], parallelism: int, max_parallel
             chain_of[nid] = len(members)
             members.append([nid])
         else:
-            c = chain_of[n.inputs[0].src]
-            chain_of[nid] = c
-            members[c].append(nid)
+            cid = chain_of[n.inputs[0].src]
+            chain_of[nid] = cid
+            members[cid].append(nid)
 
     chains: list[Chain] = []
     for cid, ms in enumerate(members):

@@ -8,11 +8,12 @@ spans two epochs.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from ..graph.keygroups import key_bytes, key_group_table, murmur_mix
 from ..graph.kinds import OpKind
-from ..graph.plan import FORWARD, HASH, Chain, PhysicalPlan
+from ..graph.plan import FORWARD, HASH, Chain, Node, PhysicalPlan
+from .context import Context
 from .errors import UserFunctionError
 from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
 from .state import HeapKeyedState, OperatorStateBackend
@@ -22,6 +23,9 @@ import copy
 import zlib
 
 Push = Callable[[list[Any], "list[Any] | None"], None]
+#: builds the ``Context`` of one keyed operator subtask (``runtime.context.Context``)
+ContextFactory = Callable[[HeapKeyedState, int, int, str, "TimerService | None", "OperatorStateBackend | None"],
+                          Context]
 
 
 class OutputBuffers:
@@ -34,7 +38,7 @@ class OutputBuffers:
         self.keys: dict[int, list[Any] | None] = {c: ([] if c in keyed else None) for c in channels}
 
     def drain(self, epoch: int, time: int = 0) -> list[tuple[int, Batch]]:
-        out = []
+        out: list[tuple[int, Batch]] = []
         for ch, recs in self.records.items():
             if recs:
                 keys = self.keys[ch]
@@ -51,7 +55,7 @@ class OutputBuffers:
 class ChainRuntime:
     """The compiled operators of one chain subtask."""
 
-    def __init__(self, plan: PhysicalPlan, chain: Chain, subtask: int, context_factory,
+    def __init__(self, plan: PhysicalPlan, chain: Chain, subtask: int, context_factory: ContextFactory,
                  event_time: bool = False) -> None:
         """``event_time``: operators that declare event-time use get a ``TimerService``."""
         self.plan = plan
@@ -103,7 +107,7 @@ class ChainRuntime:
 
         return fan_out
 
-    def _router(self, partition: str, key_fn, channels: list[int], name: str) -> Push:
+    def _router(self, partition: str, key_fn: Callable[[Any], Any] | None, channels: list[int], name: str) -> Push:
         buffers = self.out.records
         if partition == FORWARD:
             def forward(records: list[Any], keys: list[Any] | None) -> None:
@@ -113,12 +117,13 @@ class ChainRuntime:
         if partition == HASH:
             table = self._kg_table
             m = self.plan.max_parallelism
-            keybufs = self.out.keys
+            keybufs = cast(dict[int, list[Any]], self.out.keys)  # a hash channel always has a key list
             crc, kb, mix = zlib.crc32, key_bytes, murmur_mix
+            key_of = _required_key_fn(key_fn, name)
 
             def by_key(records: list[Any], keys: list[Any] | None) -> None:
                 try:
-                    ks = [key_fn(r) for r in records]
+                    ks = [key_of(r) for r in records]
                 except Exception as exc:
                     raise UserFunctionError(f"key_by function after {name!r} failed: {exc!r}") from exc
                 for r, k in zip(records, ks):
@@ -143,17 +148,19 @@ class ChainRuntime:
         node = self.plan.nodes[nid]
         kind, fn, label = node.kind, node.payload, node.uid or node.name
         down = self._downstream(nid) if kind != OpKind.SINK else None
+        push: Push = _discard if down is None else down  # a sink pushes nowhere
 
         if kind == OpKind.SOURCE or kind == OpKind.ITERATE or kind == OpKind.LOOP_TAIL:
-            return down  # records pass on unchanged
+            return push  # records pass on unchanged
         if kind == OpKind.LOOP_HEAD:
             # the head's only state: its log of in-transit records (loops.head), kept as
             # keyed state under the head's uid so every backend stores it like any other;
             # the key is the subtask's first key group, so a restore at another parallelism
             # hands each log to the subtask that owns that key group
             kg_range = self.plan.key_group_range(self.subtask)
-            self.states[node.uid] = HeapKeyedState(node.uid, _key_is_key_group, kg_range)
-            return down
+            uid = _uid(node)
+            self.states[uid] = HeapKeyedState(uid, _key_is_key_group, kg_range)
+            return push
         if kind == OpKind.MAP:
 
             def op_map(records: list[Any], keys: list[Any] | None) -> None:
@@ -161,7 +168,7 @@ class ChainRuntime:
                     out = [fn(r) for r in records]
                 except Exception as exc:
                     raise UserFunctionError(f"map {label!r} failed: {exc!r}") from exc
-                down(out, None)
+                push(out, None)
 
             return op_map
         if kind == OpKind.FILTER:
@@ -172,7 +179,7 @@ class ChainRuntime:
                 except Exception as exc:
                     raise UserFunctionError(f"filter {label!r} failed: {exc!r}") from exc
                 if out:
-                    down(out, None)
+                    push(out, None)
 
             return op_filter
         if kind == OpKind.FLAT_MAP:
@@ -183,13 +190,13 @@ class ChainRuntime:
                 except Exception as exc:
                     raise UserFunctionError(f"flat_map {label!r} failed: {exc!r}") from exc
                 if out:
-                    down(out, None)
+                    push(out, None)
 
             return op_flat_map
         if kind == OpKind.SINK:
             make = getattr(fn, "writer", None)
             writer = make() if make is not None else ListWriter()
-            self.sink_writers[node.uid] = writer
+            self.sink_writers[_uid(node)] = writer
             write = writer.write
 
             def op_sink(records: list[Any], keys: list[Any] | None) -> None:
@@ -200,38 +207,39 @@ class ChainRuntime:
 
             return op_sink
         if kind == OpKind.PROCESS:
-            return self._compile_process(node, down)
+            return self._compile_process(node, push)
         raise ValueError(f"unknown operator kind {kind!r}")
 
-    def _compile_process(self, node, down: Push) -> Push:
+    def _compile_process(self, node: Node, down: Push) -> Push:
+        uid = _uid(node)
         kg_range = self.plan.key_group_range(self.subtask)
         m = self.plan.max_parallelism
         key_types = {e.key_type for e in node.inputs if e.key_type is not None}
         if len(key_types) > 1:
-            raise ValueError(f"operator {node.uid!r}: its inputs declare different key types {sorted(map(repr, key_types))}")
-        state = HeapKeyedState(node.uid, lambda k: murmur_mix(zlib.crc32(key_bytes(k))) % m, kg_range,
+            raise ValueError(f"operator {uid!r}: its inputs declare different key types {sorted(map(repr, key_types))}")
+        state = HeapKeyedState(uid, lambda k: murmur_mix(zlib.crc32(key_bytes(k))) % m, kg_range,
                                key_types.pop() if key_types else None)
-        self.states[node.uid] = state
-        op_state = self.operator_states[node.uid] = OperatorStateBackend(node.uid, self.subtask)
+        self.states[uid] = state
+        op_state = self.operator_states[uid] = OperatorStateBackend(uid, self.subtask)
         fn = copy.deepcopy(node.payload)  # one instance per subtask, as Flink deserializes one each
         timers = TimerService(state) if self.event_time and getattr(fn, "uses_event_time", False) else None
-        ctx = self._context_factory(state, self.subtask, self.plan.parallelism, node.uid, timers, op_state)
+        ctx = self._context_factory(state, self.subtask, self.plan.parallelism, uid, timers, op_state)
         if timers is not None:
-            self.timed.append((fn, ctx, timers, down, node.uid))
+            self.timed.append((fn, ctx, timers, down, uid))
         self.functions.append((fn, ctx))
         self.contexts.append(ctx)
         keyslot = state.keys
-        key_fns = [e.key_fn for e in node.inputs]
-        label = node.uid
+        key_of = _required_key_fn(node.inputs[0].key_fn if node.inputs else None, uid)
+        label = uid
         if hasattr(fn, "on_epoch_end"):
             self._epoch_hooks.append((fn, ctx, down, label))
         if hasattr(fn, "process_batch"):
-            return self._compile_process_batch(fn, ctx, key_fns, label, down)
+            return self._compile_process_batch(fn, ctx, key_of, label, down)
         process = fn.process
 
         def op_process(records: list[Any], keys: list[Any] | None) -> None:
             if keys is None:  # only when fed directly by a source in tests; normal path carries keys
-                keys = [key_fns[0](r) for r in records]
+                keys = [key_of(r) for r in records]
             out: list[Any] = []
             extend = out.extend
             try:
@@ -253,7 +261,7 @@ class ChainRuntime:
         return op_process
 
     @staticmethod
-    def _compile_process_batch(fn, ctx, key_fns, label: str, down: Push) -> Push:
+    def _compile_process_batch(fn: Any, ctx: Context, key_of: Callable[[Any], Any], label: str, down: Push) -> Push:
         """A keyed function that takes the whole batch (``process_batch(records, keys, ctx)``)
         and returns its output records; it sets the current key itself (the PySpark wrappers
         group a batch per key and call the user once per key)."""
@@ -261,7 +269,7 @@ class ChainRuntime:
 
         def op_process_batch(records: list[Any], keys: list[Any] | None) -> None:
             if keys is None:
-                keys = [key_fns[0](r) for r in records]
+                keys = [key_of(r) for r in records]
             try:
                 out = process_batch(records, keys, ctx)
             except Exception as exc:
@@ -340,6 +348,23 @@ class ChainRuntime:
 
 
 _NOT_RECORD_ITERABLES = frozenset({str, bytes, dict})
+
+
+def _uid(node: Node) -> str:
+    if node.uid is None:
+        raise ValueError(f"operator {node.name!r} ({node.kind}) needs a uid: its state or output is checkpointed")
+    return node.uid
+
+
+def _required_key_fn(key_fn: Callable[[Any], Any] | None, name: str) -> Callable[[Any], Any]:
+    """``key_fn``, or one that says which keyed input lacks it (called only if keys are missing)."""
+    if key_fn is not None:
+        return key_fn
+
+    def no_key(record: Any) -> Any:
+        raise ValueError(f"{name!r}: a keyed input without a key function")
+
+    return no_key
 
 
 def _key_is_key_group(key: int) -> int:

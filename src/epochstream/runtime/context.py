@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .state import (BroadcastState, HeapKeyedState, ListState, MapState, OperatorListState,
+                        OperatorStateBackend, StateDescriptor, ValueState)
+    from .timers import TimerService
 
 
 class Context:
@@ -11,8 +16,8 @@ class Context:
     __slots__ = ("_state", "_keys", "_operator", "subtask_index", "parallelism", "operator_uid", "epoch", "timers",
                  "now")
 
-    def __init__(self, state, subtask_index: int, parallelism: int, operator_uid: str, timers=None,
-                 operator_state=None) -> None:
+    def __init__(self, state: HeapKeyedState, subtask_index: int, parallelism: int, operator_uid: str,
+                 timers: TimerService | None = None, operator_state: OperatorStateBackend | None = None) -> None:
         self._state = state
         self._operator = operator_state
         #: the operator's ``TimerService`` (None: it declared no event-time use)
@@ -41,11 +46,11 @@ class Context:
         """The keys of this subtask that hold a value in state ``name`` (a snapshot list)."""
         return self._state.keys_of(name)
 
-    def state(self, descriptor):
+    def state(self, descriptor: StateDescriptor) -> ValueState | ListState | MapState:
         """The handle of ``descriptor``'s state for the current key (declare it in ``open``)."""
         return self._state.handle(descriptor)
 
-    def timer_service(self):
+    def timer_service(self) -> TimerService:
         """Event-time timers (PyFlink's ``ctx.timer_service()``)."""
         if self.timers is None:
             raise RuntimeError(
@@ -54,7 +59,7 @@ class Context:
             )
         return self.timers
 
-    def operator_state(self, descriptor, mode: str = "split"):
+    def operator_state(self, descriptor: StateDescriptor, mode: str = "split") -> OperatorListState | BroadcastState:
         """A list of this subtask, not scoped to a key (Flink's operator list state).
 
         ``mode`` says where the entries go when the job restores at another parallelism:
@@ -64,7 +69,7 @@ class Context:
             raise TypeError(f"operator {self.operator_uid!r} has no operator state backend")
         return self._operator.handle(descriptor, mode)
 
-    def broadcast_state(self, descriptor):
+    def broadcast_state(self, descriptor: StateDescriptor) -> OperatorListState | BroadcastState:
         """A dict every subtask holds the same copy of; only subtask 0's copy is checkpointed
         and every subtask gets it back on restore, at any parallelism."""
         if self._operator is None:

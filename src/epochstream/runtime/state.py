@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import pickle
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, overload
 
 from .errors import StateSerializationError
 from .messages import KeyedCapture
@@ -123,7 +123,8 @@ class ListState:
         self._t, self._k = table, keys
 
     def get(self) -> list[Any]:
-        return self._t.data.get(self._k.key, [])
+        values: list[Any] = self._t.data.get(self._k.key, [])
+        return values
 
     def add(self, value: Any) -> None:
         k = self._k.key
@@ -156,7 +157,8 @@ class MapState:
         self._t, self._k = table, keys
 
     def _map(self) -> dict[Any, Any]:
-        return self._t.data.get(self._k.key, _EMPTY)
+        entries: dict[Any, Any] = self._t.data.get(self._k.key, _EMPTY)
+        return entries
 
     def get(self, key: Any) -> Any:
         return self._map().get(key)
@@ -215,7 +217,7 @@ _EMPTY: dict[Any, Any] = {}
 class HeapKeyedState:
     """All keyed state of one operator instance (one subtask of one ``process`` operator)."""
 
-    def __init__(self, operator_uid: str, key_group_of, key_group_range: tuple[int, int],
+    def __init__(self, operator_uid: str, key_group_of: Callable[[Any], int], key_group_range: tuple[int, int],
                  key_type: TypeInformation | None = None) -> None:
         self.operator_uid = operator_uid
         #: the key's declared type (``key_by(..., key_type=)``), checked at each capture
@@ -229,6 +231,18 @@ class HeapKeyedState:
         self.force_full = True
         #: newest time label whose timers fired here (None: the operator has no event time)
         self.event_time: int | None = None
+
+    @overload
+    def handle(self, descriptor: ValueStateDescriptor) -> ValueState: ...
+
+    @overload
+    def handle(self, descriptor: ListStateDescriptor) -> ListState: ...
+
+    @overload
+    def handle(self, descriptor: MapStateDescriptor) -> MapState: ...
+
+    @overload
+    def handle(self, descriptor: StateDescriptor) -> ValueState | ListState | MapState: ...
 
     def handle(self, descriptor: StateDescriptor) -> ValueState | ListState | MapState:
         kind = descriptor.kind
@@ -306,7 +320,7 @@ class HeapKeyedState:
         data, typ = table.data, table.type
         for key in keys:
             why = None if key_type is None else key_type.check(key)
-            if why:
+            if why and key_type is not None:
                 raise StateSerializationError(
                     f"operator {self.operator_uid!r}: key {key!r} does not fit the declared key type "
                     f"{key_type.sql}: {why}"
@@ -422,7 +436,8 @@ class OperatorStateBackend:
             )
         entry = self.entries.get(descriptor.name)
         if entry is None:
-            entry = self.entries[descriptor.name] = (mode, {} if mode == BROADCAST else [])
+            value: Any = {} if mode == BROADCAST else []
+            entry = self.entries[descriptor.name] = (mode, value)
         elif entry[0] != mode:
             raise ValueError(
                 f"operator {self.operator_uid!r}: operator state {descriptor.name!r} is declared with mode "

@@ -8,6 +8,7 @@ it builds and checks the manifest's content; ``backends`` write and read the byt
 from __future__ import annotations
 
 import base64
+import builtins
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -84,7 +85,7 @@ class AckInfo:
     #: operator uid -> newest time label whose timers fired (event time only)
     event_time: dict[str, int] = field(default_factory=dict)
     #: (operator uid, state name, mode, pickled value) of this task's operator state
-    operator_state: tuple[tuple[str, str, str, bytes], ...] = ()
+    operator_state: tuple[tuple[str, str, str, builtins.bytes], ...] = ()  # the field ``bytes`` hides the type
     #: a loop head's log of in-transit records: records and pickled bytes
     loop_log_records: int = 0
     loop_log_bytes: int = 0
@@ -134,14 +135,14 @@ class ManifestBuilder:
                     ref = None if link_ack is None else next((f for f in link_ack.files if f.operator == op), None)
                     if ref is None:
                         raise IncompleteChainError(
-                            f"epoch {epoch}: the incremental snapshot of operator {op!r} subtask {task[1]} builds on "
+                            f"epoch {epoch}: the incremental snapshot of operator {op!r} subtask {info.task[1]} builds on "
                             f"epoch {link}, whose state file was not written"
                         )
                     entry["files"].append(ref.to_json())
             for op, name, mode, data in info.operator_state:
                 entry = operators.setdefault(op, {"kind": "process", "states": {}, "files": []})
                 st = entry.setdefault("operator_state", {}).setdefault(name, {"mode": mode, "parts": {}})
-                st["parts"][str(task[1])] = base64.b64encode(data).decode("ascii")
+                st["parts"][str(info.task[1])] = base64.b64encode(data).decode("ascii")
             for src, offs in info.offsets.items():
                 sources.setdefault(src, {"offsets": {}})["offsets"].update({str(k): v for k, v in offs.items()})
             metrics["bytes"] += info.bytes
@@ -159,8 +160,8 @@ class ManifestBuilder:
         for task, info in acks.items():  # sinks with no output still appear
             for sink in info.staged:
                 sinks.setdefault(sink, {"staged": []})
-        for src in sources.values():  # every split has an offset (every split has a reader)
-            src["splits"] = len(src["offsets"])
+        for source in sources.values():  # every split has an offset (every split has a reader)
+            source["splits"] = len(source["offsets"])
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,

@@ -82,7 +82,7 @@ class LocalTracker:
         #: aggregated mode: (segment, epoch, dim) -> [xor, snd, rcv], in first-event order
         self._slots: dict[tuple[int, int, int], list[int]] = {}
         #: non-aggregated mode: every event and promise, in recording order
-        self._queue: list[Report | Promise] = []
+        self._queue: list[Report | Promise | Confirm] = []
         #: aggregated mode: (segment, source, dim) -> newest pending promise (older ones are implied)
         self._promises: dict[tuple[int, Hashable, int], int] = {}
         #: (segment, process) -> newest pending confirmation (aggregated mode)
@@ -179,9 +179,9 @@ class LocalTracker:
                 self.seq += 1
         else:
             for item in self._queue:
-                if type(item) is Report:
+                if isinstance(item, Report):
                     out.append(TrackerMessage(self.id, self.seq, (item,), ()))
-                elif type(item) is Promise:
+                elif isinstance(item, Promise):
                     out.append(TrackerMessage(self.id, self.seq, (), (item,)))
                 else:
                     out.append(TrackerMessage(self.id, self.seq, (), (), (item,)))

@@ -21,7 +21,7 @@ kinds or processes all equal the total. Bytes follow the wire layouts in ``messa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Hashable, TypeVar
 
 REPORT, PROMISE, NEOSS_KIND, MARKER = "report", "promise", "neoss", "marker"
 
@@ -55,11 +55,9 @@ class ServiceTraffic:
     def record(
         self, kind: str, process: Hashable, epoch: int | None, *, nbytes: int, messages: int = 1, entries: int = 1
     ) -> None:
-        for table, key in ((self.by_kind, kind), (self.by_process, process), (self.by_epoch, epoch)):
-            tally = table.get(key)
-            if tally is None:
-                tally = table[key] = Tally()
-            tally.add(messages, nbytes, entries)
+        _tally(self.by_kind, kind).add(messages, nbytes, entries)
+        _tally(self.by_process, process).add(messages, nbytes, entries)
+        _tally(self.by_epoch, epoch).add(messages, nbytes, entries)
         self.total.add(messages, nbytes, entries)
 
     def messages(self, kind: str | None = None) -> int:
@@ -76,10 +74,12 @@ class ServiceTraffic:
 
     def merge(self, other: "ServiceTraffic") -> None:
         """Add ``other``'s counts (e.g. per-worker marker counts into the job's)."""
-        for mine, theirs in ((self.by_kind, other.by_kind), (self.by_process, other.by_process),
-                             (self.by_epoch, other.by_epoch)):
-            for key, t in theirs.items():
-                mine.setdefault(key, Tally()).add(t.messages, t.bytes, t.entries)
+        for kind, t in other.by_kind.items():
+            _tally(self.by_kind, kind).add(t.messages, t.bytes, t.entries)
+        for process, t in other.by_process.items():
+            _tally(self.by_process, process).add(t.messages, t.bytes, t.entries)
+        for epoch, t in other.by_epoch.items():
+            _tally(self.by_epoch, epoch).add(t.messages, t.bytes, t.entries)
         self.total.add(other.total.messages, other.total.bytes, other.total.entries)
 
     def as_dict(self) -> dict[str, Any]:
@@ -93,3 +93,13 @@ class ServiceTraffic:
                 for e, t in sorted(self.by_epoch.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
             },
         }
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def _tally(table: dict[K, Tally], key: K) -> Tally:
+    tally = table.get(key)
+    if tally is None:
+        tally = table[key] = Tally()
+    return tally
