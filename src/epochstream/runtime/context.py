@@ -5,8 +5,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .state import (BroadcastState, HeapKeyedState, ListState, MapState, OperatorListState,
-                        OperatorStateBackend, StateDescriptor, ValueState)
+    from .state import (
+        BroadcastState,
+        HeapKeyedState,
+        ListState,
+        MapState,
+        OperatorListState,
+        OperatorStateBackend,
+        StateDescriptor,
+        ValueState,
+    )
     from .timers import TimerService
 
 

@@ -135,8 +135,8 @@ class ManifestBuilder:
                     ref = None if link_ack is None else next((f for f in link_ack.files if f.operator == op), None)
                     if ref is None:
                         raise IncompleteChainError(
-                            f"epoch {epoch}: the incremental snapshot of operator {op!r} subtask {info.task[1]} builds on "
-                            f"epoch {link}, whose state file was not written"
+                            f"epoch {epoch}: the incremental snapshot of operator {op!r} subtask {info.task[1]} "
+                            f"builds on epoch {link}, whose state file was not written"
                         )
                     entry["files"].append(ref.to_json())
             for op, name, mode, data in info.operator_state:

@@ -104,9 +104,9 @@ import heapq
 from typing import Hashable, Iterable, Mapping, Sequence
 
 from ..runtime.errors import ProtocolError
-from .local import BatchIds
 from ..runtime.messages import END_OF_TIME
-from .messages import EPOCHS, AgentNote, MAX_ID, NEOSS, NEOSS_WIRE, TIME, WINDOW_END_WIRE, TrackerMessage, WindowEnd
+from .local import BatchIds
+from .messages import EPOCHS, MAX_ID, NEOSS, NEOSS_WIRE, TIME, WINDOW_END_WIRE, AgentNote, TrackerMessage, WindowEnd
 from .segments import Segmentation
 from .traffic import NEOSS_KIND, PROMISE, REPORT, ServiceTraffic
 
