@@ -47,21 +47,19 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 
 from ..snapshot.manifest import CheckpointError, StateFileRef
 from ..runtime.types import TypeInformation
-from . import spark_session
+from . import scheme_of, spark_session
 from .base import Row, TransactionalSink
 from .objects import ObjectCheckpointStorage, safe_name
 from .typed import declared_columns, spec_of_spark_type, typed_arrays
 
 log = logging.getLogger(__name__)
 
-#: the columns of a state table (key and value are pickled bytes, as in the state files); a
-#: state or key that declares a type adds a typed column (``backends.typed``)
-STATE_COLUMNS = ("key_group", "key", "state", "value", "epoch")
-STATE_DDL = "key_group INT, key BINARY, state STRING, value BINARY, epoch BIGINT"
 #: table property naming what wrote a table; anything else at the path is refused
 FORMAT_PROPERTY = "epochstream.format"
 STATE_FORMAT = "keyed-state-v1"
 SINK_FORMAT = "sink-v1"
+#: where a Delta sink stages an epoch's output inside its table's folder (Delta ignores ``_`` folders)
+STAGING = "_epochstream_staging"
 
 _TXN_APP = "spark.databricks.delta.write.txnAppId"
 _TXN_VERSION = "spark.databricks.delta.write.txnVersion"
@@ -86,6 +84,11 @@ _retry_conflicts = retry(
 )
 
 
+def _is_remote(path: Any) -> bool:
+    """Whether a table path is on an object store (``s3://``...) rather than a local path or ``file:``."""
+    return scheme_of(str(path)) != "file"
+
+
 def _uri(path: str) -> str:
     """The form Spark's Hadoop filesystems take: s3:// becomes s3a:// (the S3A connector)."""
     if path.startswith("s3://"):
@@ -94,7 +97,7 @@ def _uri(path: str) -> str:
 
 
 def _is_delta_table(path: str) -> bool:
-    if "://" in path and not path.startswith("file:"):
+    if _is_remote(path):
         from delta.tables import DeltaTable
 
         return DeltaTable.isDeltaTable(spark_session.get_spark(), _uri(path))
@@ -102,10 +105,10 @@ def _is_delta_table(path: str) -> bool:
 
 
 def _path_has_files(path: str) -> bool:
-    if "://" in path and not path.startswith("file:"):
+    if _is_remote(path):
         return False  # object stores: only a Delta log counts (checked by _is_delta_table)
     p = Path(path)
-    return p.is_dir() and any(c.name != "_epochstream_staging" for c in p.iterdir())
+    return p.is_dir() and any(c.name != STAGING for c in p.iterdir())
 
 
 def _commit_meta(app_id: str, epoch: int) -> str:
@@ -130,7 +133,7 @@ class _Txn:
 
 
 def _local_log(table: str) -> Path | None:
-    if "://" in table and not table.startswith("file:"):
+    if _is_remote(table):
         return None
     log_dir = Path(table.removeprefix("file:")) / "_delta_log"
     return log_dir if log_dir.is_dir() else None
@@ -243,7 +246,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         from . import open_objects
 
         super().__init__(open_objects(where))
-        if "://" in str(self.root) and not str(self.root).startswith("file:"):
+        if _is_remote(self.root):
             spark_session.need_s3a()  # its tables live on S3: the session must carry the S3A jars
 
     def __repr__(self) -> str:
@@ -546,9 +549,6 @@ def _parquet_bytes(table: pa.Table) -> bytes:
 # ---------------------------------------------------------------- sink
 
 
-STAGING = "_epochstream_staging"
-
-
 class DeltaSink(TransactionalSink):
     """Exactly-once output to a Delta table: one append transaction per epoch.
 
@@ -567,7 +567,7 @@ class DeltaSink(TransactionalSink):
         from . import location
 
         self.path = str(location(path))
-        if "://" in self.path and not self.path.startswith("file:"):
+        if _is_remote(self.path):
             spark_session.need_s3a()
         self.schema = schema if isinstance(schema, pa.Schema) else pa.schema(schema)
         self.table_properties = dict(table_properties or {})
