@@ -1,0 +1,243 @@
+"""``DeltaSink``: exactly-once output to a Delta table, ONE append transaction per epoch.
+
+The sink's side of the two-phase commit (thesis Table 4.1, Delta as the commit log):
+
+* **begin** (``start``, at every (re)start): the table is created, or checked to be ours
+  and to have the sink's columns; the transaction id continues the restored run's lineage
+  or starts a new one (``txnAppId`` = job, sink uid, lineage).
+* **pre-commit** (workers, no Spark): an epoch's records are staged as a Parquet file under
+  ``<table>/_epochstream_staging/<uid>/`` (``tables.STAGING``: Delta readers and VACUUM
+  ignore ``_`` folders). Nothing is visible in the table yet.
+* **commit point**: the manifest names the table and the app id (``manifest_entry``).
+* **commit** (job master, after the manifest, ``commit_epoch``): the epoch's staged files
+  are appended as the transaction (app id, epoch); Delta skips it if it is re-issued.
+* **recover**: the restored epoch's append is re-issued, later staged output dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import secrets
+from collections.abc import Iterable
+from typing import Any
+
+import pyarrow as pa
+
+from ...snapshot.manifest import CheckpointError
+from .. import spark_session
+from ..base import TransactionalSink
+from ..objects import safe_name
+from . import tables
+from .tables import SINK_FORMAT, STAGING, DeltaTables, is_delta_table, version_of_epoch
+
+
+class DeltaSink(TransactionalSink):
+    """Exactly-once output to a Delta table: one append transaction per epoch.
+
+    ``schema`` is a pyarrow schema (or a list of (name, type) pairs); records are tuples in
+    column order or dicts. Output is staged as Parquet by the workers (pre-commit) and
+    appended by the job master after the epoch's manifest, with ``txnAppId`` = job, sink
+    uid and run lineage and ``txnVersion`` = epoch, so a re-issued commit is skipped by Delta.
+    ``path`` is a local path or an S3 URL (``s3://`` or ``s3a://``).
+    """
+
+    #: the job master commits this sink once per epoch (``commit_epoch``), not file by file
+    epoch_transactions = True
+
+    def __init__(self, path: str | os.PathLike[str], schema: pa.Schema | list[tuple[str, pa.DataType]],
+                 table_properties: dict[str, str] | None = None) -> None:
+        from .. import location
+
+        self.path = str(location(path))
+        if tables.is_remote(self.path):
+            spark_session.need_s3a()
+        self.schema = schema if isinstance(schema, pa.Schema) else pa.schema(schema)
+        self.table_properties = dict(table_properties or {})
+        #: sink uid -> the app id of its Delta transactions (the run lineage), set by ``start``
+        self._app_ids: dict[str, str] = {}
+        self._store: Any = None
+        #: the Spark session handle, and whether this sink checked (or created) its table
+        self.tables = DeltaTables()
+
+    def __repr__(self) -> str:
+        return f"DeltaSink({self.path!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__, _store=None)  # connections are opened again where the sink runs
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            from .. import open_objects
+
+            self._store = open_objects(self.path)
+        return self._store
+
+    def relocated(self, path: Any) -> DeltaSink:
+        return type(self)(path, self.schema, self.table_properties)
+
+    # ------------------------------------------------------------ records
+    def _row(self, record: Any) -> dict[str, Any]:
+        if isinstance(record, dict):
+            return {n: record.get(n) for n in self.schema.names}
+        if isinstance(record, (tuple, list)) and len(record) == len(self.schema):
+            return dict(zip(self.schema.names, record))
+        raise TypeError(f"sink {self.path}: record {record!r} does not match the columns {self.schema.names}")
+
+    def encoder(self, record: Any) -> str:
+        """The canonical text of a record (the oracle compares outputs through it)."""
+        return json.dumps(self._row(record), sort_keys=True, default=repr, separators=(",", ":"))
+
+    def writer(self) -> _RowWriter:
+        return _RowWriter()
+
+    # ------------------------------------------------------------ 2PC verbs
+    def pre_commit(self, uid: str, subtask: int, epoch: int, attempt: str, records: Any) -> str | None:
+        """Stage an epoch's output as Parquet (workers); returns the path relative to the table."""
+        if not records:
+            return None
+        rows = [self._row(r) for r in records]
+        try:
+            table = pa.Table.from_pylist(rows, schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+            raise TypeError(f"sink {self.path}: records do not fit the schema {self.schema}: {exc}") from exc
+        rel = f"{STAGING}/{safe_name(uid)}/e{epoch}-s{subtask}-a{attempt}.parquet"
+        self.store.put(self.store.root / rel, tables.parquet_bytes(table))
+        return rel
+
+    def start(self, uid: str, job: str, manifest: dict[str, Any] | None) -> None:
+        """At (re)start: continue the restored run's transaction ids, or start a new lineage;
+        create the table (or check that it is ours) before any output is staged in it."""
+        entry = (manifest or {}).get("sinks", {}).get(uid, {}).get("delta")
+        if entry and entry.get("app_id"):
+            self._app_ids[uid] = entry["app_id"]
+        else:
+            self._app_ids[uid] = f"epochstream/{job}/sink/{uid}/{secrets.token_hex(4)}"
+        self._check_table()
+        if not is_delta_table(self.path):
+            self._create()
+
+    def manifest_entry(self, uid: str) -> dict[str, Any]:
+        return {"table": self.path, "app_id": self._app_ids[uid]}
+
+    def _check_table(self) -> None:
+        """Refuse a table that is not this sink's (other format, other columns) or a folder of other files."""
+        if is_delta_table(self.path):
+            self.tables.check_owned(self.path, SINK_FORMAT, {}, f"Delta sink {self.path}")
+            have = [f.name for f in self.tables.open(self.path).toDF().schema.fields]
+            if have != self.schema.names:
+                raise CheckpointError(
+                    f"Delta sink {self.path}: the table has columns {have}, the sink writes {self.schema.names}; "
+                    f"nothing was written to it"
+                )
+        elif tables.path_has_files(self.path):
+            raise CheckpointError(f"Delta sink {self.path}: the folder holds files but is not a Delta table; "
+                                  f"nothing was written to it")
+
+    def _create(self) -> None:
+        from delta.tables import DeltaTable
+
+        spark = self.tables.spark
+        empty = spark.createDataFrame(self.schema.empty_table())
+        builder = DeltaTable.createIfNotExists(spark).location(tables.spark_uri(self.path)).addColumns(empty.schema)
+        for k, v in {tables.FORMAT_PROPERTY: SINK_FORMAT, **self.table_properties}.items():
+            builder = builder.property(k, v)
+        builder.execute()
+        self.tables.mark_owned(self.path, SINK_FORMAT)
+
+    def commit_epoch(self, uid: str, epoch: int, staged: list[str]) -> int | None:
+        """Append the epoch's staged files in ONE transaction; a re-issue is a no-op."""
+        app_id = self._app_ids.get(uid)
+        if app_id is None:
+            raise CheckpointError(f"Delta sink {self.path}: commit of {uid!r} before start()")
+        root = self.store.root
+        present = [rel for rel in staged if self.store.exists(root / rel)]
+        done = version_of_epoch(self.path, app_id, epoch)
+        if done is not None:
+            self.abort(present)
+            return done
+        if len(present) != len(staged):
+            missing = sorted(set(staged) - set(present))
+            raise CheckpointError(
+                f"Delta sink {self.path}: staged output {missing[:3]} of epoch {epoch} is gone and was never "
+                f"committed; the epoch's output is lost (was the staging folder deleted by hand?)"
+            )
+        tables.append(self._staged_frame(present), self.path, app_id, epoch,
+                      lambda exc: f"Delta sink {self.path}: epoch {epoch} kept conflicting: {exc}")
+        self.abort(present)
+        return version_of_epoch(self.path, app_id, epoch)
+
+    def _staged_frame(self, staged: list[str]) -> Any:
+        """The staged Parquet files as one Spark DataFrame of the sink's columns (empty if none)."""
+        spark = self.tables.spark
+        spark_schema = spark.createDataFrame(self.schema.empty_table()).schema
+        if not staged:
+            return spark.createDataFrame([], spark_schema)
+        return spark.read.schema(spark_schema).parquet(
+            *[tables.spark_uri(str(self.store.root / rel)) for rel in staged])
+
+    def commit(self, staged: Iterable[str]) -> int:
+        raise CheckpointError("DeltaSink commits once per epoch (commit_epoch); the job master calls it")
+
+    def abort(self, staged: Iterable[str]) -> None:
+        for rel in staged:
+            self.store.delete(self.store.root / rel)
+
+    def recover(self, uid: str, committed: Iterable[str], epoch: int | None = None) -> None:
+        """Re-issue the restored epoch's commit (a no-op if it happened), drop later staged output."""
+        keep = list(committed)
+        if epoch is not None:
+            self.commit_epoch(uid, epoch, keep)
+        folder = self.store.root / STAGING / safe_name(uid)
+        for key in list(self.store.keys(folder)):
+            self.store.delete(folder / key)
+
+    # ------------------------------------------------------------ reading committed output
+    def read(self, version: int | None = None) -> list[dict[str, Any]]:
+        """Committed rows (optionally as of a Delta version)."""
+        if not is_delta_table(self.path):
+            return []
+        reader = self.tables.spark.read.format("delta")
+        if version is not None:
+            reader = reader.option("versionAsOf", int(version))
+        rows: list[dict[str, Any]] = reader.load(tables.spark_uri(self.path)).toArrow().to_pylist()
+        return rows
+
+    def committed_lines_by_epoch(self) -> dict[int, collections.Counter[str]]:
+        """Encoded output committed by each epoch (each epoch's version minus the one before)."""
+        out: dict[int, collections.Counter[str]] = {}
+        prev: collections.Counter[str] = collections.Counter()
+        for epoch, version in self.epochs():
+            cur = collections.Counter(map(self.encoder, self.read(version)))
+            out[epoch] = out.get(epoch, collections.Counter()) + (cur - prev)
+            prev = cur
+        return out
+
+    def epochs(self) -> list[tuple[int, int]]:
+        """(epoch, Delta version) of every committed epoch, oldest first."""
+        if not is_delta_table(self.path):
+            return []
+        out = []
+        for h in tables.history(self.path):
+            m = h["meta"]
+            if isinstance(m, dict) and "/sink/" in str(m.get("epochstream")):
+                out.append((int(m["epoch"]), int(h["version"])))
+        return sorted(out, key=lambda ev: ev[1])
+
+
+class _RowWriter:
+    """A worker's buffer of one epoch's records (``TransactionalSink.writer``)."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf: list[Any] = []
+
+    def write(self, records: list[Any]) -> None:
+        self.buf.extend(records)
+
+    def take(self) -> list[Any]:
+        out, self.buf = self.buf, []
+        return out

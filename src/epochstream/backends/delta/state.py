@@ -1,0 +1,393 @@
+"""The Delta state backend: committed keyed state as one Delta table per stateful operator.
+
+``DeltaCheckpointStorage`` is the object-store backend (local folder or S3) plus the tables:
+it owns the state side of the two-phase commit (thesis Table 4.1, Delta as the commit log):
+
+* **pre-commit** (workers, no Spark): a task's capture is written as a Parquet state file,
+  exactly as in the object-store backends. Nothing is visible in any Delta table yet.
+* **manifest** (driver, ``commit``): the checkpoint's commit point, as for every backend. It
+  names the state files and, per operator, the Delta transaction it owes: ``txnAppId``
+  (job and operator uid), ``txnVersion`` (the epoch), the Delta version that transaction
+  will have and the typed columns it writes (``manifest["delta"]["state"][uid]``). The table
+  is created, or checked to be ours, here: a foreign table fails the epoch before it exists.
+* **commit** (driver, after the manifest, ``commit_epoch``): per operator ONE Delta MERGE
+  that makes the table equal the operator's committed state at the epoch (upserts, deletes
+  of tombstoned keys, and for full captures deletes of keys gone from the captured key-group
+  range). Delta skips it if it is re-issued after a crash; a commit that lands at another
+  version than the manifest recorded means another writer was there (``DeltaConflictError``).
+* **recover** (``recover_epoch``): the restored manifest's commits are re-issued (no-ops if
+  they happened), the operator state is read back from the table at the recorded version
+  (time travel) and handed to the workers as one Parquet file per operator (workers need
+  no Spark).
+
+Layout under the checkpoint dir::
+
+    ROOT/delta/<operator uid>/            Delta table of one operator's committed state
+    ROOT/delta/_restore/<table>-v<N>.parquet   state read back for a restore
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ...runtime.types import TypeInformation
+from ...snapshot.manifest import CheckpointError, StateFileRef
+from .. import spark_session
+from ..base import Row
+from ..objects import ObjectCheckpointStorage, safe_name
+from ..typed import declared_columns, typed_arrays
+from . import tables
+from .schema import COLUMNS, ROW_KEY, ROW_NAMES, arrow_schema
+from .tables import (
+    STATE_FORMAT,
+    DeltaConflictError,
+    DeltaTables,
+    is_delta_table,
+    version_of_epoch,
+)
+
+log = logging.getLogger(__name__)
+
+#: the MERGE source's columns while folding state files: the row columns and the link each came from
+_FOLD_SCHEMA = arrow_schema(ROW_NAMES).append(pa.field("link", pa.int32()))
+#: a MERGE matches source and table rows on the row key
+_MERGE_ON = " AND ".join(f"t.{c} = s.{c}" for c in ROW_KEY)
+
+
+def _what(uid: str) -> str:
+    return f"committed state of operator {uid!r}"
+
+
+class DeltaCheckpointStorage(ObjectCheckpointStorage):
+    """Checkpoints whose committed keyed state is also a Delta table per operator.
+
+    State files and manifests live under ``root`` as with the object-store backends (local
+    folder or S3: they are the pre-commit and the commit point); the Delta tables under
+    ``root/delta`` are the committed state: Spark SQL reads them, with ``VERSION AS OF`` per
+    epoch, and a restore reads them back by time travel.
+    """
+
+    def __init__(self, where: Any) -> None:
+        from .. import open_objects
+
+        super().__init__(open_objects(where))
+        #: the Spark session handle, and the tables this storage checked and their typed columns
+        self.tables = DeltaTables()
+        if tables.is_remote(self.root):
+            spark_session.need_s3a()  # its tables live on S3: the session must carry the S3A jars
+
+    def __repr__(self) -> str:
+        return f"DeltaCheckpointStorage({str(self.root)!r})"
+
+    # ------------------------------------------------------------ naming
+    def table_path(self, operator: str, root: Any = None) -> str:
+        """The Delta table of one operator's committed state (a plain Delta table)."""
+        return str((self.root if root is None else root) / "delta" / safe_name(operator))
+
+    @staticmethod
+    def app_id(job: str, operator: str) -> str:
+        return f"epochstream/{job}/state/{operator}"
+
+    # ------------------------------------------------------------ commit point
+    def commit(self, manifest: dict[str, Any]) -> Any:
+        """Write the manifest, naming for each operator the Delta transaction it is owed and
+        the Delta version that transaction will have.
+
+        epochstream is the table's only writer (its job master commits in epoch order), so
+        the version is the table's next one; a commit that lands elsewhere means someone else
+        wrote to the table, and is refused (``DeltaConflictError``). The table is created (or
+        checked) here, before the checkpoint exists: a foreign table fails the epoch early.
+        """
+        state = manifest.setdefault("delta", {}).setdefault("state", {})
+        for uid in sorted(manifest["operators"]):
+            state[uid] = self._owed_transaction(manifest, uid)
+        return super().commit(manifest)
+
+    def _owed_transaction(self, manifest: dict[str, Any], uid: str) -> dict[str, Any]:
+        """The manifest entry of the Delta transaction operator ``uid`` is owed for the epoch."""
+        epoch, job = int(manifest["epoch"]), manifest["job"]
+        table, app_id = self.table_path(uid), self.app_id(job, uid)
+        try:
+            declared = declared_columns(manifest["operators"][uid])
+        except ValueError as exc:
+            raise CheckpointError(f"{_what(uid)}: {exc}") from None
+        self._ensure_table(table, job, uid, app_id, declared)
+        hist = tables.history(table)
+        columns = self._typed_columns(table, uid, declared, hist[0]["version"])
+        last = self._last_epoch(hist, app_id, table, _what(uid))
+        if last >= epoch:
+            raise CheckpointError(
+                f"{_what(uid)}: the Delta table {table} already holds epoch {last}, newer than the epoch "
+                f"{epoch} being checkpointed; it belongs to another run of job {job!r} (restore into a new "
+                f"checkpoint dir, or remove the table)"
+            )
+        entry = {"table": f"delta/{safe_name(uid)}", "app_id": app_id, "txn_version": epoch,
+                 "version": hist[0]["version"] + 1}
+        if columns:
+            entry["columns"] = {c: t.to_json() for c, t in columns.items()}
+        return entry
+
+    def _typed_columns(self, table: str, uid: str, declared: dict[str, TypeInformation],
+                       version: int) -> dict[str, TypeInformation]:
+        """The typed columns the epoch's commit writes: the table's (at ``version``) and the newly
+        declared ones.
+
+        A column keeps its type for the table's life: a state declared with another type than
+        its column has is refused here, before the checkpoint exists (nothing is lost: the
+        epoch fails). A column the job no longer declares keeps being filled from its type.
+        """
+        have = self.tables.typed_columns(table, version)
+        for col, t in declared.items():
+            if col in have and have[col] != t:
+                raise CheckpointError(
+                    f"{_what(uid)}: {col} is declared as {t.sql}, but the Delta table {table} "
+                    f"holds it as {have[col].sql}; a typed column keeps its type. Declare {have[col].sql}, or "
+                    f"restore into a new checkpoint dir (its tables start afresh)"
+                )
+        return {**have, **declared}
+
+    def _ensure_table(self, table: str, job: str, uid: str, app_id: str,
+                      declared: dict[str, TypeInformation] | None = None) -> None:
+        """Create the operator's table, or check that the one at its path is ours."""
+        props = {"epochstream.job": job, "epochstream.operator": uid}
+        if is_delta_table(table):
+            self.tables.check_owned(table, STATE_FORMAT, props, _what(uid))
+            return
+        if tables.path_has_files(table):
+            raise CheckpointError(f"{_what(uid)}: {table} holds files but is not a Delta table; nothing was "
+                                  f"written to it")
+        self._create_table(table, props, app_id, declared or {})
+
+    def _create_table(self, table: str, props: dict[str, str], app_id: str,
+                      declared: dict[str, TypeInformation]) -> None:
+        """Create a state table (as the transaction (app_id, 0), so it counts as ours in its history)."""
+        from delta.tables import DeltaTable
+
+        spark = self.tables.spark
+        builder = DeltaTable.createIfNotExists(spark).location(tables.spark_uri(table))
+        for c in COLUMNS:
+            builder = builder.addColumn(c.name, c.sql, nullable=c.nullable)
+        for name, t in declared.items():
+            builder = builder.addColumn(name, t.sql, nullable=True)
+        for k, v in {tables.FORMAT_PROPERTY: STATE_FORMAT, **props}.items():
+            builder = builder.property(k, v)
+        with tables.AppTransaction(spark, app_id, 0):
+            builder.execute()
+        self.tables.mark_owned(table, STATE_FORMAT)
+
+    # ------------------------------------------------------------ commit
+    def commit_epoch(self, manifest: dict[str, Any], fail_point: Callable[[str], None] | None = None,
+                     root: Any = None, only: set[str] | None = None) -> dict[str, int]:
+        """One Delta transaction per operator for the manifest's epoch; idempotent.
+
+        Returns uid -> the Delta version holding the epoch (the one the manifest recorded).
+        """
+        root = self.root if root is None else root
+        versions: dict[str, int] = {}
+        for uid, entry in sorted(manifest.get("delta", {}).get("state", {}).items()):
+            if only is not None and uid not in only:
+                continue
+            table = str(root / entry["table"])
+            columns = {c: TypeInformation.from_json(t) for c, t in entry.get("columns", {}).items()}
+            version = self._commit_operator(manifest, uid, table, entry["app_id"], root, columns)
+            if entry.get("version") is not None and version != entry["version"]:
+                raise DeltaConflictError(
+                    f"{_what(uid)}: epoch {manifest['epoch']} landed at Delta version {version} of {table}, the "
+                    f"manifest recorded {entry['version']}: another writer committed to the table in between"
+                )
+            versions[uid] = version
+            if fail_point is not None:
+                fail_point("mid_commit")
+        return versions
+
+    def _commit_operator(self, manifest: dict[str, Any], uid: str, table: str, app_id: str, root: Any,
+                         columns: dict[str, TypeInformation] | None = None) -> int:
+        """ONE MERGE of the operator's changes since the table's epoch; the version holding the epoch."""
+        epoch = int(manifest["epoch"])
+        if not is_delta_table(table):
+            raise CheckpointError(f"{_what(uid)}: the Delta table {table} is gone; the checkpoint of epoch {epoch} "
+                                  f"cannot be committed to it")
+        hist = tables.history(table)
+        last = self._last_epoch(hist, app_id, table, _what(uid))
+        if last >= epoch:  # re-issued after a crash: the transaction is there already
+            return self._reissued_version(hist, app_id, epoch, last, table, uid, manifest["job"])
+        columns = columns or {}
+        before = hist[0]["version"]
+        # a typed column new to the table is filled for every row: the whole state is written
+        new = sorted(set(columns) - set(self.tables.typed_columns(table, before)))
+        source, full_ranges = self._changes(manifest, uid, 0 if new else last, root)
+        for col, arr in typed_arrays(source, columns, _what(uid)).items():
+            source = source.append_column(col, arr)
+        merge = self._merge(table, source, bool(new), full_ranges)
+        tables.merge(self.tables.spark, merge, app_id, epoch, lambda exc: (
+            f"{_what(uid)}: Delta commit of epoch {epoch} to {table} kept conflicting with another writer "
+            f"({type(exc).__name__}); the checkpoint stays complete and the commit is re-issued on recovery"))
+        version = version_of_epoch(table, app_id, epoch)
+        if version is None:  # pragma: no cover - Delta skipped a transaction we did not make
+            raise CheckpointError(f"{_what(uid)}: Delta reports no transaction for epoch {epoch} in {table}")
+        if not new:
+            self.tables.keep_columns(table, before, version)
+        return version
+
+    @staticmethod
+    def _reissued_version(hist: list[dict[str, Any]], app_id: str, epoch: int, last: int, table: str,
+                          uid: str, job: str) -> int:
+        """The version of a transaction already in the table (a commit re-issued after a crash)."""
+        version = next((h["version"] for h in hist if tables.is_transaction(h["meta"], app_id, epoch)), None)
+        if version is None:
+            raise CheckpointError(
+                f"{_what(uid)}: the Delta table {table} holds epoch {last} but no transaction for epoch {epoch}; "
+                f"it was written by another run of job {job!r} (restore into a new checkpoint dir)"
+            )
+        return int(version)
+
+    def _merge(self, table: str, source: pa.Table, evolve: bool, full_ranges: list[tuple[int, int]] | None) -> Any:
+        """The MERGE that applies ``source`` (null value = delete) to the table.
+
+        ``evolve``: the source brings new typed columns (MERGE schema evolution, in this same
+        transaction). ``full_ranges``: key-group ranges whose keys missing from the source are
+        deleted (None: all of them).
+        """
+        df = self.tables.spark.createDataFrame(source)
+        merge = self.tables.open(table).alias("t").merge(df.alias("s"), _MERGE_ON)
+        if evolve:
+            merge = merge.withSchemaEvolution()
+        merge = (
+            merge.whenMatchedDelete("s.value IS NULL")
+            .whenMatchedUpdateAll()
+            .whenNotMatchedInsertAll("s.value IS NOT NULL")
+        )
+        if full_ranges is None:  # the whole state is replaced (the table holds none of this lineage)
+            return merge.whenNotMatchedBySourceDelete()
+        if full_ranges:
+            return merge.whenNotMatchedBySourceDelete(
+                " OR ".join(f"(t.key_group BETWEEN {lo} AND {hi})" for lo, hi in full_ranges))
+        return merge
+
+    @staticmethod
+    def _last_epoch(hist: list[dict[str, Any]], app_id: str, table: str, what: str) -> int:
+        """The epoch the table holds, from its newest commit; a commit by anyone else is an error."""
+        newest = hist[0]
+        meta = newest["meta"]
+        if not tables.is_transaction(meta, app_id):
+            raise DeltaConflictError(
+                f"{what}: the Delta table {table} was changed by another writer (version {newest['version']}, "
+                f"{newest['operation']}); its content no longer matches the checkpoints, so epochstream does not "
+                f"commit on top of it. Restore the table (RESTORE TABLE ... TO VERSION AS OF) or use a new "
+                f"checkpoint dir"
+            )
+        return int(meta["epoch"])
+
+    def _changes(self, manifest: dict[str, Any], uid: str, last: int, root: Any
+                 ) -> tuple[pa.Table, list[tuple[int, int]] | None]:
+        """The operator's changes after epoch ``last``, folded to one row per (key group, key, state).
+
+        Returns the rows (null value = delete) and the key-group ranges replaced wholesale
+        (None: all of them, the table holds nothing of this lineage yet).
+        """
+        by_subtask: dict[int, list[StateFileRef]] = {}
+        for ref in map(StateFileRef.from_json, manifest["operators"][uid]["files"]):
+            by_subtask.setdefault(ref.subtask, []).append(ref)
+        full_ranges: list[tuple[int, int]] | None = [] if last > 0 else None
+        links: list[pa.Table] = []
+        for _subtask, chain in sorted(by_subtask.items()):
+            todo = [r for r in chain if r.epoch > last]
+            if todo and full_ranges is not None and todo[0].full:
+                lo, hi = todo[0].key_group_range
+                full_ranges.append((lo, hi))
+            for ref in todo:
+                t = self.read_state(ref, root)
+                links.append(t.append_column("link", pa.array([len(links)] * t.num_rows, pa.int32())))
+        rows = self._fold(links).select(list(ROW_NAMES))
+        epochs = pa.array([int(manifest["epoch"])] * rows.num_rows, arrow_schema(("epoch",)).field("epoch").type)
+        return rows.append_column("epoch", epochs), full_ranges
+
+    @staticmethod
+    def _fold(links: list[pa.Table]) -> pa.Table:
+        """State-file links in apply order, folded: the last row per (key group, key, state) wins."""
+        if not links:
+            return _FOLD_SCHEMA.empty_table()
+        rows = pa.concat_tables([t.select(_FOLD_SCHEMA.names).cast(_FOLD_SCHEMA) for t in links])
+        if not rows.num_rows:
+            return rows
+        rows = rows.append_column("i", pa.array(range(rows.num_rows), pa.int64()))
+        last_i = rows.group_by(list(ROW_KEY), use_threads=False).aggregate([("i", "max")])
+        return rows.take(last_i.column("i_max"))
+
+    # ------------------------------------------------------------ recovery and reading back
+    def recover_epoch(self, manifest: dict[str, Any], root: Any,
+                      fail_point: Callable[[str], None] | None = None) -> None:
+        """Re-issue the restored epoch's Delta commits, then read its state back for the workers."""
+        entries = manifest.get("delta", {}).get("state", {})
+        if not entries:
+            return
+        # a checkpoint copied away from its tables (a relocated savepoint) restores from its
+        # state files, which are complete; its new epochs go to new tables under this root
+        present = {uid for uid, e in entries.items() if is_delta_table(str(root / e["table"]))}
+        for uid in sorted(set(entries) - present):
+            log.warning("checkpoint chk-%s: the Delta table of operator %r is not at %s; restoring it from the "
+                        "checkpoint's state files", manifest["epoch"], uid, root / entries[uid]["table"])
+        self.commit_epoch(manifest, fail_point, root, only=present)
+        self._fill_restore_cache(root, [entries[uid] for uid in present])
+
+    def _fill_restore_cache(self, root: Any, entries: list[dict[str, Any]]) -> None:
+        """Read each table back at its recorded version into ``delta/_restore``; drop older reads."""
+        keep = set()
+        for entry in entries:
+            loc = self._cache_location(root, entry)
+            keep.add(loc.name)
+            if not self.store.exists(loc):
+                self.store.put(loc, tables.parquet_bytes(self._read_table(str(root / entry["table"]),
+                                                                          entry["version"])))
+        cache = self.root / "delta" / "_restore"
+        for key in list(self.store.keys(cache)):
+            if key not in keep:
+                self.store.delete(cache / key)
+
+    def _cache_location(self, root: Any, entry: dict[str, Any]) -> Any:
+        digest = hashlib.sha1(str(root / entry["table"]).encode()).hexdigest()[:12]
+        return self.root / "delta" / "_restore" / f"{digest}-v{entry['version']}.parquet"
+
+    @staticmethod
+    def _read_table(table: str, version: int) -> pa.Table:
+        """An operator's committed state at a Delta version (time travel), as Arrow."""
+        spark = spark_session.get_spark()
+        df = spark.read.format("delta").option("versionAsOf", int(version)).load(tables.spark_uri(table))
+        return df.select(*ROW_NAMES).toArrow()
+
+    def read_operator_rows(self, manifest: dict[str, Any], root: Any, operator: str,
+                           key_groups: tuple[int, int] | None = None) -> Iterable[Row]:
+        """Rows of an operator's committed state: from its Delta table at the epoch's version."""
+        entry = manifest.get("delta", {}).get("state", {}).get(operator)
+        root = self.root if root is None else root
+        table = None if entry is None else self._committed_state(manifest, root, operator, entry)
+        if table is None:  # a checkpoint of the files backend, an operator without state, or copied away
+            yield from super().read_operator_rows(manifest, root, operator, key_groups)
+            return
+        cols = [table.column(n).to_pylist() for n in ROW_NAMES]
+        for row in zip(*cols):
+            if key_groups is None or key_groups[0] <= row[0] <= key_groups[1]:
+                yield row
+
+    def _committed_state(self, manifest: dict[str, Any], root: Any, operator: str,
+                         entry: dict[str, Any]) -> pa.Table | None:
+        """An operator's state at the checkpoint: the restore's read-back, else its table (None: the
+        checkpoint was copied away from its tables, and its state files are complete)."""
+        cache = self._cache_location(root, entry)
+        if self.store.exists(cache):
+            return pq.read_table(pa.BufferReader(self.store.get(cache)))
+        table_path = str(root / entry["table"])
+        if not is_delta_table(table_path):
+            return None
+        if version_of_epoch(table_path, entry["app_id"], int(entry["txn_version"])) is None:
+            raise CheckpointError(
+                f"checkpoint chk-{manifest['epoch']}: the Delta commit of operator {operator!r} has not "
+                f"happened yet; restore the job (recovery re-issues it) before reading its state"
+            )
+        return self._read_table(table_path, entry["version"])
