@@ -31,7 +31,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 from epochstream import (  # noqa: E402
-    CheckpointConfig, DiscardingSink, KeyedProcessFunction, MapStateDescriptor, Pipeline, TrackerConfig,
+    CheckpointConfig,
+    DiscardingSink,
+    KeyedProcessFunction,
+    MapStateDescriptor,
+    Pipeline,
+    TrackerConfig,
 )
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.deploy.sim import SimConfig, SimDriver  # noqa: E402

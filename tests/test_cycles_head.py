@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cycle_pipelines import CYCLE_BUILDERS, rounds
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.assembly import build_tasks
 from epochstream.deploy.restore import Restored
@@ -20,7 +21,6 @@ from epochstream.loops.task import LOG_STATE, LoopHeadTask
 from epochstream.oracle import loop_logs
 from epochstream.runtime.errors import ProtocolError
 from epochstream.runtime.messages import Batch, Marker, Send, Snapshot
-from cycle_pipelines import CYCLE_BUILDERS, rounds
 from pipelines import sim_run, without_fsync
 
 

@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import epochstream.graph.cycles as cycles_module
+from cycle_pipelines import nested, reachability, rounds, self_loop
 from epochstream import Pipeline
 from epochstream.graph.cycles import back_edges, loop_components, tarjan
 from epochstream.graph.kinds import OpKind
 from epochstream.graph.plan import FORWARD, HASH, Edge, GraphError, Node, topological_order
 from epochstream.tracker.segments import build_segments, chain_graph
-from cycle_pipelines import nested, reachability, rounds, self_loop
 from pipelines import running_count
 
 

@@ -5,7 +5,6 @@ checked against independent expectations and the oracle."""
 from __future__ import annotations
 
 import collections
-import math
 import random
 import sys
 from functools import partial
@@ -14,14 +13,24 @@ from pathlib import Path
 import pytest
 
 from epochstream import Pipeline, TrackerConfig
+from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once, committed_state
-from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.runtime.errors import ProtocolError
 from epochstream.runtime.state import HeapKeyedState, ValueStateDescriptor
 from epochstream.runtime.timers import TIMERS, TimerService
 from epochstream.tracker.agent import TrackingAgent
-from epochstream.tracker.messages import END_OF_TIME, EPOCHS, NEOSS, TIME, Confirm, Promise, Report, TrackerMessage, WindowEnd
+from epochstream.tracker.messages import (
+    END_OF_TIME,
+    EPOCHS,
+    NEOSS,
+    TIME,
+    Confirm,
+    Promise,
+    Report,
+    TrackerMessage,
+    WindowEnd,
+)
 from epochstream.tracker.segments import build_segments
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -9,15 +9,16 @@ import math
 
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import epochstream.state
 from epochstream import ListStateDescriptor, MapStateDescriptor, Types, ValueStateDescriptor
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.backends.typed import arrow_type, declared_columns, typed_arrays
 from epochstream.deploy.failures import JobFailedError
-from epochstream.oracle import check_exactly_once
 from epochstream.deploy.sim import FailureSchedule
+from epochstream.oracle import check_exactly_once
 from epochstream.runtime.errors import StateSerializationError
 from epochstream.runtime.state import HeapKeyedState
 from epochstream.runtime.types import TypeInformation, column_type

@@ -175,8 +175,9 @@ def _warm_task(paths: list[str]):
         for p in reversed(paths):
             if p not in _sys.path:
                 _sys.path.insert(0, p)
-        import epochstream.deploy.spark  # noqa: F401  (and with it pyarrow, cloudpickle, the core)
         import pyarrow.parquet  # noqa: F401
+
+        import epochstream.deploy.spark  # noqa: F401  (and with it pyarrow, cloudpickle, the core)
 
         return []
 
