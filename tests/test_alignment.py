@@ -121,7 +121,7 @@ def test_skipped_epoch_marker_is_rejected_without_changing_the_aligner():
 def test_alignment_duration_is_last_minus_first_marker(order, times):
     times = sorted(times)
     a = BarrierAligner(range(5))
-    results = [a.on_marker(ch, 1, float(t)) for ch, t in zip(order, times)]
+    results = [a.on_marker(ch, 1, float(t)) for ch, t in zip(order, times, strict=True)]
     assert results[:-1] == [None] * 4
     assert results[-1] == (1, float(times[-1] - times[0]))
     assert not a.blocked

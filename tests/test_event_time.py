@@ -257,7 +257,7 @@ def test_time_finishes_when_every_firing_process_confirms_the_end_of_time():
     agent = _chain_agent()
     (we,) = agent.receive(TrackerMessage("src", 0, (), (Promise(0, END_OF_TIME, "src", TIME),)), 0)
     assert we.label == END_OF_TIME
-    for i, p in enumerate(["p0", "p1"]):
+    for p in ["p0", "p1"]:
         agent.receive(TrackerMessage(p, 0, (Report(1, we.epoch, we.token_of(p), 0, 1),), (),
                                      (Confirm(1, END_OF_TIME, p),)), 0)
     assert agent.time_finished()

@@ -157,7 +157,7 @@ def test_restored_state_sits_at_the_subtask_the_formula_names(tmp_path, p1, p2):
     resolve_sources(plan, pipeline, restored)
     tasks = build_tasks(pipeline, plan, None, storage, restored)
     union: dict = {}
-    for (chain, subtask), task in tasks.items():
+    for (_chain, subtask), task in tasks.items():
         st_ = task.chain.states.get("sum")
         if st_ is None:
             continue

@@ -211,7 +211,7 @@ def test_a_value_that_breaks_its_type_fails_the_job_and_loses_nothing(tmp_path):
     # the fixed job finishes from the last completed epoch, every count exactly once
     sim_run(build(TypedProfile()), chk, seed=2, restore="latest")
     table = epochstream.state.query(chk, "profile", state="count")
-    assert dict(zip(table.column("key").to_pylist(), table.column("typed_count").to_pylist())) == {
+    assert dict(zip(table.column("key").to_pylist(), table.column("typed_count").to_pylist(), strict=True)) == {
         f"k{i}": 40 for i in range(5)}
 
 

@@ -406,9 +406,11 @@ def cmd_chaos(args) -> int:
         "kills_requested": args.kills,
         "failures_injected": chaos.metrics.get("failures_injected") if chaos else None,
         "recovery_seconds": chaos.metrics.get("recovery_seconds", []) if chaos else [],
-        # kill i caused failover i (one kill per attempt); its recovery is failure -> all workers ready
+        # kill i caused failover i (one kill per attempt); its recovery is failure -> all workers ready.
+        # Padded with None: the last kill may have no recovery (run ended or failed first), so not strict
         "kills": [dict(k, recovery_seconds=rec) for k, rec in zip(
-            chaos.metrics.get("kills", []), chaos.metrics.get("recovery_seconds", []) + [None] * args.kills)]
+            chaos.metrics.get("kills", []), chaos.metrics.get("recovery_seconds", []) + [None] * args.kills,
+            strict=False)]
         if chaos else [],
         "completed_epochs": len(chaos.completed_epochs) if chaos else 0,
         "deployment": args.deployment,

@@ -267,7 +267,7 @@ class ObjectCheckpointStorage(CheckpointStorage):
                 continue
             table = self.read_state(ref, root)
             cols = [table.column(n).to_pylist() for n in ("key_group", "key", "state", "value")]
-            for row in zip(*cols):
+            for row in zip(*cols, strict=True):
                 if key_groups is None or key_groups[0] <= row[0] <= key_groups[1]:
                     yield row
 
@@ -328,7 +328,7 @@ def _live_files(retained: list[dict[str, Any]]) -> set[str]:
 def encode_state(rows: list[Row]) -> bytes:
     """One capture as Parquet (zstd) bytes."""
     if rows:
-        kgs, keys, names, values = zip(*rows)
+        kgs, keys, names, values = zip(*rows, strict=True)
     else:
         kgs, keys, names, values = (), (), (), ()
     table = pa.Table.from_arrays(

@@ -30,6 +30,7 @@ fault-injecting proxy of the tests) use to tell processes apart.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -292,7 +293,7 @@ class S3Objects(ObjectStore):
             kw: dict[str, Any] = {"Bucket": loc.bucket, "Prefix": base + prefix}
             if token:
                 kw["ContinuationToken"] = token
-            resp = self._call("LIST", loc, lambda: self.client.list_objects_v2(**kw))
+            resp = self._call("LIST", loc, functools.partial(self.client.list_objects_v2, **kw))
             for obj in resp.get("Contents", []):
                 yield obj["Key"][len(base):]
             if not resp.get("IsTruncated"):
@@ -306,7 +307,7 @@ class S3Objects(ObjectStore):
         keys = [f"{loc.key}/{k}" if loc.key else k for k in self.keys(loc)]
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
-            resp = self._call("DELETE", loc, lambda: self.client.delete_objects(Bucket=loc.bucket, Delete=batch))
+            resp = self._call("DELETE", loc, functools.partial(self.client.delete_objects, Bucket=loc.bucket, Delete=batch))
             errors = resp.get("Errors") or []
             if errors:
                 raise StorageError(f"S3 DELETE under {loc}: {len(errors)} objects not deleted, e.g. {errors[0]}")

@@ -89,7 +89,7 @@ class ExponentialDelayRestart(RestartStrategy):
 
     def decide(self, failures: list[float], now: float) -> float | None:
         streak = 1
-        for prev, cur in zip(reversed(failures[:-1]), reversed(failures[1:])):
+        for prev, cur in zip(reversed(failures[:-1]), reversed(failures[1:]), strict=True):
             if cur - prev >= self.reset_after:
                 break
             streak += 1

@@ -33,10 +33,12 @@ import struct
 from dataclasses import dataclass
 from typing import Hashable
 
+# re-exported: the TIME label an exhausted source promises
+from ..runtime.messages import END_OF_TIME as END_OF_TIME
+
 #: dimensions of the tracked labels
 EPOCHS = 0
 TIME = 1
-from ..runtime.messages import END_OF_TIME  # noqa: F401 - the label an exhausted source promises
 
 #: batch ids are 64-bit; 0 is not allowed, because XOR-ing it changes nothing
 MAX_ID = (1 << 64) - 1
