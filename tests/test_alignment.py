@@ -258,7 +258,8 @@ def test_snapshot_holds_exactly_the_records_before_the_markers(tmp_path):
     (sink,) = snap.sinks
     assert sink.sink_uid == "out" and sink.epoch == 1
     # FileSink's writer hands over encoded JSON lines
-    assert sorted(tuple(json.loads(line)) for line in sink.records) == [("j", 1, 1), ("k", 1, 1), ("k", 2, 2), ("k", 3, 3)]
+    assert sorted(tuple(json.loads(line)) for line in sink.records) == [
+        ("j", 1, 1), ("k", 1, 1), ("k", 2, 2), ("k", 3, 3)]
     # and the live state went on with epoch 2
     live = t.chain.states["count"].as_dict()
     assert live["count"] == {"k": 4, "j": 2}

@@ -161,7 +161,8 @@ def test_tracker_mode_head_is_an_ordinary_task(tmp_path):
 # ---------------------------------------------------------------- restores from real checkpoints
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(builder=st.sampled_from(sorted(CYCLE_BUILDERS)), seed=st.integers(0, 2**16), parallelism=st.integers(1, 3),
        kill=st.floats(0.1, 0.9), max_concurrent=st.integers(1, 2))
 def test_after_restore_the_loop_holds_exactly_the_logged_records(tmp_path_factory, builder, seed, parallelism, kill,

@@ -244,7 +244,8 @@ def test_window_end_waits_for_time_records_and_carries_epoch_tokens():
     agent.receive(TrackerMessage("t1", 1, (Report(2, 5, 0x77, 1, 0, TIME), Report(1, 1, we.token_of("p0"), 0, 1)),
                                  (), (Confirm(1, 5, "p0"),)), 0)
     assert agent.bound(2, TIME) == -1 and agent.bound(1) == 0
-    notes = agent.receive(TrackerMessage("t2", 0, (Report(1, 1, we.token_of("p1"), 0, 1),), (), (Confirm(1, 5, "p1"),)), 0)
+    notes = agent.receive(
+        TrackerMessage("t2", 0, (Report(1, 1, we.token_of("p1"), 0, 1),), (), (Confirm(1, 5, "p1"),)), 0)
     assert NEOSS(1, 1) in notes
     assert agent.bound(2, TIME) == 4  # label 5 into segment 2 is reported but not received yet
     agent.receive(TrackerMessage("t2", 1, (Report(2, 5, 0x77, 0, 1, TIME),)), 0)

@@ -239,8 +239,8 @@ def _parts(manifest: dict, name: str) -> dict[int, object]:
 @pytest.mark.parametrize("p1, p2", [(3, 2), (2, 5)])
 def test_operator_state_is_redistributed_by_its_mode(tmp_path, p1, p2, mode):
     out = tmp_path / "out"
-    first = sim_run(op_state_pipeline(out, p1, mode), tmp_path / "chk1", seed=5, duration=half(p1), source_rate=SLOW_RATE,
-                    savepoint_dir=str(tmp_path / "sp"), stop_with_savepoint=True)
+    first = sim_run(op_state_pipeline(out, p1, mode), tmp_path / "chk1", seed=5, duration=half(p1),
+                    source_rate=SLOW_RATE, savepoint_dir=str(tmp_path / "sp"), stop_with_savepoint=True)
     sp = first.savepoints[-1]
     sp_manifest = json.loads((Path(sp) / "_metadata.json").read_text())
     seen_at_sp = [x for part in _parts(sp_manifest, "seen").values() for x in part]

@@ -121,7 +121,8 @@ def test_capture_carries_declared_types_and_checks_values():
     count.update(3)
     recent.add("a")
     cap = s.capture(1)
-    assert dict(cap.types) == {"count": "BIGINT", "recent": {"list": "STRING"}, "buckets": {"map": ["STRING", "BIGINT"]}}
+    assert dict(cap.types) == {
+        "count": "BIGINT", "recent": {"list": "STRING"}, "buckets": {"map": ["STRING", "BIGINT"]}}
     assert cap.key_type == "STRING"
     recent.add(7)  # breaks ARRAY<STRING>
     with pytest.raises(StateSerializationError) as ei:

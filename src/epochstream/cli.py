@@ -431,7 +431,8 @@ def cmd_chaos(args) -> int:
             print(f"  - {ex}")
         for k in doc["kills"]:
             rec = "-" if k["recovery_seconds"] is None else f"{k['recovery_seconds']:.2f}s"
-            print(f"  kill at {k['time']:.2f}s: worker {k['worker']} ({k['target']}, {k['moment']}), recovered in {rec}")
+            print(f"  kill at {k['time']:.2f}s: worker {k['worker']} ({k['target']}, {k['moment']}), "
+                  f"recovered in {rec}")
         print(f"  work dir: {work}")
     return EXIT_OK if report.ok else EXIT_VIOLATION
 

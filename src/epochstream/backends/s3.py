@@ -307,7 +307,8 @@ class S3Objects(ObjectStore):
         keys = [f"{loc.key}/{k}" if loc.key else k for k in self.keys(loc)]
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
-            resp = self._call("DELETE", loc, functools.partial(self.client.delete_objects, Bucket=loc.bucket, Delete=batch))
+            resp = self._call("DELETE", loc,
+                              functools.partial(self.client.delete_objects, Bucket=loc.bucket, Delete=batch))
             errors = resp.get("Errors") or []
             if errors:
                 raise StorageError(f"S3 DELETE under {loc}: {len(errors)} objects not deleted, e.g. {errors[0]}")

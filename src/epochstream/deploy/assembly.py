@@ -102,6 +102,7 @@ def _operator_state(restored: Restored, uid: str, parallelism: int, subtask: int
         try:
             values = {s: pickle.loads(data) for s, data in parts.items()}
         except Exception as exc:
-            raise CheckpointError(f"{restored.path}: operator state {name!r} of {uid!r} cannot be read: {exc!r}") from None
+            raise CheckpointError(
+                f"{restored.path}: operator state {name!r} of {uid!r} cannot be read: {exc!r}") from None
         out[name] = (mode, redistribute(mode, values, old_p, parallelism)[subtask])
     return out

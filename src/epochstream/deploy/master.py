@@ -234,7 +234,8 @@ class JobMaster:
         logged = manifest["metrics"].get("loop_log_records", 0)
         drained = not (self.drain_final and logged)
         if not drained and a.kind == FINAL:
-            log.info("final epoch %d cut through %d records still in loops; another final epoch follows", a.epoch, logged)
+            log.info("final epoch %d cut through %d records still in loops; another final epoch follows",
+                     a.epoch, logged)
         return self.coordinator.manifest_written(a.epoch, now, drained=drained)
 
     def _epoch_metrics(self, a: CompleteEpoch, now: float) -> dict[str, Any]:

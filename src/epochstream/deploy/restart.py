@@ -102,7 +102,8 @@ class ExponentialDelayRestart(RestartStrategy):
         return delay
 
     def describe(self) -> str:
-        return f"exponential-delay: gave up after {self.attempts} restarts without {self.reset_after}s of stable running"
+        return (f"exponential-delay: gave up after {self.attempts} restarts "
+                f"without {self.reset_after}s of stable running")
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ tasks restore from the latest completed epoch. The sans-IO core is the same as e
 Requirements: ``parallelism`` barrier slots at once (``local[N]``/``local[N,F]`` with N >= p;
 ``local-cluster[W,C,M]`` with W*C >= p; a cluster with that many cores free), one slot more
 for a job that commits to Delta (the job master's MERGEs and appends are Spark jobs of the same
-session, run while the barrier stage holds its p slots), no dynamic allocation, the driver reachable from executors, and the checkpoint dir and sink paths on
-storage every executor sees (the same machine, or a shared filesystem).
+session, run while the barrier stage holds its p slots), no dynamic allocation, the driver
+reachable from executors, and the checkpoint dir and sink paths on storage every executor sees
+(the same machine, or a shared filesystem).
 """
 
 from __future__ import annotations

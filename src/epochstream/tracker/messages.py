@@ -124,7 +124,8 @@ class TrackerMessage:
     @property
     def min_epoch(self) -> int | None:
         """The oldest epoch the message carries (traffic is attributed to it; time labels are not epochs)."""
-        epochs = [r.epoch for r in self.reports if r.dim == EPOCHS] + [p.epoch for p in self.promises if p.dim == EPOCHS]
+        epochs = [r.epoch for r in self.reports if r.dim == EPOCHS]
+        epochs += [p.epoch for p in self.promises if p.dim == EPOCHS]
         return min(epochs) if epochs else None
 
 
