@@ -35,6 +35,8 @@ def load_pipeline_factory(spec: str) -> Callable[[], Any]:
     if not file.is_file():
         raise UsageError(f"no such file: {path}")
     mod_spec = importlib.util.spec_from_file_location(f"_epochstream_job_{file.stem}", file)
+    if mod_spec is None or mod_spec.loader is None:  # e.g. a suffix Python does not import
+        raise UsageError(f"{path} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(mod_spec)
     sys.path.insert(0, str(file.parent.resolve()))
     mod_spec.loader.exec_module(module)

@@ -164,7 +164,8 @@ class ObjectCheckpointStorage(CheckpointStorage):
         data = encode_state(rows)
         rel = self.state_path(operator, subtask, epoch, attempt)
         self.store.put(self.root / rel, data)
-        return StateFileRef(operator, subtask, epoch, rel, tuple(key_group_range), full, len(rows), len(data),
+        lo, hi = key_group_range  # callers may pass a list (from JSON): the ref holds a tuple
+        return StateFileRef(operator, subtask, epoch, rel, (lo, hi), full, len(rows), len(data),
                             hashlib.sha256(data).hexdigest())
 
     def read_state(self, ref: StateFileRef, root: Any = None) -> pa.Table:

@@ -205,8 +205,8 @@ class S3Objects(ObjectStore):
             wait=tenacity.wait_random_exponential(multiplier=o.backoff_initial, max=o.backoff_max),
             retry=tenacity.retry_if_exception(_transient),
             reraise=True,
-            before_sleep=lambda rs: log.info("S3 %s %s: attempt %d failed (%s), retrying", what, loc,
-                                             rs.attempt_number, _describe(rs.outcome.exception())),
+            before_sleep=lambda rs: log.info("S3 %s %s: attempt %d failed (%s), retrying", what, loc, rs.attempt_number,
+                                             _describe(rs.outcome.exception() if rs.outcome else None)),
         )
         try:
             return retrying(fn)
@@ -346,7 +346,7 @@ def _code(exc: Exception) -> str:
     return str(resp.get("Error", {}).get("Code", "") or resp.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
 
 
-def _status(exc: Exception) -> int:
+def _status(exc: BaseException) -> int:
     resp = getattr(exc, "response", None) or {}
     return int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
