@@ -30,7 +30,6 @@ fault-injecting proxy of the tests) use to tell processes apart.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -293,7 +292,11 @@ class S3Objects(ObjectStore):
             kw: dict[str, Any] = {"Bucket": loc.bucket, "Prefix": base + prefix}
             if token:
                 kw["ContinuationToken"] = token
-            resp = self._call("LIST", loc, functools.partial(self.client.list_objects_v2, **kw))
+
+            def list_page(kw: dict[str, Any] = kw) -> Any:  # this page's kw; the client is got inside _call
+                return self.client.list_objects_v2(**kw)
+
+            resp = self._call("LIST", loc, list_page)
             for obj in resp.get("Contents", []):
                 yield obj["Key"][len(base):]
             if not resp.get("IsTruncated"):
@@ -306,9 +309,12 @@ class S3Objects(ObjectStore):
     def delete_tree(self, loc: S3Path) -> None:
         keys = [f"{loc.key}/{k}" if loc.key else k for k in self.keys(loc)]
         for i in range(0, len(keys), 1000):
-            batch = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
-            resp = self._call("DELETE", loc,
-                              functools.partial(self.client.delete_objects, Bucket=loc.bucket, Delete=batch))
+            batch: dict[str, Any] = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
+
+            def delete_batch(batch: dict[str, Any] = batch) -> Any:  # this batch; the client is got inside _call
+                return self.client.delete_objects(Bucket=loc.bucket, Delete=batch)
+
+            resp = self._call("DELETE", loc, delete_batch)
             errors = resp.get("Errors") or []
             if errors:
                 raise StorageError(f"S3 DELETE under {loc}: {len(errors)} objects not deleted, e.g. {errors[0]}")
