@@ -115,7 +115,8 @@ def main_local(args) -> int:
             print(f"[{k}/{total}] local N={n} W={w} {mode} ({args.seconds:.0f} s) ...", end=" ", flush=True)
             row = measure_local(n, mode, args.seconds, args.rate, w)
             rows.append(row)
-            print(f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms ({row['samples']} bounds, {row['epochs']} epochs)")
+            print(f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms "
+                  f"({row['samples']} bounds, {row['epochs']} epochs)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "notification_latency_local.csv", "w", newline="") as f:
@@ -124,7 +125,8 @@ def main_local(args) -> int:
         wr.writerows(rows)
     print("\nlocal driver: median / p99 ms from an epoch's trigger to each downstream task's bound")
     for r in rows:
-        print(f"  {r['mode']:<8} N={r['graph_size']:<3} W={r['workers']} p50 {r['p50_ms']:7.2f}  p99 {r['p99_ms']:7.2f}")
+        print(f"  {r['mode']:<8} N={r['graph_size']:<3} W={r['workers']} "
+              f"p50 {r['p50_ms']:7.2f}  p99 {r['p99_ms']:7.2f}")
     for mode in ("aligned", "tracker"):
         lo = next(r for r in rows if (r["mode"], r["graph_size"], r["workers"]) == (mode, n_values[0], 2))
         hi = next(r for r in rows if (r["mode"], r["graph_size"], r["workers"]) == (mode, n_values[-1], 2))

@@ -123,7 +123,8 @@ def main() -> None:
                                kill_targets=[args.target] * args.kills)
     r = run_once("spark", args.kill_records, args.interval, spark, failures)
     rec = r.metrics["recovery_seconds"]
-    for i, (k, s) in enumerate(zip(r.metrics["kills"], rec)):
+    # not strict: a kill whose recovery the run did not see (it ended or failed first) has no entry in rec
+    for i, (k, s) in enumerate(zip(r.metrics["kills"], rec, strict=False)):
         rows.append({"kind": "recovery", "deployment": "spark", "repeat": i, "seconds": round(s, 4),
                      "target": k["target"]})
         print(f"  kill {i + 1}: {k['target']} of worker {k['worker']} at {k['time']:.1f}s -> recovered in {s:.2f}s",

@@ -78,7 +78,7 @@ def fit_exponent(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of log(y) over log(x)."""
     lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +137,7 @@ def _plot(rows, n_values, w_values, g_values, path: Path) -> None:
     sweeps = [("graph_size", n_values, {"workers": 15, "granularity": 10}, "N (operators)"),
               ("workers", w_values, {"graph_size": 30, "granularity": 10}, "workers"),
               ("granularity", g_values, {"graph_size": 30, "workers": 15}, "records per epoch")]
-    for ax, (key, xs, fixed, xlabel) in zip(axes, sweeps):
+    for ax, (key, xs, fixed, xlabel) in zip(axes, sweeps, strict=True):
         for label, _m, _a in MODES:
             ys = [next(r["messages_per_epoch"] for r in rows if r["mode"] == label and r[key] == x
                        and all(r[k] == v for k, v in fixed.items())) for x in xs]

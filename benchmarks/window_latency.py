@@ -31,7 +31,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 from epochstream import (  # noqa: E402
-    CheckpointConfig, DiscardingSink, KeyedProcessFunction, MapStateDescriptor, Pipeline, TrackerConfig,
+    CheckpointConfig,
+    DiscardingSink,
+    KeyedProcessFunction,
+    MapStateDescriptor,
+    Pipeline,
+    TrackerConfig,
 )
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.deploy.sim import SimConfig, SimDriver  # noqa: E402
@@ -163,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             r = next(r for r in rows if (r["mode"], r["workers"]) == (m, w))
             cells.append(f"{r['p50_ms']:14.2f} {r['p99_ms']:14.2f}")
         a, t = (next(r for r in rows if (r["mode"], r["workers"]) == (m, w)) for m in MODES)
-        print(f"  {w:>7} " + " ".join(cells) + f"   service messages aligned/tracker {a['service_messages'] / t['service_messages']:.1f}x")
+        ratio = a["service_messages"] / t["service_messages"]
+        print(f"  {w:>7} " + " ".join(cells) + f"   service messages aligned/tracker {ratio:.1f}x")
     _plot(rows, w_values, out / "window_latency.png")
     print(f"\nwrote {out / 'window_latency.csv'} and {out / 'window_latency.png'}")
     return 0

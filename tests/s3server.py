@@ -167,7 +167,8 @@ class FaultProxy:
         self.server.server_close()
 
     def count(self, method: str, path: str, action: str | None = None) -> int:
-        return sum(1 for m, p, _s, a in self.log if m == method and re.search(path, p) and (action is None or a == action))
+        return sum(1 for m, p, _s, a in self.log
+                   if m == method and re.search(path, p) and (action is None or a == action))
 
     def handle(self, h: BaseHTTPRequestHandler) -> None:
         length = int(h.headers.get("Content-Length") or 0)

@@ -49,7 +49,8 @@ def describe(report: OracleReport, runs: dict) -> str:
     parts = [f"report={report.to_json()}"]
     for label, r in runs.items():
         parts.append(
-            f"{label}: {r.metrics['wall_seconds']:.1f}s restarts={r.restarts} injected={r.metrics['failures_injected']} "
+            f"{label}: {r.metrics['wall_seconds']:.1f}s restarts={r.restarts} "
+            f"injected={r.metrics['failures_injected']} "
             f"epochs={len(r.completed_epochs)} kills={r.metrics['kills']} recovery={r.metrics['recovery_seconds']} "
             f"failovers={[(round(f['time'], 2), f['reason'].splitlines()[0][:160]) for f in r.metrics['failovers']]}")
     return "\n".join(parts)

@@ -121,7 +121,7 @@ def test_skipped_epoch_marker_is_rejected_without_changing_the_aligner():
 def test_alignment_duration_is_last_minus_first_marker(order, times):
     times = sorted(times)
     a = BarrierAligner(range(5))
-    results = [a.on_marker(ch, 1, float(t)) for ch, t in zip(order, times)]
+    results = [a.on_marker(ch, 1, float(t)) for ch, t in zip(order, times, strict=True)]
     assert results[:-1] == [None] * 4
     assert results[-1] == (1, float(times[-1] - times[0]))
     assert not a.blocked
@@ -258,7 +258,8 @@ def test_snapshot_holds_exactly_the_records_before_the_markers(tmp_path):
     (sink,) = snap.sinks
     assert sink.sink_uid == "out" and sink.epoch == 1
     # FileSink's writer hands over encoded JSON lines
-    assert sorted(tuple(json.loads(line)) for line in sink.records) == [("j", 1, 1), ("k", 1, 1), ("k", 2, 2), ("k", 3, 3)]
+    assert sorted(tuple(json.loads(line)) for line in sink.records) == [
+        ("j", 1, 1), ("k", 1, 1), ("k", 2, 2), ("k", 3, 3)]
     # and the live state went on with epoch 2
     live = t.chain.states["count"].as_dict()
     assert live["count"] == {"k": 4, "j": 2}

@@ -207,7 +207,11 @@ def _delete(path: Path) -> None:
     path.unlink()
 
 
-STATE_DAMAGES = {"flipped": (_flip, "damaged"), "truncated": (_truncate_file, "damaged"), "missing": (_delete, "missing")}
+STATE_DAMAGES = {
+    "flipped": (_flip, "damaged"),
+    "truncated": (_truncate_file, "damaged"),
+    "missing": (_delete, "missing"),
+}
 
 
 def _error_chain(exc: BaseException) -> list[BaseException]:

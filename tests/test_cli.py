@@ -126,7 +126,8 @@ def as_json(proc: subprocess.CompletedProcess) -> dict:
     try:
         return json.loads(proc.stdout)
     except json.JSONDecodeError as exc:
-        raise AssertionError(f"stdout is not one JSON document ({exc}):\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        raise AssertionError(
+            f"stdout is not one JSON document ({exc}):\n{proc.stdout}\nstderr:\n{proc.stderr}") from exc
 
 
 @pytest.fixture

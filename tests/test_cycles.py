@@ -28,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cycle_pipelines import CYCLE_BUILDERS, Halve, collatz, edge_stream, reachability, rounds
 from epochstream import CheckpointConfig, FileSink, Pipeline
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.failures import InjectedFailure, JobFailedError
@@ -35,7 +36,6 @@ from epochstream.deploy.sim import FailureSchedule
 from epochstream.loops.head import LoopHead
 from epochstream.loops.task import LoopHeadTask
 from epochstream.oracle import OracleReport, check_exactly_once, loop_logs
-from cycle_pipelines import CYCLE_BUILDERS, Halve, collatz, edge_stream, reachability, rounds
 from pipelines import committed_output, sim_run, without_fsync
 
 RATE = 20_000.0

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cycle_pipelines import CYCLE_BUILDERS, rounds
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.assembly import build_tasks
 from epochstream.deploy.restore import Restored
@@ -20,7 +21,6 @@ from epochstream.loops.task import LOG_STATE, LoopHeadTask
 from epochstream.oracle import loop_logs
 from epochstream.runtime.errors import ProtocolError
 from epochstream.runtime.messages import Batch, Marker, Send, Snapshot
-from cycle_pipelines import CYCLE_BUILDERS, rounds
 from pipelines import sim_run, without_fsync
 
 
@@ -161,7 +161,8 @@ def test_tracker_mode_head_is_an_ordinary_task(tmp_path):
 # ---------------------------------------------------------------- restores from real checkpoints
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(builder=st.sampled_from(sorted(CYCLE_BUILDERS)), seed=st.integers(0, 2**16), parallelism=st.integers(1, 3),
        kill=st.floats(0.1, 0.9), max_concurrent=st.integers(1, 2))
 def test_after_restore_the_loop_holds_exactly_the_logged_records(tmp_path_factory, builder, seed, parallelism, kill,

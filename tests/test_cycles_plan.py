@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import epochstream.graph.cycles as cycles_module
+from cycle_pipelines import nested, reachability, rounds, self_loop
 from epochstream import Pipeline
 from epochstream.graph.cycles import back_edges, loop_components, tarjan
 from epochstream.graph.kinds import OpKind
 from epochstream.graph.plan import FORWARD, HASH, Edge, GraphError, Node, topological_order
 from epochstream.tracker.segments import build_segments, chain_graph
-from cycle_pipelines import nested, reachability, rounds, self_loop
 from pipelines import running_count
 
 
@@ -87,7 +87,7 @@ def test_removing_back_edges_leaves_a_dag_and_every_loop_keeps_one(g):
     assert {comp_of[u] for u, _v, _p in found} == set(range(len(comps)))
     # Tarjan agrees with the segment builder (which shares it) on the condensation
     seg = build_segments(list(range(n)), edges)
-    assert sorted(sorted(s) for s, cyc in zip(seg.segments, seg.cyclic) if cyc) == comps
+    assert sorted(sorted(s) for s, cyc in zip(seg.segments, seg.cyclic, strict=True) if cyc) == comps
 
 
 def test_tarjan_handles_deep_graphs_without_recursion():

@@ -5,7 +5,6 @@ checked against independent expectations and the oracle."""
 from __future__ import annotations
 
 import collections
-import math
 import random
 import sys
 from functools import partial
@@ -14,14 +13,24 @@ from pathlib import Path
 import pytest
 
 from epochstream import Pipeline, TrackerConfig
+from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once, committed_state
-from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.runtime.errors import ProtocolError
 from epochstream.runtime.state import HeapKeyedState, ValueStateDescriptor
 from epochstream.runtime.timers import TIMERS, TimerService
 from epochstream.tracker.agent import TrackingAgent
-from epochstream.tracker.messages import END_OF_TIME, EPOCHS, NEOSS, TIME, Confirm, Promise, Report, TrackerMessage, WindowEnd
+from epochstream.tracker.messages import (
+    END_OF_TIME,
+    EPOCHS,
+    NEOSS,
+    TIME,
+    Confirm,
+    Promise,
+    Report,
+    TrackerMessage,
+    WindowEnd,
+)
 from epochstream.tracker.segments import build_segments
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -235,7 +244,8 @@ def test_window_end_waits_for_time_records_and_carries_epoch_tokens():
     agent.receive(TrackerMessage("t1", 1, (Report(2, 5, 0x77, 1, 0, TIME), Report(1, 1, we.token_of("p0"), 0, 1)),
                                  (), (Confirm(1, 5, "p0"),)), 0)
     assert agent.bound(2, TIME) == -1 and agent.bound(1) == 0
-    notes = agent.receive(TrackerMessage("t2", 0, (Report(1, 1, we.token_of("p1"), 0, 1),), (), (Confirm(1, 5, "p1"),)), 0)
+    notes = agent.receive(
+        TrackerMessage("t2", 0, (Report(1, 1, we.token_of("p1"), 0, 1),), (), (Confirm(1, 5, "p1"),)), 0)
     assert NEOSS(1, 1) in notes
     assert agent.bound(2, TIME) == 4  # label 5 into segment 2 is reported but not received yet
     agent.receive(TrackerMessage("t2", 1, (Report(2, 5, 0x77, 0, 1, TIME),)), 0)
@@ -248,7 +258,7 @@ def test_time_finishes_when_every_firing_process_confirms_the_end_of_time():
     agent = _chain_agent()
     (we,) = agent.receive(TrackerMessage("src", 0, (), (Promise(0, END_OF_TIME, "src", TIME),)), 0)
     assert we.label == END_OF_TIME
-    for i, p in enumerate(["p0", "p1"]):
+    for p in ["p0", "p1"]:
         agent.receive(TrackerMessage(p, 0, (Report(1, we.epoch, we.token_of(p), 0, 1),), (),
                                      (Confirm(1, END_OF_TIME, p),)), 0)
     assert agent.time_finished()

@@ -151,7 +151,7 @@ class Sessions(StatefulProcessor):
 
     def handleInputRows(self, key, rows, timerValues):
         for pdf in rows:
-            for t, i in zip(pdf["t"], pdf["id"]):
+            for t, i in zip(pdf["t"], pdf["id"], strict=True):
                 ms = int(pd.Timestamp(t).value // 1_000_000)
                 self.count.update(((self.count.get() or (0,))[0] + 1,))
                 self.all.updateValue((ms,), (int(i),))

@@ -97,7 +97,8 @@ def tally_pipeline(*, n=200, parallelism=2, mode="aligned", interval=0.0005, bat
                  batch_size=batch_size, restart_attempts=30, restart_delay=0.0)
     s = p.from_collection(records(n), splits=splits, uid="input")
     if which == "tws":
-        s = s.transform_with_state(Tally(), "k string, n long", "processingtime", key="k", clock="pipeline", uid="tally")
+        s = s.transform_with_state(Tally(), "k string, n long", "processingtime", key="k", clock="pipeline",
+                                   uid="tally")
     else:
         s = s.apply_in_pandas_with_state(group_count, "k string, n long", "n long", "Update",
                                          GroupStateTimeout.NoTimeout, key="k", clock="pipeline", uid="tally")
@@ -122,7 +123,8 @@ def assert_ok(report) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("which", ["tws", "group_state"])
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(0, 3),
        batch_size=st.sampled_from([1, 8, 32]), incremental=st.booleans(),
        points=st.sets(st.sampled_from(["before_manifest", "after_manifest", "mid_commit", "recovery"]), max_size=2))
@@ -248,7 +250,8 @@ def test_event_time_timers_fire_from_job_wide_event_time(tmp_path, which, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("which", ["tws", "group_state"])
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=3, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(1, 3))
 def test_event_time_timers_are_exactly_once(tmp_path_factory, which, mode, seed, parallelism, kills):
     """The oracle's reference replays the timers up to each epoch's recorded event time."""

@@ -158,7 +158,7 @@ def test_map_state_api():
 
         def handleInputRows(self, key, rows, timerValues):
             for pdf in rows:
-                for name, v in zip(pdf["name"], pdf["v"]):
+                for name, v in zip(pdf["name"], pdf["v"], strict=True):
                     self.m.updateValue((name,), (v, name * 2))
             self.m.removeKey(("gone",))
             seen.update(exists=self.m.exists(), has_x=self.m.containsKey(("x",)), get=self.m.getValue(("x",)),
@@ -353,7 +353,7 @@ def test_timer_values_per_time_mode():
             return iter([])
 
     for mode, extra in (("none", {}), ("processingtime", {}), ("eventtime", {"event_time": "t"})):
-        h = Harness(lambda c: TransformWithState(T(), "k string", mode, "k", clock=c, **extra))
+        h = Harness(lambda c, mode=mode, extra=extra: TransformWithState(T(), "k string", mode, "k", clock=c, **extra))
         h.clock.ms = 777
         h.feed({"k": "a", "t": 5_000})
     assert seen == [(-1, -1), (777, 0), (777, 0)]  # as Spark 4.2 reports them

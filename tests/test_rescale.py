@@ -157,7 +157,7 @@ def test_restored_state_sits_at_the_subtask_the_formula_names(tmp_path, p1, p2):
     resolve_sources(plan, pipeline, restored)
     tasks = build_tasks(pipeline, plan, None, storage, restored)
     union: dict = {}
-    for (chain, subtask), task in tasks.items():
+    for (_chain, subtask), task in tasks.items():
         st_ = task.chain.states.get("sum")
         if st_ is None:
             continue
@@ -239,8 +239,8 @@ def _parts(manifest: dict, name: str) -> dict[int, object]:
 @pytest.mark.parametrize("p1, p2", [(3, 2), (2, 5)])
 def test_operator_state_is_redistributed_by_its_mode(tmp_path, p1, p2, mode):
     out = tmp_path / "out"
-    first = sim_run(op_state_pipeline(out, p1, mode), tmp_path / "chk1", seed=5, duration=half(p1), source_rate=SLOW_RATE,
-                    savepoint_dir=str(tmp_path / "sp"), stop_with_savepoint=True)
+    first = sim_run(op_state_pipeline(out, p1, mode), tmp_path / "chk1", seed=5, duration=half(p1),
+                    source_rate=SLOW_RATE, savepoint_dir=str(tmp_path / "sp"), stop_with_savepoint=True)
     sp = first.savepoints[-1]
     sp_manifest = json.loads((Path(sp) / "_metadata.json").read_text())
     seen_at_sp = [x for part in _parts(sp_manifest, "seen").values() for x in part]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,6 @@ from epochstream.backends import location, open_objects, open_storage
 from epochstream.backends.objects import METADATA, ObjectExistsError, StorageAccessError, StorageError
 from epochstream.backends.s3 import S3CheckpointStorage, S3Objects, S3Options, S3Path
 from epochstream.backends.sinks import STAGING
-from epochstream.deploy.failures import JobFailedError
 from epochstream.snapshot.manifest import FORMAT, FORMAT_VERSION, CheckpointError
 from pipelines import check_running_counts, running_count, sim_run
 from s3server import Fault, wait_for

@@ -160,7 +160,7 @@ def test_state_query_as_a_spark_dataframe(tmp_path):
         assert df.columns == table.column_names
         rows = sorted((r["key"], r["value"], r["subtask"]) for r in df.collect())
         assert rows == sorted(zip(table.column("key").to_pylist(), table.column("value").to_pylist(),
-                                  table.column("subtask").to_pylist()))
+                                  table.column("subtask").to_pylist(), strict=True))
         assert {k: v for k, v, _s in rows} == {r: sum(x for x in range(1000) if x % 3 == r) for r in range(3)}
     finally:
         spark.stop()

@@ -231,7 +231,8 @@ def test_cli_savepoint_list_dispose_restore_and_query(tmp_path, capsys):
     code, out, err = run_cli(capsys, "state", "query", "--checkpoint-dir", tmp_path / "chk3", "--operator", "count")
     assert code == 0 and "k4" in out and "(epoch" in out
     # dispose refuses a checkpoint, removes a savepoint
-    chk_n = LocalCheckpointStorage(tmp_path / "chk3").checkpoint_dir(LocalCheckpointStorage(tmp_path / "chk3").list_checkpoints()[-1])
+    chk3 = LocalCheckpointStorage(tmp_path / "chk3")
+    chk_n = chk3.checkpoint_dir(chk3.list_checkpoints()[-1])
     code, out, err = run_cli(capsys, "savepoint", "dispose", chk_n)
     assert code == 2 and "is not a savepoint" in err and chk_n.is_dir()
     code, out, err = run_cli(capsys, "savepoint", "dispose", sp)
@@ -288,8 +289,9 @@ def test_missing_and_corrupt_savepoint_objects(tmp_path):
         sim_run(p, tmp_path / "chk4", restore=str(broken))
     # the original savepoint is untouched by all of it and still restores
     sim_run(p, tmp_path / "chk5", restore=str(sp))
-    assert committed(LocalCheckpointStorage(tmp_path / "chk5"), LocalCheckpointStorage(tmp_path / "chk5").list_checkpoints()[-1]) \
-        == {f"k{i}": sum(1 for j in range(N) if j % KEYS == i) for i in range(KEYS)}
+    chk5 = LocalCheckpointStorage(tmp_path / "chk5")
+    assert committed(chk5, chk5.list_checkpoints()[-1]) == {
+        f"k{i}": sum(1 for j in range(N) if j % KEYS == i) for i in range(KEYS)}
 
 
 def test_older_manifest_formats(tmp_path):

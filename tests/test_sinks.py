@@ -126,7 +126,8 @@ def test_recover_with_nothing_staged(sink):
 
 
 def test_custom_encoder_and_decoder(tmp_path):
-    s = FileSink(tmp_path / "csv", encoder=lambda r: f"{r[0]},{r[1]}", decoder=lambda line: tuple(line.strip().split(",")))
+    s = FileSink(tmp_path / "csv", encoder=lambda r: f"{r[0]},{r[1]}",
+                 decoder=lambda line: tuple(line.strip().split(",")))
     s.commit([s.pre_commit("out", 0, 1, "0", [("a", 1), ("b", 2)])])
     assert s.read() == [("a", "1"), ("b", "2")]
 

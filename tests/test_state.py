@@ -217,10 +217,10 @@ def test_full_capture_every_full_every(full_every):
         v.update(epoch)
         cap = s.capture(epoch, incremental=True, full_every=full_every)
         fulls.append(cap.full)
-        assert cap.chain[0] == max(e for e, f in zip(range(1, epoch + 1), fulls) if f)
+        assert cap.chain[0] == max(e for e, f in zip(range(1, epoch + 1), fulls, strict=True) if f)
         assert cap.chain == tuple(range(cap.chain[0], epoch + 1))
         assert len(cap.chain) <= full_every
-    assert [e for e, f in zip(range(1, 13), fulls) if f] == list(range(1, 13, full_every))
+    assert [e for e, f in zip(range(1, 13), fulls, strict=True) if f] == list(range(1, 13, full_every))
 
 
 def test_non_incremental_captures_are_always_full():

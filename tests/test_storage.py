@@ -33,7 +33,7 @@ ROWS = [
 
 def rows_of(table) -> list[tuple]:
     cols = [table.column(n).to_pylist() for n in ("key_group", "key", "state", "value")]
-    return list(zip(*cols))
+    return list(zip(*cols, strict=True))
 
 
 def manifest(storage: LocalCheckpointStorage, epoch: int, files: list[StateFileRef], **extra) -> dict:

@@ -22,10 +22,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epochstream.runtime.errors import ProtocolError
-from epochstream.tracker import agent as agent_module
-from epochstream.tracker import gate as gate_module
-from epochstream.tracker import local as local_module
-from epochstream.tracker import segments as segments_module
 from epochstream.tracker import (
     NEOSS,
     BatchIds,
@@ -41,6 +37,10 @@ from epochstream.tracker import (
     chain_graph,
     strongly_connected_components,
 )
+from epochstream.tracker import agent as agent_module
+from epochstream.tracker import gate as gate_module
+from epochstream.tracker import local as local_module
+from epochstream.tracker import segments as segments_module
 from epochstream.tracker.messages import HEADER_WIRE, NEOSS_WIRE, PROMISE_WIRE, REPORT_WIRE
 
 # ================================================================ segments

@@ -9,15 +9,16 @@ import math
 
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import epochstream.state
 from epochstream import ListStateDescriptor, MapStateDescriptor, Types, ValueStateDescriptor
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.backends.typed import arrow_type, declared_columns, typed_arrays
 from epochstream.deploy.failures import JobFailedError
-from epochstream.oracle import check_exactly_once
 from epochstream.deploy.sim import FailureSchedule
+from epochstream.oracle import check_exactly_once
 from epochstream.runtime.errors import StateSerializationError
 from epochstream.runtime.state import HeapKeyedState
 from epochstream.runtime.types import TypeInformation, column_type
@@ -120,7 +121,8 @@ def test_capture_carries_declared_types_and_checks_values():
     count.update(3)
     recent.add("a")
     cap = s.capture(1)
-    assert dict(cap.types) == {"count": "BIGINT", "recent": {"list": "STRING"}, "buckets": {"map": ["STRING", "BIGINT"]}}
+    assert dict(cap.types) == {
+        "count": "BIGINT", "recent": {"list": "STRING"}, "buckets": {"map": ["STRING", "BIGINT"]}}
     assert cap.key_type == "STRING"
     recent.add(7)  # breaks ARRAY<STRING>
     with pytest.raises(StateSerializationError) as ei:
@@ -210,7 +212,7 @@ def test_a_value_that_breaks_its_type_fails_the_job_and_loses_nothing(tmp_path):
     # the fixed job finishes from the last completed epoch, every count exactly once
     sim_run(build(TypedProfile()), chk, seed=2, restore="latest")
     table = epochstream.state.query(chk, "profile", state="count")
-    assert dict(zip(table.column("key").to_pylist(), table.column("typed_count").to_pylist())) == {
+    assert dict(zip(table.column("key").to_pylist(), table.column("typed_count").to_pylist(), strict=True)) == {
         f"k{i}": 40 for i in range(5)}
 
 

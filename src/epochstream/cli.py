@@ -35,6 +35,8 @@ def load_pipeline_factory(spec: str) -> Callable[[], Any]:
     if not file.is_file():
         raise UsageError(f"no such file: {path}")
     mod_spec = importlib.util.spec_from_file_location(f"_epochstream_job_{file.stem}", file)
+    if mod_spec is None or mod_spec.loader is None:  # e.g. a suffix Python does not import
+        raise UsageError(f"{path} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(mod_spec)
     sys.path.insert(0, str(file.parent.resolve()))
     mod_spec.loader.exec_module(module)
@@ -406,9 +408,11 @@ def cmd_chaos(args) -> int:
         "kills_requested": args.kills,
         "failures_injected": chaos.metrics.get("failures_injected") if chaos else None,
         "recovery_seconds": chaos.metrics.get("recovery_seconds", []) if chaos else [],
-        # kill i caused failover i (one kill per attempt); its recovery is failure -> all workers ready
+        # kill i caused failover i (one kill per attempt); its recovery is failure -> all workers ready.
+        # Padded with None: the last kill may have no recovery (run ended or failed first), so not strict
         "kills": [dict(k, recovery_seconds=rec) for k, rec in zip(
-            chaos.metrics.get("kills", []), chaos.metrics.get("recovery_seconds", []) + [None] * args.kills)]
+            chaos.metrics.get("kills", []), chaos.metrics.get("recovery_seconds", []) + [None] * args.kills,
+            strict=False)]
         if chaos else [],
         "completed_epochs": len(chaos.completed_epochs) if chaos else 0,
         "deployment": args.deployment,
@@ -429,7 +433,8 @@ def cmd_chaos(args) -> int:
             print(f"  - {ex}")
         for k in doc["kills"]:
             rec = "-" if k["recovery_seconds"] is None else f"{k['recovery_seconds']:.2f}s"
-            print(f"  kill at {k['time']:.2f}s: worker {k['worker']} ({k['target']}, {k['moment']}), recovered in {rec}")
+            print(f"  kill at {k['time']:.2f}s: worker {k['worker']} ({k['target']}, {k['moment']}), "
+                  f"recovered in {rec}")
         print(f"  work dir: {work}")
     return EXIT_OK if report.ok else EXIT_VIOLATION
 

@@ -50,12 +50,12 @@ SCHEMA_FIXED = [("epoch", pa.int64()), ("operator", pa.string()), ("state", pa.s
 
 def _open(where: Any, epoch: int | None, storage=None):
     """(storage, manifest, root) for a checkpoint dir + epoch, or one chk-N / savepoint folder."""
-    from .backends import location, open_storage
+    from .backends import location, open_object_storage, open_storage
     from .backends.objects import METADATA
 
     loc = location(where)
     if storage is None:
-        parent = open_storage(str(loc.parent))
+        parent = open_object_storage(str(loc.parent))
         if loc.name == METADATA or parent.store.exists(loc / METADATA):
             if epoch is not None:
                 raise CheckpointError(f"{loc} is one checkpoint or savepoint: pass its checkpoint dir to choose "

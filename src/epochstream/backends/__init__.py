@@ -8,9 +8,12 @@ its scheme. Other backends add themselves with ``register_storage``.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .base import CheckpointStorage, TransactionalSink  # noqa: F401
+
+if TYPE_CHECKING:
+    from .objects import ObjectCheckpointStorage
 
 #: scheme -> factory(url) of checkpoint storage
 _STORAGES: dict[str, Callable[[str], CheckpointStorage]] = {}
@@ -55,6 +58,18 @@ def open_storage(where: Any) -> CheckpointStorage:
     if factory is None:
         raise ValueError(f"no checkpoint storage for {os.fspath(where)!r}: known schemes are {sorted(_STORAGES)}")
     return factory(where if scheme == "file" else str(where))
+
+
+def open_object_storage(where: Any) -> ObjectCheckpointStorage:
+    """``open_storage`` for callers that reach the files through its object store (savepoints,
+    state queries): every built-in backend is one; a registered backend that is not is refused."""
+    from .objects import ObjectCheckpointStorage
+
+    storage = open_storage(where)
+    if not isinstance(storage, ObjectCheckpointStorage):
+        raise TypeError(f"{type(storage).__name__} for {os.fspath(where)!r} keeps no object store "
+                        f"(savepoints and state queries need one)")
+    return storage
 
 
 def open_objects(where: Any):

@@ -164,7 +164,8 @@ class ObjectCheckpointStorage(CheckpointStorage):
         data = encode_state(rows)
         rel = self.state_path(operator, subtask, epoch, attempt)
         self.store.put(self.root / rel, data)
-        return StateFileRef(operator, subtask, epoch, rel, tuple(key_group_range), full, len(rows), len(data),
+        lo, hi = key_group_range  # callers may pass a list (from JSON): the ref holds a tuple
+        return StateFileRef(operator, subtask, epoch, rel, (lo, hi), full, len(rows), len(data),
                             hashlib.sha256(data).hexdigest())
 
     def read_state(self, ref: StateFileRef, root: Any = None) -> pa.Table:
@@ -267,7 +268,7 @@ class ObjectCheckpointStorage(CheckpointStorage):
                 continue
             table = self.read_state(ref, root)
             cols = [table.column(n).to_pylist() for n in ("key_group", "key", "state", "value")]
-            for row in zip(*cols):
+            for row in zip(*cols, strict=True):
                 if key_groups is None or key_groups[0] <= row[0] <= key_groups[1]:
                     yield row
 
@@ -328,7 +329,7 @@ def _live_files(retained: list[dict[str, Any]]) -> set[str]:
 def encode_state(rows: list[Row]) -> bytes:
     """One capture as Parquet (zstd) bytes."""
     if rows:
-        kgs, keys, names, values = zip(*rows)
+        kgs, keys, names, values = zip(*rows, strict=True)
     else:
         kgs, keys, names, values = (), (), (), ()
     table = pa.Table.from_arrays(

@@ -204,8 +204,8 @@ class S3Objects(ObjectStore):
             wait=tenacity.wait_random_exponential(multiplier=o.backoff_initial, max=o.backoff_max),
             retry=tenacity.retry_if_exception(_transient),
             reraise=True,
-            before_sleep=lambda rs: log.info("S3 %s %s: attempt %d failed (%s), retrying", what, loc,
-                                             rs.attempt_number, _describe(rs.outcome.exception())),
+            before_sleep=lambda rs: log.info("S3 %s %s: attempt %d failed (%s), retrying", what, loc, rs.attempt_number,
+                                             _describe(rs.outcome.exception() if rs.outcome else None)),
         )
         try:
             return retrying(fn)
@@ -292,7 +292,11 @@ class S3Objects(ObjectStore):
             kw: dict[str, Any] = {"Bucket": loc.bucket, "Prefix": base + prefix}
             if token:
                 kw["ContinuationToken"] = token
-            resp = self._call("LIST", loc, lambda: self.client.list_objects_v2(**kw))
+
+            def list_page(kw: dict[str, Any] = kw) -> Any:  # this page's kw; the client is got inside _call
+                return self.client.list_objects_v2(**kw)
+
+            resp = self._call("LIST", loc, list_page)
             for obj in resp.get("Contents", []):
                 yield obj["Key"][len(base):]
             if not resp.get("IsTruncated"):
@@ -305,8 +309,12 @@ class S3Objects(ObjectStore):
     def delete_tree(self, loc: S3Path) -> None:
         keys = [f"{loc.key}/{k}" if loc.key else k for k in self.keys(loc)]
         for i in range(0, len(keys), 1000):
-            batch = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
-            resp = self._call("DELETE", loc, lambda: self.client.delete_objects(Bucket=loc.bucket, Delete=batch))
+            batch: dict[str, Any] = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
+
+            def delete_batch(batch: dict[str, Any] = batch) -> Any:  # this batch; the client is got inside _call
+                return self.client.delete_objects(Bucket=loc.bucket, Delete=batch)
+
+            resp = self._call("DELETE", loc, delete_batch)
             errors = resp.get("Errors") or []
             if errors:
                 raise StorageError(f"S3 DELETE under {loc}: {len(errors)} objects not deleted, e.g. {errors[0]}")
@@ -344,7 +352,7 @@ def _code(exc: Exception) -> str:
     return str(resp.get("Error", {}).get("Code", "") or resp.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
 
 
-def _status(exc: Exception) -> int:
+def _status(exc: BaseException) -> int:
     resp = getattr(exc, "response", None) or {}
     return int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 

@@ -23,10 +23,11 @@ import copy
 import datetime as _dt
 import json
 import pickle
-from typing import Any
+from typing import Any, Iterable
 
 from ..snapshot.manifest import FORMAT_VERSION, CheckpointError, StateFileRef
-from . import location, open_storage
+from . import location, open_object_storage, open_storage
+from .base import Row
 from .objects import METADATA, ObjectExistsError
 
 SAVEPOINT = "savepoint"
@@ -45,12 +46,12 @@ def write_savepoint(storage, manifest: dict[str, Any], root: Any, target_dir: An
     target = location(target_dir)
     epoch = int(manifest["epoch"])
     folder = target / f"{PREFIX}{job_id[:6]}-{epoch}"
-    out = open_storage(str(folder))
+    out = open_object_storage(str(folder))
     n = 1
     while out.store.exists(folder / METADATA):  # never overwrite a savepoint
         n += 1
         folder = target / f"{PREFIX}{job_id[:6]}-{epoch}-{n}"
-        out = open_storage(str(folder))
+        out = open_object_storage(str(folder))
     operators: dict[str, Any] = {}
     total = 0
     for uid, entry in manifest["operators"].items():
@@ -89,9 +90,9 @@ def write_savepoint(storage, manifest: dict[str, Any], root: Any, target_dir: An
     return folder
 
 
-def _compact(rows) -> list[tuple[int, bytes, str, bytes]]:
+def _compact(rows: Iterable[Row]) -> list[Row]:
     """Apply a file chain's rows in order (later rows win, ``None`` deletes) into full rows."""
-    latest: dict[tuple[str, Any], tuple[int, bytes, str, bytes]] = {}
+    latest: dict[tuple[str, Any], Row] = {}
     for kg, kbytes, name, vbytes in rows:
         slot = (name, pickle.loads(kbytes))
         if vbytes is None:
@@ -116,7 +117,7 @@ def load_savepoint(path: Any) -> tuple[dict[str, Any], Any]:
 def dispose_savepoint(path: Any) -> Any:
     """Delete a savepoint folder (only a savepoint: anything else is refused and left alone)."""
     _manifest, root = load_savepoint(path)
-    store = open_storage(str(root)).store
+    store = open_object_storage(str(root)).store
     store.delete(root / METADATA)  # first the commit point: a half-deleted savepoint is no savepoint
     store.delete_tree(root)
     return root
@@ -125,12 +126,12 @@ def dispose_savepoint(path: Any) -> Any:
 def list_savepoints(directory: Any) -> list[dict[str, Any]]:
     """One row per folder in ``directory`` that holds a savepoint (damaged ones flagged, not skipped)."""
     base = location(directory)
-    store = open_storage(str(base)).store
+    store = open_object_storage(str(base)).store
     if not store.root_exists():  # a local folder; for S3 the bucket (an empty prefix simply lists nothing)
         raise CheckpointError(f"savepoint dir {base} does not exist")
     folders = sorted({key.split("/", 1)[0] for key in store.keys(base) if key.count("/") == 1
                       and key.endswith("/" + METADATA)})
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in folders:
         folder = base / name
         try:

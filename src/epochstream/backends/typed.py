@@ -99,6 +99,6 @@ def typed_arrays(rows: pa.Table, columns: dict[str, TypeInformation], what: str)
         else:
             state = col[len("typed_"):]
             data = [_decode(t, v, f"{what}, state {state!r}", warned) if s == state else None
-                    for s, v in zip(states, values)]
+                    for s, v in zip(states, values, strict=True)]
         out[col] = pa.array(data, arrow_type(t))
     return out

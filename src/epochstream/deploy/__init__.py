@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..snapshot.manifest import CheckpointError
+
+if TYPE_CHECKING:
+    from .driver import Driver
 
 
 def make_storage(checkpoint_dir: Any, state_backend: str = "files"):
@@ -53,7 +56,8 @@ def run_pipeline(
 
 
 def _new_driver(pipeline, deployment: str, storage, seed: int, parallelism: int | None, sim: Any, failures: Any,
-                savepoint_dir: str | None, stop_with_savepoint: bool, options: dict[str, Any]):
+                savepoint_dir: str | None, stop_with_savepoint: bool, options: dict[str, Any]) -> Driver:
+    driver: Driver
     if deployment == "sim":
         from .sim import SimDriver
 

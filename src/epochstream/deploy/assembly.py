@@ -18,6 +18,7 @@ from ..graph.plan import PhysicalPlan
 from ..loops.task import LoopHeadTask
 from ..runtime.chain import ChainRuntime
 from ..runtime.context import Context
+from ..runtime.gate import Gate
 from ..runtime.messages import TaskId
 from ..runtime.task import Task
 from ..runtime.tracking import TaskTracking
@@ -64,7 +65,10 @@ def build_tasks(
             _restore_chain(chain, restored, storage, plan.parallelism, tid[1])
         chain.open(start_epoch)
         tracking = None
+        gate: Gate
         if tracker_mode:
+            if trackers is None:
+                raise ValueError("build_tasks: trAcker mode needs each worker's LocalTracker (trackers=...)")
             gate = FirmBoundGate(seg_of[tid[0]], last_closed=start_epoch - 1)
             out_segment = {ch: seg_of[plan.channels[ch].dst[0]] for chans in plan.outputs[tid] for ch in chans}
             tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(ids_seed(attempt, tid)),
@@ -102,6 +106,7 @@ def _operator_state(restored: Restored, uid: str, parallelism: int, subtask: int
         try:
             values = {s: pickle.loads(data) for s, data in parts.items()}
         except Exception as exc:
-            raise CheckpointError(f"{restored.path}: operator state {name!r} of {uid!r} cannot be read: {exc!r}") from None
+            raise CheckpointError(
+                f"{restored.path}: operator state {name!r} of {uid!r} cannot be read: {exc!r}") from None
         out[name] = (mode, redistribute(mode, values, old_p, parallelism)[subtask])
     return out

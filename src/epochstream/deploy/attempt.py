@@ -181,6 +181,8 @@ class AttemptController:
 
     def on_tracker_report(self, msg: TrackerReport, now: float) -> list[Action]:
         tracking = self.tracking
+        if tracking is None:
+            raise ProtocolError("AttemptController", "running", "tracker_report", "the job has no trAcker")
         notes = tracking.notes(tracking.agent.receive(msg.message, now))
         out: list[Action] = [Neoss(notes)] if notes else []
         if self.final_waiting:

@@ -15,6 +15,7 @@ between its own steps (``deploy.control.JobControl``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -132,7 +133,7 @@ class ClusterDriver(Driver):
                 self.on_start({"id": self.job_id, "name": self.pipeline.name, "endpoint": server.endpoint})
         state = "FAILED"
         try:
-            super().run(restore, allow_non_restored_state, duration, prepared=restored)
+            self.run_prepared(restored, duration)
             state = "FINISHED"
         finally:
             self.control.fail_pending(f"the job is {state.lower()}")
@@ -249,9 +250,9 @@ class ClusterDriver(Driver):
         c = self._controller = self.new_attempt(restored, attempt, time.monotonic(), self.deployment, traffic,
                                                 workers=len(group.conns), stop_at=self.deadline)
         #: worker -> driver messages by type (each handler returns the controller's actions)
-        on = {Ready: self._on_ready, Ack: self._on_ack, Decline: c.on_decline, Exhausted: c.on_exhausted,
-              TrackerReport: c.on_tracker_report, Stopped: c.on_stopped, WorkerError: self._on_worker_error,
-              Fatal: self._on_fatal}
+        on = {Ready: functools.partial(self._on_ready, c), Ack: functools.partial(self._on_ack, c),
+              Decline: c.on_decline, Exhausted: c.on_exhausted, TrackerReport: c.on_tracker_report,
+              Stopped: c.on_stopped, WorkerError: self._on_worker_error, Fatal: self._on_fatal}
         try:
             while True:
                 now = time.monotonic()
@@ -286,7 +287,9 @@ class ClusterDriver(Driver):
         deadline = c.next_deadline(now)
         timeout = 0.05 if deadline is None else min(0.05, max(0.0, deadline - now))
         live = [conn for w, conn in enumerate(conns) if w not in c.stopped]
-        for conn in wait(live, timeout=timeout) if live else ():
+        # wait() hands back some of the connections it was given (typeshed: any waitable)
+        ready: list[Any] = wait(live, timeout=timeout) if live else []
+        for conn in ready:
             w = conns.index(conn)
             try:
                 msg = conn.recv()
@@ -301,15 +304,13 @@ class ClusterDriver(Driver):
         self.collect(c.master)
 
     # -- worker -> driver messages the driver handles itself (the rest go to the controller)
-    def _on_ready(self, msg: Ready, now: float) -> list[Any]:
-        c = self._controller
+    def _on_ready(self, c: AttemptController, msg: Ready, now: float) -> list[Any]:
         out = c.on_ready(msg, now)
         if c.all_ready and self.last_failure is not None:
             self.recovery_seconds.append(self.clock() - self.last_failure)
         return out
 
-    def _on_ack(self, msg: Ack, now: float) -> list[Any]:
-        c = self._controller
+    def _on_ack(self, c: AttemptController, msg: Ack, now: float) -> list[Any]:
         c.bound(msg.info.epoch, msg.info.task, msg.info.captured_at)  # notification latency: trigger -> bound
         return c.on_ack(msg, now)
 

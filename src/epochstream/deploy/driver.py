@@ -112,14 +112,15 @@ class Driver:
         resolve_sources(self.plan, self.pipeline, restored)
         return restored
 
-    def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None,
-            prepared: Restored | None | bool = False) -> None:
+    def run(self, restore: str | None, allow_non_restored_state: bool, duration: float | None) -> None:
         """Run under the pipeline's restart strategy (``deploy.restart``; tenacity drives the
         loop): on a failure, roll back to the latest completed checkpoint (or the one the run
         started from) and try again while the strategy allows. A damaged checkpoint or an
-        impossible set-up is not retried. ``prepared``: the result of ``prepare`` if the
-        driver called it already."""
-        restored = self.prepare(restore, allow_non_restored_state) if prepared is False else prepared
+        impossible set-up is not retried."""
+        self.run_prepared(self.prepare(restore, allow_non_restored_state), duration)
+
+    def run_prepared(self, restored: Restored | None, duration: float | None) -> None:
+        """``run`` from what ``prepare`` returned, for a driver that called it already."""
         initial = restored
         run_id = secrets.token_hex(4)  # unique file names per run, never from a seeded rng
         strategy = self.pipeline.restart_strategy
@@ -131,7 +132,7 @@ class Driver:
             self.attempt(current["restored"], f"{run_id}.{self.restarts}", duration)
 
         def failed(state: tenacity.RetryCallState) -> None:  # after every retryable failure
-            exc = state.outcome.exception()
+            exc = state.outcome.exception() if state.outcome else None  # set before `after` runs
             reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
             if self.master is not None:  # savepoints in flight die with the attempt (a stop stays asked)
                 for req in self.master.savepoints.values():

@@ -51,7 +51,7 @@ def _alive(pid: int) -> bool:
 
 def running() -> list[dict[str, Any]]:
     """Jobs whose driver process is alive, oldest first."""
-    out = []
+    out: list[dict[str, Any]] = []
     folder = _jobs_dir()
     if not folder.is_dir():
         return out

@@ -16,7 +16,7 @@ import datetime as _dt
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from ..backends.objects import StorageAccessError
 from ..graph.plan import PhysicalPlan
@@ -164,7 +164,9 @@ class JobMaster:
             self.stop_request = request
             return self._run(self.coordinator.request(now, FINAL), now)
         actions = self.coordinator.request(now, SAVEPOINT)
-        request.epoch = actions[0].epoch
+        trigger = actions[0]
+        assert isinstance(trigger, TriggerEpoch), "a savepoint request triggers its epoch at once"
+        request.epoch = trigger.epoch
         self.savepoints[request.epoch] = request
         return self._run(actions, now)
 
@@ -234,7 +236,8 @@ class JobMaster:
         logged = manifest["metrics"].get("loop_log_records", 0)
         drained = not (self.drain_final and logged)
         if not drained and a.kind == FINAL:
-            log.info("final epoch %d cut through %d records still in loops; another final epoch follows", a.epoch, logged)
+            log.info("final epoch %d cut through %d records still in loops; another final epoch follows",
+                     a.epoch, logged)
         return self.coordinator.manifest_written(a.epoch, now, drained=drained)
 
     def _epoch_metrics(self, a: CompleteEpoch, now: float) -> dict[str, Any]:
@@ -243,7 +246,8 @@ class JobMaster:
         trAcker hold), write time, bytes and held records, and the service messages it cost."""
         rec = self.coordinator.epochs[a.epoch]
         tasks = {}
-        for tid, info in sorted(a.acks.items()):
+        for task, info in sorted(a.acks.items()):
+            tid = cast(TaskId, task)  # the coordinator is generic over task ids; the master's are TaskIds
             tasks[f"{tid[0]}.{tid[1]}"] = {
                 "alignment_seconds": round(info.alignment_seconds, 6),
                 "write_seconds": round(info.write_seconds, 6),
@@ -290,6 +294,7 @@ class JobMaster:
         self.builder.completed(epoch, manifest)
         self.completed.append(epoch)
         rec = self.coordinator.epochs[epoch]
+        assert rec.completed_at is not None, "CommitEpoch follows manifest_written, which sets completed_at"
         self.epoch_log.append({
             "epoch": epoch, "state": "completed", "kind": rec.kind,
             **manifest["metrics"],

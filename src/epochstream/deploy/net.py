@@ -85,10 +85,10 @@ def mesh(index: int, addresses: list[tuple[str, int]], server: Server, authkey: 
         peers[j] = conn
     deadline = time.monotonic() + timeout
     while len(peers) < len(addresses) - 1:
-        conn = server.accept(max(0.0, deadline - time.monotonic()))
-        if conn is None:
+        accepted = server.accept(max(0.0, deadline - time.monotonic()))
+        if accepted is None:
             missing = sorted(set(range(len(addresses))) - set(peers) - {index})
             raise TimeoutError(f"member {index}: members {missing} did not connect within {timeout}s")
-        j = conn.recv()
-        peers[j] = conn
+        j = accepted.recv()
+        peers[j] = accepted
     return peers

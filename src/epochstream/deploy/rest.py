@@ -49,7 +49,7 @@ class RestServer:
 
     @property
     def endpoint(self) -> str:
-        host, port = self.httpd.server_address[:2]
+        host, port = self.httpd.socket.getsockname()[:2]  # = server_address (typeshed: or bytes)
         return f"http://{host}:{port}"
 
     def start(self) -> "RestServer":

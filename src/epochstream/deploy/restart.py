@@ -89,7 +89,7 @@ class ExponentialDelayRestart(RestartStrategy):
 
     def decide(self, failures: list[float], now: float) -> float | None:
         streak = 1
-        for prev, cur in zip(reversed(failures[:-1]), reversed(failures[1:])):
+        for prev, cur in zip(reversed(failures[:-1]), reversed(failures[1:]), strict=True):
             if cur - prev >= self.reset_after:
                 break
             streak += 1
@@ -102,7 +102,8 @@ class ExponentialDelayRestart(RestartStrategy):
         return delay
 
     def describe(self) -> str:
-        return f"exponential-delay: gave up after {self.attempts} restarts without {self.reset_after}s of stable running"
+        return (f"exponential-delay: gave up after {self.attempts} restarts "
+                f"without {self.reset_after}s of stable running")
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,8 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
         if getattr(sink, "epoch_transactions", False):
             manifest = restored.manifest if restored else None
             sink.start(uid, job or (manifest["job"] if manifest else "job"), manifest)
-            sink.recover(uid, entry.get("staged", []), epoch=restored.epoch if entry.get("delta") else None)
+            delta_epoch = restored.epoch if restored is not None and entry.get("delta") else None
+            sink.recover(uid, entry.get("staged", []), epoch=delta_epoch)
         else:
             sink.recover(uid, entry.get("staged", []))
     storage.recover(restored.epoch if restored else None)

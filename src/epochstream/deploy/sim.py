@@ -28,8 +28,10 @@ from ..runtime.messages import (
     Snapshot,
     SourceExhausted,
     TaskCapture,
+    TaskId,
     Watermark,
 )
+from ..runtime.task import Task
 from ..tracker.traffic import ServiceTraffic
 from .assembly import build_tasks
 from .attempt import MARKER_BYTES, AttemptController, CaptureFull
@@ -38,7 +40,7 @@ from .driver import Driver
 from .failures import Failover, FailureSchedule
 from .persist import StateWriteError, persist
 from .protocol import Ack, Decline, Exhausted, Neoss, Stop, TrackerReport, Trigger
-from .tracking import new_local_tracker
+from .tracking import Tracking, new_local_tracker
 
 __all__ = ["MARKER_BYTES", "FailureSchedule", "SimConfig", "SimDriver"]
 
@@ -71,6 +73,9 @@ class SimDriver(Driver):
         self.writes = 0
         #: (epoch, task, seconds from the epoch's trigger to the task's bound), every attempt
         self.bound_latency: list[tuple[int, Any, float]] = []
+        #: the last attempt's trAcker objects (None in the aligned modes) and its tasks (benchmarks read their logs)
+        self.tracking: Tracking | None = None
+        self.tasks: dict[TaskId, Task] = {}
 
     def clock(self) -> float:
         return self.now
@@ -126,7 +131,8 @@ class _SimAttempt:
         #: what the controller's actions do here (the cluster driver sends them to workers)
         self.act = {Trigger: self._trigger, Neoss: self._neoss, CaptureFull: self._capture_full, Stop: None}
         #: what the tasks' actions do here
-        self.task_act = {Send: self._send, Snapshot: self._snapshot, SourceExhausted: self._exhausted}
+        self.task_act: dict[type, Callable[[TaskId, Any, float], None]] = {
+            Send: self._send, Snapshot: self._snapshot, SourceExhausted: self._exhausted}
 
     # -- the loop
     def run(self) -> None:
@@ -145,13 +151,13 @@ class _SimAttempt:
                     raise RuntimeError("simulation stalled: no events and no coordinator deadline")
                 d.now = max(d.now, deadline)
                 continue
-            t = self.events[0][0]
-            wake = min(x for x in (t, deadline, self._next_kill(), c.pending_stop()) if x is not None)
-            if wake < t:
+            first = self.events[0][0]  # the earliest event's time
+            wake = min(x for x in (first, deadline, self._next_kill(), c.pending_stop()) if x is not None)
+            if wake < first:
                 d.now = max(d.now, wake)
                 continue
             _, _, handler, payload = heapq.heappop(self.events)
-            d.now = max(d.now, t)
+            d.now = max(d.now, first)
             handler(payload)
             d.collect(c.master)
         d.collect(c.master)
@@ -296,7 +302,7 @@ class _SimAttempt:
     def _on_tracker(self, msg) -> None:
         c = self.controller
         self.apply(c.on_tracker_report(TrackerReport(msg), self.driver.now))
-        if self.cfg.check_invariants:
+        if self.cfg.check_invariants and c.tracking is not None:  # not None: on_tracker_report checked
             c.tracking.agent.check_invariants()
 
     def _on_neoss(self, payload) -> None:

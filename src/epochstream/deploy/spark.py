@@ -26,8 +26,9 @@ tasks restore from the latest completed epoch. The sans-IO core is the same as e
 Requirements: ``parallelism`` barrier slots at once (``local[N]``/``local[N,F]`` with N >= p;
 ``local-cluster[W,C,M]`` with W*C >= p; a cluster with that many cores free), one slot more
 for a job that commits to Delta (the job master's MERGEs and appends are Spark jobs of the same
-session, run while the barrier stage holds its p slots), no dynamic allocation, the driver reachable from executors, and the checkpoint dir and sink paths on
-storage every executor sees (the same machine, or a shared filesystem).
+session, run while the barrier stage holds its p slots), no dynamic allocation, the driver
+reachable from executors, and the checkpoint dir and sink paths on storage every executor sees
+(the same machine, or a shared filesystem).
 """
 
 from __future__ import annotations
@@ -175,8 +176,9 @@ def _warm_task(paths: list[str]):
         for p in reversed(paths):
             if p not in _sys.path:
                 _sys.path.insert(0, p)
-        import epochstream.deploy.spark  # noqa: F401  (and with it pyarrow, cloudpickle, the core)
         import pyarrow.parquet  # noqa: F401
+
+        import epochstream.deploy.spark  # noqa: F401  (and with it pyarrow, cloudpickle, the core)
 
         return []
 
@@ -252,8 +254,8 @@ class SparkGroup(WorkerGroup):
         if target == "executor":
             if self.driver.local_mode or jvm is None:
                 raise ConfigurationError(
-                    f"cannot kill the executor of worker {worker} on master {self.driver.master!r}: in local mode "
-                    f"the executor is the driver's own JVM; use local-cluster[W,C,M] to kill executors")
+                    f"cannot kill the executor of worker {worker} on master {self.driver.spark_master!r}: "
+                    f"in local mode the executor is the driver's own JVM; use local-cluster[W,C,M] to kill executors")
             return jvm
         raise ConfigurationError(f"unknown kill target {target!r} (worker, executor)")
 
@@ -294,16 +296,17 @@ class SparkDriver(ClusterDriver):
             spark_conf = {**delta_conf(), **(spark_conf or {})}
         self.spark = spark if spark is not None else spark_session(master, spark_conf)
         self.sc = self.spark.sparkContext
-        self.master = self.sc.master
-        if master is not None and spark is None and master != self.master:
-            log.warning("a SparkSession on %s is already active; master %s is ignored", self.master, master)
-        self.local_mode = self.master == "local" or self.master.startswith("local[")
+        #: the Spark master URL (not ``Driver.master``, the attempt's job master)
+        self.spark_master: str = self.sc.master
+        if master is not None and spark is None and master != self.spark_master:
+            log.warning("a SparkSession on %s is already active; master %s is ignored", self.spark_master, master)
+        self.local_mode = self.spark_master == "local" or self.spark_master.startswith("local[")
         self.connect_timeout = connect_timeout
         p = self.plan.parallelism
-        slots = barrier_slots(self.master)
+        slots = barrier_slots(self.spark_master)
         if slots is not None and slots < p:
             raise ConfigurationError(
-                f"parallelism {p} needs {p} barrier task slots at once, master {self.master!r} offers {slots}; "
+                f"parallelism {p} needs {p} barrier task slots at once, master {self.spark_master!r} offers {slots}; "
                 f"use local[{p}] (or more), local-cluster[W,C,M] with W*C >= {p}, or a lower parallelism")
         if uses_delta(pipeline):
             # the job master's Delta commits are Spark jobs of this session, run while the barrier
@@ -317,7 +320,7 @@ class SparkDriver(ClusterDriver):
                 raise ConfigurationError(
                     f"parallelism {p} with Delta needs {p + 1} task slots: {p} for the barrier stage and at least "
                     f"one for the job master's Delta commits (Spark jobs of the same session); master "
-                    f"{self.master!r} offers {slots}; use local[{p + 1}] (or more) or local-cluster[W,C,M] with "
+                    f"{self.spark_master!r} offers {slots}; use local[{p + 1}] (or more) or local-cluster[W,C,M] with "
                     f"W*C > {p}")
         if self.sc.getConf().get("spark.dynamicAllocation.enabled", "false").lower() == "true":
             raise ConfigurationError("barrier stages do not work with dynamic allocation: set "
@@ -342,7 +345,7 @@ class SparkDriver(ClusterDriver):
                     raise Failover(f"spark job failed before its {p} tasks connected: {job.error}")
                 if time.monotonic() > deadline:
                     raise Failover(f"only {len(conns)} of {p} tasks connected within {self.connect_timeout}s "
-                                   f"(are {p} task slots free on {self.master}?)")
+                                   f"(are {p} task slots free on {self.spark_master}?)")
                 conn = server.accept(0.2)
                 if conn is None:
                     continue

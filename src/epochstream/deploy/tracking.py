@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Hashable, Mapping
 
 from ..graph.kinds import OpKind
 from ..graph.plan import PhysicalPlan
@@ -54,8 +54,10 @@ class Tracking:
     def notes(self, neoss) -> list[tuple[tuple[int, ...], Any]]:
         """(chains, note) per notification that has receivers (source segments have none):
         the epoch of a NEOSS, or the ``WindowEnd`` itself; tasks take both through ``on_neoss``."""
+        receivers = self.agent.processes
+        assert receivers is not None, "make_tracking names every segment's processes"
         return [(self.chains_of(n.segment), n.epoch if type(n) is NEOSS else n)
-                for n in neoss if self.agent.processes.get(n.segment)]
+                for n in neoss if receivers.get(n.segment)]
 
 
 def uses_event_time(pipeline) -> bool:
@@ -63,7 +65,7 @@ def uses_event_time(pipeline) -> bool:
     return pipeline is not None and any(getattr(s, "timestamp", None) is not None for s in pipeline.sources.values())
 
 
-def firing_segments(plan: PhysicalPlan, seg_of: dict[int, int]) -> dict[int, list[TaskId]]:
+def firing_segments(plan: PhysicalPlan, seg_of: Mapping[Hashable, int]) -> dict[int, list[TaskId]]:
     """Segments with an operator that declares event-time use -> their processes (tasks)."""
     firing: dict[int, list[TaskId]] = {}
     for c in plan.chains:

@@ -29,9 +29,10 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from ..runtime.state import ValueStateDescriptor
+from ..runtime.timers import TimerService
 from .handles import EVENT_TIME, EpochStatefulProcessorHandle, Timers
 from .schema import (
     Row,
@@ -80,6 +81,11 @@ def _event_time_ms(v: Any) -> int:
 
 class _Keyed:
     """Shared by both operators: key columns, input conversion, event time and watermark."""
+
+    #: whether the operator's timers are event-time timers (each operator sets it from its mode)
+    uses_event_time: bool
+    #: the runtime's TimerService when ``uses_event_time`` and the job has event time, else None (set by open)
+    tracker_time: TimerService | None
 
     def __init__(
         self,
@@ -152,7 +158,9 @@ class _Keyed:
         At the end of bounded input W is infinite (every timer fires, as at Flink's end of
         input); the watermark reported is then the largest event time seen or the expiry of
         the timer firing, whichever is later."""
-        w = self.tracker_time.watermark
+        tracker = self.tracker_time
+        assert tracker is not None, "trAcker watermarks are read only when timers fire from the TimerService"
+        w = tracker.watermark
         if w == float("inf"):
             w = max(self._max_event if self._max_event is not None else self.watermark_ms,
                     firing if firing is not None else -(2**63)) + 1
@@ -271,7 +279,7 @@ class TransformWithState(_Keyed):
         for key, rows in groups.items():
             ctx.set_current_key(key)
             if self.rows == "pandas":
-                data: Iterable[Any] = iter([to_pandas(rows, self._arrow_in)])
+                data: Iterator[Any] = iter([to_pandas(rows, self._arrow_in)])
             else:
                 data = iter([Row(**r) for r in rows])
             result = handle_rows(key, data, tv)
@@ -443,7 +451,9 @@ class ApplyInPandasWithState(_Keyed):
         value, old_timeout = stored if stored is not None else (None, GroupState.NO_TIMESTAMP)
         watermark = self.watermark_ms if self.event_time is not None else GroupState.NO_TIMESTAMP
         gs = GroupState(
-            optionalValue=Row(*value) if value is not None else None,
+            # pyspark annotates Row, but an undefined state (defined=False) holds None, as Spark's
+            # own serializer passes it (pyspark/sql/pandas/serializers.py, construct_state)
+            optionalValue=Row(*value) if value is not None else None,  # type: ignore[arg-type]
             batchProcessingTimeMs=self.batch_time_ms,
             eventTimeWatermarkMs=watermark,
             timeoutConf=self.timeout_conf,

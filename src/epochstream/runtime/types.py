@@ -113,7 +113,7 @@ class TypeInformation:
                     return f"unknown fields {sorted(map(str, extra))}"
                 items = [(n, t, value.get(n)) for n, t in fields]
             elif isinstance(value, (tuple, list)) and len(value) == len(fields):
-                items = [(n, t, v) for (n, t), v in zip(fields, value)]
+                items = [(n, t, v) for (n, t), v in zip(fields, value, strict=True)]
             else:
                 return f"{type(value).__name__} is neither a dict nor a tuple of {len(fields)} fields"
             for n, t, v in items:
@@ -136,7 +136,7 @@ class TypeInformation:
         if self.name == "row":
             if isinstance(value, Mapping):
                 return {n: t.plain(value.get(n)) for n, t in self.args}
-            return {n: t.plain(v) for (n, t), v in zip(self.args, value)}
+            return {n: t.plain(v) for (n, t), v in zip(self.args, value, strict=True)}
         if self.name in ("FLOAT", "DOUBLE"):
             return float(value)
         if self.name == "BINARY":
@@ -206,7 +206,8 @@ class Types:
                 raise ValueError(f"ROW_NAMED field name {n!r} is not an identifier ([A-Za-z_][A-Za-z0-9_]*)")
         if len(set(names)) != len(names):
             raise ValueError(f"ROW_NAMED field names repeat: {names!r}")
-        return TypeInformation("row", tuple((n, _type(t, f"ROW field {n!r}")) for n, t in zip(names, types)))
+        fields = tuple((n, _type(t, f"ROW field {n!r}")) for n, t in zip(names, types, strict=True))
+        return TypeInformation("row", fields)
 
     @staticmethod
     def PICKLED_BYTE_ARRAY() -> None:

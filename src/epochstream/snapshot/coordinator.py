@@ -179,7 +179,8 @@ class EpochCoordinator:
     def ack(self, task: Hashable, epoch: int, info: Any, now: float) -> list[CoordinatorAction]:
         rec = self._record(task, epoch, "ack")
         if rec is not None and task in rec.acks:
-            raise ProtocolError("EpochCoordinator", f"epoch {epoch} {rec.state.value}", "ack", f"duplicate ack from {task}")
+            raise ProtocolError("EpochCoordinator", f"epoch {epoch} {rec.state.value}", "ack",
+                                f"duplicate ack from {task}")
         if rec is None or rec.state is not EpochState.PENDING:
             if rec is not None:
                 rec.acks[task] = info  # late ack of an aborted epoch: harmless, but remembered

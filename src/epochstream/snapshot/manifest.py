@@ -153,11 +153,11 @@ class ManifestBuilder:
             metrics["loop_log_records"] += info.loop_log_records
             metrics["loop_log_bytes"] += info.loop_log_bytes
         # staged output of every epoch since the last completed one, aborted epochs included
-        for (task, e), info in sorted(self.acks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for (_task, e), info in sorted(self.acks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             if self.last_completed < e <= epoch:
                 for sink, paths in info.staged.items():
                     sinks.setdefault(sink, {"staged": []})["staged"].extend(paths)
-        for task, info in acks.items():  # sinks with no output still appear
+        for info in acks.values():  # sinks with no output still appear
             for sink in info.staged:
                 sinks.setdefault(sink, {"staged": []})
         for source in sources.values():  # every split has an offset (every split has a reader)

@@ -193,7 +193,8 @@ class LocalTracker:
     # ------------------------------------------------------------ internals
     def _record(self, batch_id: int, epoch: int, segment: int, is_snd: bool, dim: int) -> None:
         if not 0 < batch_id <= MAX_ID:
-            raise ValueError(f"LocalTracker {self.id}: batch id {batch_id!r} is not in [1, 2**64): ids are random 64-bit")
+            raise ValueError(
+                f"LocalTracker {self.id}: batch id {batch_id!r} is not in [1, 2**64): ids are random 64-bit")
         self.events += 1
         self.pending_events += 1
         if not self.aggregate:

@@ -33,10 +33,12 @@ import struct
 from dataclasses import dataclass
 from typing import Hashable
 
+# re-exported: the TIME label an exhausted source promises
+from ..runtime.messages import END_OF_TIME as END_OF_TIME
+
 #: dimensions of the tracked labels
 EPOCHS = 0
 TIME = 1
-from ..runtime.messages import END_OF_TIME  # noqa: F401 - the label an exhausted source promises
 
 #: batch ids are 64-bit; 0 is not allowed, because XOR-ing it changes nothing
 MAX_ID = (1 << 64) - 1
@@ -122,7 +124,8 @@ class TrackerMessage:
     @property
     def min_epoch(self) -> int | None:
         """The oldest epoch the message carries (traffic is attributed to it; time labels are not epochs)."""
-        epochs = [r.epoch for r in self.reports if r.dim == EPOCHS] + [p.epoch for p in self.promises if p.dim == EPOCHS]
+        epochs = [r.epoch for r in self.reports if r.dim == EPOCHS]
+        epochs += [p.epoch for p in self.promises if p.dim == EPOCHS]
         return min(epochs) if epochs else None
 
 

@@ -10,8 +10,8 @@ bounds in one pass from sources to sinks: every edge goes from a segment to itse
 a later one.
 
 Pure functions, no state. Tarjan's algorithm (``graph.cycles.tarjan``, shared with loop
-expansion) is written with an explicit stack, so graphs of any depth work (a path of 100,000 operators is fine; Python's recursion limit
-would stop a recursive version near 1,000).
+expansion) is written with an explicit stack, so graphs of any depth work (a path of 100,000
+operators is fine; Python's recursion limit would stop a recursive version near 1,000).
 
 Choice: the order of segments is deterministic (Kahn's algorithm over the condensation,
 breaking ties by the earliest position of a member in the ``vertices`` argument), so the
