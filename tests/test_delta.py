@@ -30,14 +30,23 @@ import pytest
 
 from epochstream import CheckpointError
 from epochstream.backends import spark_session
-from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.backends.delta import DeltaCheckpointStorage, DeltaConflictError, DeltaSink, history
 from epochstream.backends.delta import schema as state_schema
+from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.failures import JobFailedError
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
 from epochstream.runtime.errors import ConfigurationError
-from pipelines import PacedSource, RunningCount, _key, delta_chaos_run, input_records, make_pipeline, sim_run, without_fsync
+from pipelines import (
+    PacedSource,
+    RunningCount,
+    _key,
+    delta_chaos_run,
+    input_records,
+    make_pipeline,
+    sim_run,
+    without_fsync,
+)
 
 pytestmark = pytest.mark.slow
 

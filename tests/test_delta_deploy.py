@@ -268,7 +268,8 @@ def test_exactly_once_on_the_spark_driver_with_delta(spark, tmp_path):
     assert report.records_committed == report.records_expected == SPARK_N
     assert report.epochs_checked >= 2, report.to_json()
     # all three failures fired (a kill may land in the attempt the crash ends: one failover for both)
-    assert chaos.metrics["failures_injected"] == 3 and len(chaos.metrics["kills"]) == 2, (chaos.metrics["kills"], reasons)
+    kills = chaos.metrics["kills"]
+    assert chaos.metrics["failures_injected"] == 3 and len(kills) == 2, (kills, reasons)
     assert chaos.restarts >= 2 and any("died" in r or "spark job failed" in r for r in reasons), reasons
     assert sum("after_manifest" in r for r in reasons) == 1, reasons
     assert chaos.metrics["deployment"] == "spark" and chaos.metrics["mode"] == mode

@@ -27,8 +27,16 @@ from epochstream.deploy.failures import JobFailedError
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
 from epochstream.runtime.types import TypeInformation
-from pipelines import delta_chaos_run, TypedProfile, committed_output, input_records, make_pipeline, sim_run, \
-    typed_profile, without_fsync
+from pipelines import (
+    TypedProfile,
+    committed_output,
+    delta_chaos_run,
+    input_records,
+    make_pipeline,
+    sim_run,
+    typed_profile,
+    without_fsync,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -212,8 +220,10 @@ def test_a_type_declared_mid_run_fills_the_column_for_keys_not_touched_since(spa
     assert totals == want
     # the scenario: epochs before the declaration had no such column, and the epoch that added
     # it captured k0 alone (an incremental capture that does not hold the other keys)
-    added = next((e, v) for e, v in epoch_versions(table)
-                 if "typed_total" in spark.read.format("delta").option("versionAsOf", v).load(table).schema.fieldNames())
+    def columns_at(version: int) -> list[str]:
+        return spark.read.format("delta").option("versionAsOf", version).load(table).schema.fieldNames()
+
+    added = next((e, v) for e, v in epoch_versions(table) if "typed_total" in columns_at(v))
     assert added[0] > 1
     changed = spark.read.format("delta").option("versionAsOf", added[1] - 1).load(table).filter(
         f"epoch = {added[0] - 1}").count()

@@ -83,7 +83,7 @@ class DeltaSink(TransactionalSink):
         if isinstance(record, dict):
             return {n: record.get(n) for n in self.schema.names}
         if isinstance(record, (tuple, list)) and len(record) == len(self.schema):
-            return dict(zip(self.schema.names, record))
+            return dict(zip(self.schema.names, record, strict=True))
         raise TypeError(f"sink {self.path}: record {record!r} does not match the columns {self.schema.names}")
 
     def encoder(self, record: Any) -> str:

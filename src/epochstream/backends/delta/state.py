@@ -371,7 +371,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
             yield from super().read_operator_rows(manifest, root, operator, key_groups)
             return
         cols = [table.column(n).to_pylist() for n in ROW_NAMES]
-        for row in zip(*cols):
+        for row in zip(*cols, strict=True):
             if key_groups is None or key_groups[0] <= row[0] <= key_groups[1]:
                 yield row
 
