@@ -317,3 +317,67 @@ def test_equal_keys_share_a_key_group():
     for a, b in [(1, 1.0), (1, True), (0, False), (0.0, -0.0), ((1, "x"), (1.0, "x"))]:
         assert a == b and hash(a) == hash(b)
         assert assign_to_key_group(a, 32768) == assign_to_key_group(b, 32768), (a, b)
+
+
+# ---------------------------------------------------------------- columnar keys: the same key group as the row's value
+
+import pyarrow as pa  # noqa: E402
+
+from epochstream.graph.keygroups import distinct_keys, key_groups  # noqa: E402
+
+#: Arrow types and the Python values hypothesis draws for them (None: a null)
+COLUMN_VALUES = {
+    "string": (pa.string(), st.text(max_size=6)),
+    "int64": (pa.int64(), st.integers(-(2**63), 2**63 - 1)),
+    "int32": (pa.int32(), st.integers(-(2**31), 2**31 - 1)),
+    "small int": (pa.int64(), st.integers(-3, 3)),  # many repeats: few distinct keys per batch
+    "float64": (pa.float64(), st.floats(allow_nan=False) | st.sampled_from([0.0, -0.0, 1.0, 2.5])),
+    "bool": (pa.bool_(), st.booleans()),
+}
+
+
+def _column(kind: str):
+    typ, values = COLUMN_VALUES[kind]
+    return st.lists(st.none() | values, max_size=40).map(lambda vs: pa.array(vs, typ))
+
+
+@settings(max_examples=150, deadline=None)
+@given(kind=st.sampled_from(sorted(COLUMN_VALUES)), data=st.data(),
+       m=st.sampled_from([1, 2, 7, 128, 4096, M_MAX]), chunked=st.booleans())
+def test_key_groups_of_a_column_equal_the_scalar_function_row_by_row(kind, data, m, chunked):
+    col = data.draw(_column(kind))
+    if chunked and len(col) > 1:
+        col = pa.chunked_array([col.slice(0, len(col) // 2), col.slice(len(col) // 2)])
+    got = key_groups([col], m)
+    assert got.type == pa.int32()
+    assert got.to_pylist() == [assign_to_key_group(v, m) for v in col.to_pylist()]
+    memo: dict = {}
+    assert key_groups([col], m, memo).to_pylist() == got.to_pylist()
+    assert key_groups([col], m, memo).to_pylist() == got.to_pylist()  # served from the memo
+
+
+@settings(max_examples=100, deadline=None)
+@given(kinds=st.lists(st.sampled_from(sorted(COLUMN_VALUES)), min_size=2, max_size=3), data=st.data(),
+       m=st.sampled_from([2, 128, M_MAX]))
+def test_key_groups_of_several_columns_equal_those_of_the_tuple(kinds, data, m):
+    n = data.draw(st.integers(0, 30))
+    cols = []
+    for kind in kinds:
+        typ, values = COLUMN_VALUES[kind]
+        cols.append(pa.array(data.draw(st.lists(st.none() | values, min_size=n, max_size=n)), typ))
+    tuples = list(zip(*(c.to_pylist() for c in cols)))
+    assert key_groups(cols, m).to_pylist() == [assign_to_key_group(t, m) for t in tuples]
+    codes, keys = distinct_keys(cols)
+    assert [keys[c] for c in codes.to_pylist()] == tuples
+    # Arrow's distinct values: 0.0 and -0.0 are two keys there, one in Python (and one key group)
+    assert len(set(tuples)) <= len(keys) <= len(tuples)
+
+
+def test_distinct_keys_number_keys_in_order_of_first_appearance():
+    codes, keys = distinct_keys([pa.array(["b", None, "a", "b", None])])
+    assert codes.to_pylist() == [0, 1, 2, 0, 1]
+    assert keys == ["b", None, "a"]
+    codes, keys = distinct_keys([pa.array(["x", "x", "y"]).dictionary_encode()])
+    assert (codes.to_pylist(), keys) == ([0, 0, 1], ["x", "y"])
+    with pytest.raises(ValueError, match="at least one"):
+        distinct_keys([])

@@ -7,6 +7,12 @@ contiguous ranges, so restoring at another parallelism only re-slices ranges.
 
 Checks happen in the entry points (``check_parallelism``, ``key_group_range``); the
 per-record functions are single expressions.
+
+Columnar keys (``distinct_keys``, ``key_groups``) get the *same* key group as the Python
+value of each row (``Array.to_pylist``), so state written by a row job and a columnar job
+lands in the same key groups and rescaling works across both: each distinct key of a batch
+is hashed once with ``assign_to_key_group`` and the result is spread over the rows with
+one Arrow ``take``. Cost: one Python call per distinct key, not per row.
 """
 
 from __future__ import annotations
@@ -141,3 +147,77 @@ def key_group_table(max_parallelism: int, parallelism: int) -> list[int]:
     """Subtask of every key group, precomputed so routing is one list lookup per record."""
     check_parallelism(parallelism, max_parallelism)
     return [kg * parallelism // max_parallelism for kg in range(max_parallelism)]
+
+
+# ---------------------------------------------------------------- columnar keys (pyarrow, imported lazily)
+
+
+def distinct_keys(columns: "list[Any]") -> "tuple[Any, list[Any]]":
+    """Dense codes of the keys of a batch, and the Python key of each code.
+
+    ``columns``: one pyarrow Array or ChunkedArray per key column, all of one length. Returns
+    ``(codes, keys)``: ``codes`` an Int32Array with one code per row, ``0 <= code < len(keys)``,
+    numbered in order of first appearance; ``keys[c]`` the key of code ``c`` as ``to_pylist``
+    gives it (one column: the value itself, None for null; several: the tuple of values).
+
+    >>> import pyarrow as pa
+    >>> codes, keys = distinct_keys([pa.array(["a", "b", "a"])])
+    >>> codes.to_pylist(), keys
+    ([0, 1, 0], ['a', 'b'])
+    >>> codes, keys = distinct_keys([pa.array(["a", "a", "a"]), pa.array([1, 2, 1])])
+    >>> codes.to_pylist(), keys
+    ([0, 1, 0], [('a', 1), ('a', 2)])
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not columns:
+        raise ValueError("distinct_keys needs at least one key column")
+    codes, keys = _encode(columns[0])
+    if len(columns) == 1:
+        return codes, keys
+    tuples = [(k,) for k in keys]
+    for col in columns[1:]:
+        c2, k2 = _encode(col)
+        n2 = len(k2)
+        # pair code a * n2 + b < rows * rows: no overflow in int64 for any batch that fits in memory
+        pair = pc.add(pc.multiply(codes.cast(pa.int64()), n2), c2.cast(pa.int64()))
+        enc = pc.dictionary_encode(pair)
+        codes = enc.indices
+        tuples = [tuples[v // n2] + (k2[v % n2],) for v in enc.dictionary.to_pylist()]
+    return codes, tuples
+
+
+def _encode(column: Any) -> "tuple[Any, list[Any]]":
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if isinstance(column.type, pa.DictionaryType):  # already encoded: decode, codes may repeat values
+        column = column.dictionary_decode()
+    enc = pc.dictionary_encode(column, null_encoding="encode")
+    return enc.indices, enc.dictionary.to_pylist()
+
+
+def key_groups(columns: "list[Any]", max_parallelism: int, memo: dict[Any, int] | None = None) -> Any:
+    """Key group of every row of a batch keyed by ``columns`` (see ``distinct_keys``): an
+    Int32Array with, row by row, ``assign_to_key_group(key, max_parallelism)`` of the row's
+    Python key; ``0 <= result < max_parallelism``.
+
+    ``memo`` (key -> key group), if given, is read and filled, so a caller that sees the same
+    keys batch after batch hashes each once per job; the caller bounds its size.
+    """
+    import pyarrow as pa
+
+    codes, keys = distinct_keys(columns)
+    if memo is None:
+        groups = [assign_to_key_group(k, max_parallelism) for k in keys]
+    else:
+        groups = []
+        for k in keys:
+            kg = memo.get(k)
+            if kg is None:
+                kg = memo[k] = assign_to_key_group(k, max_parallelism)
+            groups.append(kg)
+    return pa.array(groups, pa.int32()).take(codes)
