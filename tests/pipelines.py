@@ -17,6 +17,12 @@ doubled record is visible. Keys are strings ``"k0".."k{keys-1}"``; record ``i`` 
 ``"k{i % keys}"``. The sources are split across subtasks, so records of one key arrive
 at a keyed operator from several channels, in an order that depends on the schedule.
 
+With ``columnar=True`` (every builder in ``BUILDERS``; ``LAYOUTS`` names both ways) the same
+input comes from a columnar source (``from_arrow`` or ``generate_batches``, columns ``key``
+and ``id``) as Arrow batches, keyed by column (``key_by("key")``), through some row operators
+(which see dict rows) and some columnar ones (``map_batches``, ``process_batches``); the
+operator uids and state names are those of the row variant.
+
 What each builder emits is chosen so that it does **not** depend on that order (as the
 oracle requires, see DESIGN.md "How correctness is shown"): running counts ``(key, n)``
 form the multiset ``{(key, 1..n_key)}`` whatever the order; lists are compared as
@@ -40,38 +46,44 @@ Speed: ``without_fsync()`` skips fsync in the storage while a test runs (see the
 
 from __future__ import annotations
 
-import pickle
-
 import collections
 import contextlib
 import json
 import os
+import pickle
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from epochstream.backends import location
-from epochstream.backends.local import LocalCheckpointStorage
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from epochstream import (
     CheckpointConfig,
     CollectionSource,
     FileSink,
+    KeyedBatchFunction,
     KeyedProcessFunction,
     ListStateDescriptor,
     MapStateDescriptor,
     Pipeline,
     ValueStateDescriptor,
 )
+from epochstream.backends import location
+from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.sim import FailureSchedule, SimConfig
 
 __all__ = [
     "BUILDERS",
+    "LAYOUTS",
     "SOURCE_RATE",
+    "BatchRunningCount",
     "CollectIds",
     "Histogram",
     "RunningCount",
     "TagWithCount",
+    "arrow_input",
     "check_running_counts",
     "committed_output",
     "histogram",
@@ -129,6 +141,37 @@ def _key(record: Any) -> Any:
     return record[0]
 
 
+def _rid(record: Any) -> int:
+    """The id of a record: ``(key, id)`` tuples on the row path, ``{"key", "id"}`` dicts when a
+    row operator reads a columnar batch."""
+    return record["id"] if type(record) is dict else record[1]
+
+
+def arrow_input(n: int, keys: int, start: int = 0) -> pa.Table:
+    """``input_records(n, keys, start)`` as a Table with columns ``key`` and ``id``."""
+    ids = list(range(start, start + n))
+    return pa.table({"key": pa.array([f"k{i % keys}" for i in ids], pa.string()), "id": pa.array(ids, pa.int64())})
+
+
+def _gen_batch(keys: int, start: int):
+    """The batch function for ``Pipeline.generate_batches``: rows [a, b) are ``_gen_record``'s."""
+
+    def gen(a: int, b: int) -> pa.RecordBatch:
+        return pa.RecordBatch.from_pydict(arrow_input(b - a, keys, start + a).to_pydict(),
+                                          schema=arrow_input(0, keys).schema)
+
+    return gen
+
+
+def _mod(ids: pa.Array, m: int) -> pa.Array:
+    """``ids % m`` for non-negative ints with Arrow kernels (integer division truncates)."""
+    return pc.subtract(ids, pc.multiply(pc.divide(ids, m), m))
+
+
+def _prefixed(prefix: str, values: pa.Array) -> pa.Array:
+    return pc.binary_join_element_wise(prefix, pc.cast(values, pa.string()), "")
+
+
 # ---------------------------------------------------------------- keyed functions
 
 
@@ -148,8 +191,27 @@ class RunningCount(KeyedProcessFunction):
         n = self.count.value() + 1
         self.count.update(n)
         if self.emit_ids:
-            return ((ctx.key, n, value[1]),)
+            return ((ctx.key, n, _rid(value)),)
         return ((ctx.key, n),)
+
+
+class BatchRunningCount(KeyedBatchFunction):
+    """``RunningCount`` on Arrow batches: ValueState ``count`` per key, one call per key per batch,
+    emitting the rows ``{"key": key, "n": c + 1 .. c + rows}`` (plus ``id`` with ``emit_ids``)."""
+
+    def __init__(self, emit_ids: bool = False) -> None:
+        self.emit_ids = emit_ids
+
+    def open(self, ctx) -> None:
+        self.count = ctx.state(ValueStateDescriptor("count", default=0))
+
+    def process_batch(self, key, batch, ctx):
+        c, rows = self.count.value(), batch.num_rows
+        self.count.update(c + rows)
+        out = {"key": pa.array([key] * rows, pa.string()), "n": pa.array(range(c + 1, c + rows + 1), pa.int64())}
+        if self.emit_ids:
+            out["id"] = batch.column("id")
+        return pa.record_batch(out)
 
 
 class CollectIds(KeyedProcessFunction):
@@ -159,7 +221,7 @@ class CollectIds(KeyedProcessFunction):
         self.ids = ctx.state(ListStateDescriptor("ids"))
 
     def process(self, value, ctx):
-        self.ids.add(value[1])
+        self.ids.add(_rid(value))
         return ((ctx.key, len(self.ids.get())),)
 
 
@@ -173,7 +235,7 @@ class Histogram(KeyedProcessFunction):
         self.hist = ctx.state(MapStateDescriptor("hist"))
 
     def process(self, value, ctx):
-        b = value[1] % self.buckets
+        b = _rid(value) % self.buckets
         c = (self.hist.get(b) or 0) + 1
         self.hist.put(b, c)
         return ((ctx.key, b, c),)
@@ -230,12 +292,23 @@ def _sink(out: str | Path | None, uid: str) -> FileSink:
     return FileSink(location(out) / uid)  # a local folder or an s3:// prefix
 
 
-def running_count(*, n: int = 300, keys: int = 7, out=None, emit_ids: bool = False, **knobs: Any) -> Pipeline:
+def running_count(*, n: int = 300, keys: int = 7, out=None, emit_ids: bool = False, columnar: bool = False,
+                  **knobs: Any) -> Pipeline:
     """collection -> key_by(key) -> RunningCount [uid "count"] -> sink "counts".
 
     Emits ``(key, n)``; with ``emit_ids=True`` ``(key, n, id)`` (not for the oracle).
+    ``columnar``: from_arrow -> key_by("key") -> process_batches(BatchRunningCount) [uid "count"],
+    emitting ``{"key", "n"}`` (``{"key", "n", "id"}``) rows.
     """
     p = make_pipeline("running-count", **knobs)
+    if columnar:
+        (
+            p.from_arrow(arrow_input(n, keys), uid="src")
+            .key_by("key")
+            .process_batches(BatchRunningCount(emit_ids), uid="count")
+            .sink(_sink(out, "counts"), uid="counts")
+        )
+        return p
     (
         p.from_collection(input_records(n, keys), uid="src")
         .key_by(_key)
@@ -245,24 +318,33 @@ def running_count(*, n: int = 300, keys: int = 7, out=None, emit_ids: bool = Fal
     return p
 
 
-def list_state(*, n: int = 300, keys: int = 7, out=None, **knobs: Any) -> Pipeline:
-    """collection -> key_by -> CollectIds [uid "ids"] (ListState of ids) -> sink "lengths"."""
+def list_state(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False, **knobs: Any) -> Pipeline:
+    """collection -> key_by -> CollectIds [uid "ids"] (ListState of ids) -> sink "lengths".
+    ``columnar``: from_arrow -> key_by("key") -> CollectIds (a row function on Arrow batches)."""
     p = make_pipeline("list-state", **knobs)
+    src = p.from_arrow(arrow_input(n, keys), uid="src") if columnar else p.from_collection(input_records(n, keys),
+                                                                                          uid="src")
     (
-        p.from_collection(input_records(n, keys), uid="src")
-        .key_by(_key)
+        src
+        .key_by("key" if columnar else _key)
         .process(CollectIds(), uid="ids")
         .sink(_sink(out, "lengths"), uid="lengths")
     )
     return p
 
 
-def histogram(*, n: int = 300, keys: int = 5, buckets: int = 4, out=None, **knobs: Any) -> Pipeline:
-    """generate -> key_by -> Histogram [uid "hist"] (MapState bucket -> count) -> sink "hist"."""
+def histogram(*, n: int = 300, keys: int = 5, buckets: int = 4, out=None, columnar: bool = False,
+              **knobs: Any) -> Pipeline:
+    """generate -> key_by -> Histogram [uid "hist"] (MapState bucket -> count) -> sink "hist".
+    ``columnar``: generate_batches (blocks of 16 rows) -> key_by("key") -> Histogram."""
     p = make_pipeline("histogram", **knobs)
+    if columnar:
+        src = p.generate_batches(_gen_batch(keys, 0), count=n, uid="gen", block_rows=16)
+    else:
+        src = p.generate(_gen_record(keys, 0), count=n, uid="gen")
     (
-        p.generate(_gen_record(keys, 0), count=n, uid="gen")
-        .key_by(_key)
+        src
+        .key_by("key" if columnar else _key)
         .process(Histogram(buckets), uid="hist")
         .sink(_sink(out, "hist"), uid="hist-out")
     )
@@ -281,17 +363,41 @@ def _relabel(record: tuple[str, int]) -> tuple[str, int]:
     return (f"k{rid % 4}", rid)
 
 
-def union_chain(*, n: int = 300, out=None, emit_ids: bool = False, **knobs: Any) -> Pipeline:
+def _relabel_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``_relabel`` on a batch: key ``"k{id % 4}"``."""
+    return batch.set_column(0, "key", _prefixed("k", _mod(batch.column("id"), 4)))
+
+
+def _explode_row(record: dict) -> list[dict]:
+    return [{"key": k, "id": i} for k, i in _explode((record["key"], record["id"]))]
+
+
+def union_chain(*, n: int = 300, out=None, emit_ids: bool = False, columnar: bool = False,
+                **knobs: Any) -> Pipeline:
     """Two sources, union, rebalance, map/flat_map/filter, then a keyed running count.
 
     ``a`` = collection of ids 0..n-1; ``b`` = generate ids 100000..100000+n/2-1,
     rebalanced, then map (re-key to 4 keys) -> flat_map (ids % 5 == 0 doubled) ->
     filter (drops ids % 7 == 3). ``a.union(b)`` -> key_by -> RunningCount [uid "count"]
     -> sink "counts". ``union_chain_ids(n)`` is the set of ids that reach the count.
+    ``columnar``: ``a`` from_arrow, ``b`` generate_batches rebalanced in slices, then map_batches
+    (the re-key), flat_map and filter on dict rows; the union keyed by column "key".
     """
     if n >= 100_000:
         raise ValueError("union_chain keeps ids unique only for n < 100000")
     p = make_pipeline("union-chain", **knobs)
+    if columnar:
+        a = p.from_arrow(arrow_input(n, 4), uid="a")
+        b = (
+            p.generate_batches(_gen_batch(4, 100_000), count=max(n // 2, 1), uid="b", block_rows=8)
+            .rebalance()
+            .map_batches(_relabel_batch)
+            .flat_map(_explode_row)
+            .filter(lambda r: r["id"] % 7 != 3)
+        )
+        a.union(b).key_by("key").process(RunningCount(emit_ids), uid="count").sink(_sink(out, "counts"),
+                                                                                 uid="counts")
+        return p
     a = p.from_collection(input_records(n, 4), uid="a")
     b = (
         p.generate(_gen_record(4, 100_000), count=max(n // 2, 1), uid="b")
@@ -314,13 +420,31 @@ def union_chain_ids(n: int = 300) -> set[int]:
     return ids
 
 
-def two_stage(*, n: int = 300, keys: int = 7, out=None, **knobs: Any) -> Pipeline:
+def _with_bucket(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """Adds column ``m`` = ``"m{id % 3}"`` (two_stage's second key, as a column)."""
+    return batch.append_column("m", _prefixed("m", _mod(batch.column("id"), 3)))
+
+
+def two_stage(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False, **knobs: Any) -> Pipeline:
     """Two keyed stages in sequence: process -> key_by -> process.
 
     collection -> key_by(key) -> TagWithCount [uid "stage1"] (ValueState, passes records on)
     -> key_by(id % 3) -> CollectIds [uid "stage2"] (ListState of ids) -> sink "stage2-out".
+    ``columnar``: from_arrow -> map_batches (adds column m = "m{id % 3}") -> key_by(["key", "m"])
+    (tuple keys) -> TagWithCount (dict rows) -> key_by("m") (a column key on rows) -> CollectIds.
     """
     p = make_pipeline("two-stage", **knobs)
+    if columnar:
+        (
+            p.from_arrow(arrow_input(n, keys), uid="src")
+            .map_batches(_with_bucket)
+            .key_by(["key", "m"])
+            .process(TagWithCount(), uid="stage1")
+            .key_by("m")
+            .process(CollectIds(), uid="stage2")
+            .sink(_sink(out, "stage2-out"), uid="stage2-out")
+        )
+        return p
     (
         p.from_collection(input_records(n, keys), uid="src")
         .key_by(_key)
@@ -332,15 +456,24 @@ def two_stage(*, n: int = 300, keys: int = 7, out=None, **knobs: Any) -> Pipelin
     return p
 
 
-def two_sinks(*, n: int = 300, keys: int = 7, out=None, **knobs: Any) -> Pipeline:
+def two_sinks(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False, **knobs: Any) -> Pipeline:
     """One source feeding two sinks: the raw records to sink "raw" (every id once) and a
-    keyed running count [uid "count"] to sink "counts"."""
+    keyed running count [uid "count"] to sink "counts". ``columnar``: the source is from_arrow,
+    the raw branch a row map over its batches, the count keyed by column "key"."""
     p = make_pipeline("two-sinks", **knobs)
-    src = p.from_collection(input_records(n, keys), uid="src")
-    src.map(lambda r: ["raw", r[0], r[1]]).sink(_sink(out, "raw"), uid="raw")
-    src.key_by(_key).process(RunningCount(), uid="count").sink(_sink(out, "counts"), uid="counts")
+    if columnar:
+        src = p.from_arrow(arrow_input(n, keys), uid="src")
+        src.map(lambda r: ["raw", r["key"], r["id"]]).sink(_sink(out, "raw"), uid="raw")
+    else:
+        src = p.from_collection(input_records(n, keys), uid="src")
+        src.map(lambda r: ["raw", r[0], r[1]]).sink(_sink(out, "raw"), uid="raw")
+    src.key_by("key" if columnar else _key).process(RunningCount(), uid="count").sink(_sink(out, "counts"),
+                                                                                     uid="counts")
     return p
 
+
+#: how records travel, for parametrized tests: builder knobs of each layout (every builder takes them)
+LAYOUTS = {"rows": {}, "columns": {"columnar": True}}
 
 #: name -> builder, for parametrized tests
 BUILDERS = {

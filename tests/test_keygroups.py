@@ -365,7 +365,7 @@ def test_key_groups_of_several_columns_equal_those_of_the_tuple(kinds, data, m):
     for kind in kinds:
         typ, values = COLUMN_VALUES[kind]
         cols.append(pa.array(data.draw(st.lists(st.none() | values, min_size=n, max_size=n)), typ))
-    tuples = list(zip(*(c.to_pylist() for c in cols)))
+    tuples = list(zip(*(c.to_pylist() for c in cols), strict=True))
     assert key_groups(cols, m).to_pylist() == [assign_to_key_group(t, m) for t in tuples]
     codes, keys = distinct_keys(cols)
     assert [keys[c] for c in codes.to_pylist()] == tuples
@@ -379,5 +379,8 @@ def test_distinct_keys_number_keys_in_order_of_first_appearance():
     assert keys == ["b", None, "a"]
     codes, keys = distinct_keys([pa.array(["x", "x", "y"]).dictionary_encode()])
     assert (codes.to_pylist(), keys) == ([0, 0, 1], ["x", "y"])
+    codes, keys = distinct_keys([pa.array([1, 1])], as_tuple=True)
+    assert keys == [(1,)] and key_groups([pa.array([1])], 128, as_tuple=True).to_pylist() == [
+        assign_to_key_group((1,), 128)]
     with pytest.raises(ValueError, match="at least one"):
         distinct_keys([])

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .graph.cycles import back_edges
 from .graph.kinds import OpKind
 from .graph.plan import Node, topological_order
+from .runtime.columns import as_record_batch, from_rows, to_rows
 from .runtime.context import Context
 from .runtime.messages import END_OF_TIME
 from .runtime.state import HeapKeyedState, OperatorStateBackend
@@ -156,8 +157,24 @@ class Reference:
             self._apply(*work[0])
             work.popleft()
 
-    def _apply(self, node: Node, records: list[Any], edge: int) -> None:
+    def _apply(self, node: Node, records: Any, edge: int) -> None:
         kind = node.kind
+        if kind == OpKind.MAP_BATCHES:  # rows in become one batch, as in the chain
+            batch = from_rows(records, node.name) if type(records) is list else records
+            out = as_record_batch(node.payload(batch), node.name)
+            if out is not None and out.num_rows:
+                for consumer, i in self.consumers[node.id]:
+                    self._work.append((consumer, out, i))
+            return
+        if kind == OpKind.PROCESS and getattr(self.fns[node.id][0], "columnar_keyed", False):
+            fn, ctx = self.fns[node.id]
+            out = fn.apply(records, self.states[node.uid].keys, ctx, node.uid)
+            if out is not None:
+                for consumer, i in self.consumers[node.id]:
+                    self._work.append((consumer, out, i))
+            return
+        if type(records) is not list and kind not in (OpKind.SOURCE, OpKind.ITERATE):
+            records = to_rows(records)  # row operators take a RecordBatch as dict rows, as in the chain
         if kind in (OpKind.SOURCE, OpKind.ITERATE):
             out = records
         elif kind == OpKind.MAP:

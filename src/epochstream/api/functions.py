@@ -44,3 +44,34 @@ class KeyedProcessFunction:
 
     def close(self) -> None:
         pass
+
+
+class KeyedBatchFunction:
+    """Per-key logic on Arrow batches (``key_by("col").process_batches(fn)``).
+
+    Call order per subtask: ``open(ctx)`` once (declare state with ``ctx.state(descriptor)``),
+    then ``process_batch(key, batch, ctx)`` once per distinct key of every batch, with ``key``
+    (also ``ctx.key``) current and ``batch`` a ``pyarrow.RecordBatch`` of that key's rows in
+    arrival order; it returns a RecordBatch or Table of output rows, or None. Then ``close()``.
+
+    A vectorised running count::
+
+        class Count(KeyedBatchFunction):
+            def open(self, ctx):
+                self.count = ctx.state(ValueStateDescriptor("count", default=0))
+
+            def process_batch(self, key, batch, ctx):
+                c = self.count.value()
+                self.count.update(c + batch.num_rows)
+                return pa.record_batch({"k": [key] * batch.num_rows,
+                                        "n": pa.array(range(c + 1, c + batch.num_rows + 1))})
+    """
+
+    def open(self, ctx: "Context") -> None:
+        pass
+
+    def process_batch(self, key: Any, batch: Any, ctx: "Context") -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement process_batch(key, batch, ctx)")
+
+    def close(self) -> None:
+        pass

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Sequence
 from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, RestartStrategy
 from ..deploy.result import JobResult
 from ..graph.kinds import OpKind
-from ..graph.plan import FORWARD, HASH, REBALANCE, Edge, Node, PhysicalPlan, build_plan
+from ..graph.plan import FORWARD, HASH, REBALANCE, ColumnKey, Edge, Node, PhysicalPlan, build_plan
 from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
 MODES = ("aligned", "at-least-once", "tracker")
@@ -99,10 +99,27 @@ class Stream:
     def filter(self, fn: Callable[[Any], bool], name: str = "filter") -> "Stream":
         return self._p._add(OpKind.FILTER, name, fn, self._heads)
 
+    def map_batches(self, fn: Callable[[Any], Any], name: str = "map_batches") -> "Stream":
+        """``fn(batch)`` on whole Arrow RecordBatches, returning a RecordBatch or Table (or None).
+        Columnar input passes as it is; rows (dicts) are made into a RecordBatch once per batch.
+        For exactly-once, the output must not depend on where batches are cut (a row-wise map,
+        a filter, added columns): a replay after a failure cuts them differently."""
+        return self._p._add(OpKind.MAP_BATCHES, name, fn, self._heads)
+
     # -- partitioning
-    def key_by(self, key_fn: Callable[[Any], Any], key_type: Any = None) -> "KeyedStream":
-        """Partition by ``key_fn(record)``; ``key_type`` (``Types.STRING()`` ...) is optional, as in
-        PyFlink: it is checked at each snapshot and types the key column of committed state."""
+    def key_by(self, key_fn: Callable[[Any], Any] | str | Sequence[str], key_type: Any = None) -> "KeyedStream":
+        """Partition by ``key_fn(record)``, or by columns: ``key_by("k")`` (the key is the
+        column's value) or ``key_by(["a", "b"])`` (the tuple of values). Column keys route
+        Arrow batches without a Python call per row and give a key the same key group as the
+        function ``lambda r: r["k"]`` (or ``(r["a"], r["b"])``) would on dict rows.
+        ``key_type`` (``Types.STRING()`` ...) is optional, as in PyFlink: it is checked at each
+        snapshot and types the key column of committed state."""
+        if isinstance(key_fn, str):
+            key_fn = ColumnKey((key_fn,))
+        elif isinstance(key_fn, (list, tuple)):
+            key_fn = ColumnKey(tuple(key_fn), tuple_key=True)
+        elif not callable(key_fn):
+            raise TypeError(f"key_by needs a function of the record or column name(s), got {key_fn!r}")
         if key_type is not None:
             from ..runtime.types import TypeInformation
 
@@ -139,6 +156,9 @@ class Stream:
 
     def process(self, fn: Any, uid: str | None = None, name: str | None = None) -> "Stream":
         raise TypeError("process() needs keyed state: call key_by(...) first")
+
+    def process_batches(self, fn: Any, uid: str | None = None, name: str | None = None) -> "Stream":
+        raise TypeError("process_batches() needs keyed state: call key_by(\"col\") first")
 
     # -- PySpark's stateful operators, run unchanged (epochstream.pyspark; needs pyspark, pandas)
     def transform_with_state(
@@ -245,6 +265,28 @@ class KeyedStream(Stream):
         name = name or type(fn).__name__
         uid = uid or f"{name}-{len(self._p._nodes)}"
         return self._p._add(OpKind.PROCESS, name, fn, self._heads, uid=uid)
+
+    def process_batches(self, fn: Any, uid: str | None = None, name: str | None = None) -> Stream:
+        """A keyed function of Arrow batches: ``fn.process_batch(key, batch, ctx)`` once per key
+        per batch, with that key's state current (``ctx.state(...)`` declared in ``open(ctx)``,
+        as for ``process``); ``batch`` holds the key's rows in arrival order. It returns a
+        RecordBatch or Table of output rows (or None). Needs ``key_by`` with column names; rows
+        in are made into a batch once per batch. See ``KeyedBatchFunction``.
+
+        For exactly-once, state and output must not depend on where batches are cut (keep
+        per-row output, e.g. a running count, or aggregate in state and emit at epoch bounds)."""
+        from ..runtime.columns import KeyedBatches
+
+        keys = {e.key_fn for e in self._heads}
+        if len(keys) != 1 or not isinstance(next(iter(keys)), ColumnKey):
+            raise TypeError("process_batches() groups Arrow batches by columns: use key_by(\"col\") or "
+                            "key_by([\"a\", \"b\"]) before it, not a key function")
+        if not (hasattr(fn, "process_batch") or callable(fn)):
+            raise TypeError(f"process_batches() needs a KeyedBatchFunction (or a function of key, batch, ctx), "
+                            f"got {type(fn).__name__}")
+        name = name or getattr(fn, "__name__", None) or type(fn).__name__
+        uid = uid or f"{name}-{len(self._p._nodes)}"
+        return self._p._add(OpKind.PROCESS, name, KeyedBatches(fn, next(iter(keys))), self._heads, uid=uid)
 
     def reduce(self, fn: Callable[[Any, Any], Any], uid: str | None = None) -> Stream:
         """Running reduce per key, emitting the new aggregate for every record."""
@@ -401,9 +443,40 @@ class Pipeline:
         return self.from_source(RateSource(rows_per_second, splits or self.parallelism, count), uid=uid,
                                 name="rate")
 
+    def from_arrow(self, data: Any, num_splits: int | None = None, uid: str | None = None,
+                   timestamps: str | Callable[[Any], float] | None = None) -> Stream:
+        """A bounded, replayable columnar source over a pyarrow Table, RecordBatch or list of
+        RecordBatches (one schema): records travel as Arrow batches. Split s of n holds the
+        contiguous rows [s * N // n, (s + 1) * N // n); without ``num_splits`` the source is
+        elastic, as in ``from_collection``. ``timestamps``: a column name (or a function of a
+        dict row) giving event time; with event time on, records travel as dict rows."""
+        from ..runtime.sources import ArrowSource
+
+        source = ArrowSource(data, num_splits or self.parallelism, elastic=num_splits is None)
+        return self.from_source(source, uid=uid, name="arrow", timestamps=timestamps)
+
+    def generate_batches(self, fn: Callable[[int, int], Any], count: int | None = None,
+                         num_splits: int | None = None, uid: str | None = None, block_rows: int = 1024,
+                         timestamps: str | Callable[[Any], float] | None = None) -> Stream:
+        """Vectorised deterministic source: ``fn(start, stop)`` returns a pyarrow RecordBatch of
+        records [start, stop) (record i is row i; it must depend only on start and stop);
+        ``count=None`` is unbounded. Rows are dealt to splits in blocks of ``block_rows``
+        (``runtime.sources.BatchGeneratorSource``), so a read is one call of ``fn`` per block and
+        a replay reads the same rows. ``num_splits`` and ``timestamps`` as in ``from_arrow``."""
+        from ..runtime.sources import BatchGeneratorSource
+
+        source = BatchGeneratorSource(fn, count, num_splits or self.parallelism, block_rows,
+                                      elastic=num_splits is None)
+        return self.from_source(source, uid=uid, name="generate_batches", timestamps=timestamps)
+
     def from_source(self, source: Source, uid: str | None = None, name: str = "source",
-                    timestamps: Callable[[Any], float] | None = None) -> Stream:
+                    timestamps: str | Callable[[Any], float] | None = None) -> Stream:
         uid = uid or f"source-{len(self._nodes)}"
+        source.uid = uid  # named in a columnar source's errors
+        if isinstance(timestamps, str):  # a column: records are dicts when event time is on
+            import operator
+
+            timestamps = operator.itemgetter(timestamps)
         if timestamps is not None:
             source.timestamp = timestamps
         return self._add(OpKind.SOURCE, name, source, [], uid=uid)

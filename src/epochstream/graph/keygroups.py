@@ -152,13 +152,14 @@ def key_group_table(max_parallelism: int, parallelism: int) -> list[int]:
 # ---------------------------------------------------------------- columnar keys (pyarrow, imported lazily)
 
 
-def distinct_keys(columns: "list[Any]") -> "tuple[Any, list[Any]]":
+def distinct_keys(columns: "list[Any]", as_tuple: bool = False) -> "tuple[Any, list[Any]]":
     """Dense codes of the keys of a batch, and the Python key of each code.
 
     ``columns``: one pyarrow Array or ChunkedArray per key column, all of one length. Returns
     ``(codes, keys)``: ``codes`` an Int32Array with one code per row, ``0 <= code < len(keys)``,
     numbered in order of first appearance; ``keys[c]`` the key of code ``c`` as ``to_pylist``
-    gives it (one column: the value itself, None for null; several: the tuple of values).
+    gives it (one column: the value itself, None for null; several, or ``as_tuple``: the tuple
+    of values).
 
     >>> import pyarrow as pa
     >>> codes, keys = distinct_keys([pa.array(["a", "b", "a"])])
@@ -175,7 +176,7 @@ def distinct_keys(columns: "list[Any]") -> "tuple[Any, list[Any]]":
         raise ValueError("distinct_keys needs at least one key column")
     codes, keys = _encode(columns[0])
     if len(columns) == 1:
-        return codes, keys
+        return codes, ([(k,) for k in keys] if as_tuple else keys)
     tuples = [(k,) for k in keys]
     for col in columns[1:]:
         c2, k2 = _encode(col)
@@ -200,7 +201,8 @@ def _encode(column: Any) -> "tuple[Any, list[Any]]":
     return enc.indices, enc.dictionary.to_pylist()
 
 
-def key_groups(columns: "list[Any]", max_parallelism: int, memo: dict[Any, int] | None = None) -> Any:
+def key_groups(columns: "list[Any]", max_parallelism: int, memo: dict[Any, int] | None = None,
+               as_tuple: bool = False) -> Any:
     """Key group of every row of a batch keyed by ``columns`` (see ``distinct_keys``): an
     Int32Array with, row by row, ``assign_to_key_group(key, max_parallelism)`` of the row's
     Python key; ``0 <= result < max_parallelism``.
@@ -210,7 +212,7 @@ def key_groups(columns: "list[Any]", max_parallelism: int, memo: dict[Any, int] 
     """
     import pyarrow as pa
 
-    codes, keys = distinct_keys(columns)
+    codes, keys = distinct_keys(columns, as_tuple)
     if memo is None:
         groups = [assign_to_key_group(k, max_parallelism) for k in keys]
     else:

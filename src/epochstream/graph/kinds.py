@@ -10,13 +10,15 @@ from enum import StrEnum
 
 
 class OpKind(StrEnum):
-    """What a ``graph.plan.Node`` does; the first seven come from the API, the last two from
+    """What a ``graph.plan.Node`` does; the first eight come from the API, the last two from
     the planner's loop expansion (``graph.cycles``) and may not appear in a user's graph."""
 
     SOURCE = "source"
     MAP = "map"
     FLAT_MAP = "flat_map"
     FILTER = "filter"
+    #: a function of a whole Arrow RecordBatch (``Stream.map_batches``)
+    MAP_BATCHES = "map_batches"
     #: a keyed process function (``key_by(...).process(...)``, ``reduce``, windows)
     PROCESS = "process"
     SINK = "sink"

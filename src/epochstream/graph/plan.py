@@ -16,10 +16,45 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .cycles import Loop, expand_loops
-from .kinds import OpKind
 from .keygroups import check_parallelism, default_max_parallelism, key_group_range
+from .kinds import OpKind
 
 FORWARD, HASH, REBALANCE = "forward", "hash", "rebalance"
+
+
+@dataclass(frozen=True)
+class ColumnKey:
+    """The key of ``key_by("col")`` / ``key_by(["a", "b"])``: a column's value, or the tuple of
+    several columns' values (a list of names always gives a tuple, even of one column).
+
+    Columnar batches are routed on the columns themselves (``keygroups.key_groups``); a row
+    (a dict, as ``RecordBatch.to_pylist`` gives) is keyed by calling this object, which gives
+    the same key, so a key lands in the same key group whichever way its record travels.
+    """
+
+    columns: tuple[str, ...]
+    tuple_key: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.columns or not all(isinstance(c, str) and c for c in self.columns):
+            raise ValueError(f"key_by needs column names (non-empty strings), got {list(self.columns)!r}")
+        if not self.tuple_key and len(self.columns) != 1:
+            raise ValueError("a scalar column key names exactly one column")
+
+    def __call__(self, record: Any) -> Any:
+        try:
+            if self.tuple_key:
+                return tuple(record[c] for c in self.columns)
+            return record[self.columns[0]]
+        except (KeyError, IndexError, TypeError):
+            missing = [c for c in self.columns if not (isinstance(record, dict) and c in record)]
+            raise KeyError(
+                f"key_by column(s) {missing} not in the record {record!r:.200}; key_by with column names needs "
+                f"dict records or Arrow batches that have those columns"
+            ) from None
+
+    def __str__(self) -> str:
+        return repr(list(self.columns)) if self.tuple_key else repr(self.columns[0])
 
 
 @dataclass

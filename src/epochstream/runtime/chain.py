@@ -4,15 +4,22 @@ Python pays per call, so records move through a chain a batch at a time: ``map``
 list comprehension per batch, a keyed ``process`` one loop. Outputs land in per-channel
 buffers that the task flushes as ``Batch`` messages, always before a marker, so no batch
 spans two epochs.
+
+A batch is a list of records or one Arrow RecordBatch (``runtime.columns``). Row operators
+make rows of a RecordBatch once per batch; ``map_batches`` and keyed batch functions make a
+RecordBatch of rows once per batch. Routers pass RecordBatches on whole (forward), in even
+slices (rebalance) or cut per destination with Arrow kernels (``key_by`` column names); a
+``key_by`` function makes rows first.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, cast
 
-from ..graph.keygroups import key_bytes, key_group_table, murmur_mix
+from ..graph.keygroups import key_bytes, key_group_table, key_groups, murmur_mix
 from ..graph.kinds import OpKind
-from ..graph.plan import FORWARD, HASH, Chain, Node, PhysicalPlan
+from ..graph.plan import FORWARD, HASH, Chain, ColumnKey, Node, PhysicalPlan
+from .columns import as_record_batch, concat, even_slices, from_rows, key_columns, keys_of, split_by_code
 from .context import Context
 from .errors import UserFunctionError
 from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
@@ -22,24 +29,54 @@ from .timers import TimerService
 import copy
 import zlib
 
-Push = Callable[[list[Any], "list[Any] | None"], None]
+#: a batch of records (a list, or an Arrow RecordBatch) and their keys (or None) into an operator
+Push = Callable[[Any, "list[Any] | None"], None]
 #: builds the ``Context`` of one keyed operator subtask (``runtime.context.Context``)
 ContextFactory = Callable[[HeapKeyedState, int, int, str, "TimerService | None", "OperatorStateBackend | None"],
                           Context]
 
+#: distinct keys a column-keyed router remembers the key group of before it starts afresh
+KEY_GROUP_MEMO = 1 << 16
+
 
 class OutputBuffers:
-    """Per-channel record buffers of one task."""
+    """Per-channel record buffers of one task.
 
-    __slots__ = ("records", "keys", "epoch")
+    Rows go to ``records`` (and their keys to ``keys`` on hash channels), appended by the
+    routers directly. RecordBatches go through ``add_columns`` to ``columns``, which keeps the
+    channel's FIFO order: rows buffered before a RecordBatch move into ``columns`` ahead of it.
+    """
+
+    __slots__ = ("records", "keys", "columns")
 
     def __init__(self, channels: list[int], keyed: set[int]) -> None:
         self.records: dict[int, list[Any]] = {c: [] for c in channels}
         self.keys: dict[int, list[Any] | None] = {c: ([] if c in keyed else None) for c in channels}
+        #: channel -> its pending output that came as RecordBatches, in order, with any rows
+        #: buffered before each as ``(rows, keys)``; only channels with such output are present
+        #: (rows appended to ``records`` afterwards follow all of it)
+        self.columns: dict[int, list[Any]] = {}
+
+    def add_columns(self, channel: int, batch: Any) -> None:
+        segments = self.columns.get(channel)
+        if segments is None:
+            segments = self.columns[channel] = []
+        rows = self.records[channel]
+        if rows:
+            keys = self.keys[channel]
+            segments.append((rows, keys))
+            self.records[channel] = []
+            if keys is not None:
+                self.keys[channel] = []
+        segments.append(batch)
 
     def drain(self, epoch: int, time: int = 0) -> list[tuple[int, Batch]]:
         out: list[tuple[int, Batch]] = []
+        columns = self.columns
         for ch, recs in self.records.items():
+            if columns and ch in columns:
+                for records, keys in _merged(columns.pop(ch)):
+                    out.append((ch, Batch(epoch, records, keys, 0, time)))
             if recs:
                 keys = self.keys[ch]
                 out.append((ch, Batch(epoch, recs, keys, 0, time)))
@@ -49,7 +86,29 @@ class OutputBuffers:
         return out
 
     def pending(self) -> int:
-        return sum(len(r) for r in self.records.values())
+        return sum(len(r) for r in self.records.values()) + sum(
+            len(seg[0]) if type(seg) is tuple else seg.num_rows for segs in self.columns.values() for seg in segs)
+
+
+def _merged(segments: list[Any]) -> list[tuple[Any, "list[Any] | None"]]:
+    """A channel's columnar segments as batches: runs of RecordBatches of one schema become one
+    RecordBatch (keys travel in the columns: None), rows stay as they came."""
+    out: list[tuple[Any, list[Any] | None]] = []
+    run: list[Any] = []
+    for seg in segments:
+        if type(seg) is not tuple and (not run or seg.schema == run[0].schema):
+            run.append(seg)
+            continue
+        if run:
+            out.append((concat(run), None))
+            run = []
+        if type(seg) is tuple:
+            out.append(seg)
+        else:
+            run.append(seg)
+    if run:
+        out.append((concat(run), None))
+    return out
 
 
 class ChainRuntime:
@@ -95,7 +154,10 @@ class ChainRuntime:
         out_channels = self.plan.outputs[(self.chain.id, self.subtask)]
         for oe in self.chain.out_edges:
             if oe.node == nid:
-                targets.append(self._router(oe.partition, oe.key_fn, out_channels[oe.index], self.plan.nodes[nid].name))
+                dst = self.plan.nodes[oe.dst_node]
+                where = f"key_by({oe.key_fn}) from {self.plan.nodes[nid].name!r} to {dst.uid or dst.name!r}"
+                targets.append(self._router(oe.partition, oe.key_fn, out_channels[oe.index],
+                                            self.plan.nodes[nid].name, where))
         if not targets:
             return _discard
         if len(targets) == 1:
@@ -107,10 +169,15 @@ class ChainRuntime:
 
         return fan_out
 
-    def _router(self, partition: str, key_fn: Callable[[Any], Any] | None, channels: list[int], name: str) -> Push:
+    def _router(self, partition: str, key_fn: Callable[[Any], Any] | None, channels: list[int], name: str,
+                where: str = "") -> Push:
         buffers = self.out.records
+        add_columns = self.out.add_columns
         if partition == FORWARD:
-            def forward(records: list[Any], keys: list[Any] | None) -> None:
+            def forward(records: Any, keys: list[Any] | None) -> None:
+                if type(records) is not list:
+                    add_columns(channels[0], records)
+                    return
                 buffers[channels[0]].extend(records)
 
             return forward
@@ -120,8 +187,14 @@ class ChainRuntime:
             keybufs = cast(dict[int, list[Any]], self.out.keys)  # a hash channel always has a key list
             crc, kb, mix = zlib.crc32, key_bytes, murmur_mix
             key_of = _required_key_fn(key_fn, name)
+            by_columns = self._column_router(key_fn, channels, where) if isinstance(key_fn, ColumnKey) else None
 
-            def by_key(records: list[Any], keys: list[Any] | None) -> None:
+            def by_key(records: Any, keys: list[Any] | None) -> None:
+                if type(records) is not list:
+                    if by_columns is not None:
+                        by_columns(records)
+                        return
+                    records = records.to_pylist()  # a key function takes rows: make them once per batch
                 try:
                     ks = [key_of(r) for r in records]
                 except Exception as exc:
@@ -135,7 +208,12 @@ class ChainRuntime:
 
         n = len(channels)
 
-        def round_robin(records: list[Any], keys: list[Any] | None) -> None:
+        def round_robin(records: Any, keys: list[Any] | None) -> None:
+            if type(records) is not list:  # even slices, starting where the cursor is
+                for part, offset, length in even_slices(records.num_rows, n, self._rr):
+                    add_columns(channels[part], records.slice(offset, length))
+                self._rr = (self._rr + records.num_rows) % n
+                return
             i = self._rr
             for r in records:
                 buffers[channels[i % n]].append(r)
@@ -143,6 +221,30 @@ class ChainRuntime:
             self._rr = i % n
 
         return round_robin
+
+    def _column_router(self, key: ColumnKey, channels: list[int], where: str) -> Callable[[Any], None]:
+        """Route a RecordBatch by its key columns: key groups per row from the distinct keys
+        (``keygroups.key_groups``), destination subtask per row from the key-group table, then
+        one slice of the batch per destination (``columns.split_by_code``)."""
+        import pyarrow as pa
+
+        m = self.plan.max_parallelism
+        table = pa.array(self._kg_table, pa.int32())
+        add_columns = self.out.add_columns
+        memo: dict[Any, int] = {}
+
+        def by_columns(batch: Any) -> None:
+            cols = key_columns(batch, key, where)
+            if len(memo) > KEY_GROUP_MEMO:
+                memo.clear()
+            dest = table.take(key_groups(cols, m, memo, key.tuple_key))
+            if len(channels) == 1:
+                add_columns(channels[0], batch)
+                return
+            for d, part in split_by_code(batch, dest):
+                add_columns(channels[d], part)
+
+        return by_columns
 
     def _compile(self, nid: int) -> Push:
         node = self.plan.nodes[nid]
@@ -163,7 +265,9 @@ class ChainRuntime:
             return push
         if kind == OpKind.MAP:
 
-            def op_map(records: list[Any], keys: list[Any] | None) -> None:
+            def op_map(records: Any, keys: list[Any] | None) -> None:
+                if type(records) is not list:
+                    records = records.to_pylist()
                 try:
                     out = [fn(r) for r in records]
                 except Exception as exc:
@@ -173,7 +277,9 @@ class ChainRuntime:
             return op_map
         if kind == OpKind.FILTER:
 
-            def op_filter(records: list[Any], keys: list[Any] | None) -> None:
+            def op_filter(records: Any, keys: list[Any] | None) -> None:
+                if type(records) is not list:
+                    records = records.to_pylist()
                 try:
                     out = [r for r in records if fn(r)]
                 except Exception as exc:
@@ -184,7 +290,9 @@ class ChainRuntime:
             return op_filter
         if kind == OpKind.FLAT_MAP:
 
-            def op_flat_map(records: list[Any], keys: list[Any] | None) -> None:
+            def op_flat_map(records: Any, keys: list[Any] | None) -> None:
+                if type(records) is not list:
+                    records = records.to_pylist()
                 try:
                     out = [o for r in records for o in fn(r)]
                 except Exception as exc:
@@ -199,13 +307,29 @@ class ChainRuntime:
             self.sink_writers[_uid(node)] = writer
             write = writer.write
 
-            def op_sink(records: list[Any], keys: list[Any] | None) -> None:
+            def op_sink(records: Any, keys: list[Any] | None) -> None:
+                if type(records) is not list:
+                    records = records.to_pylist()
                 try:
                     write(records)
                 except Exception as exc:
                     raise UserFunctionError(f"sink {label!r} could not take records: {exc!r}") from exc
 
             return op_sink
+        if kind == OpKind.MAP_BATCHES:
+            where = f"map_batches {label!r}"
+
+            def op_map_batches(records: Any, keys: list[Any] | None) -> None:
+                batch = from_rows(records, where) if type(records) is list else records
+                try:
+                    out = fn(batch)
+                except Exception as exc:
+                    raise UserFunctionError(f"{where} failed: {exc!r}") from exc
+                out = as_record_batch(out, where)
+                if out is not None and out.num_rows:
+                    push(out, None)
+
+            return op_map_batches
         if kind == OpKind.PROCESS:
             return self._compile_process(node, push)
         raise ValueError(f"unknown operator kind {kind!r}")
@@ -233,12 +357,26 @@ class ChainRuntime:
         label = uid
         if hasattr(fn, "on_epoch_end"):
             self._epoch_hooks.append((fn, ctx, down, label))
+        if getattr(fn, "columnar_keyed", False):
+            apply = fn.apply
+
+            def op_process_columns(records: Any, keys: list[Any] | None) -> None:
+                out = apply(records, keyslot, ctx, label)
+                if out is not None:
+                    down(out, None)
+
+            return op_process_columns
         if hasattr(fn, "process_batch"):
             return self._compile_process_batch(fn, ctx, key_of, label, down)
         process = fn.process
+        key_fn = node.inputs[0].key_fn if node.inputs else None
+        where = f"key_by({key_fn}) into {label!r}"
 
-        def op_process(records: list[Any], keys: list[Any] | None) -> None:
-            if keys is None:  # only when fed directly by a source in tests; normal path carries keys
+        def op_process(records: Any, keys: list[Any] | None) -> None:
+            if type(records) is not list:  # columnar: keys from the key columns, rows once per batch
+                keys = keys_of(records, key_fn, where) if isinstance(key_fn, ColumnKey) else None
+                records = records.to_pylist()
+            if keys is None:  # fed directly by a source in tests, or columnar with a key function
                 keys = [key_of(r) for r in records]
             out: list[Any] = []
             extend = out.extend
@@ -267,7 +405,10 @@ class ChainRuntime:
         group a batch per key and call the user once per key)."""
         process_batch = fn.process_batch
 
-        def op_process_batch(records: list[Any], keys: list[Any] | None) -> None:
+        def op_process_batch(records: Any, keys: list[Any] | None) -> None:
+            if type(records) is not list:
+                records = records.to_pylist()
+                keys = None
             if keys is None:
                 keys = [key_of(r) for r in records]
             try:

@@ -25,3 +25,9 @@ class ConfigurationError(EpochStreamError):
 
 class UserFunctionError(EpochStreamError):
     """A user function raised; wraps the original exception with the operator uid."""
+
+
+class SchemaError(EpochStreamError):
+    """Columnar data that does not fit: a ``key_by`` column a batch lacks, a source batch whose
+    schema differs from the source's first batch, rows Arrow cannot turn into a batch. The
+    message names the operator (or source, split and offset) and the column."""
