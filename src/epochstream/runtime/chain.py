@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, cast
 
-from ..graph.keygroups import key_bytes, key_group_table, key_groups, murmur_mix
+from ..graph.keygroups import assign_to_key_group, distinct_keys, key_bytes, key_group_table, murmur_mix
 from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, Chain, ColumnKey, Node, PhysicalPlan
 from .columns import as_record_batch, concat, even_slices, from_rows, key_columns, keys_of, split_by_code
@@ -223,25 +223,31 @@ class ChainRuntime:
         return round_robin
 
     def _column_router(self, key: ColumnKey, channels: list[int], where: str) -> Callable[[Any], None]:
-        """Route a RecordBatch by its key columns: key groups per row from the distinct keys
-        (``keygroups.key_groups``), destination subtask per row from the key-group table, then
-        one slice of the batch per destination (``columns.split_by_code``)."""
+        """Route a RecordBatch by its key columns: the key group of each distinct key
+        (``keygroups.distinct_keys``; hashed once, then remembered in a bounded memo), its destination
+        subtask from the key-group table, spread over the rows with one ``take``, then one
+        slice of the batch per destination (``columns.split_by_code``)."""
         import pyarrow as pa
 
         m = self.plan.max_parallelism
-        table = pa.array(self._kg_table, pa.int32())
+        table = self._kg_table
         add_columns = self.out.add_columns
         memo: dict[Any, int] = {}
 
         def by_columns(batch: Any) -> None:
-            cols = key_columns(batch, key, where)
+            codes, keys = distinct_keys(key_columns(batch, key, where), key.tuple_key)
             if len(memo) > KEY_GROUP_MEMO:
                 memo.clear()
-            dest = table.take(key_groups(cols, m, memo, key.tuple_key))
-            if len(channels) == 1:
-                add_columns(channels[0], batch)
+            dests = []
+            for k in keys:
+                kg = memo.get(k)
+                if kg is None:
+                    kg = memo[k] = assign_to_key_group(k, m)
+                dests.append(table[kg])
+            if len(set(dests)) == 1:  # one destination (always at parallelism 1): the batch as it is
+                add_columns(channels[dests[0]], batch)
                 return
-            for d, part in split_by_code(batch, dest):
+            for d, part in split_by_code(batch, pa.array(dests, pa.int32()).take(codes)):
                 add_columns(channels[d], part)
 
         return by_columns

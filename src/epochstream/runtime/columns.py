@@ -91,12 +91,8 @@ def split_by_code(batch: Any, codes: Any) -> list[tuple[int, Any]]:
     """
     import pyarrow.compute as pc
 
-    n = batch.num_rows
-    if n == 0:
+    if batch.num_rows == 0:
         return []
-    first = codes[0].as_py()
-    if pc.all(pc.equal(codes, first)).as_py():
-        return [(first, batch)]
     order = pc.sort_indices(codes)  # stable: rows of one code keep their order
     runs = pc.run_end_encode(codes.take(order))
     ends = runs.run_ends.to_pylist()
@@ -113,6 +109,8 @@ def group_by_key(batch: Any, key: ColumnKey, where: str) -> list[tuple[Any, Any]
     """``[(key, the rows of that key)]`` for every distinct key of ``batch``, keys in order of
     first appearance, rows in batch order."""
     codes, keys = distinct_keys(key_columns(batch, key, where), key.tuple_key)
+    if len(keys) == 1:
+        return [(keys[0], batch)]
     return [(keys[c], part) for c, part in split_by_code(batch, codes)]
 
 
