@@ -258,8 +258,14 @@ class ChainRuntime:
         down = self._downstream(nid) if kind != OpKind.SINK else None
         push: Push = _discard if down is None else down  # a sink pushes nowhere
 
-        if kind == OpKind.SOURCE or kind == OpKind.ITERATE or kind == OpKind.LOOP_TAIL:
+        if kind == OpKind.SOURCE or kind == OpKind.ITERATE:
             return push  # records pass on unchanged
+        if kind == OpKind.LOOP_TAIL:
+            def loop_tail(records: Any, keys: list[Any] | None) -> None:
+                # what goes round a loop travels as rows: the loop head logs records one by one
+                push(records if type(records) is list else records.to_pylist(), keys)
+
+            return loop_tail
         if kind == OpKind.LOOP_HEAD:
             # the head's only state: its log of in-transit records (loops.head), kept as
             # keyed state under the head's uid so every backend stores it like any other;
