@@ -86,6 +86,7 @@ __all__ = [
     "arrow_input",
     "check_running_counts",
     "committed_output",
+    "gen_batch",
     "histogram",
     "input_records",
     "list_state",
@@ -153,7 +154,7 @@ def arrow_input(n: int, keys: int, start: int = 0) -> pa.Table:
     return pa.table({"key": pa.array([f"k{i % keys}" for i in ids], pa.string()), "id": pa.array(ids, pa.int64())})
 
 
-def _gen_batch(keys: int, start: int):
+def gen_batch(keys: int, start: int):
     """The batch function for ``Pipeline.generate_batches``: rows [a, b) are ``_gen_record``'s."""
 
     def gen(a: int, b: int) -> pa.RecordBatch:
@@ -339,7 +340,7 @@ def histogram(*, n: int = 300, keys: int = 5, buckets: int = 4, out=None, column
     ``columnar``: generate_batches (blocks of 16 rows) -> key_by("key") -> Histogram."""
     p = make_pipeline("histogram", **knobs)
     if columnar:
-        src = p.generate_batches(_gen_batch(keys, 0), count=n, uid="gen", block_rows=16)
+        src = p.generate_batches(gen_batch(keys, 0), count=n, uid="gen", block_rows=16)
     else:
         src = p.generate(_gen_record(keys, 0), count=n, uid="gen")
     (
@@ -389,7 +390,7 @@ def union_chain(*, n: int = 300, out=None, emit_ids: bool = False, columnar: boo
     if columnar:
         a = p.from_arrow(arrow_input(n, 4), uid="a")
         b = (
-            p.generate_batches(_gen_batch(4, 100_000), count=max(n // 2, 1), uid="b", block_rows=8)
+            p.generate_batches(gen_batch(4, 100_000), count=max(n // 2, 1), uid="b", block_rows=8)
             .rebalance()
             .map_batches(_relabel_batch)
             .flat_map(_explode_row)

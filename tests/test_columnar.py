@@ -37,7 +37,14 @@ from epochstream.runtime.columns import even_slices, group_by_key, split_by_code
 from epochstream.runtime.sources import ArrowSource, BatchGeneratorSource
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipelines import BatchRunningCount, arrow_input, committed_output, make_pipeline, sim_run  # noqa: E402
+from pipelines import (  # noqa: E402
+    BatchRunningCount,
+    arrow_input,
+    committed_output,
+    gen_batch,
+    make_pipeline,
+    sim_run,
+)
 
 
 def _batch(n: int, keys: int = 5, start: int = 0) -> pa.RecordBatch:
@@ -180,9 +187,15 @@ def test_a_source_batch_with_another_schema_names_source_split_offset_and_column
         ArrowSource(odd, 1)
 
 
+def test_key_by_a_missing_column_of_an_arrow_source_fails_when_the_pipeline_is_built():
+    p = Pipeline("x")
+    with pytest.raises(SchemaError, match=r"key_by\(\['key', 'nope'\]\) after source 'src': no column 'nope'"):
+        p.from_arrow(arrow_input(4, 2), uid="src").key_by(["key", "nope"])
+
+
 def test_key_by_a_missing_column_fails_naming_operator_and_column_and_commits_nothing(tmp_path):
     p = make_pipeline("bad-column", parallelism=2, restart_attempts=1)
-    (p.from_arrow(arrow_input(200, 5), uid="src")
+    (p.generate_batches(gen_batch(5, 0), count=200, uid="src", block_rows=16)
      .key_by("nope")
      .process_batches(BatchRunningCount(), uid="count")
      .sink(FileSink(tmp_path / "out"), uid="counts"))

@@ -9,7 +9,7 @@ from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, Restart
 from ..deploy.result import JobResult
 from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, REBALANCE, ColumnKey, Edge, Node, PhysicalPlan, build_plan
-from ..runtime.sources import CollectionSource, GeneratorSource, Source
+from ..runtime.sources import ArrowSource, CollectionSource, GeneratorSource, Source
 
 MODES = ("aligned", "at-least-once", "tracker")
 _UNSET = object()
@@ -120,12 +120,28 @@ class Stream:
             key_fn = ColumnKey(tuple(key_fn), tuple_key=True)
         elif not callable(key_fn):
             raise TypeError(f"key_by needs a function of the record or column name(s), got {key_fn!r}")
+        if isinstance(key_fn, ColumnKey):
+            self._check_columns(key_fn)
         if key_type is not None:
             from ..runtime.types import TypeInformation
 
             if not isinstance(key_type, TypeInformation):
                 raise TypeError(f"key_by(key_type=...) needs a type from epochstream.Types, got {key_type!r}")
         return KeyedStream(self._p, [Edge(e.src, HASH, key_fn, key_type) for e in self._heads])
+
+    def _check_columns(self, key: ColumnKey) -> None:
+        """A ``key_by`` right after a source whose schema is known when the pipeline is built
+        (``from_arrow``) names a missing column now; elsewhere the first batch does (at run time,
+        before its epoch can commit)."""
+        from ..runtime.errors import SchemaError
+
+        for e in self._heads:
+            node = self._p._nodes[e.src]
+            schema = node.payload.schema() if isinstance(node.payload, ArrowSource) else None
+            missing = [c for c in key.columns if schema is not None and c not in schema.names]
+            if missing:
+                raise SchemaError(f"key_by({key}) after source {node.uid!r}: no column {missing[0]!r} "
+                                  f"(its columns: {schema.names})")
 
     def rebalance(self) -> "Stream":
         return Stream(self._p, [Edge(e.src, REBALANCE, None) for e in self._heads])
