@@ -298,3 +298,16 @@ def test_columnar_records_in_a_loop_go_round_as_rows(tmp_path):
     sim_run(p, tmp_path / "chk", seed=4)
     got = sorted(r["v"] for r in committed_output(tmp_path / "out"))
     assert got == sorted(v - 7 * (v // 7 + 1) for v in range(50))
+
+
+@pytest.mark.parametrize("where", ["map_batches", "process_batches"])
+def test_a_columnar_function_returning_something_else_names_the_operator(tmp_path, where):
+    p = make_pipeline("bad-return", parallelism=1, restart_attempts=0)
+    s = p.from_arrow(arrow_input(20, 2), uid="src")
+    if where == "map_batches":
+        s = s.map_batches(lambda b: b.to_pylist(), name="to-list")
+    else:
+        s = s.key_by("key").process_batches(lambda k, b, ctx: [k], uid="to-list")
+    s.sink(FileSink(tmp_path / "out"), uid="out")
+    with pytest.raises(JobFailedError, match=rf"{where} 'to-list' must return a pyarrow RecordBatch or Table"):
+        sim_run(p, tmp_path / "chk", seed=1)

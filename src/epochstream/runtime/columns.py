@@ -162,17 +162,22 @@ class KeyedBatches:
     def apply(self, records: Any, keyslot: Any, ctx: Any, label: str) -> Any:
         """Run a batch (RecordBatch, or dict rows) through the function; returns one
         RecordBatch of the outputs, or None."""
+        import pyarrow as pa
+
         where = f"process_batches {label!r}"
         batch = from_rows(records, where) if type(records) is list else records
         out = []
-        call = self._call
+        call, record_batch = self._call, pa.RecordBatch
         for k, part in group_by_key(batch, self.key, f"{where} (key_by {self.key})"):
             keyslot.key = k
             try:
                 res = call(k, part, ctx)
             except Exception as exc:
                 raise UserFunctionError(f"{where} failed on key {k!r}: {exc!r}") from exc
-            res = as_record_batch(res, where)
+            if res is None:
+                continue
+            if type(res) is not record_batch:
+                res = as_record_batch(res, where)
             if res is not None and res.num_rows:
                 out.append(res)
         if not out:
