@@ -6,8 +6,10 @@ sequential reference over the input prefix its source offsets name. Here:
 
 * property tests (hypothesis) over the simulator: seeds, worker kills, job-master crashes
   at the fail points, failed state writes, parallelism 1..4, batch sizes, checkpoint
-  intervals, for every pipeline of ``pipelines.py`` (aligned mode), and no loss in
-  at-least-once mode;
+  intervals, for every pipeline of ``pipelines.py`` in both exactly-once modes, and no loss
+  in at-least-once mode; each pipeline in both layouts (``pipelines.LAYOUTS``: records as
+  Python rows, or as Arrow batches from columnar sources keyed by column): the main suite
+  runs both, the other properties draw one;
 * the running-count invariant read directly off committed output (every id once, each
   key's counts exactly 1..n) and the final committed state, without the oracle;
 * determinism: a seed and a schedule replay the same run;
@@ -32,7 +34,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -52,6 +54,7 @@ from epochstream.oracle import OracleReport, check_exactly_once
 from pipelines import (
     committed_counts,
     BUILDERS,
+    LAYOUTS,
     SOURCE_RATE,
     check_running_counts,
     committed_output,
@@ -109,9 +112,12 @@ class Chaos:
     kill_fractions: tuple[float, ...]
     fail_points: tuple[tuple[str, tuple[int, ...]], ...]
     write_failures: tuple[int, ...]
+    #: how records travel (``pipelines.LAYOUTS``)
+    layout: str = "rows"
 
     def knobs(self) -> dict:
         return dict(
+            **LAYOUTS[self.layout],
             n=N,
             parallelism=self.parallelism,
             batch_size=self.batch_size,
@@ -138,6 +144,9 @@ class Chaos:
         return len(self.kill_fractions) + sum(len(o) for _, o in self.fail_points) + len(self.write_failures)
 
 
+_ANY_LAYOUT = st.sampled_from(sorted(LAYOUTS))
+
+
 @st.composite
 def chaos(
     draw,
@@ -146,6 +155,7 @@ def chaos(
     tolerable_failed=st.just(0),
     kills=st.integers(0, 3),
     write_failures=st.frozensets(st.integers(1, 30), max_size=3),
+    layout=_ANY_LAYOUT,
 ):
     n_kills = draw(kills)
     return Chaos(
@@ -167,6 +177,7 @@ def chaos(
             )
         ),
         write_failures=tuple(sorted(draw(write_failures))),
+        layout=draw(layout),
     )
 
 
@@ -225,24 +236,26 @@ def _exactly_once_property(builder_name: str, c: Chaos, workdirs, mode: str = "a
     shutil.rmtree(work, ignore_errors=True)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("mode", EXACTLY_ONCE_MODES)
 @pytest.mark.parametrize("builder_name", sorted(BUILDERS))
 @settings(max_examples=25, **COMMON)
-@given(c=chaos())
-def test_exactly_once_under_failures(builder_name, mode, c, workdirs):
+@given(c=chaos(layout=st.just("rows")))
+def test_exactly_once_under_failures(builder_name, mode, layout, c, workdirs):
     """Kills, job-master crashes at every fail point, failed state writes (tolerable_failed=0:
     each one fails the job over), parallelism 1..4: the committed output and every epoch's
-    state match the failure-free run and the sequential reference."""
-    _exactly_once_property(builder_name, c, workdirs, mode)
+    state match the failure-free run and the sequential reference, for row and columnar records."""
+    _exactly_once_property(builder_name, replace(c, layout=layout), workdirs, mode)
 
 
 @pytest.mark.long
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("mode", EXACTLY_ONCE_MODES)
 @pytest.mark.parametrize("builder_name", sorted(BUILDERS))
 @settings(max_examples=LONG_EXAMPLES, **COMMON)
-@given(c=chaos())
-def test_exactly_once_under_failures_long(builder_name, mode, c, workdirs):
-    _exactly_once_property(builder_name, c, workdirs, mode)
+@given(c=chaos(layout=st.just("rows")))
+def test_exactly_once_under_failures_long(builder_name, mode, layout, c, workdirs):
+    _exactly_once_property(builder_name, replace(c, layout=layout), workdirs, mode)
 
 
 @settings(max_examples=30, **COMMON)
@@ -389,7 +402,9 @@ def _running_count_invariant(which: str, c: Chaos, workdirs, mode: str = "aligne
     event(f"restarts: {min(result.restarts, 4)}")
     if "failures_injected" in result.metrics:
         event(f"failures injected: {min(result.metrics['failures_injected'], 4)}")
-    records = committed_output(work / "out" / "counts")
+    # the columnar running count (a batch function) commits {"key", "n", "id"} rows
+    records = [(r["key"], r["n"], r["id"]) if isinstance(r, dict) else r
+               for r in committed_output(work / "out" / "counts")]
     assert check_running_counts(records, want_ids) == []
     # the final committed state agrees: count[key] == ids of that key
     per_key = collections.Counter(key for key, _n, _id in records)
@@ -398,7 +413,8 @@ def _running_count_invariant(which: str, c: Chaos, workdirs, mode: str = "aligne
 
 
 @settings(max_examples=80, **COMMON)
-@given(which=st.sampled_from(["running_count", "union_chain"]), mode=st.sampled_from(EXACTLY_ONCE_MODES), c=chaos())
+@given(which=st.sampled_from(["running_count", "union_chain"]), mode=st.sampled_from(EXACTLY_ONCE_MODES),
+       c=chaos())
 def test_running_counts_are_exactly_1_to_n(which, mode, c, workdirs):
     """Every input id is committed once and each key's committed counts run exactly 1..n."""
     _running_count_invariant(which, c, workdirs, mode)
@@ -406,7 +422,8 @@ def test_running_counts_are_exactly_1_to_n(which, mode, c, workdirs):
 
 @pytest.mark.long
 @settings(max_examples=LONG_EXAMPLES, **COMMON)
-@given(which=st.sampled_from(["running_count", "union_chain"]), mode=st.sampled_from(EXACTLY_ONCE_MODES), c=chaos())
+@given(which=st.sampled_from(["running_count", "union_chain"]), mode=st.sampled_from(EXACTLY_ONCE_MODES),
+       c=chaos())
 def test_running_counts_are_exactly_1_to_n_long(which, mode, c, workdirs):
     _running_count_invariant(which, c, workdirs, mode)
 

@@ -127,7 +127,21 @@ def test_exactly_once_with_real_kills(tmp_path, mode, name, parallelism):
     output match the sequential reference over the input prefix its offsets name."""
     build = partial(BUILDERS[name], n=SIZES[name], parallelism=parallelism, mode=mode,
                     interval=INTERVAL, batch_size=8)
-    report, runs = local_oracle(build, tmp_path, seed=10 * parallelism + len(name))
+    _exactly_once_with_real_kills(build, tmp_path, mode, seed=10 * parallelism + len(name))
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_exactly_once_with_real_kills_columnar(tmp_path, mode):
+    """The same on Arrow batches end to end: a columnar source (from_arrow), key_by("key")
+    routed with Arrow kernels across worker processes, a keyed batch function with ValueState
+    (``pipelines.BatchRunningCount``, the columnar ``running_count``), SIGKILLs mid-epoch."""
+    build = partial(running_count, n=SIZES["running_count"], parallelism=2, mode=mode, interval=INTERVAL,
+                    batch_size=64, columnar=True)
+    _exactly_once_with_real_kills(build, tmp_path, mode, seed=5)
+
+
+def _exactly_once_with_real_kills(build, tmp_path: Path, mode: str, seed: int) -> None:
+    report, runs = local_oracle(build, tmp_path, seed=seed)
     why = describe(report, runs)
     chaos, _secs = runs["chaos"]
     assert chaos.metrics["failures_injected"] >= KILLS, why
