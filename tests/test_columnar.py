@@ -311,3 +311,24 @@ def test_a_columnar_function_returning_something_else_names_the_operator(tmp_pat
     s.sink(FileSink(tmp_path / "out"), uid="out")
     with pytest.raises(JobFailedError, match=rf"{where} 'to-list' must return a pyarrow RecordBatch or Table"):
         sim_run(p, tmp_path / "chk", seed=1)
+
+
+def test_columnar_batches_cross_the_wire_as_arrow_ipc():
+    """deploy.worker: a data envelope's columnar batches travel as Arrow IPC frames (a slice
+    only with its own rows), row batches and markers as they are."""
+    import pickle
+
+    from epochstream.deploy.worker import ArrowFrame, to_wire
+    from epochstream.runtime.messages import Batch, Marker
+
+    whole = _batch(1000)
+    part = whole.slice(10, 5)
+    rows = Batch(3, [("k", 1)], ["k"], 7, 0)
+    envelope = [(0, Batch(3, part, None, 9, 2)), (1, rows), (0, Marker(3))]
+    wire = pickle.loads(pickle.dumps(to_wire(envelope)))
+    assert type(wire[0][1]) is ArrowFrame and wire[1][1] == rows and wire[2][1] == Marker(3)
+    back = wire[0][1].batch()
+    assert (back.epoch, back.id, back.time, back.keys) == (3, 9, 2, None)
+    assert back.records.equals(part)
+    assert len(pickle.dumps(wire[0][1])) < len(pickle.dumps(part)) / 10  # a pickled slice ships its parent
+    assert to_wire([(1, rows)]) == [(1, rows)]

@@ -28,6 +28,9 @@ limit while it waits for credit), only sources are throttled, a loop head is not
 and the phantom channel (loop tail -> head) is a hand-over inside the worker. So a loop's
 feedback keeps moving while the sources pause, and it drains (ARCHITECTURE.md §6a).
 
+Columnar batches cross the wire as Arrow IPC (``ArrowFrame``), encoded in the link's sender
+thread and decoded on delivery; row batches are pickled as they are.
+
 The control connection carries ``deploy.protocol`` messages; ``_control`` hands each one
 from the driver to its ``_on_<kind>`` method by type.
 
@@ -47,10 +50,12 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from ..runtime.messages import Marker, Send, Snapshot, SourceExhausted, Watermark
+from ..runtime.columns import from_ipc, to_ipc
+from ..runtime.messages import Batch, Marker, Send, Snapshot, SourceExhausted, Watermark
 from ..snapshot.manifest import CheckpointError
 from .assembly import build_tasks
 from .persist import StateWriteError, persist
@@ -82,6 +87,28 @@ CREDIT_HOLD = 64
 PRESSURE, CREDIT = -1, -2  # channel ids of control envelopes
 
 __all__ = ["MOMENTS", "PeerLink", "WorkerLoop", "run_worker"]
+
+
+@dataclass(frozen=True, slots=True)
+class ArrowFrame:
+    """A ``Batch`` of an Arrow RecordBatch on the wire: its records as an Arrow IPC stream
+    (keys travel in the columns, so a columnar Batch has none)."""
+
+    epoch: int
+    id: int
+    time: int
+    ipc: bytes
+
+    def batch(self) -> Batch:
+        return Batch(self.epoch, from_ipc(self.ipc), None, self.id, self.time)
+
+
+def to_wire(envelope: list) -> list:
+    """A data envelope with its columnar batches as ``ArrowFrame``s (row envelopes as they are)."""
+    if not any(type(m) is Batch and type(m.records) is not list for _ch, m in envelope):
+        return envelope
+    return [(ch, ArrowFrame(m.epoch, m.id, m.time, to_ipc(m.records))
+             if type(m) is Batch and type(m.records) is not list else m) for ch, m in envelope]
 
 
 class PeerLink:
@@ -144,7 +171,7 @@ class PeerLink:
                 else:
                     return
             try:
-                self.conn.send(item)
+                self.conn.send(to_wire(item) if data else item)
             except (BrokenPipeError, OSError):
                 return
             if data:
@@ -317,7 +344,7 @@ class WorkerLoop:
         self.owed[peer] += 1
         tasks, dst = self.tasks, self.channel_dst
         for ch, msg in envelope:
-            tasks[dst[ch]].receive(ch, msg)
+            tasks[dst[ch]].receive(ch, msg.batch() if type(msg) is ArrowFrame else msg)
 
     def _handle(self, actions: list[Any]) -> None:
         for a in actions:

@@ -68,6 +68,25 @@ def concat(batches: list[Any]) -> Any:
     return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
 
 
+def to_ipc(batch: Any) -> bytes:
+    """A RecordBatch as an Arrow IPC stream (schema + one batch): what crosses a process
+    boundary. A slice carries only its own rows (pickling a slice ships its parent's buffers)."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    data: bytes = sink.getvalue().to_pybytes()
+    return data
+
+
+def from_ipc(data: bytes) -> Any:
+    """The RecordBatch of ``to_ipc`` (zero-copy over ``data``)."""
+    import pyarrow as pa
+
+    return pa.ipc.open_stream(data).read_next_batch()
+
+
 def key_columns(batch: Any, key: ColumnKey, where: str) -> list[Any]:
     """The key columns of ``batch``; a SchemaError names ``where`` and any missing column."""
     names = batch.schema.names
