@@ -9,7 +9,7 @@ from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, Restart
 from ..deploy.result import JobResult
 from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, REBALANCE, ColumnKey, Edge, Node, PhysicalPlan, build_plan
-from ..runtime.sources import ArrowSource, CollectionSource, GeneratorSource, Source
+from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
 MODES = ("aligned", "at-least-once", "tracker")
 _UNSET = object()
@@ -131,13 +131,14 @@ class Stream:
 
     def _check_columns(self, key: ColumnKey) -> None:
         """A ``key_by`` right after a source whose schema is known when the pipeline is built
-        (``from_arrow``) names a missing column now; elsewhere the first batch does (at run time,
-        before its epoch can commit)."""
+        (``from_arrow``, ``from_parquet``) names a missing column now; elsewhere the first batch
+        does (at run time, before its epoch can commit)."""
         from ..runtime.errors import SchemaError
 
         for e in self._heads:
             node = self._p._nodes[e.src]
-            schema = node.payload.schema() if isinstance(node.payload, ArrowSource) else None
+            known = node.kind == OpKind.SOURCE and getattr(node.payload, "schema_known_when_built", False)
+            schema = node.payload.schema() if known else None
             missing = [c for c in key.columns if schema is not None and c not in schema.names]
             if missing:
                 raise SchemaError(f"key_by({key}) after source {node.uid!r}: no column {missing[0]!r} "
@@ -445,19 +446,31 @@ class Pipeline:
 
         Builds a snapshot at once (one Spark job writes each partition to Parquet under
         ``path``, which executors must all be able to read on a cluster); records are dicts
-        (or tuples with ``records="tuple"``). See ``deploy.sources.DataFrameSource``."""
+        (tuples with ``records="tuple"``, Arrow batches with ``records="arrow"``). See
+        ``deploy.sources.DataFrameSource``."""
         from ..deploy.sources import DataFrameSource
 
         return self.from_source(DataFrameSource(df, path, records), uid=uid, name="dataframe")
 
     def rate(self, rows_per_second: float, splits: int | None = None, count: int | None = None,
-             uid: str | None = None) -> Stream:
+             uid: str | None = None, records: str = "dict") -> Stream:
         """Spark's ``rate`` source: ``{"timestamp", "value"}`` records at ``rows_per_second``,
-        unbounded unless ``count`` is given; replayable (timestamps are fixed when built)."""
+        unbounded unless ``count`` is given; replayable (timestamps are fixed when built).
+        ``records="arrow"``: Arrow batches (columns timestamp float64, value int64)."""
         from ..deploy.sources import RateSource
 
-        return self.from_source(RateSource(rows_per_second, splits or self.parallelism, count), uid=uid,
-                                name="rate")
+        return self.from_source(RateSource(rows_per_second, splits or self.parallelism, count, records=records),
+                                uid=uid, name="rate")
+
+    def from_parquet(self, path: Any, uid: str | None = None, columns: list[str] | None = None,
+                     timestamps: str | Callable[[Any], float] | None = None) -> Stream:
+        """A bounded, replayable columnar source over Parquet files (a file, a folder of
+        ``*.parquet`` or a list of files): every row group is a split (files in sorted path
+        order). ``columns``: read only these. ``timestamps`` as in ``from_arrow``. The files
+        must not change while the job's checkpoints need them. See ``deploy.sources.ParquetSource``."""
+        from ..deploy.sources import ParquetSource
+
+        return self.from_source(ParquetSource(path, columns), uid=uid, name="parquet", timestamps=timestamps)
 
     def from_arrow(self, data: Any, num_splits: int | None = None, uid: str | None = None,
                    timestamps: str | Callable[[Any], float] | None = None) -> Stream:

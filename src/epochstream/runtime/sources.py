@@ -127,6 +127,10 @@ class ColumnarSource(Source):
     and ``schema()``.
     """
 
+    #: ``schema()`` is known when the pipeline is built, without user code (``key_by`` checks
+    #: its columns then)
+    schema_known_when_built = False
+
     def schema(self) -> Any:
         raise NotImplementedError
 
@@ -172,6 +176,8 @@ def schema_difference(expected: Any, got: Any) -> str:
 class ArrowSource(ColumnarSource):
     """An Arrow Table (or RecordBatches) cut into contiguous row ranges: split s of n holds rows
     [s * N // n, (s + 1) * N // n). Reads are zero-copy slices."""
+
+    schema_known_when_built = True
 
     def __init__(self, data: Any, num_splits: int, elastic: bool = False) -> None:
         import pyarrow as pa
