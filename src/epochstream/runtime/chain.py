@@ -163,7 +163,7 @@ class ChainRuntime:
         if len(targets) == 1:
             return targets[0]
 
-        def fan_out(records: list[Any], keys: list[Any] | None) -> None:
+        def fan_out(records: Any, keys: list[Any] | None) -> None:
             for t in targets:
                 t(records, keys)
 
@@ -524,7 +524,7 @@ def _key_is_key_group(key: int) -> int:
     return key
 
 
-def _discard(records: list[Any], keys: list[Any] | None) -> None:
+def _discard(records: Any, keys: list[Any] | None) -> None:
     return None
 
 
