@@ -60,6 +60,15 @@ def test_exactly_once_with_python_worker_kills(tmp_path, spark, mode):
     check_epoch_metrics(runs["reference"], tmp_path / "reference" / "chk", mode)
 
 
+
+def test_exactly_once_columnar_with_python_worker_kills(tmp_path, spark):
+    """Arrow batches over the Spark driver's TCP mesh (Arrow IPC frames): the columnar
+    running count (from_arrow -> key_by("key") -> a keyed batch function), 5 kills."""
+    build = partial(running_count, n=90_000, parallelism=2, mode="aligned", interval=0.05, batch_size=256,
+                    columnar=True)
+    report, runs = spark_oracle(build, tmp_path, spark, targets=["worker"] * KILLS, seed=4)
+    assert_exactly_once_with_kills(report, runs, KILLS)
+
 # ---------------------------------------------------------------- sources from Spark
 
 
