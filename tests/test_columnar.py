@@ -29,9 +29,10 @@ from epochstream import (
 )
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.failures import JobFailedError
+from epochstream.deploy.sim import FailureSchedule
 from epochstream.graph.keygroups import assign_to_key_group, key_group_table
 from epochstream.graph.plan import ColumnKey
-from epochstream.oracle import reference_run
+from epochstream.oracle import check_exactly_once, reference_run
 from epochstream.runtime.chain import OutputBuffers
 from epochstream.runtime.columns import even_slices, group_by_key, split_by_code
 from epochstream.runtime.sources import ArrowSource, BatchGeneratorSource
@@ -44,6 +45,7 @@ from pipelines import (  # noqa: E402
     gen_batch,
     make_pipeline,
     sim_run,
+    without_fsync,
 )
 
 
@@ -368,13 +370,6 @@ def test_parquet_row_groups_are_the_splits(tmp_path):
 
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])
 def test_from_parquet_exactly_once_under_failures(tmp_path, mode):
-    from functools import partial
-
-    from pipelines import without_fsync
-
-    from epochstream.deploy.sim import FailureSchedule
-    from epochstream.oracle import check_exactly_once
-
     _write_parquet(tmp_path / "in", 300, files=3, row_group=25)
 
     def build(**knobs):
@@ -390,7 +385,7 @@ def test_from_parquet_exactly_once_under_failures(tmp_path, mode):
         return sim_run(p, chk, seed=6, failures=failures)
 
     with without_fsync():
-        report = check_exactly_once(partial(build), run, tmp_path / "work")
+        report = check_exactly_once(build, run, tmp_path / "work")
     assert report.ok and report.restarts >= 1 and report.epochs_checked >= 2, report.to_json()
     assert report.records_committed == report.records_expected == 300
 

@@ -137,9 +137,10 @@ class Stream:
 
         for e in self._heads:
             node = self._p._nodes[e.src]
-            known = node.kind == OpKind.SOURCE and getattr(node.payload, "schema_known_when_built", False)
-            schema = node.payload.schema() if known else None
-            missing = [c for c in key.columns if schema is not None and c not in schema.names]
+            if not (node.kind == OpKind.SOURCE and getattr(node.payload, "schema_known_when_built", False)):
+                continue
+            schema = node.payload.schema()
+            missing = [c for c in key.columns if c not in schema.names]
             if missing:
                 raise SchemaError(f"key_by({key}) after source {node.uid!r}: no column {missing[0]!r} "
                                   f"(its columns: {schema.names})")
@@ -295,7 +296,8 @@ class KeyedStream(Stream):
         from ..runtime.columns import KeyedBatches
 
         keys = {e.key_fn for e in self._heads}
-        if len(keys) != 1 or not isinstance(next(iter(keys)), ColumnKey):
+        key = next(iter(keys)) if len(keys) == 1 else None
+        if not isinstance(key, ColumnKey):
             raise TypeError("process_batches() groups Arrow batches by columns: use key_by(\"col\") or "
                             "key_by([\"a\", \"b\"]) before it, not a key function")
         if not (hasattr(fn, "process_batch") or callable(fn)):
@@ -303,7 +305,7 @@ class KeyedStream(Stream):
                             f"got {type(fn).__name__}")
         name = name or getattr(fn, "__name__", None) or type(fn).__name__
         uid = uid or f"{name}-{len(self._p._nodes)}"
-        return self._p._add(OpKind.PROCESS, name, KeyedBatches(fn, next(iter(keys))), self._heads, uid=uid)
+        return self._p._add(OpKind.PROCESS, name, KeyedBatches(fn, key), self._heads, uid=uid)
 
     def reduce(self, fn: Callable[[Any, Any], Any], uid: str | None = None) -> Stream:
         """Running reduce per key, emitting the new aggregate for every record."""

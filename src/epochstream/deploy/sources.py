@@ -174,7 +174,7 @@ class DataFrameSource(Source):
         out: list[Any] = []
         for split in range(self.num_splits):
             if offsets.get(split, 0):
-                part = self.read(split, 0, offsets[split])
+                part: Any = self.read(split, 0, offsets[split])
                 out.extend(part if type(part) is list else part.to_pylist())
         return out
 
