@@ -42,8 +42,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import event as _event
 from hypothesis import note as _note
-from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 import epochstream.deploy.driver as driver_module
 from epochstream.backends.local import LocalCheckpointStorage
@@ -52,11 +52,11 @@ from epochstream.deploy.restore import Restored
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import OracleReport, check_exactly_once
 from pipelines import (
-    committed_counts,
     BUILDERS,
     LAYOUTS,
     SOURCE_RATE,
     check_running_counts,
+    committed_counts,
     committed_output,
     running_count,
     sim_run,
@@ -459,7 +459,8 @@ def run_fingerprint(builder_name: str, c: Chaos, work: Path, mode: str = "aligne
         checkpoints[epoch] = {
             "sources": m["sources"],
             # attempt ids in file names are random by design; everything else must agree
-            "staged": {u: sorted(re.sub(r"-a[^/]*\.jsonl$", "", s) for s in e["staged"]) for u, e in m["sinks"].items()},
+            "staged": {u: sorted(re.sub(r"-a[^/]*\.jsonl$", "", s) for s in e["staged"])
+                       for u, e in m["sinks"].items()},
             "state_files": sorted((f["operator"], f["subtask"], f["epoch"], f["rows"], f["full"])
                                   for op in m["operators"].values() for f in op["files"]),
         }
@@ -543,7 +544,8 @@ def test_oracle_catches_recovery_that_does_not_recommit(tmp_path):
                 p.unlink()
 
     c = Chaos(**{**SABOTAGE.__dict__, "fail_points": (("after_manifest", (2,)),)})
-    report = oracle(running_count, c, tmp_path, sabotage=lambda mp: mp.setattr(FileSink, "recover", recover_without_commit))
+    report = oracle(running_count, c, tmp_path,
+                    sabotage=lambda mp: mp.setattr(FileSink, "recover", recover_without_commit))
     assert not report.ok
     assert report.lost > 0
     assert report.mismatched_epoch_output > 0
@@ -625,7 +627,8 @@ def test_oracle_catches_state_restored_from_the_wrong_epoch(tmp_path):
         return Restored(r.epoch, {**r.manifest, "operators": old_manifest["operators"]}, r.root, r.path)
 
     c = Chaos(**{**SABOTAGE.__dict__, "fail_points": (("after_commit", (2,)),)})
-    report = oracle(running_count, c, tmp_path, sabotage=lambda mp: mp.setattr(driver_module, "find_restore", stale_state))
+    report = oracle(running_count, c, tmp_path,
+                    sabotage=lambda mp: mp.setattr(driver_module, "find_restore", stale_state))
     assert report.restarts == 1
     assert not report.ok
     assert report.duplicated > 0

@@ -176,7 +176,7 @@ def test_ranges_partition_key_groups_contiguously(layout):
     ranges = [key_group_range(m, p, i) for i in range(p)]
     assert ranges[0][0] == 0
     assert ranges[-1][1] == m - 1
-    for (lo, hi), (nlo, _nhi) in zip(ranges, ranges[1:]):
+    for (lo, hi), (nlo, _nhi) in zip(ranges, ranges[1:], strict=False):  # neighbours
         assert lo <= hi  # p <= m: every subtask owns at least one key group
         assert nlo == hi + 1
     sizes = [hi - lo + 1 for lo, hi in ranges]

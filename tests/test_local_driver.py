@@ -35,9 +35,9 @@ from epochstream.deploy.master import JobMaster
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import OracleReport, check_exactly_once
 from pipelines import (
-    committed_counts,
     RunningCount,
     check_running_counts,
+    committed_counts,
     committed_output,
     input_records,
     make_pipeline,
@@ -98,9 +98,10 @@ def local_oracle(build, work: Path, *, seed: int, kills: int = KILLS,
 def describe(report: OracleReport, runs: dict) -> str:
     parts = [f"report={report.to_json()}"]
     for label, (r, secs) in runs.items():
+        failovers = [(round(f["time"], 3), f["reason"].splitlines()[0]) for f in r.metrics["failovers"]]
         parts.append(
             f"{label}: {secs:.2f}s restarts={r.restarts} injected={r.metrics['failures_injected']} "
-            f"epochs={len(r.completed_epochs)} failovers={[(round(f['time'], 3), f['reason'].splitlines()[0]) for f in r.metrics['failovers']]}"
+            f"epochs={len(r.completed_epochs)} failovers={failovers}"
         )
     return "\n".join(parts)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, is_dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, RestartStrategy
 from ..deploy.result import JobResult
 from ..graph.kinds import OpKind
-from ..graph.plan import FORWARD, HASH, REBALANCE, ColumnKey, Edge, Node, PhysicalPlan, build_plan
+from ..graph.plan import FORWARD, HASH, REBALANCE, ColumnKey, Edge, Node, PhysicalPlan, build_plan, uid_of
 from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
 MODES = ("aligned", "at-least-once", "tracker")
@@ -77,9 +77,11 @@ class TrackerConfig:
 
 
 def _with(strategy: RestartStrategy, field: str, value: Any) -> RestartStrategy:
-    if not hasattr(strategy, field):
+    """``strategy`` with one field changed (the built-in strategies are frozen dataclasses)."""
+    if not (is_dataclass(strategy) and hasattr(strategy, field)):
         raise ValueError(f"{type(strategy).__name__} has no {field!r}; set Pipeline.restart_strategy instead")
-    return replace(strategy, **{field: value})
+    changed: RestartStrategy = replace(strategy, **{field: value})
+    return changed
 
 
 class Stream:
@@ -384,6 +386,8 @@ class Pipeline:
         self.mode = mode
         self.checkpoint = checkpoint or CheckpointConfig()
         if checkpoint_interval is not _UNSET:
+            if checkpoint_interval is not None and not isinstance(checkpoint_interval, (int, float)):
+                raise TypeError(f"checkpoint_interval must be seconds (a number) or None, got {checkpoint_interval!r}")
             self.checkpoint = replace(self.checkpoint, interval=checkpoint_interval)
         if restart_strategy is not None and (restart_attempts is not None or restart_delay is not None):
             raise ValueError("pass either restart_strategy or restart_attempts/restart_delay, not both")
@@ -415,12 +419,11 @@ class Pipeline:
 
     @restart_delay.setter
     def restart_delay(self, delay: float) -> None:
-        field = "initial" if isinstance(self.restart_strategy, ExponentialDelayRestart) else "delay"
-        if field == "initial":
-            self.restart_strategy = replace(self.restart_strategy, initial=delay,
-                                            max_delay=max(delay, self.restart_strategy.max_delay))
+        strategy = self.restart_strategy
+        if isinstance(strategy, ExponentialDelayRestart):
+            self.restart_strategy = replace(strategy, initial=delay, max_delay=max(delay, strategy.max_delay))
         else:
-            self.restart_strategy = _with(self.restart_strategy, field, delay)
+            self.restart_strategy = _with(strategy, "delay", delay)
 
     # -- sources
     def from_collection(self, items: Sequence[Any], splits: int | None = None, uid: str | None = None,
@@ -523,11 +526,11 @@ class Pipeline:
 
     @property
     def sources(self) -> dict[str, Source]:
-        return {n.uid: n.payload for n in self._nodes.values() if n.kind == OpKind.SOURCE}
+        return {uid_of(n): n.payload for n in self._nodes.values() if n.kind == OpKind.SOURCE}
 
     @property
     def sinks(self) -> dict[str, Any]:
-        return {n.uid: n.payload for n in self._nodes.values() if n.kind == OpKind.SINK}
+        return {uid_of(n): n.payload for n in self._nodes.values() if n.kind == OpKind.SINK}
 
     def run(
         self,

@@ -167,7 +167,7 @@ class DataFrameSource(Source):
         if self.records == "dict":
             return part.to_pylist()
         cols = [c.to_pylist() for c in part.columns]
-        return list(zip(*cols)) if cols else [() for _ in range(part.num_rows)]
+        return list(zip(*cols, strict=True)) if cols else [() for _ in range(part.num_rows)]
 
 
     def records_before(self, offsets: dict[int, int]) -> list[Any]:

@@ -52,7 +52,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, Callable
 
 from ..runtime.columns import from_ipc, to_ipc
 from ..runtime.messages import Batch, Marker, Send, Snapshot, SourceExhausted, Watermark
@@ -212,7 +212,9 @@ class WorkerLoop:
         #: chaos: (moment, pid to SIGKILL) asked for by the driver
         self.die_at: tuple[str, int] | None = None
         #: driver -> worker messages by type
-        self.on = {Trigger: self._on_trigger, Neoss: self._on_neoss, Stop: self._on_stop, Die: self._on_die}
+        #: driver -> worker control messages, by type
+        self.on: dict[type, Callable[[Any], None]] = {
+            Trigger: self._on_trigger, Neoss: self._on_neoss, Stop: self._on_stop, Die: self._on_die}
 
     # -- threads
     def _writer(self) -> None:
@@ -265,7 +267,8 @@ class WorkerLoop:
         batch = self.pipeline.batch_size
         while not self.stopping:
             did = self._control()
-            for conn in wait(inbound, timeout=0) if inbound else ():
+            ready: list[Any] = wait(inbound, timeout=0) if inbound else []  # Connections: inbound holds no socket
+            for conn in ready:
                 did = True
                 try:
                     while conn.poll():

@@ -82,6 +82,14 @@ class GraphError(ValueError):
     """A pipeline that cannot be turned into a physical plan."""
 
 
+def uid_of(node: Node) -> str:
+    """The uid of a node that must have one: the API names every source, sink, keyed operator
+    and loop (state, offsets and output are stored under it)."""
+    if node.uid is None:
+        raise GraphError(f"operator {node.name!r} ({node.kind}) has no uid")
+    return node.uid
+
+
 @dataclass(frozen=True)
 class OutEdge:
     """An edge leaving a chain: from ``node`` to chain ``dst_chain`` (entering at ``dst_node``)."""

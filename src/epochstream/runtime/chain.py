@@ -14,6 +14,8 @@ slices (rebalance) or cut per destination with Arrow kernels (``key_by`` column 
 
 from __future__ import annotations
 
+import copy
+import zlib
 from typing import Any, Callable, cast
 
 from ..graph.keygroups import assign_to_key_group, distinct_keys, key_bytes, key_group_table, murmur_mix
@@ -25,9 +27,6 @@ from .errors import UserFunctionError
 from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
 from .state import HeapKeyedState, OperatorStateBackend
 from .timers import TimerService
-
-import copy
-import zlib
 
 #: a batch of records (a list, or an Arrow RecordBatch) and their keys (or None) into an operator
 Push = Callable[[Any, "list[Any] | None"], None]
@@ -134,7 +133,8 @@ class ChainRuntime:
         self._epoch_hooks: list[tuple[Any, Any, Push, str]] = []
         out_channels = plan.outputs[(chain.id, subtask)]
         all_channels = [c for chans in out_channels for c in chans]
-        keyed = {c for oe, chans in zip(chain.out_edges, out_channels) if oe.partition == HASH for c in chans}
+        edges = zip(chain.out_edges, out_channels, strict=True)
+        keyed = {c for oe, chans in edges if oe.partition == HASH for c in chans}
         self.out = OutputBuffers(all_channels, keyed)
         self._kg_table = key_group_table(plan.max_parallelism, plan.parallelism)
         self._rr = subtask  # rebalance cursor, offset per subtask to spread load
@@ -199,7 +199,7 @@ class ChainRuntime:
                     ks = [key_of(r) for r in records]
                 except Exception as exc:
                     raise UserFunctionError(f"key_by function after {name!r} failed: {exc!r}") from exc
-                for r, k in zip(records, ks):
+                for r, k in zip(records, ks, strict=True):
                     ch = channels[table[mix(crc(kb(k))) % m]]
                     buffers[ch].append(r)
                     keybufs[ch].append(k)
@@ -393,7 +393,7 @@ class ChainRuntime:
             out: list[Any] = []
             extend = out.extend
             try:
-                for value, key in zip(records, keys):
+                for value, key in zip(records, keys, strict=True):
                     keyslot.key = key
                     res = process(value, ctx)
                     if res is not None:
@@ -449,7 +449,7 @@ class ChainRuntime:
         for fn, ctx, timers, down, uid in self.timed:
             out: list[Any] = []
 
-            def on_timer(ts: float) -> None:
+            def on_timer(ts: float, fn: Any = fn, ctx: Any = ctx, out: list[Any] = out) -> None:
                 res = fn.on_timer(ts, ctx)
                 if res is not None:
                     out.extend(res)
