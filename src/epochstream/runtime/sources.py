@@ -30,8 +30,15 @@ class Source:
     uid: str | None = None
 
     def resplit(self, num_splits: int) -> None:
-        """Change the number of splits (elastic sources only, before the job reads anything)."""
-        raise ValueError(f"{type(self).__name__} has a fixed number of splits ({self.num_splits})")
+        """Change the number of splits (elastic sources only, before the job reads anything).
+
+        Enough for a source whose splits are computed from the count (generators, row
+        ranges); one that stores its splits also rebuilds them."""
+        if not self.elastic:
+            raise ValueError(f"{type(self).__name__} has a fixed number of splits ({self.num_splits})")
+        if num_splits < 1:
+            raise ValueError(f"a source needs at least one split, got {num_splits}")
+        self.num_splits = num_splits
 
     def read(self, split: int, offset: int, count: int) -> list[Any]:
         """Up to ``count`` records of ``split`` starting at ``offset``; [] when exhausted."""
@@ -64,11 +71,10 @@ class CollectionSource(Source):
         self.resplit(num_splits, force=True)
 
     def resplit(self, num_splits: int, force: bool = False) -> None:
-        if not (self.elastic or force):
+        if force and num_splits >= 1:
+            self.num_splits = num_splits
+        else:
             super().resplit(num_splits)
-        if num_splits < 1:
-            raise ValueError(f"a source needs at least one split, got {num_splits}")
-        self.num_splits = num_splits
         self._splits = [self.items[s::num_splits] for s in range(num_splits)]
 
     def read(self, split: int, offset: int, count: int) -> list[Any]:
@@ -90,13 +96,6 @@ class GeneratorSource(Source):
         self.count = count
         self.num_splits = num_splits
         self.elastic = elastic
-
-    def resplit(self, num_splits: int) -> None:
-        if not self.elastic:
-            super().resplit(num_splits)
-        if num_splits < 1:
-            raise ValueError(f"a source needs at least one split, got {num_splits}")
-        self.num_splits = num_splits
 
     def split_length(self, split: int) -> int | None:
         if self.count is None:
@@ -200,13 +199,6 @@ class ArrowSource(ColumnarSource):
         self.elastic = elastic
         self.num_splits = num_splits
 
-    def resplit(self, num_splits: int) -> None:
-        if not self.elastic:
-            super().resplit(num_splits)
-        if num_splits < 1:
-            raise ValueError(f"a source needs at least one split, got {num_splits}")
-        self.num_splits = num_splits
-
     def _bounds(self, split: int) -> tuple[int, int]:
         n, rows = self.num_splits, self.table.num_rows
         return split * rows // n, (split + 1) * rows // n
@@ -259,13 +251,6 @@ class BatchGeneratorSource(ColumnarSource):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_schema": None}  # worked out again where the source is read
-
-    def resplit(self, num_splits: int) -> None:
-        if not self.elastic:
-            super().resplit(num_splits)
-        if num_splits < 1:
-            raise ValueError(f"a source needs at least one split, got {num_splits}")
-        self.num_splits = num_splits
 
     def split_length(self, split: int) -> int | None:
         if self.count is None:
