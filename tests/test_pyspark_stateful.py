@@ -645,7 +645,8 @@ def test_state_values_must_fit_their_schema():
         h.feed({"k": "a", "what": "empty"})
 
 
-def test_output_must_fit_the_output_schema():
+@pytest.mark.parametrize("source", SOURCES)
+def test_output_must_fit_the_output_schema(source):
     class Out(StatefulProcessor):
         def init(self, handle):
             pass
@@ -653,9 +654,34 @@ def test_output_must_fit_the_output_schema():
         def handleInputRows(self, key, rows, timerValues):
             yield pd.DataFrame({"k": [key[0]]})  # no "n"
 
-    h = Harness(lambda c: TransformWithState(Out(), "k string, n long", "none", "k", clock=c))
+    h = Harness(lambda c: TransformWithState(Out(), "k string, n long", "none", "k", clock=c), source)
     with pytest.raises(SchemaError, match=r"lacks column\(s\) \['n'\]"):
         h.feed({"k": "a"})
+
+
+@pytest.mark.parametrize("frame", [
+    pd.DataFrame({"n": [1, 2], "extra": ["x", "y"], "t": pd.to_datetime([0, 1_000], unit="ms"), "k": ["a", None]}),
+    pd.DataFrame([["a", 1, pd.Timestamp("2024-01-01", tz="Europe/Paris")]]),  # by position, tz-aware
+    pd.DataFrame({"k": ["a"], "n": [1.0], "t": [None]}),  # a float that fits long, a null timestamp
+    pd.DataFrame({"k": ["a"], "n": ["one"], "t": [None]}),  # does not fit
+    pd.DataFrame({"k": ["a"], "n": [1.5], "t": [None]}),  # would lose data
+    pd.DataFrame([["a", 1, None]], columns=["k", "n", "n"]),  # a label twice
+])
+def test_the_columnar_output_conversion_gives_what_the_row_path_gives(frame):
+    from epochstream.pyspark.schema import arrow_schema, batches_to_records, frames_to_batches, frames_to_records
+
+    schema = parse_schema("k string, n long, t timestamp")
+    arrow_out = arrow_schema(schema)
+
+    def convert(fn):
+        try:
+            return fn([frame.copy()], schema, arrow_out, "f")
+        except Exception as exc:  # noqa: BLE001 - the same error type either way
+            return type(exc)
+
+    want = convert(frames_to_records)
+    got = convert(lambda *a: batches_to_records(frames_to_batches(*a), arrow_out))
+    assert got == want
 
 
 def test_ddl_schemas_parse_without_a_jvm():

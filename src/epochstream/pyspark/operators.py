@@ -42,6 +42,8 @@ from .schema import (
     StructType,
     arrow_schema,
     as_dicts,
+    batches_to_records,
+    frames_to_batches,
     frames_to_records,
     pandas_groups,
     rows_to_records,
@@ -337,14 +339,16 @@ class TransformWithState(_Keyed):
         """``process_batch`` of a RecordBatch: one ``handleInputRows`` call per key, as for rows."""
         if self.time_mode != "none":
             self.batch_time_ms = self._now(ctx)
-        out: list[dict] = []
+        batches: list[Any] = []
         tv = self._timer_values()
         handle_rows = self.processor.handleInputRows
+        label = f"{type(self.processor).__name__}.handleInputRows"
         for key, pdf in self._pandas_groups(batch, type(self.processor).__name__):
             ctx.set_current_key(key)
             result = handle_rows(key, iter([pdf]), tv)
             if result is not None:
-                out.extend(self._records(result, "handleInputRows"))
+                batches.extend(frames_to_batches(result, self.output_schema, self._arrow_out, label))
+        out = batches_to_records(batches, self._arrow_out)
         self._fire_timers(out)
         return out
 
@@ -504,12 +508,13 @@ class ApplyInPandasWithState(_Keyed):
     def _process_columns(self, batch: Any, ctx) -> list[dict]:
         """``process_batch`` of a RecordBatch: one call per key, then timeouts, as for rows."""
         self.batch_time_ms = self._now(ctx)
-        out: list[dict] = []
+        batches: list[Any] = []
         seen = set()
         for key, pdf in self._pandas_groups(batch, getattr(self.func, "__name__", "func")):
             ctx.set_current_key(key)
             seen.add(key)
-            out.extend(self._call(key, iter([pdf]), timed_out=False))
+            batches.extend(self._call(key, iter([pdf]), timed_out=False, convert=frames_to_batches))
+        out = batches_to_records(batches, self._arrow_out)
         self._time_out(out, skip=seen)
         return out
 
@@ -521,7 +526,10 @@ class ApplyInPandasWithState(_Keyed):
         self._time_out(out, skip={})
         return out
 
-    def _call(self, key: Any, data, timed_out: bool) -> list[dict]:
+    def _call(self, key: Any, data, timed_out: bool,
+              convert: Callable[..., list[Any]] = frames_to_records) -> list[Any]:
+        """Call the function for ``key``, write its state back; its output as ``convert`` makes
+        it (records, or RecordBatches on the columnar path)."""
         from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
         stored = self._state.value()
@@ -544,7 +552,7 @@ class ApplyInPandasWithState(_Keyed):
             valueSchema=self.state_schema,
         )
         result = self.func(key, data, gs)
-        records = [] if result is None else frames_to_records(
+        records = [] if result is None else convert(
             result, self.output_schema, self._arrow_out, f"{getattr(self.func, '__name__', 'func')}"
         )
         # write back as FlatMapGroupsWithStateExec does

@@ -362,6 +362,58 @@ def frames_to_records(frames: Iterable[Any], schema: StructType, arrow_out, what
     return out
 
 
+def frames_to_batches(frames: Iterable[Any], schema: StructType, arrow_out, what: str) -> list[Any]:
+    """``frames_to_records`` for the columnar path: the frames as RecordBatches of ``arrow_out``
+    (one per non-empty frame), made column by column with the conversion
+    ``Table.from_pandas(df, schema=arrow_out)`` applies to each column (``pa.array(column,
+    type, from_pandas=True)``), without the per-frame column selection and pandas metadata.
+    Columns match by name when the labels are unique strings, by position when none is a
+    string, with the same errors as ``frames_to_records``."""
+    import pandas as pd
+    import pyarrow as pa
+
+    out: list[Any] = []
+    names = schema.names
+    fields = list(arrow_out)
+    for df in frames:
+        if not isinstance(df, pd.DataFrame):
+            raise SchemaError(f"{what} must yield pandas DataFrames, got {type(df).__name__}")
+        if len(df) == 0:
+            continue
+        labels = list(df.columns)
+        if not all(isinstance(c, str) for c in labels):
+            if len(labels) != len(names):
+                raise SchemaError(f"{what}: a frame with {len(labels)} unnamed columns "
+                                  f"for schema {schema.simpleString()}")
+            columns = [df.iloc[:, i] for i in range(len(names))]
+        else:
+            missing = [n for n in names if n not in labels]
+            if missing:
+                raise SchemaError(f"{what}: output frame lacks column(s) {missing} of schema {schema.simpleString()}")
+            if not df.columns.is_unique:  # a label twice: as frames_to_records converts it
+                out.extend(pa.Table.from_pylist(frames_to_records([df], schema, arrow_out, what),
+                                                schema=arrow_out).to_batches())
+                continue
+            columns = [df[n] for n in names]
+        try:
+            arrays = [pa.array(c, type=f.type, from_pandas=True, safe=True) for c, f in zip(columns, fields,
+                                                                                           strict=True)]
+            out.append(pa.RecordBatch.from_arrays(arrays, schema=arrow_out))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as exc:
+            raise SchemaError(f"{what}: output does not fit schema {schema.simpleString()}: {exc}") from exc
+    return out
+
+
+def batches_to_records(batches: list[Any], arrow_out) -> list[dict]:
+    """RecordBatches of ``arrow_out`` -> records (dicts in schema order), in order."""
+    import pyarrow as pa
+
+    if not batches:
+        return []
+    records: list[dict] = pa.Table.from_batches(batches, schema=arrow_out).to_pylist()
+    return records
+
+
 def rows_to_records(rows: Iterable[Any], schema: StructType, what: str) -> list[dict]:
     """Rows a Row-mode processor yielded -> records (dicts in schema order)."""
     out: list[dict] = []
