@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--keys", type=int, default=100)
     ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--batch-size", type=int, default=1024, help="rows per source read (Pipeline batch_size)")
     args = ap.parse_args()
     keys = args.keys
 
@@ -53,7 +54,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="es-keyed-count-") as tmp:
         p = Pipeline("keyed-count", parallelism=2, max_parallelism=128,
-                     checkpoint=CheckpointConfig(interval=args.interval))
+                     checkpoint=CheckpointConfig(interval=args.interval), batch_size=args.batch_size)
         (p.generate_batches(events, count=args.rows, num_splits=2, uid="events")
           .apply_in_pandas_with_state(count, "k long, c long", "c long", "Update", GroupStateTimeout.NoTimeout,
                                       key="k", uid="count")
@@ -68,7 +69,8 @@ def main() -> None:
         lat = sorted(e["trigger_to_commit_seconds"] for e in result.metrics.get("epochs", [])
                      if e.get("state") == "completed")
     print(json.dumps({
-        "rows": args.rows, "keys": keys, "seconds": round(seconds, 2), "rows_per_s": round(args.rows / seconds),
+        "rows": args.rows, "keys": keys, "batch_size": args.batch_size,
+        "seconds": round(seconds, 2), "rows_per_s": round(args.rows / seconds),
         "counts_ok": total == args.rows and len(state) == keys, "epochs": len(lat),
         "trigger_to_commit_p50_s": round(statistics.median(lat), 3) if lat else None,
         "trigger_to_commit_max_s": round(lat[-1], 3) if lat else None,
