@@ -57,6 +57,8 @@ from pipelines import committed_output
 pytestmark = pytest.mark.slow
 
 DRIVERS = ("sim", "local", "spark")
+#: the input as dict rows, or as Arrow batches (the wrappers' columnar path)
+SOURCES = ("rows", "arrow")
 FAR = 10**13
 ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 
@@ -286,7 +288,9 @@ def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool) -> di
 
 def run_epochstream(tmp: Path, driver: str, batches, attach, uid: str = "op", convert=None,
                     parallelism: int = 2, mode: str = "aligned", timestamps: bool = False,
-                    spark=None) -> tuple[list[dict], dict]:
+                    spark=None, source: str = "rows") -> tuple[list[dict], dict]:
+    """``source``: ``"rows"`` (``from_collection``, dicts) or ``"arrow"`` (``from_arrow``: the
+    wrappers get Arrow RecordBatches and group them with Arrow)."""
     rows = list(itertools.chain.from_iterable(batches))
     if convert is not None:
         rows = [convert(r) for r in rows]
@@ -295,8 +299,13 @@ def run_epochstream(tmp: Path, driver: str, batches, attach, uid: str = "op", co
                  restart_attempts=0, tracker=TrackerConfig(time_slack=1_000.0))
     # the source's timestamps (epoch ms) drive job-wide event time
     stamp = (lambda r: r["t"].replace(tzinfo=datetime.timezone.utc).timestamp() * 1000) if timestamps else None
-    source = p.from_collection(rows, splits=1, uid="input", timestamps=stamp)
-    attach(source).sink(FileSink(tmp / "es-out"), uid="out")
+    if source == "arrow":
+        import pyarrow as pa
+
+        stream = p.from_arrow(pa.Table.from_pylist(rows), num_splits=1, uid="input", timestamps=stamp)
+    else:
+        stream = p.from_collection(rows, splits=1, uid="input", timestamps=stamp)
+    attach(stream).sink(FileSink(tmp / "es-out"), uid="out")
     options: dict = {"sim": SimConfig(source_rate=2_000.0)} if driver == "sim" else {}
     if driver == "spark":  # barrier-stage workers in the module's own SparkSession (local[2])
         options = {"spark": spark}
@@ -344,12 +353,15 @@ def everything_spark(spark, tmp_path_factory):
 EVERYTHING_VARS = {"count": "value", "ids": "list", "parity": "map", "brief": "value", "kept": "list", "fired": "value"}
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("driver", DRIVERS)
-def test_value_list_map_state_ttl_and_processing_time_timers_match_spark(spark, everything_spark, tmp_path, driver):
+def test_value_list_map_state_ttl_and_processing_time_timers_match_spark(spark, everything_spark, tmp_path, driver,
+                                                                        source):
     spark_rows, spark_st = everything_spark
     assert any(r["kind"] == "timer" for r in spark_rows) and spark_st["kept"] and not spark_st["brief"]
     rows, raw = run_epochstream(tmp_path, driver, everything_input(), lambda s: s.transform_with_state(
-        Everything(), EVERYTHING_OUT, "ProcessingTime", key="k", clock=SteppingClock(), uid="op"), spark=spark)
+        Everything(), EVERYTHING_OUT, "ProcessingTime", key="k", clock=SteppingClock(), uid="op"), spark=spark,
+        source=source)
     assert canon(rows) == canon(spark_rows)
     assert epochstream_state(raw, EVERYTHING_VARS) == spark_st
 
@@ -389,12 +401,14 @@ def sessions_spark(spark, tmp_path_factory):
     return rows, spark_state(spark, tmp / "spark-chk", SESSIONS_VARS, timers=True)
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("driver", DRIVERS)
-def test_apply_in_pandas_with_state_matches_spark(spark, tmp_path_factory, driver, fives_spark):
+def test_apply_in_pandas_with_state_matches_spark(spark, tmp_path_factory, driver, fives_spark, source):
     spark_rows, spark_st = fives_spark
-    tmp = tmp_path_factory.mktemp(f"es-fives-{driver}")
+    tmp = tmp_path_factory.mktemp(f"es-fives-{driver}-{source}")
     rows, raw = run_epochstream(tmp, driver, fives_input(), lambda s: s.apply_in_pandas_with_state(
-        fives, FIVES_OUT, "n long", "Append", GroupStateTimeout.NoTimeout, key="k", uid="op"), spark=spark)
+        fives, FIVES_OUT, "n long", "Append", GroupStateTimeout.NoTimeout, key="k", uid="op"), spark=spark,
+        source=source)
     assert canon(rows) == canon(spark_rows)
     mine = {k: v[0] for k, v in raw.get("$groupState", {}).items()}
     assert mine == spark_st

@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,6 +40,8 @@ from pipelines import committed_output, without_fsync
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("aligned", "tracker")
+#: the input as dict rows, or as Arrow batches (the wrappers' columnar path)
+SOURCES = ("rows", "arrow")
 FAR = 10**13  # a timer this far in the future never fires
 
 
@@ -91,11 +94,15 @@ def records(n: int, keys: int = 5) -> list[dict]:
 
 
 def tally_pipeline(*, n=200, parallelism=2, mode="aligned", interval=0.0005, batch_size=8, splits=6,
-                   out=None, which="tws", incremental=True) -> Pipeline:
+                   out=None, which="tws", incremental=True, source="rows") -> Pipeline:
+    """``source``: ``"rows"`` (dicts) or ``"arrow"`` (Arrow batches: the wrappers' columnar path)."""
     p = Pipeline(f"pyspark-{which}", parallelism=parallelism, max_parallelism=128, mode=mode,
                  checkpoint=CheckpointConfig(interval=interval, incremental=incremental),
                  batch_size=batch_size, restart_attempts=30, restart_delay=0.0)
-    s = p.from_collection(records(n), splits=splits, uid="input")
+    if source == "arrow":
+        s = p.from_arrow(pa.Table.from_pylist(records(n)), num_splits=splits, uid="input")
+    else:
+        s = p.from_collection(records(n), splits=splits, uid="input")
     if which == "tws":
         s = s.transform_with_state(Tally(), "k string, n long", "processingtime", key="k", clock="pipeline",
                                    uid="tally")
@@ -121,6 +128,7 @@ def assert_ok(report) -> None:
 # ---------------------------------------------------------------- oracle, simulator
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("which", ["tws", "group_state"])
 @settings(max_examples=4, deadline=None,
@@ -128,8 +136,8 @@ def assert_ok(report) -> None:
 @given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(0, 3),
        batch_size=st.sampled_from([1, 8, 32]), incremental=st.booleans(),
        points=st.sets(st.sampled_from(["before_manifest", "after_manifest", "mid_commit", "recovery"]), max_size=2))
-def test_exactly_once_under_failures_in_the_simulator(tmp_path_factory, mode, which, seed, parallelism, kills,
-                                                      batch_size, incremental, points):
+def test_exactly_once_under_failures_in_the_simulator(tmp_path_factory, mode, which, source, seed, parallelism,
+                                                      kills, batch_size, incremental, points):
     import random
 
     rng = random.Random(seed)
@@ -141,7 +149,7 @@ def test_exactly_once_under_failures_in_the_simulator(tmp_path_factory, mode, wh
         return sim_run(p, chk, seed=seed, failures=schedule if failing else None)
 
     build = partial(tally_pipeline, mode=mode, which=which, parallelism=parallelism, batch_size=batch_size,
-                    incremental=incremental)
+                    incremental=incremental, source=source)
     assert_ok(check_exactly_once(build, run, tmp_path_factory.mktemp("eo")))
 
 
@@ -313,8 +321,10 @@ def test_a_savepoint_taken_at_parallelism_2_restores_at_parallelism_3(tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("which", ["tws", "group_state"])
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("mode", MODES)
-def test_exactly_once_with_real_kills_on_the_local_driver(tmp_path, mode):
+def test_exactly_once_with_real_kills_on_the_local_driver(tmp_path, mode, source, which):
     runs = {}
 
     def run(p, chk, failing):
@@ -331,7 +341,8 @@ def test_exactly_once_with_real_kills_on_the_local_driver(tmp_path, mode):
             runs["restarts"] = result.restarts
         return result
 
-    build = partial(tally_pipeline, n=20_000, parallelism=2, mode=mode, interval=0.05, batch_size=64)
+    build = partial(tally_pipeline, n=20_000, parallelism=2, mode=mode, interval=0.05, batch_size=64, source=source,
+                    which=which)
     report = check_exactly_once(build, run, tmp_path)
     assert_ok(report)
     assert report.epochs_checked >= 2, (report.to_json(), runs)

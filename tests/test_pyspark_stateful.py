@@ -11,6 +11,7 @@ in ``test_pyspark_exactly_once.py``.
 from __future__ import annotations
 
 import pandas as pd
+import pyarrow as pa
 import pytest
 from pyspark.sql import Row
 from pyspark.sql.streaming import StatefulProcessor
@@ -34,10 +35,12 @@ class Clock:
 
 class Harness:
     """One operator subtask, fed like ChainRuntime feeds it; ``restart()`` restores its
-    state from a capture into a fresh copy (what a failover does)."""
+    state from a capture into a fresh copy (what a failover does). ``source="arrow"`` feeds
+    each batch as one Arrow RecordBatch (keys None), as the chain does after a columnar source."""
 
-    def __init__(self, make_op) -> None:
+    def __init__(self, make_op, source: str = "rows") -> None:
         self.make_op = make_op
+        self.source = source
         self.clock = Clock()
         self.state = HeapKeyedState("op", lambda k: 0, (0, 0))
         self.ctx = Context(self.state, 0, 1, "op")
@@ -47,6 +50,8 @@ class Harness:
 
     def feed(self, *records) -> list[dict]:
         recs = list(records)
+        if self.source == "arrow":
+            return self.op.process_batch(pa.RecordBatch.from_pylist(recs), None, self.ctx)
         return self.op.process_batch(recs, [self.op.key_of(r) for r in recs], self.ctx)
 
     def bound(self) -> list[dict]:
@@ -64,6 +69,9 @@ class Harness:
     def value(self, name: str, key) -> object:
         return self.state.as_dict().get(name, {}).get(key)
 
+
+#: batches as dict rows, or as Arrow RecordBatches (the wrappers' columnar path)
+SOURCES = ("rows", "arrow")
 
 # ---------------------------------------------------------------- processors
 
@@ -112,8 +120,9 @@ def tws(processor, time_mode="processingtime", **kw):
 # ---------------------------------------------------------------- state
 
 
-def test_value_list_and_map_state_per_key():
-    h = Harness(tws(Everything(), "none"))
+@pytest.mark.parametrize("source", SOURCES)
+def test_value_list_and_map_state_per_key(source):
+    h = Harness(tws(Everything(), "none"), source)
     out = h.feed({"k": "a", "id": 1}, {"k": "b", "id": 2}, {"k": "a", "id": 3})
     out += h.feed({"k": "a", "id": 4})
     assert sorted((r["k"], r["n"]) for r in out) == [("a", 1), ("a", 2), ("a", 3), ("b", 1)]
@@ -123,8 +132,9 @@ def test_value_list_and_map_state_per_key():
     assert all(type(v[0][0]) is int for v in h.value("ids", ("a",)))  # numpy scalars became ints
 
 
-def test_state_survives_a_restore():
-    h = Harness(tws(Everything(), "none"))
+@pytest.mark.parametrize("source", SOURCES)
+def test_state_survives_a_restore(source):
+    h = Harness(tws(Everything(), "none"), source)
     h.feed({"k": "a", "id": 1})
     h.restart()
     out = h.feed({"k": "a", "id": 2})
@@ -132,7 +142,8 @@ def test_state_survives_a_restore():
     assert h.value("ids", ("a",)) == [((1,), None), ((2,), None)]
 
 
-def test_one_call_per_key_per_batch_with_the_rows_of_that_key_in_arrival_order():
+@pytest.mark.parametrize("source", SOURCES)
+def test_one_call_per_key_per_batch_with_the_rows_of_that_key_in_arrival_order(source):
     calls = []
 
     class Spy(StatefulProcessor):
@@ -144,9 +155,41 @@ def test_one_call_per_key_per_batch_with_the_rows_of_that_key_in_arrival_order()
             calls.append((key, [list(f["id"]) for f in frames]))
             return iter([])
 
-    h = Harness(tws(Spy(), "none"))
+    h = Harness(tws(Spy(), "none"), source)
     h.feed({"k": "b", "id": 1}, {"k": "a", "id": 2}, {"k": "b", "id": 3})
     assert calls == [(("b",), [[1, 3]]), (("a",), [[2]])]
+
+
+@pytest.mark.parametrize("input_schema", [None, "a long, b string, t timestamp, x double, y long"])
+def test_an_arrow_batch_reaches_the_user_as_its_rows_do(input_schema):
+    """The columnar path hands each key the frame the row path makes of that key's rows:
+    same keys in the same order, same dtypes (nulls in one key only, tz-aware timestamps,
+    columns cast to and filled from input_schema), same values, a 0-based index."""
+    import datetime
+
+    utc = datetime.timezone.utc
+
+    def seen_by(source):
+        calls = []
+
+        def spy(key, pdf_iter, state):
+            for pdf in pdf_iter:
+                calls.append((key, pdf))
+            return iter([])
+
+        h = Harness(lambda c: ApplyInPandasWithState(spy, "a long", "n long", "Update", GroupStateTimeout.NoTimeout,
+                                                     ["a", "b"], input_schema=input_schema, clock=c), source)
+        rows = [{"a": i % 3, "b": "pq"[i % 2], "t": datetime.datetime(2024, 1, 1, i, tzinfo=utc),
+                 "x": None if i % 4 == 1 else float(i)} for i in range(12)]
+        h.feed(*rows)  # nulls in some keys' rows (the row path infers float64 then, as Arrow's double gives)
+        h.feed(*rows[2:5])  # a batch without nulls: one conversion for all keys
+        return calls
+
+    rows_calls, arrow_calls = seen_by("rows"), seen_by("arrow")
+    assert [k for k, _ in arrow_calls] == [k for k, _ in rows_calls]
+    for (_, want), (_, got) in zip(rows_calls, arrow_calls, strict=True):
+        pd.testing.assert_frame_equal(got, want)
+    assert str(arrow_calls[0][1]["t"].dtype).startswith("datetime64") and arrow_calls[0][1]["t"].dt.tz is None
 
 
 def test_map_state_api():
@@ -276,9 +319,10 @@ def test_ttl_needs_processing_time_mode_as_in_spark():
 # ---------------------------------------------------------------- timers
 
 
-def test_processing_time_timers_fire_after_the_data_of_a_batch_and_at_epoch_bounds():
+@pytest.mark.parametrize("source", SOURCES)
+def test_processing_time_timers_fire_after_the_data_of_a_batch_and_at_epoch_bounds(source):
     proc = Everything(timer_after=500)
-    h = Harness(tws(proc))
+    h = Harness(tws(proc), source)
     h.clock.ms = 1_000
     assert [r["n"] for r in h.feed({"k": "a", "id": 1})] == [1]
     assert h.value("$timers", ("a",)) == (1_500,)
@@ -418,7 +462,8 @@ def test_the_watermark_is_restored_from_the_keys_event_times():
     assert h.feed({"k": "b", "t": 9_400}) == [] and h.value("count", ("b",)) is None  # still late
 
 
-def test_timestamp_columns_arrive_naive_in_utc_and_drive_event_time():
+@pytest.mark.parametrize("source", SOURCES)
+def test_timestamp_columns_arrive_naive_in_utc_and_drive_event_time(source):
     import datetime
 
     seen = []
@@ -433,7 +478,7 @@ def test_timestamp_columns_arrive_naive_in_utc_and_drive_event_time():
             return iter([])
 
     h = Harness(lambda c: TransformWithState(T(), "k string", "eventtime", "k", event_time="t",
-                                             input_schema="k string, t timestamp", clock=c))
+                                             input_schema="k string, t timestamp", clock=c), source)
     h.feed({"k": "a", "t": datetime.datetime(2024, 1, 1, 0, 0, 1)})
     h.bound()
     assert seen[0][0].startswith("datetime64") and seen[0][1] == pd.Timestamp("2024-01-01 00:00:01")
@@ -483,8 +528,9 @@ def group_state(func=counter, timeout=GroupStateTimeout.ProcessingTimeTimeout, *
                                                 clock=clock, **kw)
 
 
-def test_group_state_update_and_processing_time_timeout():
-    h = Harness(group_state())
+@pytest.mark.parametrize("source", SOURCES)
+def test_group_state_update_and_processing_time_timeout(source):
+    h = Harness(group_state(), source)
     h.clock.ms = 1_000
     assert h.feed({"k": "a"}, {"k": "a"}, {"k": "b"}) == [{"k": "a", "n": 2}, {"k": "b", "n": 1}]
     assert h.value("$groupState", ("a",)) == ((2,), 1_100)
@@ -500,7 +546,8 @@ def test_group_state_update_and_processing_time_timeout():
     assert h.feed({"k": "c"}) == [{"k": "c", "n": 1}, {"k": "a", "n": -3}]  # data first, then timeouts
 
 
-def test_group_state_timeout_is_reset_on_every_call():
+@pytest.mark.parametrize("source", SOURCES)
+def test_group_state_timeout_is_reset_on_every_call(source):
     def once(key, pdf_iter, state):
         list(pdf_iter)
         if not state.exists:
@@ -508,7 +555,7 @@ def test_group_state_timeout_is_reset_on_every_call():
             state.setTimeoutDuration(10)
         return iter([])
 
-    h = Harness(group_state(once))
+    h = Harness(group_state(once), source)
     h.clock.ms = 0
     h.feed({"k": "a"})
     assert h.value("$groupState", ("a",)) == ((1,), 10)
@@ -518,7 +565,8 @@ def test_group_state_timeout_is_reset_on_every_call():
     assert h.bound() == []
 
 
-def test_group_state_event_time_timeout():
+@pytest.mark.parametrize("source", SOURCES)
+def test_group_state_event_time_timeout(source):
     def session(key, pdf_iter, state):
         if state.hasTimedOut:
             yield pd.DataFrame({"k": [key[0]], "n": [state.get[0]]})
@@ -529,7 +577,7 @@ def test_group_state_event_time_timeout():
         state.update((n,))
         state.setTimeoutTimestamp(int(rows["t"].max()) + 1_000)
 
-    h = Harness(group_state(session, GroupStateTimeout.EventTimeTimeout, event_time="t"))
+    h = Harness(group_state(session, GroupStateTimeout.EventTimeTimeout, event_time="t"), source)
     h.feed({"k": "a", "t": 1_000}, {"k": "b", "t": 5_000})
     assert h.op.watermark_ms == 0
     # the bound advances the watermark to 5000, then a's timeout 2000 < 5000 fires (Spark: in the
@@ -597,7 +645,8 @@ def test_state_values_must_fit_their_schema():
         h.feed({"k": "a", "what": "empty"})
 
 
-def test_output_must_fit_the_output_schema():
+@pytest.mark.parametrize("source", SOURCES)
+def test_output_must_fit_the_output_schema(source):
     class Out(StatefulProcessor):
         def init(self, handle):
             pass
@@ -605,9 +654,34 @@ def test_output_must_fit_the_output_schema():
         def handleInputRows(self, key, rows, timerValues):
             yield pd.DataFrame({"k": [key[0]]})  # no "n"
 
-    h = Harness(lambda c: TransformWithState(Out(), "k string, n long", "none", "k", clock=c))
+    h = Harness(lambda c: TransformWithState(Out(), "k string, n long", "none", "k", clock=c), source)
     with pytest.raises(SchemaError, match=r"lacks column\(s\) \['n'\]"):
         h.feed({"k": "a"})
+
+
+@pytest.mark.parametrize("frame", [
+    pd.DataFrame({"n": [1, 2], "extra": ["x", "y"], "t": pd.to_datetime([0, 1_000], unit="ms"), "k": ["a", None]}),
+    pd.DataFrame([["a", 1, pd.Timestamp("2024-01-01", tz="Europe/Paris")]]),  # by position, tz-aware
+    pd.DataFrame({"k": ["a"], "n": [1.0], "t": [None]}),  # a float that fits long, a null timestamp
+    pd.DataFrame({"k": ["a"], "n": ["one"], "t": [None]}),  # does not fit
+    pd.DataFrame({"k": ["a"], "n": [1.5], "t": [None]}),  # would lose data
+    pd.DataFrame([["a", 1, None]], columns=["k", "n", "n"]),  # a label twice
+])
+def test_the_columnar_output_conversion_gives_what_the_row_path_gives(frame):
+    from epochstream.pyspark.schema import arrow_schema, batches_to_records, frames_to_batches, frames_to_records
+
+    schema = parse_schema("k string, n long, t timestamp")
+    arrow_out = arrow_schema(schema)
+
+    def convert(fn):
+        try:
+            return fn([frame.copy()], schema, arrow_out, "f")
+        except Exception as exc:  # noqa: BLE001 - the same error type either way
+            return type(exc)
+
+    want = convert(frames_to_records)
+    got = convert(lambda *a: batches_to_records(frames_to_batches(*a), arrow_out))
+    assert got == want
 
 
 def test_ddl_schemas_parse_without_a_jvm():

@@ -211,7 +211,7 @@ class Stream:
         op = TransformWithState(processor, output_schema, time_mode, _key_columns(key), output_mode, event_time,
                                 watermark_delay_ms, input_schema, rows, clock)
         name = type(processor).__name__
-        return self.key_by(op.key_of).process(op, uid=uid, name=name)
+        return self.key_by(op.grouping_key()).process(op, uid=uid, name=name)
 
     def apply_in_pandas_with_state(
         self,
@@ -235,7 +235,7 @@ class Stream:
         op = ApplyInPandasWithState(func, output_schema, state_schema, output_mode, timeout_conf, _key_columns(key),
                                     event_time, watermark_delay_ms, input_schema, clock)
         name = getattr(func, "__name__", "apply_in_pandas_with_state")
-        return self.key_by(op.key_of).process(op, uid=uid, name=name)
+        return self.key_by(op.grouping_key()).process(op, uid=uid, name=name)
 
 
 def _key_columns(key: Any) -> Any:

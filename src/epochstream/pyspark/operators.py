@@ -29,8 +29,11 @@ from __future__ import annotations
 import datetime
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
+from ..graph.plan import ColumnKey
+from ..runtime.columns import to_rows
 from ..runtime.state import ValueStateDescriptor
 from ..runtime.timers import TimerService
 from .handles import EVENT_TIME, EpochStatefulProcessorHandle, Timers
@@ -39,7 +42,10 @@ from .schema import (
     StructType,
     arrow_schema,
     as_dicts,
+    batches_to_records,
+    frames_to_batches,
     frames_to_records,
+    pandas_groups,
     rows_to_records,
     struct_schema,
     to_pandas,
@@ -79,8 +85,32 @@ def _event_time_ms(v: Any) -> int:
     raise ValueError(f"event time must be a timestamp or epoch milliseconds, got {v!r}")
 
 
+@dataclass(frozen=True)
+class GroupingKey(ColumnKey):
+    """The ``key_by`` of a wrapper: Arrow batches are routed on the grouping columns (the key
+    is the tuple of their values), rows are keyed by the wrapper's own ``key_of`` (dicts, Rows,
+    tuples with ``input_schema``). Both give a record the same key, so the same key group."""
+
+    key_of: Callable[[Any], tuple] | None = field(default=None, compare=False)
+
+    def __call__(self, record: Any) -> Any:
+        assert self.key_of is not None, "GroupingKey is built with the wrapper's key_of"
+        return self.key_of(record)
+
+
 class _Keyed:
-    """Shared by both operators: key columns, input conversion, event time and watermark."""
+    """Shared by both operators: key columns, input conversion, event time and watermark.
+
+    Columnar input. The chain hands ``process_batch`` a RecordBatch as it came
+    (``takes_record_batches``) instead of making rows of it: it is grouped by the key columns
+    with Arrow and each key's rows reach the user as one pandas DataFrame
+    (``schema.pandas_groups``), converted as the row path converts them. Where rows are
+    needed anyway (an ``event_time`` column: late rows are dropped row by row; Row-mode
+    ``transform_with_state``) the batch becomes rows once and takes the row path.
+    """
+
+    #: the chain passes RecordBatches to ``process_batch`` whole (keys: None)
+    takes_record_batches = True
 
     #: whether the operator's timers are event-time timers (each operator sets it from its mode)
     uses_event_time: bool
@@ -111,6 +141,18 @@ class _Keyed:
         self._now = _clock(clock)
         self.batch_time_ms = -1
         self.watermark_ms = 0
+
+    def grouping_key(self) -> GroupingKey:
+        """What the wrapper is keyed by (``Stream.key_by``): the grouping columns."""
+        return GroupingKey(self.key_columns, tuple_key=True, key_of=self.key_of)
+
+    def _rows_of(self, batch: Any) -> tuple[list[Any], list[Any]]:
+        """A RecordBatch as the row path's records and keys."""
+        rows = to_rows(batch)
+        return rows, [self.key_of(r) for r in rows]
+
+    def _pandas_groups(self, batch: Any, what: str) -> list[tuple[tuple, Any]]:
+        return pandas_groups(batch, self.key_columns, self._arrow_in, what)
 
     # the key function routes records to subtasks; the same tuple is the grouping key
     def key_of(self, record: Any) -> tuple:
@@ -269,7 +311,12 @@ class TransformWithState(_Keyed):
     def process(self, value: Any, ctx) -> list[dict]:
         return self.process_batch([value], [ctx.key], ctx)
 
-    def process_batch(self, records: list[Any], keys: list[Any], ctx) -> list[dict]:
+    def process_batch(self, records: Any, keys: list[Any] | None, ctx) -> list[dict]:
+        if type(records) is not list:  # a RecordBatch
+            if self.event_time is None and self.rows == "pandas":
+                return self._process_columns(records, ctx)
+            records, keys = self._rows_of(records)
+        assert keys is not None, "rows come with their keys"
         if self.time_mode != "none":
             self.batch_time_ms = self._now(ctx)
         groups = self._group(records, keys)
@@ -285,6 +332,23 @@ class TransformWithState(_Keyed):
             result = handle_rows(key, data, tv)
             if result is not None:
                 out.extend(self._records(result, "handleInputRows"))
+        self._fire_timers(out)
+        return out
+
+    def _process_columns(self, batch: Any, ctx) -> list[dict]:
+        """``process_batch`` of a RecordBatch: one ``handleInputRows`` call per key, as for rows."""
+        if self.time_mode != "none":
+            self.batch_time_ms = self._now(ctx)
+        batches: list[Any] = []
+        tv = self._timer_values()
+        handle_rows = self.processor.handleInputRows
+        label = f"{type(self.processor).__name__}.handleInputRows"
+        for key, pdf in self._pandas_groups(batch, type(self.processor).__name__):
+            ctx.set_current_key(key)
+            result = handle_rows(key, iter([pdf]), tv)
+            if result is not None:
+                batches.extend(frames_to_batches(result, self.output_schema, self._arrow_out, label))
+        out = batches_to_records(batches, self._arrow_out)
         self._fire_timers(out)
         return out
 
@@ -426,7 +490,12 @@ class ApplyInPandasWithState(_Keyed):
     def process(self, value: Any, ctx) -> list[dict]:
         return self.process_batch([value], [ctx.key], ctx)
 
-    def process_batch(self, records: list[Any], keys: list[Any], ctx) -> list[dict]:
+    def process_batch(self, records: Any, keys: list[Any] | None, ctx) -> list[dict]:
+        if type(records) is not list:  # a RecordBatch
+            if self.event_time is None:
+                return self._process_columns(records, ctx)
+            records, keys = self._rows_of(records)
+        assert keys is not None, "rows come with their keys"
         self.batch_time_ms = self._now(ctx)
         groups = self._group(records, keys)
         out: list[dict] = []
@@ -434,6 +503,19 @@ class ApplyInPandasWithState(_Keyed):
             ctx.set_current_key(key)
             out.extend(self._call(key, iter([to_pandas(rows, self._arrow_in)]), timed_out=False))
         self._time_out(out, skip=groups)
+        return out
+
+    def _process_columns(self, batch: Any, ctx) -> list[dict]:
+        """``process_batch`` of a RecordBatch: one call per key, then timeouts, as for rows."""
+        self.batch_time_ms = self._now(ctx)
+        batches: list[Any] = []
+        seen = set()
+        for key, pdf in self._pandas_groups(batch, getattr(self.func, "__name__", "func")):
+            ctx.set_current_key(key)
+            seen.add(key)
+            batches.extend(self._call(key, iter([pdf]), timed_out=False, convert=frames_to_batches))
+        out = batches_to_records(batches, self._arrow_out)
+        self._time_out(out, skip=seen)
         return out
 
     def on_epoch_end(self, epoch: int, ctx) -> list[dict]:
@@ -444,7 +526,10 @@ class ApplyInPandasWithState(_Keyed):
         self._time_out(out, skip={})
         return out
 
-    def _call(self, key: Any, data, timed_out: bool) -> list[dict]:
+    def _call(self, key: Any, data, timed_out: bool,
+              convert: Callable[..., list[Any]] = frames_to_records) -> list[Any]:
+        """Call the function for ``key``, write its state back; its output as ``convert`` makes
+        it (records, or RecordBatches on the columnar path)."""
         from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
         stored = self._state.value()
@@ -467,7 +552,7 @@ class ApplyInPandasWithState(_Keyed):
             valueSchema=self.state_schema,
         )
         result = self.func(key, data, gs)
-        records = [] if result is None else frames_to_records(
+        records = [] if result is None else convert(
             result, self.output_schema, self._arrow_out, f"{getattr(self.func, '__name__', 'func')}"
         )
         # write back as FlatMapGroupsWithStateExec does

@@ -251,11 +251,84 @@ def to_pandas(rows: list[dict], schema) -> Any:
     """Rows -> one pandas DataFrame through Arrow (``schema``: an Arrow schema or None to infer)."""
     import pyarrow as pa
 
-    df = pa.Table.from_pylist(rows, schema=schema).to_pandas()
-    for name, dtype in df.dtypes.items():  # Spark hands timestamps over naive, in the session time zone (UTC here)
+    return spark_pandas(pa.Table.from_pylist(rows, schema=schema))
+
+
+def spark_pandas(data: Any) -> Any:
+    """An Arrow Table or RecordBatch -> the pandas DataFrame a user function gets, as Spark
+    converts it: ``to_pandas``, timestamps tz-naive in the session time zone (UTC here)."""
+    df = data.to_pandas()
+    for name, dtype in df.dtypes.items():
         if getattr(dtype, "tz", None) is not None:
             df[name] = df[name].dt.tz_convert("UTC").dt.tz_localize(None)
     return df
+
+
+def conform(batch: Any, schema: Any, what: str) -> Any:
+    """A RecordBatch in the Arrow ``schema`` (or as it is when ``schema`` is None): its fields
+    in order, each column cast to its type, a column the batch lacks all null, as
+    ``Table.from_pylist(rows, schema=schema)`` makes the row path's batch."""
+    import pyarrow as pa
+
+    if schema is None or batch.schema == schema:
+        return batch
+    cols = []
+    for f in schema:
+        i = batch.schema.get_field_index(f.name)
+        col = batch.column(i) if i >= 0 else pa.nulls(batch.num_rows, f.type)
+        if col.type != f.type:
+            try:
+                col = col.cast(f.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+                raise SchemaError(f"{what}: column {f.name!r} ({col.type}) does not fit input schema "
+                                  f"type {f.type}: {exc}") from None
+        cols.append(col)
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
+
+
+def pandas_groups(batch: Any, key_columns: Sequence[str], schema: Any, what: str) -> list[tuple[tuple, Any]]:
+    """A RecordBatch grouped by ``key_columns`` with Arrow kernels: ``[(key tuple, pandas
+    DataFrame of that key's rows)]``, keys in order of first appearance, rows in batch order,
+    each frame as ``to_pandas`` makes it of the key's rows (``schema``: the Arrow input schema
+    or None for the batch's own types). No Python call per row.
+
+    The keys are those ``tuple(row[c] for c in key_columns)`` gives for ``batch.to_pylist()``
+    rows. One stable ``sort_indices`` and one ``take`` put each key's rows together. Without
+    nulls a column's pandas dtype depends only on its Arrow type, so the sorted batch becomes
+    pandas once and each key gets a slice of it (with its own 0-based index); with nulls (an
+    int column of one key may have none, of another some: int64 against float64) each key's
+    rows become pandas on their own."""
+    import pyarrow.compute as pc
+
+    from ..graph.keygroups import distinct_keys
+
+    names = batch.schema.names
+    missing = [c for c in key_columns if c not in names]
+    if missing:
+        raise SchemaError(f"{what}: the batch has no grouping column {missing[0]!r} (its columns: {names})")
+    if batch.num_rows == 0:
+        return []
+    codes, keys = distinct_keys([batch.column(c) for c in key_columns], as_tuple=True)
+    data = conform(batch, schema, what)
+    if len(keys) == 1:
+        return [(keys[0], spark_pandas(data))]
+    order = pc.sort_indices(codes)  # stable: a key's rows keep their order
+    runs = pc.run_end_encode(codes.take(order))
+    ends = runs.run_ends.to_pylist()
+    values = runs.values.to_pylist()
+    data = data.take(order)
+    out: list[tuple[tuple, Any]] = []
+    start = 0
+    if all(c.null_count == 0 for c in data.columns):
+        df = spark_pandas(data)
+        for code, end in zip(values, ends, strict=True):
+            out.append((keys[code], df.iloc[start:end].reset_index(drop=True)))
+            start = end
+    else:
+        for code, end in zip(values, ends, strict=True):
+            out.append((keys[code], spark_pandas(data.slice(start, end - start))))
+            start = end
+    return out
 
 
 def frames_to_records(frames: Iterable[Any], schema: StructType, arrow_out, what: str) -> list[dict]:
@@ -287,6 +360,58 @@ def frames_to_records(frames: Iterable[Any], schema: StructType, arrow_out, what
             raise SchemaError(f"{what}: output does not fit schema {schema.simpleString()}: {exc}") from exc
         out.extend(table.to_pylist())
     return out
+
+
+def frames_to_batches(frames: Iterable[Any], schema: StructType, arrow_out, what: str) -> list[Any]:
+    """``frames_to_records`` for the columnar path: the frames as RecordBatches of ``arrow_out``
+    (one per non-empty frame), made column by column with the conversion
+    ``Table.from_pandas(df, schema=arrow_out)`` applies to each column (``pa.array(column,
+    type, from_pandas=True)``), without the per-frame column selection and pandas metadata.
+    Columns match by name when the labels are unique strings, by position when none is a
+    string, with the same errors as ``frames_to_records``."""
+    import pandas as pd
+    import pyarrow as pa
+
+    out: list[Any] = []
+    names = schema.names
+    fields = list(arrow_out)
+    for df in frames:
+        if not isinstance(df, pd.DataFrame):
+            raise SchemaError(f"{what} must yield pandas DataFrames, got {type(df).__name__}")
+        if len(df) == 0:
+            continue
+        labels = list(df.columns)
+        if not all(isinstance(c, str) for c in labels):
+            if len(labels) != len(names):
+                raise SchemaError(f"{what}: a frame with {len(labels)} unnamed columns "
+                                  f"for schema {schema.simpleString()}")
+            columns = [df.iloc[:, i] for i in range(len(names))]
+        else:
+            missing = [n for n in names if n not in labels]
+            if missing:
+                raise SchemaError(f"{what}: output frame lacks column(s) {missing} of schema {schema.simpleString()}")
+            if not df.columns.is_unique:  # a label twice: as frames_to_records converts it
+                out.extend(pa.Table.from_pylist(frames_to_records([df], schema, arrow_out, what),
+                                                schema=arrow_out).to_batches())
+                continue
+            columns = [df[n] for n in names]
+        try:
+            arrays = [pa.array(c, type=f.type, from_pandas=True, safe=True) for c, f in zip(columns, fields,
+                                                                                           strict=True)]
+            out.append(pa.RecordBatch.from_arrays(arrays, schema=arrow_out))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as exc:
+            raise SchemaError(f"{what}: output does not fit schema {schema.simpleString()}: {exc}") from exc
+    return out
+
+
+def batches_to_records(batches: list[Any], arrow_out) -> list[dict]:
+    """RecordBatches of ``arrow_out`` -> records (dicts in schema order), in order."""
+    import pyarrow as pa
+
+    if not batches:
+        return []
+    records: list[dict] = pa.Table.from_batches(batches, schema=arrow_out).to_pylist()
+    return records
 
 
 def rows_to_records(rows: Iterable[Any], schema: StructType, what: str) -> list[dict]:

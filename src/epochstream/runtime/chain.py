@@ -414,14 +414,19 @@ class ChainRuntime:
     def _compile_process_batch(fn: Any, ctx: Context, key_of: Callable[[Any], Any], label: str, down: Push) -> Push:
         """A keyed function that takes the whole batch (``process_batch(records, keys, ctx)``)
         and returns its output records; it sets the current key itself (the PySpark wrappers
-        group a batch per key and call the user once per key)."""
+        group a batch per key and call the user once per key). A function with
+        ``takes_record_batches`` gets a RecordBatch as it came (keys None) and groups it itself."""
         process_batch = fn.process_batch
+        whole = getattr(fn, "takes_record_batches", False)
 
         def op_process_batch(records: Any, keys: list[Any] | None) -> None:
             if type(records) is not list:
-                records = records.to_pylist()
-                keys = None
-            if keys is None:
+                if whole:
+                    keys = None
+                else:
+                    records = records.to_pylist()
+                    keys = [key_of(r) for r in records]
+            elif keys is None:
                 keys = [key_of(r) for r in records]
             try:
                 out = process_batch(records, keys, ctx)
