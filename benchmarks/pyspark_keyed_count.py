@@ -1,21 +1,23 @@
-"""Spark's own keyed count (issue 13) through ``apply_in_pandas_with_state`` on a columnar source.
+"""Spark's own keyed count (issue 13) through ``apply_in_pandas_with_state``, rows against Arrow batches.
 
 The function is the issue's, unchanged. Local driver, parallelism 2, 1 s epochs, a
-``generate_batches`` source (``k = id % keys``), DiscardingSink. Throughput = rows / run
-seconds (worker start-up included). Which path runs depends on the package imported: this
-branch's wrappers group the Arrow batches themselves (columnar path); run it with an older
-``PYTHONPATH`` (e.g. ``/work/main/src`` before the change) for the row path, where the chain
-makes dict rows of every batch before the wrapper::
+DiscardingSink; the input is ``{"id": i, "k": i % keys}``, read either as dict rows
+(``generate``: the chain hands the wrapper rows, which it groups in Python) or as Arrow
+batches (``generate_batches``: the wrapper groups each batch with Arrow kernels). Every
+combination of layout, key count and batch size (rows per source read) runs once per
+repetition, interleaved. Throughput = rows / run seconds (worker start-up included); epoch
+latency = trigger-to-commit seconds. The committed counts are checked against the input.
 
-    PYTHONPATH=src python benchmarks/pyspark_keyed_count.py --rows 2000000 --keys 100
+Writes benchmarks/results/pyspark_keyed_count.csv and .png and prints a summary table. Not a
+test: nothing asserts timings.
 
-Prints one JSON line; the committed counts are checked against the input.
+    python benchmarks/pyspark_keyed_count.py [--rows 2000000] [--keys 100,10000] [--batch-sizes 1024,65536]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import csv
 import statistics
 import tempfile
 import time
@@ -39,26 +41,21 @@ def count(key, pdfs, state):
     yield pd.DataFrame({"k": [key[0]], "c": [c]})
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=2_000_000)
-    ap.add_argument("--keys", type=int, default=100)
-    ap.add_argument("--interval", type=float, default=1.0)
-    ap.add_argument("--batch-size", type=int, default=1024, help="rows per source read (Pipeline batch_size)")
-    args = ap.parse_args()
-    keys = args.keys
-
+def run_one(rows: int, keys: int, batch_size: int, layout: str, interval: float) -> dict:
     def events(start: int, stop: int):
         ids = pa.array(range(start, stop), pa.int64())
         return pa.record_batch({"id": ids, "k": pc.subtract(ids, pc.multiply(pc.divide(ids, keys), keys))})
 
     with tempfile.TemporaryDirectory(prefix="es-keyed-count-") as tmp:
         p = Pipeline("keyed-count", parallelism=2, max_parallelism=128,
-                     checkpoint=CheckpointConfig(interval=args.interval), batch_size=args.batch_size)
-        (p.generate_batches(events, count=args.rows, num_splits=2, uid="events")
-          .apply_in_pandas_with_state(count, "k long, c long", "c long", "Update", GroupStateTimeout.NoTimeout,
-                                      key="k", uid="count")
-          .sink(DiscardingSink(), uid="out"))
+                     checkpoint=CheckpointConfig(interval=interval), batch_size=batch_size)
+        if layout == "arrow":
+            src = p.generate_batches(events, count=rows, num_splits=2, uid="events")
+        else:
+            src = p.generate(lambda i: {"id": i, "k": i % keys}, count=rows, uid="events")
+        (src.apply_in_pandas_with_state(count, "k long, c long", "c long", "Update", GroupStateTimeout.NoTimeout,
+                                        key="k", uid="count")
+            .sink(DiscardingSink(), uid="out"))
         t0 = time.perf_counter()
         result = p.run(deployment="local", checkpoint_dir=str(Path(tmp) / "chk"))
         seconds = time.perf_counter() - t0
@@ -68,13 +65,68 @@ def main() -> None:
         total = sum(v[0][0] for v in state.values())
         lat = sorted(e["trigger_to_commit_seconds"] for e in result.metrics.get("epochs", [])
                      if e.get("state") == "completed")
-    print(json.dumps({
-        "rows": args.rows, "keys": keys, "batch_size": args.batch_size,
-        "seconds": round(seconds, 2), "rows_per_s": round(args.rows / seconds),
-        "counts_ok": total == args.rows and len(state) == keys, "epochs": len(lat),
-        "trigger_to_commit_p50_s": round(statistics.median(lat), 3) if lat else None,
-        "trigger_to_commit_max_s": round(lat[-1], 3) if lat else None,
-    }))
+    if total != rows or len(state) != keys:
+        raise RuntimeError(f"{layout} keys={keys}: committed counts sum to {total} over {len(state)} keys")
+    return {"layout": layout, "rows": rows, "keys": keys, "batch_size": batch_size, "seconds": round(seconds, 2),
+            "rows_per_s": round(rows / seconds), "epochs": len(lat),
+            "trigger_to_commit_p50_s": round(statistics.median(lat), 3) if lat else "",
+            "trigger_to_commit_p99_s": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3) if lat else ""}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=2_000_000)
+    ap.add_argument("--keys", default="100,10000", help="comma list of key counts")
+    ap.add_argument("--batch-sizes", default="1024,65536", help="comma list of rows per source read")
+    ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args()
+    plan = [(k, b, layout) for k in map(int, args.keys.split(",")) for b in map(int, args.batch_sizes.split(","))
+            for layout in ("rows", "arrow")]
+    results: list[dict] = []
+    total = len(plan) * args.repeats
+    for rep in range(args.repeats):
+        for keys, batch, layout in plan:
+            print(f"[{len(results) + 1}/{total}] {layout} keys={keys} batch={batch} ...", end=" ", flush=True)
+            row = {**run_one(args.rows, keys, batch, layout, args.interval), "repeat": rep + 1}
+            results.append(row)
+            print(f"{row['rows_per_s']:,} rows/s, p50 epoch {row['trigger_to_commit_p50_s']} s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "pyspark_keyed_count.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(results[0]))
+        w.writeheader()
+        w.writerows(results)
+    print(f"\n{'keys':>6} {'batch':>6} {'rows rows/s':>12} {'arrow rows/s':>13} {'arrow/rows':>10}")
+    med = {}
+    for keys, batch, layout in plan:
+        med[(keys, batch, layout)] = statistics.median(
+            r["rows_per_s"] for r in results if (r["keys"], r["batch_size"], r["layout"]) == (keys, batch, layout))
+    for keys, batch in dict.fromkeys((k, b) for k, b, _ in plan):
+        r, a = med[(keys, batch, "rows")], med[(keys, batch, "arrow")]
+        print(f"{keys:>6} {batch:>6} {r:>12,.0f} {a:>13,.0f} {a / r:>10.2f}")
+    _plot(med, out / "pyspark_keyed_count.png")
+    print(f"\nwrote {out / 'pyspark_keyed_count.csv'} and {out / 'pyspark_keyed_count.png'}")
+
+
+def _plot(med: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((k, b) for k, b, _ in med))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, layout in enumerate(("rows", "arrow")):
+        ax.bar([g + i * 0.4 for g in range(len(groups))], [med[(k, b, layout)] / 1000 for k, b in groups],
+               width=0.4, label=layout)
+    ax.set_xticks([g + 0.2 for g in range(len(groups))], [f"{k} keys\nbatch {b}" for k, b in groups])
+    ax.set_ylabel("thousand rows / s")
+    ax.set_title("applyInPandasWithState keyed count, local driver, p=2, 1 s epochs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
