@@ -223,12 +223,12 @@ def cmd_checkpoints_list(args) -> int:
 
 
 def _client(target: str):
-    from .deploy.jobs import JobNotFoundError, resolve
+    from .deploy.jobs import JobNotFoundError, resolve, token_for
     from .deploy.rest import RestClient, RestError
 
     try:
         endpoint, job_id = resolve(target)
-        client = RestClient(endpoint)
+        client = RestClient(endpoint, token=token_for(endpoint))
         return client, job_id or client.job_id()
     except (JobNotFoundError, RestError) as exc:
         raise UsageError(str(exc)) from None

@@ -125,6 +125,7 @@ class ClusterDriver(Driver):
             self.endpoint = server.endpoint
             _jobs.register({
                 "id": self.job_id, "name": self.pipeline.name, "endpoint": server.endpoint, "pid": os.getpid(),
+                "token": server.token,
                 "deployment": self.deployment, "checkpoint_dir": str(self.storage.root),
                 "savepoint_dir": self.savepoint_dir, "started_at": time.time(), "parallelism": self.plan.parallelism,
             })
