@@ -439,6 +439,26 @@ def cmd_chaos(args) -> int:
     return EXIT_OK if report.ok else EXIT_VIOLATION
 
 
+def cmd_ui(args) -> int:
+    """``ui --checkpoint-dir DIR``: a finished job's dashboard, served until interrupted."""
+    from .deploy.rest import offline_server
+
+    server = offline_server(args.checkpoint_dir, args.port or 0)
+    url = f"{server.endpoint}/"
+    if args.json:
+        print(json.dumps({"url": url, "metrics": f"{server.endpoint}/metrics", "checkpoint_dir": args.checkpoint_dir}),
+              flush=True)
+    else:
+        print(f"epochstream: dashboard of the job in {args.checkpoint_dir} at {url} (Ctrl-C to stop)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        server.close()
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="epochstream", description=__doc__.split("\n")[0])
     ap.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -506,6 +526,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "process), executor (spark on local-cluster: the executor JVM) (default: worker)")
     chaos.add_argument("--workdir", help="keep both runs' output and checkpoints here (--checkpoint-dir is the same)")
     chaos.set_defaults(func=cmd_chaos, restore=None, allow_non_restored_state=False)
+
+    ui = sub.add_parser("ui", help="serve the dashboard of a finished job from its checkpoint folder (offline)")
+    ui.add_argument("--checkpoint-dir", required=True)
+    ui.add_argument("--port", type=int, help="port on 127.0.0.1 (default: any free one)")
+    ui.add_argument("--json", action="store_true", help="print the URL as JSON")
+    ui.set_defaults(func=cmd_ui)
     return ap
 
 

@@ -251,3 +251,22 @@ class RestClient:
             if time.monotonic() > deadline:
                 raise RestError(f"savepoint request {rid} still in progress after {wait}s")
             time.sleep(poll)
+
+
+# ---------------------------------------------------------------- a finished job's dashboard
+
+
+def offline_server(checkpoint_dir: str, port: int = 0) -> RestServer:
+    """The HTTP server of a finished job, read from its checkpoint folder (``ui.offline``):
+    the same dashboard, ``/metrics`` and GETs as a live job's; every POST answers 409."""
+    from ..backends import open_storage
+    from ..ui.offline import checkpoint_rows, offline_dashboard
+
+    board = offline_dashboard(checkpoint_dir)
+    job = board.doc()["job"]
+    control = JobControl()
+    control.publish(jid=job["id"], name=job["name"], state="FINISHED", mode=job["mode"],
+                    deployment=job["deployment"], parallelism=job["parallelism"], epochs=board.doc()["epochs"])
+    storage = open_storage(checkpoint_dir)
+    return RestServer(str(job["id"] or "offline"), control, lambda: {"checkpoints": checkpoint_rows(storage)},
+                      default_target=None, port=port, pages=board.page).start()
