@@ -182,7 +182,16 @@ class ClusterDriver(Driver):
     def _dashboard(self) -> Dashboard:
         """The dashboard and ``/metrics`` of this job (``ui``), from the published status."""
         graph = job_graph(self.plan, self.pipeline.mode)
-        return Dashboard(lambda: dashboard(self.control.status(), graph, checkpoint_rows(self.storage)))
+        rows: dict[str, Any] = {"key": None, "rows": []}
+
+        def build() -> dict[str, Any]:
+            status = self.control.status()
+            key = (status.get("completed-epochs"), status.get("state"))
+            if key != rows["key"]:  # storage is read again only when an epoch completed
+                rows["key"], rows["rows"] = key, checkpoint_rows(self.storage)
+            return dashboard(status, graph, rows["rows"])
+
+        return Dashboard(build, cache_seconds=0.0)
 
     def _checkpoints_doc(self) -> dict[str, Any]:
         """GET /jobs/<id>/checkpoints: what storage holds (read on the REST thread, read-only)."""

@@ -33,9 +33,9 @@ def asset(name: str) -> bytes:
 
 class Dashboard:
     """Serves one job's dashboard from ``doc()`` (a ``model.dashboard`` document, built on
-    each request; ``cache_seconds`` spares storage reads when several clients poll)."""
+    each request unless ``cache_seconds`` says it may be reused: a finished job's never changes)."""
 
-    def __init__(self, doc: Callable[[], dict[str, Any]], cache_seconds: float = 0.25) -> None:
+    def __init__(self, doc: Callable[[], dict[str, Any]], cache_seconds: float = 0.0) -> None:
         self._build = doc
         self.cache_seconds = cache_seconds
         self._lock = threading.Lock()
@@ -45,7 +45,7 @@ class Dashboard:
     def doc(self) -> dict[str, Any]:
         with self._lock:
             now = time.monotonic()
-            if self._cached is None or now - self._cached[0] > self.cache_seconds:
+            if self._cached is None or now - self._cached[0] >= self.cache_seconds:
                 self._cached = (now, self._build())
             return self._cached[1]
 

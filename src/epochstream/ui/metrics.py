@@ -42,6 +42,7 @@ class JobCollector(Collector):
         info.add_metric([str(job["id"]), str(job["name"]), str(job["mode"]), str(job["deployment"]),
                          str(job["state"])], 1)
         yield info
+        ended = job["state"] in ("FINISHED", "FAILED", "CANCELED") and job["records_in"] is not None
         gauges = [
             ("numberOfCompletedCheckpoints", "Completed epochs (checkpoints and savepoints) of this run",
              job["completed_epochs"]),
@@ -55,7 +56,9 @@ class JobCollector(Collector):
             ("lastCheckpointSize", "Bytes of state files the last completed epoch wrote", job["last_epoch_bytes"] or 0),
             ("numRestarts", "Failovers (restarts) of this run", job["restarts"]),
             ("uptime", "Milliseconds since the run began", _ms(job["duration_seconds"])),
-            ("numRecordsIn", "Records the sources read, as committed by completed epochs", job["committed_records"]),
+            ("numRecordsIn", "Records the sources read: those completed epochs cover while the job runs, the "
+             "workers' own count once it ended", job["records_in"] if ended else job["committed_records"]),
+            ("numRecordsInCommitted", "Records of input that completed epochs cover", job["committed_records"]),
             ("numRecordsInPerSecond", "Records/s the sources read between the last two completed epochs",
              job["records_per_second"] or 0.0),
         ]

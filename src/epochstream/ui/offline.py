@@ -28,6 +28,8 @@ def checkpoint_rows(storage) -> list[dict[str, Any]]:
         except CheckpointError as exc:
             rows.append({"epoch": epoch, "status": "damaged", "error": str(exc)})
             continue
+        except OSError:  # discarded (retention) between the listing and the read
+            continue
         files = [f for op in m["operators"].values() for f in op["files"]]
         metrics = m.get("metrics", {})
         rows.append({

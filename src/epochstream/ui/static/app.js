@@ -109,7 +109,10 @@ function setView(v, redraw = true) {
 async function poll() {
   try {
     const r = await fetch("/ui/data", {cache: "no-store"});
-    if (r.ok) render(await r.json());
+    if (r.ok) {
+      render(await r.json());
+      document.body.dataset.fetches = String(Number(document.body.dataset.fetches || 0) + 1);
+    }
   } catch (e) { $("updated").textContent = "job unreachable: " + e; }
   if (!last || last.live) setTimeout(poll, 1000);
 }
