@@ -157,6 +157,11 @@ def page_number(driver, key: str) -> float | None:
     return None if text in ("-", "") else float(text)
 
 
+def first_column(driver, table: str) -> list[str]:
+    return driver.execute_script(
+        f"return [...document.querySelectorAll('#{table} tr')].slice(1).map((r) => r.cells[0].textContent)")
+
+
 def fetches(driver) -> int:
     return int(driver.execute_script("return Number(document.body.dataset.fetches || 0)"))
 
@@ -193,8 +198,8 @@ def test_dashboard_in_a_real_browser(tmp_path, monkeypatch, browser, mode):
         assert on_page["restarts"] == before["restarts"] == after["restarts"] == 0
         assert on_page["parallelism"] == after["parallelism"] == 2
         committed = client.call("GET", f"/jobs/{job_id}/checkpoints")["checkpoints"]
-        rows = d.find_elements("css selector", "#checkpoints tr")[1:]
-        assert rows and {int(r.find_element("css selector", "td").text) for r in rows} <= \
+        shown = first_column(d, "checkpoints")  # tables are rebuilt every refresh: read them in one script
+        assert shown and {int(e) for e in shown} <= \
             {c["epoch"] for c in committed} | set(range(1, after["completed-epochs"] + 1))
         assert len(d.find_elements("css selector", "#graph .chain")) == 2
         assert len(d.find_elements("css selector", ".uplot")) == 6  # every chart drawn
@@ -209,8 +214,7 @@ def test_dashboard_in_a_real_browser(tmp_path, monkeypatch, browser, mode):
         d.find_element("id", "view-tracker").click()
         wait_for(lambda: "trAcker hold time" in d.find_element("id", "t-per-task").text, "the trAcker view")
         if mode == "tracker":
-            cells = d.find_elements("css selector", "#traffic tr td:first-child")
-            assert "report" in {c.text for c in cells}, "the trAcker view lists service traffic by kind"
+            wait_for(lambda: "report" in first_column(d, "traffic"), "the trAcker view's service traffic by kind")
         final_client = RestClient(endpoint, token=jobs.token_for(endpoint))
         final_client.call("POST", f"/jobs/{job_id}/stop", {"savepoint": False})
     assert "error" not in outcome, outcome.get("error")
