@@ -65,8 +65,9 @@ def status_from_manifests(storage) -> tuple[dict[str, Any], list[dict[str, Any]]
         prev_total = total
     traffic: dict[str, dict[str, int]] = {}
     for e in epochs:
-        for kind, n in e.get("service_messages", {}).items():
-            traffic.setdefault(kind, {"messages": 0, "bytes": 0, "entries": 0})["messages"] += int(n)
+        for kind, n in e.get("service_messages", {}).items():  # per-epoch counts, named as the live job's kinds
+            name = {"markers": "marker", "triggers": "trigger", "acks": "ack"}.get(kind, kind)
+            traffic.setdefault(name, {"messages": 0, "bytes": 0, "entries": 0})["messages"] += int(n)
     status = {
         "jid": last.get("job_id"), "name": last.get("job"), "state": "FINISHED", "mode": last.get("mode"),
         "deployment": last.get("deployment"), "parallelism": last.get("parallelism"),

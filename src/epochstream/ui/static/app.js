@@ -2,6 +2,7 @@
 "use strict";
 const COLORS = ["#2b6cb0", "#dd6b20", "#2f855a", "#b83280", "#805ad5", "#c53030", "#319795", "#975a16"];
 const charts = {};
+const TRACKER_KINDS = ["report", "promise", "neoss", "tracker"];
 let view = null, last = null;
 
 const $ = (id) => document.getElementById(id);
@@ -21,7 +22,7 @@ function chart(id, labels, xs, ys, opts = {}) {
     value: opts.value ? ((u, v, si, idx) => opts.value(si - 1, idx)) : undefined,
   }))];
   const plot = new uPlot({width: Math.max(el.clientWidth || 560, 360), height: 220, series,
-    scales: {x: {time: false}}, axes: [{label: "epoch"}, {size: 60}], legend: {live: true}}, data, el);
+    scales: {x: {time: false}}, axes: [{label: "epoch", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]}, {size: 60}], legend: {live: true}}, data, el);
   charts[id] = {key, plot};
 }
 
@@ -84,7 +85,7 @@ function render(d) {
   chart("c-traffic", kinds, xs, kinds.map((k) => done.map((e) => (e.service_messages || {})[k] || 0)));
   chart("c-bytes", ["bytes"], xs, [done.map((e) => e.bytes)], {bars: true});
 
-  const tk = Object.entries(d.traffic).filter(([k]) => tracker || ["marker", "watermark"].includes(k));
+  const tk = Object.entries(d.traffic).filter(([k]) => tracker || !TRACKER_KINDS.includes(k));
   table("traffic", [["kind", "l"], ["messages"], ["bytes"]], tk.map(([k, t]) => [[k, "l"], [t.messages], [t.bytes]]));
   table("restarts", [["at (s)"], ["reason", "l"], ["recovery (s)"]],
     d.restarts.map((r) => [[fmt(r.time)], [r.reason, "err"], [fmt(r.recovery_seconds)]]));
