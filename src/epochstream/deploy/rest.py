@@ -174,6 +174,12 @@ def _handler(server: RestServer):
                 code, doc = 500, {"errors": [f"{type(exc).__name__}: {exc}"]}
             self._reply(code, doc)
 
+        def _not_allowed(self) -> None:
+            self.close_connection = True
+            self._reply(405, {"errors": [f"{self.command} is not allowed here (GET, or POST to stop and savepoints)"]})
+
+        do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed  # noqa: N815 - http.server's names
+
         def _reply(self, code: int, doc: dict[str, Any]) -> None:
             self._send(code, "application/json", json.dumps(doc, default=str).encode())
 
