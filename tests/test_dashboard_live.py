@@ -1,7 +1,8 @@
 """A running job's ``/metrics`` and dashboard (slow: real worker processes of the local driver).
 
 - ``/metrics`` scraped while the job runs only grows, and once the job stopped (over REST,
-  with the token the CLI reads from the job registry) its counters equal the ``JobResult``;
+  with the token the CLI reads from the job registry) its counters equal the ``JobResult``
+  (local driver in both modes, spark driver in tracker mode);
 - a real headless Chromium (Debian's ``chromium`` through its ``chromedriver``; scripts/setup.sh)
   opens the dashboard of a running job in each mode, waits for epochs, checks the numbers on
   the page against the REST JSON fetched around the page's own refresh, switches between the
@@ -25,31 +26,32 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epochstream.deploy import jobs
 from epochstream.deploy.rest import RestClient, offline_server
-from pipelines import running_count
+from pipelines import histogram
 
 pytestmark = pytest.mark.slow
 
 
 @contextlib.contextmanager
-def live_job(tmp_path, mode: str, n: int = 300_000):
-    """A local-driver job in a thread; yields (endpoint, job id, outcome dict with "result")."""
-    p = running_count(n=n, keys=7, out=tmp_path / "out", parallelism=2, max_parallelism=16, mode=mode,
-                      interval=0.15)
+def live_job(tmp_path, mode: str, deployment: str = "local", **options):
+    """A job (local driver unless told) in a thread; yields (endpoint, job id, outcome dict with "result").
+    Its generated input never ends first (10^9 records, made as read): the test stops it over REST."""
+    p = histogram(n=10**9, keys=7, out=tmp_path / "out", parallelism=2, max_parallelism=16, mode=mode,
+                  interval=0.15)
     started = threading.Event()
     info: dict = {}
     outcome: dict = {}
 
     def run():
         try:
-            outcome["result"] = p.run(deployment="local", checkpoint_dir=str(tmp_path / "chk"),
-                                      on_start=lambda i: (info.update(i), started.set()))
+            outcome["result"] = p.run(deployment=deployment, checkpoint_dir=str(tmp_path / "chk"),
+                                      on_start=lambda i: (info.update(i), started.set()), **options)
         except BaseException as exc:  # surfaced by the test
             outcome["error"] = exc
             started.set()
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    assert started.wait(120), "the job's HTTP API did not come up"
+    assert started.wait(300), "the job's HTTP API did not come up"
     assert "error" not in outcome, outcome.get("error")
     try:
         yield info["endpoint"], info["id"], outcome
@@ -89,10 +91,11 @@ def stop_and_scrape(endpoint: str, job_id: str) -> tuple[dict[str, float], dict]
     return final, outcome
 
 
-@pytest.mark.parametrize("mode", ["aligned", "tracker"])
-def test_metrics_during_a_run_match_the_job_result(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize("deployment, mode", [("local", "aligned"), ("local", "tracker"), ("spark", "tracker")])
+def test_metrics_during_a_run_match_the_job_result(tmp_path, monkeypatch, deployment, mode):
     monkeypatch.setenv("EPOCHSTREAM_HOME", str(tmp_path / "home"))
-    with live_job(tmp_path, mode) as (endpoint, job_id, outcome):
+    options = {"master": "local[2]"} if deployment == "spark" else {}  # a plain session: no Delta jars to load
+    with live_job(tmp_path, mode, deployment=deployment, **options) as (endpoint, job_id, outcome):
         seen = []
         wait_for(lambda: (seen.append(scrape(endpoint)) or seen[-1]["epochstream_numberOfCompletedCheckpoints"] >= 3),
                  "three completed epochs in /metrics", every=0.2)
@@ -106,6 +109,8 @@ def test_metrics_during_a_run_match_the_job_result(tmp_path, monkeypatch, mode):
         assert stop["status"]["id"] == "COMPLETED"
     assert "error" not in outcome, outcome.get("error")
     r = outcome["result"]
+    assert f'epochstream_job_info{{deployment={deployment},job_id={job_id},job_name=histogram,mode={mode},' \
+        f'state=FINISHED}}' in final
     assert final["epochstream_numberOfCompletedCheckpoints"] == len(r.completed_epochs)
     assert final["epochstream_lastCompletedCheckpointId"] == r.completed_epochs[-1]
     assert final["epochstream_numRestarts"] == r.restarts == 0
