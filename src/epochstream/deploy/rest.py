@@ -1,4 +1,4 @@
-"""A running job's small HTTP API (local driver), shaped like Flink's REST API.
+"""A running job's small HTTP API (local and spark drivers), shaped like Flink's REST API.
 
 Served by a daemon thread of the driver process on 127.0.0.1 (an ephemeral port unless
 one is given); the CLI finds the endpoint through ``deploy.jobs``. Bodies are JSON.
@@ -14,12 +14,14 @@ GET      /jobs/<id>/savepoints/<request-id>           ``{"status": {"id": IN_PRO
                                                       "operation": {"location"} | {"failure-cause"}}``
 POST     /jobs/<id>/stop                              ``{"target-directory": DIR?, "savepoint": bool}``
                                                       -> 202 ``{"request-id"}`` (poll as a savepoint)
+GET      /, /ui/<asset>, /ui/data                     the dashboard, its assets and data (``ui.app``)
+GET      /metrics                                     Prometheus text (``ui.metrics``)
 =======  ===========================================  =============================================
 
 Errors are ``{"errors": [message]}`` with 400 (bad request: a body that is incomplete, not
 JSON, or has a field of the wrong type or unknown; the message names the field), 401 (a POST
 without the job's token), 404 (unknown job, request or path), 409 (the job is not running),
-411 (a chunked body) or 413 (a body over ``httpbody.MAX_BODY``); a refused request changes
+405 (another method), 411 (a chunked body) or 413 (a body over ``httpbody.MAX_BODY``); a refused request changes
 nothing. Every POST carries ``Authorization: Bearer <token>``: the job's token, stored with its
 registry entry (``deploy.jobs``) in a file only its user can read. The dashboard's pages and
 ``/metrics`` (``ui``) are served by the same server.
