@@ -10,6 +10,17 @@ if ! command -v java >/dev/null; then
   echo "setup: java not found; the spark suites need Java 17 (e.g. apt-get install openjdk-17-jre-headless)" >&2
   exit 1
 fi
+# the dashboard's browser test drives a real headless Chromium: Debian's chromium and its chromedriver
+# (same version, from the same archive; selenium talks to the driver, nothing is downloaded at run time)
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+  else
+    echo "setup: the browser test needs chromium and chromium-driver (apt-get install chromium chromium-driver)" >&2
+    exit 1
+  fi
+fi
 # constraints.txt holds the exact versions CI tested (scripts/lock.py writes it)
 "$PY" -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
 "$PY" - <<'PY'

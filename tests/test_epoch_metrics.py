@@ -13,7 +13,7 @@ import pytest
 from epochstream.cli import main
 from pipelines import running_count, sim_run
 
-TASK_KEYS = {"alignment_seconds", "write_seconds", "ack_seconds", "bytes", "held_records"}
+TASK_KEYS = {"alignment_seconds", "write_seconds", "ack_seconds", "bytes", "held_records", "source_offset"}
 
 
 def check_epoch_metrics(result, checkpoint_dir, mode: str) -> None:

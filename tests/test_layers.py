@@ -25,7 +25,10 @@ ALLOWED = {
     "loops": {"runtime", "graph"},
     "snapshot": {"runtime"},
     "backends": {"snapshot", "runtime"},
-    "deploy": {"graph", "runtime", "alignment", "tracker", "loops", "snapshot", "backends"},
+    "deploy": {"graph", "runtime", "alignment", "tracker", "loops", "snapshot", "backends", "ui"},
+    # the dashboard, /metrics and the status line: documents from status dicts and manifests (the
+    # servers that carry them are deploy's and the CLI's)
+    "ui": {"graph", "tracker", "snapshot", "backends", "runtime"},
     "api": {"graph", "runtime", "deploy", "backends", "pyspark"},
     # PySpark's stateful operators: imports pyspark and pandas, so nothing below api/ imports it
     "pyspark": {"runtime", "graph"},

@@ -368,7 +368,7 @@ def rest(tmp_path):
     control = JobControl()
     control.publish(state="RUNNING", name="demo")
     server = RestServer("0123abcd" * 4, control, lambda: {"counts": {"completed": 0}, "latest": None},
-                        default_target=None).start()
+                        default_target=None, token="owner-token").start()
     done = threading.Event()
 
     def loop():  # what the driver loop does between steps
@@ -391,7 +391,7 @@ def rest(tmp_path):
 
 def test_rest_api(rest, tmp_path):
     server, control = rest
-    client = RestClient(server.endpoint)
+    client = RestClient(server.endpoint, token="owner-token")
     jid = client.job_id()
     assert jid == "0123abcd" * 4
     assert client.call("GET", f"/jobs/{jid}")["state"] == "RUNNING"

@@ -138,10 +138,13 @@ def cmd_run(args) -> int:
     options = _spark_options(args)
     p = build()
     extra: dict[str, Any] = {"savepoint_dir": args.savepoint_dir, "stop_with_savepoint": args.stop_with_savepoint}
-    if args.deployment == "local":
+    status_line = _status_line("run", args)
+    if args.deployment in ("local", "spark"):
         def started(info: dict[str, Any]) -> None:
-            print(f"epochstream: job {info['name']!r} is running as {info['id']}; REST API at {info['endpoint']}",
-                  file=sys.stderr, flush=True)
+            print(f"epochstream: job {info['name']!r} is running as {info['id']}; REST API and dashboard at "
+                  f"{info['endpoint']}", file=sys.stderr, flush=True)
+            if status_line is not None:
+                status_line.on_start(info)
 
         extra.update(rest_port=args.rest_port or 0, on_start=started)
     try:
@@ -161,6 +164,9 @@ def cmd_run(args) -> int:
     except EpochStreamError as exc:  # JobFailedError included: the restart strategy gave up
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        if status_line is not None:
+            status_line.close()
     doc = result.to_json()
     doc["sinks"] = {uid: str(getattr(s, "path", s)) for uid, s in p.sinks.items()}
     if args.json:
@@ -173,6 +179,16 @@ def cmd_run(args) -> int:
         for sp in result.savepoints:
             print(f"  savepoint:        {sp}")
     return EXIT_OK
+
+
+def _status_line(label: str, args):
+    """The live status line (``ui.progress``) on a terminal, None with ``--json`` or off one
+    (and for the simulator, which has no HTTP server to read)."""
+    if args.deployment not in ("local", "spark"):
+        return None
+    from .ui.progress import StatusLine, wanted
+
+    return StatusLine(label) if wanted(args.json) else None
 
 
 def cmd_checkpoints_list(args) -> int:
@@ -223,12 +239,12 @@ def cmd_checkpoints_list(args) -> int:
 
 
 def _client(target: str):
-    from .deploy.jobs import JobNotFoundError, resolve
+    from .deploy.jobs import JobNotFoundError, resolve, token_for
     from .deploy.rest import RestClient, RestError
 
     try:
         endpoint, job_id = resolve(target)
-        client = RestClient(endpoint)
+        client = RestClient(endpoint, token=token_for(endpoint))
         return client, job_id or client.job_id()
     except (JobNotFoundError, RestError) as exc:
         raise UsageError(str(exc)) from None
@@ -387,8 +403,14 @@ def cmd_chaos(args) -> int:
                     kill_moments=[rng.choice(moments) for _ in range(args.kills)] if moments else [],
                     kill_targets=[rng.choice(targets) for _ in range(args.kills)] if targets else [])
         t0 = time.perf_counter()
-        r = p.run(deployment=args.deployment, checkpoint_dir=chk, seed=args.seed, failures=failures,
-                  duration=args.duration, **options)
+        line = _status_line("chaos run" if failing else "failure-free run", args)
+        live = {"on_start": line.on_start} if line is not None else {}
+        try:
+            r = p.run(deployment=args.deployment, checkpoint_dir=chk, seed=args.seed, failures=failures,
+                      duration=args.duration, **options, **live)
+        finally:
+            if line is not None:
+                line.close()
         if not failing:
             horizon["seconds"] = r.metrics.get("virtual_seconds") or r.metrics.get("run_seconds") or (
                 time.perf_counter() - t0)
@@ -437,6 +459,26 @@ def cmd_chaos(args) -> int:
                   f"recovered in {rec}")
         print(f"  work dir: {work}")
     return EXIT_OK if report.ok else EXIT_VIOLATION
+
+
+def cmd_ui(args) -> int:
+    """``ui --checkpoint-dir DIR``: a finished job's dashboard, served until interrupted."""
+    from .deploy.rest import offline_server
+
+    server = offline_server(args.checkpoint_dir, args.port or 0)
+    url = f"{server.endpoint}/"
+    if args.json:
+        print(json.dumps({"url": url, "metrics": f"{server.endpoint}/metrics", "checkpoint_dir": args.checkpoint_dir}),
+              flush=True)
+    else:
+        print(f"epochstream: dashboard of the job in {args.checkpoint_dir} at {url} (Ctrl-C to stop)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        server.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -506,6 +548,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "process), executor (spark on local-cluster: the executor JVM) (default: worker)")
     chaos.add_argument("--workdir", help="keep both runs' output and checkpoints here (--checkpoint-dir is the same)")
     chaos.set_defaults(func=cmd_chaos, restore=None, allow_non_restored_state=False)
+
+    ui = sub.add_parser("ui", help="serve the dashboard of a finished job from its checkpoint folder (offline)")
+    ui.add_argument("--checkpoint-dir", required=True)
+    ui.add_argument("--port", type=int, help="port on 127.0.0.1 (default: any free one)")
+    ui.add_argument("--json", action="store_true", help="print the URL as JSON")
+    ui.set_defaults(func=cmd_ui)
     return ap
 
 

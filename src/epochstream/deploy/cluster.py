@@ -26,6 +26,10 @@ from typing import Any, Iterator
 
 from ..snapshot.manifest import CheckpointError
 from ..tracker.traffic import ServiceTraffic
+from ..ui.app import Dashboard
+from ..ui.graph import job_graph
+from ..ui.model import dashboard
+from ..ui.offline import checkpoint_rows
 from . import jobs as _jobs
 from .attempt import AttemptController, CaptureFull
 from .control import JobControl, SavepointRequest
@@ -121,10 +125,11 @@ class ClusterDriver(Driver):
         self._publish("CREATED", force=True)
         if self.rest:
             server = RestServer(self.job_id, self.control, self._checkpoints_doc, self.savepoint_dir,
-                                self.rest_port).start()
+                                self.rest_port, pages=self._dashboard().page).start()
             self.endpoint = server.endpoint
             _jobs.register({
                 "id": self.job_id, "name": self.pipeline.name, "endpoint": server.endpoint, "pid": os.getpid(),
+                "token": server.token,
                 "deployment": self.deployment, "checkpoint_dir": str(self.storage.root),
                 "savepoint_dir": self.savepoint_dir, "started_at": time.time(), "parallelism": self.plan.parallelism,
             })
@@ -157,9 +162,36 @@ class ClusterDriver(Driver):
             **{"max-parallelism": self.plan.max_parallelism, "checkpoint-dir": str(self.storage.root),
                "savepoint-dir": self.savepoint_dir, "completed-epochs": len(self.completed),
                "latest-epoch": self.completed[-1] if self.completed else None, "records-in": self.records_in},
-            restarts=self.restarts, savepoints=list(self.savepoints_written), epochs=self.epoch_log[-50:],
-            duration=self.clock(),
+            restarts=self.restarts, savepoints=list(self.savepoints_written), epochs=self.epoch_log[-200:],
+            duration=self.clock(), **self._progress(),
         )
+
+    def _progress(self) -> dict[str, Any]:
+        """What the dashboard, ``/metrics`` and the status line read beyond the summary (``ui``)."""
+        traffic = ServiceTraffic()
+        traffic.merge(self.traffic)
+        if self._controller is not None:
+            traffic.merge(self._controller.traffic)  # the running attempt's, merged into the run's at its end
+        return {
+            "records-committed": sum(e.get("records") or 0 for e in self.epoch_log),
+            "aborted-epochs": sum(1 for e in self.epoch_log if e.get("state") == "aborted"),
+            "failovers": self.failover_log[-50:], "recovery-seconds": self.recovery_seconds[-50:],
+            "kills": self.kill_log[-50:], "traffic": traffic.as_dict()["by_kind"],
+        }
+
+    def _dashboard(self) -> Dashboard:
+        """The dashboard and ``/metrics`` of this job (``ui``), from the published status."""
+        graph = job_graph(self.plan, self.pipeline.mode)
+        rows: dict[str, Any] = {"key": None, "rows": []}
+
+        def build() -> dict[str, Any]:
+            status = self.control.status()
+            key = (status.get("completed-epochs"), status.get("state"))
+            if key != rows["key"]:  # storage is read again only when an epoch completed
+                rows["key"], rows["rows"] = key, checkpoint_rows(self.storage)
+            return dashboard(status, graph, rows["rows"])
+
+        return Dashboard(build, cache_seconds=0.0)
 
     def _checkpoints_doc(self) -> dict[str, Any]:
         """GET /jobs/<id>/checkpoints: what storage holds (read on the REST thread, read-only)."""
@@ -262,6 +294,7 @@ class ClusterDriver(Driver):
                     break
                 self._step(group, c, on, now)
         except BaseException:
+            self._controller = None  # its traffic is the run's from here on (the status must not count it twice)
             self.traffic.merge(traffic)  # a failed attempt's service messages were sent all the same
             c.fail(time.monotonic())
             self.collect(c.master)
@@ -273,6 +306,7 @@ class ClusterDriver(Driver):
             self.bound_latency.extend(c.bound_latency)
         self._group = None
         self.collect(c.master)
+        self._controller = None
         self.traffic.merge(traffic)
         self.records_in += c.records_in
         group.finish()

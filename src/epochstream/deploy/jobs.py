@@ -2,7 +2,9 @@
 
 A running job (local driver) serves its REST API on 127.0.0.1 and writes
 ``<home>/jobs/<job id>.json`` with its id, name, endpoint, pid and directories; the file is
-removed when the job ends. A file whose process is gone is stale and ignored.
+removed when the job ends. A file whose process is gone is stale and ignored. The file holds
+the job's HTTP token (every POST needs it), so it is written mode 0600 in a 0700 folder:
+only the user who started the job can stop it.
 ``EPOCHSTREAM_HOME`` defaults to ``~/.epochstream``.
 """
 
@@ -28,11 +30,23 @@ def _jobs_dir() -> Path:
 
 def register(info: dict[str, Any]) -> Path:
     path = _jobs_dir() / f"{info['id']}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(info, indent=1))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # never readable by others, not even briefly
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(info, indent=1))
     os.replace(tmp, path)
     return path
+
+
+def token_for(endpoint: str) -> str | None:
+    """The token of the running job serving ``endpoint`` (None: no registry entry of ours)."""
+    endpoint = endpoint.rstrip("/")
+    for info in running():
+        if str(info.get("endpoint", "")).rstrip("/") == endpoint:
+            return info.get("token")
+    return None
 
 
 def unregister(job_id: str) -> None:

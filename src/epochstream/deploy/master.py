@@ -35,6 +35,7 @@ from ..snapshot.coordinator import (
 )
 from ..snapshot.manifest import AckInfo, CheckpointError, IncompleteChainError, ManifestBuilder
 from ..tracker.traffic import ServiceTraffic
+from ..ui.graph import job_graph
 from .control import IN_PROGRESS, SavepointRequest
 from .failures import FailPoint, no_fail
 from .restore import Restored
@@ -127,6 +128,11 @@ class JobMaster:
         self.explain_timeout: Callable[[int], list[dict[str, Any]]] | None = None
         #: the final epoch must cut through empty loops (a bounded job whose sources are exhausted)
         self.drain_final = False
+        #: sum of every source split's offset in the last committed (or restored) manifest: an
+        #: epoch's ``records`` (input it covers) is its own sum minus this one
+        self.offsets_total = _offsets_total(restored.manifest) if restored else 0
+        #: the job graph as the dashboard draws it, kept in every manifest (``epochstream ui`` reads it)
+        self.graph = job_graph(plan, pipeline.mode)
 
     # -- events from the driver
     def poll(self, now: float) -> MasterOutput:
@@ -215,7 +221,7 @@ class JobMaster:
     def _write_manifest(self, a: CompleteEpoch, now: float) -> list[Any]:
         try:
             created = _dt.datetime.now(_dt.timezone.utc).isoformat()
-            manifest = self.builder.build(a.epoch, a.kind, a.acks, {"created_at": created})
+            manifest = self.builder.build(a.epoch, a.kind, a.acks, {"created_at": created, "graph": self.graph})
         except IncompleteChainError as exc:
             return self.coordinator.manifest_failed(a.epoch, str(exc), now)
         manifest["metrics"].update(self._epoch_metrics(a, now))
@@ -254,6 +260,8 @@ class JobMaster:
                 "ack_seconds": round(rec.ack_times.get(tid, now) - rec.triggered_at, 6),
                 "bytes": info.bytes,
                 "held_records": info.held_records,
+                # the source offsets this task had reached (sum over its splits): per-task input rates
+                "source_offset": sum(sum(o.values()) for o in info.offsets.values()),
             }
         messages = {"triggers": self.trigger_messages, "acks": len(a.acks)}
         if self.pipeline.mode == "tracker":
@@ -295,8 +303,11 @@ class JobMaster:
         self.completed.append(epoch)
         rec = self.coordinator.epochs[epoch]
         assert rec.completed_at is not None, "CommitEpoch follows manifest_written, which sets completed_at"
+        total = _offsets_total(manifest)
+        records, self.offsets_total = total - self.offsets_total, total
         self.epoch_log.append({
-            "epoch": epoch, "state": "completed", "kind": rec.kind,
+            "epoch": epoch, "state": "completed", "kind": rec.kind, "created_at": manifest.get("created_at"),
+            "records": records,
             **manifest["metrics"],
             "prepare_seconds": None if rec.prepared_at is None else rec.prepared_at - rec.triggered_at,
             "commit_seconds": commit_seconds,
@@ -342,3 +353,8 @@ def _readable_manifests(storage) -> list[dict[str, Any]]:
         except CheckpointError:
             continue
     return out
+
+
+def _offsets_total(manifest: dict[str, Any]) -> int:
+    """Sum of every source split's offset in ``manifest`` (records read up to its cut)."""
+    return sum(int(o) for src in manifest.get("sources", {}).values() for o in src.get("offsets", {}).values())
