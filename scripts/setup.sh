@@ -16,9 +16,8 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
-  else
-    echo "setup: the browser test needs chromium and chromium-driver (apt-get install chromium chromium-driver)" >&2
-    exit 1
+  else  # not root: everything but the dashboard's browser test works; that test fails naming what is missing
+    echo "setup: warning: the browser test needs chromium and chromium-driver (apt-get install chromium chromium-driver)" >&2
   fi
 fi
 # constraints.txt holds the exact versions CI tested (scripts/lock.py writes it)
