@@ -9,13 +9,26 @@ hits all of them alike:
 - ``epochs-1s``: aligned epochs every second (snapshots + 2PC);
 - ``no-epochs``: only the final epoch of the bounded job;
 - ``latency``: epochs every second; every 64th count carries its source timestamp to the
-  sink, which records source-to-sink latency (ms).
+  sink, which records source-to-sink latency (ms);
+- ``vectorised``: the columnar keyed path, ``generate_batches -> key_by("k") ->
+  process_batches`` (a running count per key in ValueState, one call per key per batch),
+  epochs every second, ``--vector-rows`` rows per batch (``batch_rows``);
+- ``slow-operator`` (``--memory-seconds`` > 0): the vectorised path from an unbounded source
+  for that many seconds, with an operator that costs 10x what the source does per row, so
+  the source outpaces it 10x; the max RSS of every worker process (``/proc/PID/status``) is
+  sampled during the run, to show backpressure bounds what columnar batches pile up.
 Each epochstream run is checked: the final committed state must hold exactly N counts.
+
+The Python limit: a plain single-process Python loop doing the same work, per core, times the
+two workers: for the row path ``for i in range(N)`` making the record, mapping it and counting
+it in a dict; for the vectorised path the same Arrow batches counted per key with pyarrow's
+``group_by`` into a dict. ``ratio_to_python_limit`` = rows/s / (2 x the loop's rows/s).
 
 Writes benchmarks/results/throughput.csv and throughput.png; prints a summary table.
 Not a test: nothing here asserts timings.
 
     python benchmarks/throughput.py [--records 3000000] [--repeats 3] [--peers bytewax,pyflink]
+        [--vector-records 20000000] [--vector-rows 65536] [--memory-seconds 8]
 
 ``--baseline-src DIR`` also runs the epochstream variants from another source tree (the
 ``src`` folder of a checkout of an earlier commit, e.g. a ``git worktree``), interleaved
@@ -40,7 +53,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from epochstream import DiscardingSink, FileSink, KeyedProcessFunction, Pipeline, ValueStateDescriptor  # noqa: E402
+from epochstream import (  # noqa: E402
+    DiscardingSink,
+    FileSink,
+    KeyedBatchFunction,
+    KeyedProcessFunction,
+    Pipeline,
+    ValueStateDescriptor,
+)
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.oracle import committed_state  # noqa: E402
 
@@ -125,6 +145,181 @@ def run_epochstream(records: int, variant: str) -> dict:
         return row
 
 
+class BatchCount(KeyedBatchFunction):
+    """The vectorised running count: one state read and write per key per batch."""
+
+    def open(self, ctx):
+        self.count = ctx.state(ValueStateDescriptor("count", default=0))
+
+    def process_batch(self, key, batch, ctx):
+        self.count.update(self.count.value() + batch.num_rows)
+
+
+class SlowBatchCount(BatchCount):
+    """``BatchCount`` that also sleeps ``per_row`` seconds per row: an operator slower than its source."""
+
+    def __init__(self, per_row: float) -> None:
+        self.per_row = per_row
+        self.debt = 0.0  # seconds owed: slept in pieces of >= 2 ms, so sleep's own overhead does not add up
+
+    def process_batch(self, key, batch, ctx):
+        self.debt += batch.num_rows * self.per_row
+        if self.debt >= 0.002:
+            time.sleep(self.debt)
+            self.debt = 0.0
+        super().process_batch(key, batch, ctx)
+
+
+def _keys_batch(start: int, stop: int):
+    """Rows [start, stop) of the vectorised workload: column ``k`` = i % KEYS (int64)."""
+    import numpy as np
+    import pyarrow as pa
+
+    return pa.record_batch({"k": pa.array(np.arange(start, stop, dtype=np.int64) % KEYS)})
+
+
+def build_vectorised(records: int | None, rows: int, interval: float | None = 1.0, slow_per_row: float = 0.0,
+                     keys_batch=None) -> Pipeline:
+    p = Pipeline("throughput-vectorised", parallelism=2, checkpoint_interval=interval, batch_rows=rows)
+    fn = SlowBatchCount(slow_per_row) if slow_per_row else BatchCount()
+    (p.generate_batches(keys_batch or _keys_batch, count=records, uid="src", block_rows=rows)
+     .key_by("k")
+     .process_batches(fn, uid="count")
+     .sink(DiscardingSink(), uid="sink"))
+    return p
+
+
+def _committed_total(chk: str) -> int:
+    storage = LocalCheckpointStorage(chk)
+    manifest, root = storage.latest()
+    return sum(committed_state(storage, manifest, root)["count"]["count"].values())
+
+
+def run_vectorised(records: int, rows: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="es-bench-vec-") as tmp:
+        p = build_vectorised(records, rows)
+        cpu0 = _children_cpu()
+        t0 = time.perf_counter()
+        result = p.run(deployment="local", checkpoint_dir=os.path.join(tmp, "chk"))
+        seconds = time.perf_counter() - t0
+        workers_cpu = _children_cpu() - cpu0
+        total = _committed_total(os.path.join(tmp, "chk"))
+    if total != records:
+        raise RuntimeError(f"epochstream vectorised: committed counts sum to {total}, expected {records}")
+    return {"system": "epochstream", "variant": "vectorised", "snapshot_interval": 1.0, "records": records,
+            "seconds": seconds, "records_per_s": records / seconds, "epochs": len(result.completed_epochs),
+            "workers": 2, "p50_ms": "", "p99_ms": "", "workers_cpu_per_wall": round(workers_cpu / seconds, 2),
+            "batch_rows": rows}
+
+
+def python_loop_rows(records: int) -> float:
+    """The row workload in one plain Python loop (record, map, key, count in a dict): rows/s."""
+    counts: dict[str, int] = {}
+    out = None
+    t0 = time.perf_counter()
+    for i in range(records):
+        r = _record(i)
+        r = (r[0], r[1] * 1)
+        k = r[0]
+        n = counts.get(k, 0) + r[1]
+        counts[k] = n
+        out = (k, n)
+    seconds = time.perf_counter() - t0
+    assert out is not None and sum(counts.values()) == records
+    return records / seconds
+
+
+def python_loop_batches(records: int, rows: int) -> float:
+    """The vectorised workload in one plain Python loop: the same batches, counted per key with
+    pyarrow's group_by into a dict: rows/s."""
+    import pyarrow as pa
+
+    counts: dict[int, int] = {}
+    t0 = time.perf_counter()
+    for start in range(0, records, rows):
+        batch = _keys_batch(start, min(start + rows, records))
+        agg = pa.Table.from_batches([batch]).group_by("k").aggregate([("k", "count")])
+        for k, c in zip(agg.column("k").to_pylist(), agg.column("k_count").to_pylist(), strict=True):
+            counts[k] = counts.get(k, 0) + c
+    seconds = time.perf_counter() - t0
+    assert sum(counts.values()) == records
+    return records / seconds
+
+
+def _source_rows_per_s(rows: int, seconds: float = 1.0) -> float:
+    """How fast the vectorised source's function makes rows in this process (its cost per row)."""
+    made, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        made += _keys_batch(made, made + rows).num_rows
+    return made / (time.perf_counter() - t0)
+
+
+def _worker_rss_mb() -> dict[int, float]:
+    """Resident set size (MB) of every child process of this one (the local driver's workers)."""
+    me = os.getpid()
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) != me:  # ppid
+                continue
+            with open(f"/proc/{entry}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        out[int(entry)] = int(line.split()[1]) / 1024.0
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def run_slow_operator(seconds: float, rows: int) -> dict:
+    """The vectorised path with an operator 10x slower than its source, for ``seconds``: max RSS per worker."""
+    import threading
+
+    source_rate = _source_rows_per_s(rows)
+    per_row = 10.0 / source_rate
+    samples: list[tuple[float, dict[int, float]]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        t0 = time.perf_counter()
+        while not stop.wait(0.1):
+            samples.append((time.perf_counter() - t0, _worker_rss_mb()))
+
+    with tempfile.TemporaryDirectory(prefix="es-bench-mem-") as tmp:
+        p = build_vectorised(None, rows, slow_per_row=per_row)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        t0 = time.perf_counter()
+        result = p.run(deployment="local", checkpoint_dir=os.path.join(tmp, "chk"), duration=seconds)
+        wall = time.perf_counter() - t0
+        stop.set()
+        sampler.join()
+        total = _committed_total(os.path.join(tmp, "chk"))
+    # rows read after the final epoch's trigger are read but not committed: committed <= read
+    if not 0 < total <= result.records_in:
+        raise RuntimeError(f"slow operator: committed counts sum to {total}, the source read {result.records_in}")
+    per_pid: dict[int, list[tuple[float, float]]] = {}
+    for at, rss in samples:
+        for pid, mb in rss.items():
+            per_pid.setdefault(pid, []).append((at, mb))
+    # the workers: the two children that lived longest (the sampler may also see short-lived helpers)
+    workers = sorted(per_pid.values(), key=len, reverse=True)[:2]
+    maxima = [max(mb for _at, mb in w) for w in workers]
+    half = seconds / 2
+    first = max((mb for w in workers for at, mb in w if at < half), default=0.0)
+    second = max((mb for w in workers for at, mb in w if at >= half), default=0.0)
+    return {"system": "epochstream", "variant": "slow-operator", "snapshot_interval": 1.0,
+            "records": total, "seconds": wall, "records_per_s": total / wall,
+            "epochs": len(result.completed_epochs), "workers": 2, "p50_ms": "", "p99_ms": "", "batch_rows": rows,
+            "source_alone_rows_per_s": round(source_rate), "operator_cap_rows_per_s": round(1 / per_row),
+            "max_rss_mb": round(max(maxima), 1), "max_rss_mb_per_worker": ";".join(f"{m:.1f}" for m in maxima),
+            "max_rss_mb_first_half": round(first, 1), "max_rss_mb_second_half": round(second, 1)}
+
+
 def run_epochstream_in(src: str, records: int, variant: str) -> dict:
     """One epochstream run with the package imported from ``src``, in a child process."""
     env = {**os.environ, "PYTHONPATH": src}
@@ -157,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pyflink-records", type=int, default=200_000, help="PyFlink is ~100x slower")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--baseline-src", help="src folder of an earlier checkout to compare with, in the same run")
+    ap.add_argument("--vector-records", type=int, default=20_000_000, help="rows of the vectorised path (0: skip)")
+    ap.add_argument("--vector-rows", type=int, default=65_536, help="batch_rows of the vectorised path")
+    ap.add_argument("--memory-seconds", type=float, default=8.0,
+                    help="seconds of the slow-operator memory check (0: skip)")
     ap.add_argument("--single", help=argparse.SUPPRESS)  # one epochstream run, a JSON row on stdout
     args = ap.parse_args(argv)
     if args.single:
@@ -165,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     peers = [p for p in args.peers.split(",") if p]
     systems = ["epochstream"] + (["epochstream@baseline"] if args.baseline_src else [])
     plan = [(system, v) for v in ("epochs-1s", "no-epochs", "latency") for system in systems]
+    if args.vector_records:
+        plan += [("epochstream", "vectorised"), ("python-loop", "vectorised")]
+    plan += [("python-loop", "rows")]
     plan += [(peer, iv) for peer in peers for iv in (1.0, 0.0)]
     rows: list[dict] = []
     total = args.repeats * len(plan)
@@ -172,10 +374,18 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):
         for system, variant in plan:
             done += 1
-            label = variant if system.startswith("epochstream") else ("snapshots 1s" if variant else "no snapshots")
+            label = variant if system.startswith(("epochstream", "python")) else (
+                "snapshots 1s" if variant else "no snapshots")
             print(f"[{done}/{total}] repeat {rep + 1}: {system} {label} ...",
                   end=" ", flush=True)
-            if system == "epochstream@baseline":
+            if system == "python-loop":
+                n = args.records if variant == "rows" else args.vector_records
+                rate = python_loop_rows(n) if variant == "rows" else python_loop_batches(n, args.vector_rows)
+                row = {"system": system, "variant": variant, "records": n, "seconds": n / rate,
+                       "records_per_s": rate, "workers": 1}
+            elif variant == "vectorised":
+                row = run_vectorised(args.vector_records, args.vector_rows)
+            elif system == "epochstream@baseline":
                 row = {**run_epochstream_in(args.baseline_src, args.records, variant), "system": system}
             elif system == "epochstream" and args.baseline_src:
                 row = run_epochstream_in(str(HERE.parent / "src"), args.records, variant)
@@ -188,10 +398,24 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             cores = f", workers used {row['workers_cpu_per_wall']} cores" if row.get("workers_cpu_per_wall") else ""
             print(f"{row['records_per_s']:,.0f} records/s{cores}")
+    if args.memory_seconds > 0:
+        print(f"slow operator (10x slower than its source) for {args.memory_seconds:.0f} s ...", end=" ", flush=True)
+        mem = {**run_slow_operator(args.memory_seconds, args.vector_rows), "repeat": 1}
+        rows.append(mem)
+        print(f"max RSS per worker {mem['max_rss_mb_per_worker']} MB")
+    # the Python limit: the single-process loop's rows/s on each of the two workers' cores
+    loops = {v: statistics.median(r["records_per_s"] for r in rows if (r["system"], r["variant"]) == ("python-loop", v))
+             for v in ("rows", "vectorised") if any(r["system"] == "python-loop" and r["variant"] == v for r in rows)}
+    for r in rows:
+        limit = loops.get("vectorised" if r["variant"] == "vectorised" else "rows")
+        if r["system"].startswith("epochstream") and r["variant"] in ("epochs-1s", "no-epochs", "vectorised") and limit:
+            r["ratio_to_python_limit"] = round(r["records_per_s"] / (2 * limit), 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fields = ["system", "variant", "repeat", "records", "seconds", "records_per_s", "snapshot_interval", "epochs",
-              "workers", "workers_cpu_per_wall", "p50_ms", "p99_ms"]
+              "workers", "workers_cpu_per_wall", "p50_ms", "p99_ms", "batch_rows", "ratio_to_python_limit",
+              "source_alone_rows_per_s", "operator_cap_rows_per_s", "max_rss_mb", "max_rss_mb_per_worker",
+              "max_rss_mb_first_half", "max_rss_mb_second_half"]
     with open(out / "throughput.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
@@ -217,6 +441,18 @@ def main(argv: list[str] | None = None) -> int:
     if ("pyflink", "snapshots-1s") in med:
         print(f"epochstream / PyFlink, both with 1 s snapshots: "
               f"{med[('epochstream', 'epochs-1s')] / med[('pyflink', 'snapshots-1s')]:.1f}")
+    for variant, path in (("epochs-1s", "rows"), ("vectorised", "vectorised")):
+        if ("epochstream", variant) in med and path in loops:
+            print(f"{variant} / Python limit (plain loop {loops[path]:,.0f} rows/s per core x 2 workers): "
+                  f"{med[('epochstream', variant)] / (2 * loops[path]):.2f}")
+    if ("epochstream", "vectorised") in med:
+        print(f"vectorised keyed path: {med[('epochstream', 'vectorised')]:,.0f} rows/s (target >= 3,000,000); "
+              f"row path epochs-1s: {med[('epochstream', 'epochs-1s')]:,.0f}")
+    mem_rows = [r for r in rows if r["variant"] == "slow-operator"]
+    for r in mem_rows:
+        print(f"slow operator: source alone {r['source_alone_rows_per_s']:,} rows/s, operator cap "
+              f"{r['operator_cap_rows_per_s']:,} rows/s; max RSS per worker {r['max_rss_mb_per_worker']} MB "
+              f"(first half {r['max_rss_mb_first_half']}, second half {r['max_rss_mb_second_half']})")
     if lat:
         print(f"latency source->sink with 1 s epochs: p50 {statistics.median(r['p50_ms'] for r in lat):.1f} ms, "
               f"p99 {statistics.median(r['p99_ms'] for r in lat):.1f} ms (median over repeats)")

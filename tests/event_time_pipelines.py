@@ -31,9 +31,11 @@ SLACK = 1.0
 
 
 def _pipeline(name: str, parallelism: int, interval: float, mode: str = "tracker", **tracker: Any) -> Pipeline:
+    """``tracker``: TrackerConfig fields, and ``batch_linger`` (the batching policy's linger)."""
+    linger = tracker.pop("batch_linger", 0.0)
     return Pipeline(name, parallelism=parallelism, mode=mode,
                     checkpoint=CheckpointConfig(interval=interval, incremental=True, full_every=3),
-                    tracker=TrackerConfig(time_slack=SLACK, **tracker), batch_size=16)
+                    tracker=TrackerConfig(time_slack=SLACK, **tracker), batch_size=16, batch_linger=linger)
 
 
 def _sink(out: Path | None, uid: str) -> FileSink:

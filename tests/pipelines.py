@@ -3,7 +3,8 @@
 Every builder returns a *fresh* ``Pipeline`` on each call (the exactly-once oracle calls a
 builder twice: once for the failure-free reference run and once for the chaos run), and
 takes the same keyword knobs (see ``make_pipeline``): ``parallelism``, ``mode``,
-``interval`` (checkpoint interval in *virtual* seconds), ``batch_size``,
+``interval`` (checkpoint interval in *virtual* seconds), ``batch_size`` (rows per read and
+per full output buffer), ``batch_linger`` (virtual seconds output may wait to fill up),
 ``max_concurrent``, ``tolerable_failed``, ``restart_attempts``, ``max_parallelism``,
 ``incremental``, plus ``n`` (input size) and ``out`` (where the sinks write).
 
@@ -263,6 +264,7 @@ def make_pipeline(
     mode: str = "aligned",
     interval: float | None = 0.0005,
     batch_size: int = 8,
+    batch_linger: float = 0.0,
     max_concurrent: int = 1,
     tolerable_failed: int = 0,
     restart_attempts: int = 30,
@@ -281,7 +283,8 @@ def make_pipeline(
             tolerable_failed=tolerable_failed,
             incremental=incremental,
         ),
-        batch_size=batch_size,
+        batch_rows=batch_size,
+        batch_linger=batch_linger,
         restart_attempts=restart_attempts,
         restart_delay=0.0,
     )

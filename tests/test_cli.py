@@ -220,6 +220,32 @@ def test_run_flags_override_the_pipeline_and_show_in_the_manifest(job, tmp_path)
     assert_running_counts(records, SMALL_N, SMALL_KEYS)
 
 
+def test_batch_flags_override_the_pipeline(job, tmp_path):
+    """``--batch-rows`` and ``--batch-linger`` set the batching policy; the output is the same."""
+    _proc, doc = run_small(job, tmp_path / "chk", "--batch-rows", "64", "--batch-linger", "0.0002")
+    assert (doc["metrics"]["batch_rows"], doc["metrics"]["batch_linger"]) == (64, 0.0002)
+    records = sink_lines(Path(doc["sinks"]["counts"]))
+    assert len(records) == SMALL_N
+    assert_running_counts(records, SMALL_N, SMALL_KEYS)
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--batch-rows", "0", ["--batch-rows", ">= 1"]),
+    ("--batch-rows", "1.5", ["--batch-rows", "'1.5'"]),
+    ("--batch-linger", "-0.1", ["--batch-linger", ">= 0"]),
+    ("--batch-linger", "soon", ["--batch-linger", "'soon'"]),
+    ("--batch-linger", "inf", ["--batch-linger", "finite"]),
+])
+def test_batch_flags_out_of_range_exit_2(job, tmp_path, flag, value, words):
+    proc = cli("run", f"{job}:small", "--deployment", "sim", "--checkpoint-dir", tmp_path / "chk", flag, value,
+               cwd=tmp_path, real_exit=True)
+    assert proc.returncode == EXIT_USAGE, (proc.returncode, proc.stderr)
+    for w in words:
+        assert w in proc.stderr, (w, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "chk").exists()
+
+
 def test_interval_flag_changes_the_number_of_epochs(job, tmp_path):
     """``--interval 0``: only the final epoch; a short interval: several epochs."""
     docs = {}
@@ -491,7 +517,7 @@ def test_parallelism_above_max_parallelism_exits_2(job, tmp_path, command):
 HELP_FLAGS = {
     ("run",): ["--deployment", "sim", "local", "--mode", "-p", "--parallelism", "--max-parallelism",
                "--checkpoint-dir", "--interval", "--restore", "--allow-non-restored-state", "--seed", "--duration",
-               "--json", "FILE.py:FUNCTION"],
+               "--batch-rows", "--batch-linger", "--json", "FILE.py:FUNCTION"],
     ("checkpoints", "list"): ["--checkpoint-dir", "--json"],
     ("chaos",): ["--deployment", "sim", "local", "--kills", "--seed", "--json", "--workdir", "--mode", "-p",
                  "--interval", "--duration", "FILE.py:FUNCTION"],

@@ -5,7 +5,8 @@ output must equal that of a failure-free run, and every epoch's committed state 
 sequential reference over the input prefix its source offsets name. Here:
 
 * property tests (hypothesis) over the simulator: seeds, worker kills, job-master crashes
-  at the fail points, failed state writes, parallelism 1..4, batch sizes, checkpoint
+  at the fail points, failed state writes, parallelism 1..4, batch sizes and lingers (the
+  batching policy: output waits for a full batch, cut by every epoch bound), checkpoint
   intervals, for every pipeline of ``pipelines.py`` in both exactly-once modes, and no loss
   in at-least-once mode; each pipeline in both layouts (``pipelines.LAYOUTS``: records as
   Python rows, or as Arrow batches from columnar sources keyed by column): the main suite
@@ -114,6 +115,8 @@ class Chaos:
     write_failures: tuple[int, ...]
     #: how records travel (``pipelines.LAYOUTS``)
     layout: str = "rows"
+    #: the batching policy's linger, virtual seconds (0: output leaves at the end of every step)
+    batch_linger: float = 0.0
 
     def knobs(self) -> dict:
         return dict(
@@ -121,6 +124,7 @@ class Chaos:
             n=N,
             parallelism=self.parallelism,
             batch_size=self.batch_size,
+            batch_linger=self.batch_linger,
             interval=self.interval,
             max_concurrent=self.max_concurrent,
             tolerable_failed=self.tolerable_failed,
@@ -145,6 +149,8 @@ class Chaos:
 
 
 _ANY_LAYOUT = st.sampled_from(sorted(LAYOUTS))
+#: the batching policy's linger (virtual seconds): none, shorter than an epoch, longer than one
+LINGERS = st.sampled_from([0.0, 0.0001, 0.002])
 
 
 @st.composite
@@ -156,6 +162,7 @@ def chaos(
     kills=st.integers(0, 3),
     write_failures=st.frozensets(st.integers(1, 30), max_size=3),
     layout=_ANY_LAYOUT,
+    batch_linger=LINGERS,
 ):
     n_kills = draw(kills)
     return Chaos(
@@ -178,6 +185,7 @@ def chaos(
         ),
         write_failures=tuple(sorted(draw(write_failures))),
         layout=draw(layout),
+        batch_linger=draw(batch_linger),
     )
 
 

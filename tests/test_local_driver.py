@@ -131,13 +131,15 @@ def test_exactly_once_with_real_kills(tmp_path, mode, name, parallelism):
     _exactly_once_with_real_kills(build, tmp_path, mode, seed=10 * parallelism + len(name))
 
 
+@pytest.mark.parametrize("linger", [0.0, 0.005])
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])
-def test_exactly_once_with_real_kills_columnar(tmp_path, mode):
+def test_exactly_once_with_real_kills_columnar(tmp_path, mode, linger):
     """The same on Arrow batches end to end: a columnar source (from_arrow), key_by("key")
     routed with Arrow kernels across worker processes, a keyed batch function with ValueState
-    (``pipelines.BatchRunningCount``, the columnar ``running_count``), SIGKILLs mid-epoch."""
+    (``pipelines.BatchRunningCount``, the columnar ``running_count``), SIGKILLs mid-epoch;
+    with and without a batching linger (output waits up to 5 ms for 64-row batches)."""
     build = partial(running_count, n=SIZES["running_count"], parallelism=2, mode=mode, interval=INTERVAL,
-                    batch_size=64, columnar=True)
+                    batch_size=64, batch_linger=linger, columnar=True)
     _exactly_once_with_real_kills(build, tmp_path, mode, seed=5)
 
 

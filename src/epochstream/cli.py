@@ -72,9 +72,35 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             p.restart_strategy = parse_restart_strategy(args.restart_strategy)
         if getattr(args, "state_backend", None):
             p.checkpoint = replace(p.checkpoint, state_backend=args.state_backend)
+        if getattr(args, "batch_rows", None) is not None:
+            p.batch_rows = args.batch_rows
+        if getattr(args, "batch_linger", None) is not None:
+            p.batch_linger = args.batch_linger
         return p
 
     return build
+
+
+def _batch_rows(text: str) -> int:
+    """``--batch-rows``: an integer >= 1 (argparse reports anything else as a usage error)."""
+    try:
+        rows = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rows >= 1, got {text!r}") from None
+    if rows < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 row, got {rows}")
+    return rows
+
+
+def _batch_linger(text: str) -> float:
+    """``--batch-linger``: seconds >= 0 (``0.005`` is 5 ms)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (e.g. 0.005), got {text!r}") from None
+    if not (seconds >= 0 and seconds != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds and finite, got {text}")
+    return seconds
 
 
 def _add_run_flags(ap: argparse.ArgumentParser) -> None:
@@ -92,6 +118,11 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-parallelism", type=int, help="number of key groups (fixed once state exists)")
     ap.add_argument("--checkpoint-dir", help="where checkpoints go (default: a new temporary directory)")
     ap.add_argument("--interval", type=float, help="seconds between epochs (0: only the final epoch)")
+    ap.add_argument("--batch-rows", type=_batch_rows, metavar="N",
+                    help="rows a source reads at once and a full output batch holds (default 1024)")
+    ap.add_argument("--batch-linger", type=_batch_linger, metavar="SECONDS",
+                    help="seconds output may wait to fill up to --batch-rows rows before it is sent (default 0: "
+                         "sent at every step); an epoch bound always sends it")
     ap.add_argument("--state-backend", choices=["files", "delta"],
                     help="committed keyed state: snapshot files only (default) or also a Delta table per operator")
     ap.add_argument("--seed", type=int, default=0, help="seed of the simulator's schedule and of chaos")

@@ -9,6 +9,7 @@ from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, Restart
 from ..deploy.result import JobResult
 from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, REBALANCE, ColumnKey, Edge, Node, PhysicalPlan, build_plan, uid_of
+from ..runtime.batching import DEFAULT_BATCH_ROWS, BatchPolicy
 from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
 MODES = ("aligned", "at-least-once", "tracker")
@@ -362,6 +363,12 @@ class Pipeline:
     when an epoch has no records left upstream; exactly-once, no markers on data channels).
     ``checkpoint_interval`` in seconds (None: only the final epoch of a bounded job, and
     epochs asked for on demand).
+    ``batch_rows`` (formerly ``batch_size``; default 1024) and ``batch_linger`` (seconds,
+    default 0) are the batching policy (``runtime.batching``): a source reads up to
+    ``batch_rows`` records at once, and output to the next stage is sent when a channel holds
+    ``batch_rows`` rows or its rows waited ``batch_linger`` seconds, whichever comes first;
+    an epoch bound always sends everything. A linger trades latency for bigger batches, so a
+    keyed pandas or batch function sees many rows per key per call (docs/OPERATIONS.md).
     """
 
     def __init__(
@@ -372,11 +379,13 @@ class Pipeline:
         mode: str = "aligned",
         checkpoint_interval: float | None | object = _UNSET,
         checkpoint: CheckpointConfig | None = None,
-        batch_size: int = 1024,
+        batch_size: int | None = None,
         restart_attempts: int | None = None,
         restart_delay: float | None = None,
         tracker: TrackerConfig | None = None,
         restart_strategy: RestartStrategy | None = None,
+        batch_rows: int | None = None,
+        batch_linger: float = 0.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -400,8 +409,36 @@ class Pipeline:
         self.restart_strategy: RestartStrategy = restart_strategy or FixedDelayRestart(
             10 if restart_attempts is None else restart_attempts, 0.5 if restart_delay is None else restart_delay)
         self.tracker = tracker or TrackerConfig()
-        self.batch_size = batch_size
+        if batch_size is not None and batch_rows is not None and batch_size != batch_rows:
+            raise ValueError(f"batch_size is the former name of batch_rows: give one, "
+                             f"not {batch_size} and {batch_rows}")
+        rows = batch_rows if batch_rows is not None else batch_size
+        #: the batching policy (``runtime.batching``): rows per source read and per full output
+        #: buffer, and seconds buffered output may wait for more (0: sent at the end of every step)
+        self.batching = BatchPolicy(DEFAULT_BATCH_ROWS if rows is None else rows, batch_linger)
         self._nodes: dict[int, Node] = {}
+
+    # -- the batching policy's knobs, like Spark's micro-batch size and Flink's buffer timeout
+    @property
+    def batch_rows(self) -> int:
+        """Rows a source reads at once; an output buffer holding this many is sent."""
+        return self.batching.rows
+
+    @batch_rows.setter
+    def batch_rows(self, rows: int) -> None:
+        self.batching = replace(self.batching, rows=rows)
+
+    #: the former name of ``batch_rows``
+    batch_size = batch_rows
+
+    @property
+    def batch_linger(self) -> float:
+        """Seconds buffered output may wait to fill up to ``batch_rows`` (0: never waits)."""
+        return self.batching.linger
+
+    @batch_linger.setter
+    def batch_linger(self, seconds: float) -> None:
+        self.batching = replace(self.batching, linger=seconds)
 
     # -- the fixed-delay knobs of earlier versions, kept as views of the restart strategy
     @property

@@ -105,6 +105,8 @@ def _result(pipeline, deployment: str, storage, driver, seconds: float):
             "deployment": deployment,
             "parallelism": driver.plan.parallelism,
             "mode": pipeline.mode,
+            "batch_rows": pipeline.batch_rows,
+            "batch_linger": pipeline.batch_linger,
             "job_id": driver.job_id,
         },
         savepoints=list(driver.savepoints_written),

@@ -79,7 +79,7 @@ def build_tasks(
                 gate.reset(start_epoch - 1)
         kind = LoopHeadTask if plan.chains[tid[0]].is_loop_head else Task
         tasks[tid] = kind(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets, tracking,
-                          None if tracker_mode else slack)
+                          None if tracker_mode else slack, getattr(pipeline, "batching", None))
     return tasks
 
 

@@ -119,7 +119,9 @@ class _SimAttempt:
                                  attempt=attempt)
         d.tasks = self.tasks  # the last attempt's tasks (benchmarks read their logs)
         self.savepoints_at = sorted(d.now + t for t in self.cfg.savepoints_at)
-        self.batch = self.cfg.source_batch or d.pipeline.batch_size
+        self.batch = self.cfg.source_batch or d.pipeline.batch_rows
+        #: per task, the flush deadline a ``_on_linger`` event is queued for
+        self.linger_at: dict[Any, float] = {}
         self.sources = [t for t in self.tasks.values() if t.is_source]
         self.trigger_targets = [t for t in self.tasks.values() if t.takes_triggers]  # sources, (aligned) loop heads
         self.events: list[tuple[float, int, Callable[[Any], None], Any]] = []
@@ -295,9 +297,18 @@ class _SimAttempt:
         if cfg.check_invariants:
             task.check_invariants()
         self.handle(task.id, actions, done)
+        due = task.flush_deadline()
+        if due is not None and self.linger_at.get(task.id) != due:  # lingering output: step again when it is due
+            self.linger_at[task.id] = due
+            self.push(due, self._on_linger, task.id)
         if self.trackers:
             self.flush_tracker(task.id[1], done)
         return got
+
+    def _on_linger(self, tid) -> None:
+        due = self.tasks[tid].flush_deadline()
+        if due is not None and due <= self.driver.now:
+            self.schedule_step(tid)
 
     def _on_tracker(self, msg) -> None:
         c = self.controller

@@ -264,7 +264,8 @@ class WorkerLoop:
         self.control.send(Ready(self.index))
         inbound = list(self.peers.values())
         peer_of = {id(c): p for p, c in self.peers.items()}
-        batch = self.pipeline.batch_size
+        batch = self.pipeline.batch_rows
+        lingering = self.pipeline.batch_linger > 0
         while not self.stopping:
             did = self._control()
             ready: list[Any] = wait(inbound, timeout=0) if inbound else []  # Connections: inbound holds no socket
@@ -279,8 +280,10 @@ class WorkerLoop:
                     inbound.remove(conn)
             if self.die_at is not None and self.die_at[0] == "alignment" and any(t.held for t in self.others):
                 self._maybe_die("alignment")
+            now = time.monotonic()
             for task in self.others:
-                if task.has_input():  # mailbox, NEOSS, triggers (loop heads), a restored loop log
+                # mailbox, NEOSS, triggers (loop heads), a restored loop log; or output whose linger is up
+                if task.has_input() or (lingering and (due := task.flush_deadline()) is not None and due <= now):
                     self._handle(task.step(time.monotonic(), STEP_BUDGET))
                     did = True
             throttled = self.pressured or bool(self.peer_pressure)
@@ -304,6 +307,12 @@ class WorkerLoop:
                 due = self.tracker.next_deadline(now)
                 if due is not None:
                     timeout = max(0.0, min(timeout, due - now))
+            if lingering:  # wake for the earliest buffered output that must leave
+                now = time.monotonic()
+                for task in self.tasks.values():
+                    due = task.flush_deadline()
+                    if due is not None:
+                        timeout = max(0.0, min(timeout, due - now))
             if not did:
                 wait(inbound + [self.control], timeout=timeout)
         for task in self.tasks.values():

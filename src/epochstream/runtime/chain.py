@@ -69,10 +69,12 @@ class OutputBuffers:
                 self.keys[channel] = []
         segments.append(batch)
 
-    def drain(self, epoch: int, time: int = 0) -> list[tuple[int, Batch]]:
+    def drain(self, epoch: int, time: int = 0, only: "list[int] | None" = None) -> list[tuple[int, Batch]]:
+        """The buffered output as batches, per channel in FIFO order (``only``: of these channels)."""
         out: list[tuple[int, Batch]] = []
         columns = self.columns
-        for ch, recs in self.records.items():
+        bufs = self.records
+        for ch, recs in (bufs.items() if only is None else [(c, bufs[c]) for c in only]):
             if columns and ch in columns:
                 for records, keys in _merged(columns.pop(ch)):
                     out.append((ch, Batch(epoch, records, keys, 0, time)))
@@ -87,6 +89,13 @@ class OutputBuffers:
     def pending(self) -> int:
         return sum(len(r) for r in self.records.values()) + sum(
             len(seg[0]) if type(seg) is tuple else seg.num_rows for segs in self.columns.values() for seg in segs)
+
+    def fill(self) -> dict[int, int]:
+        """Rows buffered per channel, for the channels holding any (the batching policy's view)."""
+        fill = {ch: len(recs) for ch, recs in self.records.items() if recs}
+        for ch, segs in self.columns.items():
+            fill[ch] = fill.get(ch, 0) + sum(len(seg[0]) if type(seg) is tuple else seg.num_rows for seg in segs)
+        return fill
 
 
 def _merged(segments: list[Any]) -> list[tuple[Any, "list[Any] | None"]]:

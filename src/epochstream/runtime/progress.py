@@ -45,9 +45,12 @@ class Progress(Protocol):
         """True: every batch carries its time label, and a batch never spans two."""
         ...
 
-    def flush(self, epoch: int, label: int, received: list[Batch], actions: list[TaskAction]) -> None:
+    def flush(self, epoch: int, label: int, received: list[Batch], actions: list[TaskAction],
+              only: list[int] | None = None) -> None:
         """Send the buffered output as batches of ``epoch`` (and time label ``label``), then
-        account for the ``received`` batches that caused it; empty ``received``."""
+        account for the ``received`` batches that caused it; empty ``received``. With ``only``
+        (the batching policy sends full channels early) send those channels' output and keep
+        ``received``: what the inputs caused is not all sent yet."""
         ...
 
     def epoch_ended(self, epoch: int, now: float, source: TaskId | None, actions: list[TaskAction]) -> None:
@@ -76,10 +79,12 @@ class InBand:
         self.out = out
         self.out_channels = out_channels
 
-    def flush(self, epoch: int, label: int, received: list[Batch], actions: list[TaskAction]) -> None:
-        for ch, batch in self.out.drain(epoch):
+    def flush(self, epoch: int, label: int, received: list[Batch], actions: list[TaskAction],
+              only: list[int] | None = None) -> None:
+        for ch, batch in self.out.drain(epoch, 0, only):
             actions.append(Send(ch, batch))
-        received.clear()  # nothing to account for: markers follow the batches in band
+        if only is None:
+            received.clear()  # nothing to account for: markers follow the batches in band
 
     def epoch_ended(self, epoch: int, now: float, source: TaskId | None, actions: list[TaskAction]) -> None:
         marker = Marker(epoch)

@@ -44,6 +44,7 @@ from collections import deque
 from typing import Any, Callable
 
 from ..graph.plan import PhysicalPlan
+from .batching import BatchPolicy
 from .chain import ChainRuntime
 from .errors import ProtocolError
 from .eventtime import EventClock
@@ -70,9 +71,11 @@ class Task:
         source_offsets: dict[str, dict[int, int]] | None = None,
         tracking: TaskTracking | None = None,
         event_time_slack: float | None = None,
+        batching: BatchPolicy | None = None,
     ) -> None:
         """``tracking``: None (aligned modes) or a ``TaskTracking`` (trAcker mode, which
-        carries the event-time slack); ``event_time_slack``: the aligned modes' (watermarks)."""
+        carries the event-time slack); ``event_time_slack``: the aligned modes' (watermarks);
+        ``batching``: when output leaves (``runtime.batching``; default: every step)."""
         self.plan = plan
         self.id = task_id
         self.chain = chain
@@ -101,6 +104,13 @@ class Task:
         self._entry_of_channel: dict[int, Push] = {c: chain.entry[plan.channels[c].dst_node] for c in self.inputs}
         self.records_in = 0
         self.exhausted_reported = False
+        policy = batching or BatchPolicy()
+        #: the batching policy: a channel holding ``batch_rows`` rows is sent at the end of a
+        #: step, the rest once its oldest row waited ``linger`` seconds (0: every step sends all)
+        self.batch_rows = policy.rows
+        self.linger = policy.linger
+        #: when the output buffered now began to wait (None: nothing is buffered)
+        self._pending_since: float | None = None
         # -- the source role
         spec = plan.chains[task_id[0]]
         self.is_source = spec.is_source
@@ -131,6 +141,12 @@ class Task:
     # ------------------------------------------------------------ queries
     def has_input(self) -> bool:
         return bool(self.mailbox) or bool(self.triggers) or bool(self.neoss)
+
+    def flush_deadline(self) -> float | None:
+        """When buffered output must leave (a step at or after it sends it), or None if nothing
+        waits. Drivers step a task without input once this passes."""
+        since = self._pending_since
+        return None if since is None else since + self.linger
 
     def source_has_more(self) -> bool:
         return self.reader is not None and self.reader.has_more()
@@ -167,12 +183,18 @@ class Task:
                     clock.out_time = label
                 push(records, None)
                 self.records_in += len(records)
-            self._flush(actions)
+            if reader.has_more():
+                self._flush_due(now, actions)
+            else:  # nothing more will fill the buffers
+                self._flush(actions)
             if reader.timestamp is not None:
                 bound = reader.next_time_promise()
-                if bound is not None:  # after the batches it covers (just flushed)
+                if bound is not None:  # after the batches it covers
+                    self._flush(actions)
                     clock.time_log.append((bound, now))
                     self.progress.time_passed(bound, now, self.id, actions)
+        elif self._pending_since is not None:
+            self._flush_due(now, actions)
         if not self.exhausted_reported and not reader.has_more():
             self.exhausted_reported = True
             actions.append(SourceExhausted(self.id))
@@ -209,7 +231,7 @@ class Task:
                     self._end_epoch(aligned[0], aligned[1], now, actions)
                     self._release_held()
                     break
-        self._flush(actions)
+        self._flush_due(now, actions)
 
     def _on_watermark(self, channel: int, label: int, now: float, actions: list[TaskAction]) -> None:
         """Aligned modes: fire the timers and forward when the input's watermark grows."""
@@ -265,7 +287,31 @@ class Task:
             self.held.clear()
 
     def _flush(self, actions: list[TaskAction]) -> None:
+        """Send all buffered output and account for the input that caused it."""
+        self._pending_since = None
         self.progress.flush(self.epoch, self.clock.out_time, self._received, actions)
+
+    def _flush_due(self, now: float, actions: list[TaskAction]) -> None:
+        """The end of a step: send what the batching policy says is due. Without a linger that
+        is everything; with one, every channel holding ``batch_rows`` rows, and everything once
+        the oldest buffered row waited ``linger`` seconds."""
+        if self.linger <= 0:
+            self._flush(actions)
+            return
+        fill = self.chain.out.fill()
+        if not fill:
+            if self._received:  # the input caused no output: account for it now
+                self._flush(actions)
+            self._pending_since = None
+            return
+        if self._pending_since is None:
+            self._pending_since = now
+        rows = self.batch_rows
+        ready = [ch for ch, n in fill.items() if n >= rows]
+        if len(ready) == len(fill) or now - self._pending_since >= self.linger:
+            self._flush(actions)
+        elif ready:
+            self.progress.flush(self.epoch, self.clock.out_time, self._received, actions, only=ready)
 
     def _end_epoch(self, epoch: int, waited: float, now: float, actions: list[TaskAction]) -> None:
         """Epoch ``epoch`` ends here: snapshot, announce, and go on in ``epoch + 1``."""
@@ -288,6 +334,11 @@ class Task:
             assert self.epoch == self.gate.open_epoch, f"task {self.id}: epoch {self.epoch} != open epoch"
 
     def _check_buffers(self) -> None:
+        if self._pending_since is not None:  # lingering: nothing full, nothing older than the linger
+            assert self.linger > 0, f"task {self.id}: output waits without a linger"
+            fill = self.chain.out.fill()
+            assert fill and max(fill.values()) < self.batch_rows, f"task {self.id}: a full buffer waits: {fill}"
+            return
         assert self.chain.out.pending() == 0, f"task {self.id}: unflushed output after step"
         assert not self._received, f"task {self.id}: received batches not accounted for after step"
         if not self.gate.holding:

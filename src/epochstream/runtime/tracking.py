@@ -74,15 +74,16 @@ class Tracked:
         #: event time on: batches carry labels and are reported in the time dimension too
         self.labels_batches = tracking.slack is not None
 
-    def flush(self, epoch: int, label: int, received: list[Batch], actions: list[TaskAction]) -> None:
+    def flush(self, epoch: int, label: int, received: list[Batch], actions: list[TaskAction],
+              only: list[int] | None = None) -> None:
         tracker, ids, seg_of, timed = self.tracker, self.ids, self.out_segment, self.labels_batches
-        for ch, batch in self.out.drain(epoch, label):
+        for ch, batch in self.out.drain(epoch, label, only):
             batch.id = next(ids)
             tracker.snd(batch.id, batch.epoch, seg_of[ch])
             if timed:
                 tracker.snd(batch.id, batch.time, seg_of[ch], TIME)
             actions.append(Send(ch, batch))
-        if received:
+        if received and only is None:  # a partial flush: the RCVs wait for the rest of the output
             seg = self.segment
             for b in received:
                 tracker.rcv(b.id, b.epoch, seg)
