@@ -54,6 +54,7 @@ from epochstream.oracle import OracleReport, check_exactly_once
 from pipelines import (
     BUILDERS,
     LAYOUTS,
+    SINK_FORMATS,
     SOURCE_RATE,
     check_running_counts,
     committed_counts,
@@ -114,10 +115,13 @@ class Chaos:
     write_failures: tuple[int, ...]
     #: how records travel (``pipelines.LAYOUTS``)
     layout: str = "rows"
+    #: what the FileSinks write (``pipelines.SINK_FORMATS``: JSON lines or Parquet)
+    sink_format: str = "jsonl"
 
     def knobs(self) -> dict:
         return dict(
             **LAYOUTS[self.layout],
+            **SINK_FORMATS[self.sink_format],
             n=N,
             parallelism=self.parallelism,
             batch_size=self.batch_size,
@@ -145,6 +149,7 @@ class Chaos:
 
 
 _ANY_LAYOUT = st.sampled_from(sorted(LAYOUTS))
+_ANY_SINK_FORMAT = st.sampled_from(sorted(SINK_FORMATS))
 
 
 @st.composite
@@ -156,6 +161,7 @@ def chaos(
     kills=st.integers(0, 3),
     write_failures=st.frozensets(st.integers(1, 30), max_size=3),
     layout=_ANY_LAYOUT,
+    sink_format=_ANY_SINK_FORMAT,
 ):
     n_kills = draw(kills)
     return Chaos(
@@ -178,6 +184,7 @@ def chaos(
         ),
         write_failures=tuple(sorted(draw(write_failures))),
         layout=draw(layout),
+        sink_format=draw(sink_format),
     )
 
 
