@@ -187,7 +187,7 @@ class DeltaTimers:
     runs unchanged. Installed only when a Delta backend is measured.
     """
 
-    STEPS = ("fold", "to_spark", "merge", "history", "time_travel")
+    STEPS = ("fold", "merge", "history", "time_travel")
 
     def __init__(self) -> None:
         self.acc = dict.fromkeys(self.STEPS, 0.0)
@@ -206,9 +206,6 @@ class DeltaTimers:
     def install(self) -> None:
         if self.installed:
             return
-        from delta.tables import DeltaMergeBuilder
-        from pyspark.sql import SparkSession
-
         from epochstream.backends import delta
 
         cls = delta.DeltaCheckpointStorage
@@ -216,8 +213,7 @@ class DeltaTimers:
         cls._read_table = staticmethod(self._timed("time_travel", cls._read_table))  # type: ignore[method-assign]
         # the state backend and the sink call tables.history: time it where they look it up
         delta.tables.history = self._timed("history", delta.tables.history)
-        SparkSession.createDataFrame = self._timed("to_spark", SparkSession.createDataFrame)  # type: ignore
-        DeltaMergeBuilder.execute = self._timed("merge", DeltaMergeBuilder.execute)  # type: ignore[method-assign]
+        cls._merge = staticmethod(self._timed("merge", cls._merge))  # type: ignore[method-assign]
         self.installed = True
 
     def take(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.failures import JobFailedError
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
-from epochstream.runtime.errors import ConfigurationError
+from epochstream.runtime.errors import ConfigurationError, SchemaError
 from pipelines import (
     PacedSource,
     RunningCount,
@@ -311,8 +311,8 @@ def test_driver_memory_of_the_local_session_comes_from_the_environment(monkeypat
 
 def test_delta_sink_rejects_records_that_do_not_fit(tmp_path):
     sink = DeltaSink(tmp_path / "t", SCHEMA)
-    with pytest.raises(TypeError, match="does not match the columns"):
+    with pytest.raises(SchemaError, match="does not match the columns"):
         sink.pre_commit("s", 0, 1, "a", [("only-one-field",)])
-    with pytest.raises(TypeError, match="do not fit the schema"):
+    with pytest.raises(SchemaError, match="do not fit the schema"):
         sink.pre_commit("s", 0, 1, "a", [("k", "not-a-number")])
     assert json.loads(sink.encoder(("k", 3))) == {"key": "k", "n": 3}
