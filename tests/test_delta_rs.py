@@ -212,3 +212,17 @@ def test_delta_state_and_sink_on_s3_without_spark(rs_s3_url):
         == {"k0": 20, "k1": 20, "k2": 20}
     out = DeltaSink(f"{rs_s3_url}/out", SCHEMA).read()
     assert sorted((r["key"], r["n"]) for r in out) == sorted((f"k{k}", c) for k in range(3) for c in range(1, 21))
+
+
+def test_damaged_staged_output_and_a_vanished_version_are_clear_errors(tmp_path):
+    from epochstream import CheckpointError
+
+    sink = DeltaSink(tmp_path / "out", SCHEMA)
+    sink.start("out", "job", None)
+    staged = sink.pre_commit("out", 0, 1, "x", [("a", 1)])
+    (sink.path and (tmp_path / "out" / staged)).write_bytes(b"not parquet")
+    with pytest.raises(CheckpointError, match=r"staged output .*e1-s0-ax.parquet is damaged"):
+        sink.commit_epoch("out", 1, [staged])
+    assert sink.epochs() == []  # nothing appended
+    with pytest.raises(CheckpointError, match="version 99 cannot be read"):
+        tables.read_version(sink.path, 99)

@@ -210,10 +210,18 @@ class DeltaSink(TransactionalSink):
         """The staged Parquet files as one Arrow table of the sink's columns (empty if none)."""
         import pyarrow.parquet as pq
 
-        parts = [pq.read_table(pa.BufferReader(self.store.get(self.store.root / rel))) for rel in staged]
+        parts = []
+        for rel in staged:
+            try:
+                t = pq.read_table(pa.BufferReader(self.store.get(self.store.root / rel)))
+                parts.append(t.select(self.schema.names).cast(self.schema))
+            except (pa.ArrowException, KeyError, ValueError) as exc:
+                raise CheckpointError(f"Delta sink {self.path}: staged output {rel} is damaged or not the sink's "
+                                      f"columns ({type(exc).__name__}: {exc}); nothing of its epoch was appended"
+                                      ) from exc
         if not parts:
             return self.schema.empty_table()
-        return pa.concat_tables([t.select(self.schema.names).cast(self.schema) for t in parts])
+        return pa.concat_tables(parts)
 
     def commit(self, staged: Iterable[str]) -> int:
         raise CheckpointError("DeltaSink commits once per epoch (commit_epoch); the job master calls it")

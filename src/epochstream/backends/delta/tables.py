@@ -150,8 +150,15 @@ def parquet_bytes(table: pa.Table) -> bytes:
 
 
 def read_version(path: str, version: int, columns: list[str] | None = None) -> pa.Table:
-    """A table's rows at a Delta version (time travel), as Arrow."""
-    return open_table(path, version).to_pyarrow_table(columns=columns)
+    """A table's rows at a Delta version (time travel), as Arrow; transient faults are retried,
+    a version that is gone (VACUUMed, log cleaned) is a ``CheckpointError`` naming it."""
+    try:
+        table: pa.Table = _retry_commit(lambda: open_table(path, version).to_pyarrow_table(columns=columns))()
+    except Exception as exc:
+        raise CheckpointError(f"Delta table {path}: version {version} cannot be read ({type(exc).__name__}: "
+                              f"{str(exc)[:300]}); was the table's history cleaned (VACUUM, log retention)?"
+                              ) from exc
+    return table
 
 
 # ---------------------------------------------------------------- the commit log
@@ -313,10 +320,18 @@ def create(table: str, schema: pa.Schema, properties: dict[str, str], app_id: st
     from deltalake import DeltaTable
 
     uri, opts = table_uri(table), storage_options(table)
-    if not is_delta_table(table):
-        DeltaTable.create(uri, schema, mode="ignore", storage_options=opts,
-                          commit_properties=commit_properties(app_id, 0))
-    set_properties(table, properties, app_id)
+
+    def run() -> None:
+        if not is_delta_table(table):
+            DeltaTable.create(uri, schema, mode="ignore", storage_options=opts,
+                              commit_properties=commit_properties(app_id, 0))
+        set_properties(table, properties, app_id)
+
+    try:
+        _retry_commit(run)()  # both steps check first: a retry redoes only what is missing
+    except Exception as exc:
+        raise DeltaCommitError(f"Delta table {table}: creating it failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                               f"nothing was written to it but possibly the empty table") from exc
 
 
 def set_properties(table: str, properties: dict[str, str], app_id: str) -> None:
