@@ -173,6 +173,15 @@ def test_committed_state_is_a_plain_delta_table_with_time_travel(spark, tmp_path
     final = {r["key"]: r["n"] for r in spark.read.format("delta").load(str(tmp_path / "out" / "counts"))
              .groupBy("key").max("n").withColumnRenamed("max(n)", "n").collect()}
     assert final == {f"k{i}": N // KEYS for i in range(KEYS)}
+    # the sink table (written by delta-rs) read by Spark at every epoch's version: what delta-rs reads there
+    sink = DeltaSink(tmp_path / "out" / "counts", SCHEMA)
+    assert [e for e, _v in sink.epochs()] == result.completed_epochs
+    for _epoch, version in sink.epochs():
+        by_spark = spark.read.format("delta").option("versionAsOf", version).load(str(sink.path)).collect()
+        assert sorted((r["key"], r["n"]) for r in by_spark) == sorted((r["key"], r["n"]) for r in sink.read(version))
+    described = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").select("version", "userMetadata").collect()
+    assert {json.loads(r["userMetadata"])["epoch"] for r in described if r["userMetadata"]} >= set(
+        result.completed_epochs)  # Spark sees each epoch's transaction label in the history
 
 
 def test_prepared_epoch_is_invisible_until_recovery_commits_it(spark, tmp_path):

@@ -34,6 +34,7 @@ What a process learns about tables (which ones it checked, their typed columns) 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -120,11 +121,18 @@ def is_delta_table(path: str) -> bool:
     delta-rs's own check keeps Python's GIL while it waits, which stalls an S3 server that
     runs in the same process, as the tests' moto does)."""
     if is_remote(path):
-        from .. import open_objects
-
-        store = open_objects(table_uri(path))
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        store = _remote_store(table_uri(path), endpoint)
         return any(True for _ in store.keys(store.root / "_delta_log"))
     return (Path(path.removeprefix("file:")) / "_delta_log").is_dir()
+
+
+@functools.lru_cache(maxsize=64)
+def _remote_store(uri: str, endpoint: str | None) -> Any:
+    """One object-store client per table (and endpoint): a boto3 client costs tens of ms to make."""
+    from .. import open_objects
+
+    return open_objects(uri)
 
 
 def path_has_files(path: str) -> bool:
