@@ -406,11 +406,11 @@ def print_summary(table: list[dict[str, Any]]) -> None:
               f"{r['commit_s']:>7.3f}s {r['later_commit_s']:>7.3f}s {r['restore_s']:>7.3f}s {r['restore_mb']:>8.1f}")
     delta_rows = [r for r in table if "merge_s" in r]
     if delta_rows:
-        print(f"\nDelta commits, epochs after the first (mean s): {'commit':>8} {'fold':>7} {'to_spark':>8} "
+        print(f"\nDelta commits, epochs after the first (mean s): {'commit':>8} {'fold':>7} "
               f"{'merge':>7} {'history':>7} | restore {'total':>7} {'time travel':>11}")
         for r in delta_rows:
             print(f"  {r['backend']:<8} {r['state_mb']:>5}MB {r['snapshot']:<11}{'':>17}{r['later_commit_s']:>8.2f} "
-                  f"{r['fold_s']:>7.2f} {r['to_spark_s']:>8.2f} {r['merge_s']:>7.2f} {r['history_s']:>7.2f} |"
+                  f"{r['fold_s']:>7.2f} {r['merge_s']:>7.2f} {r['history_s']:>7.2f} |"
                   f"{'':>8} {r['restore_s']:>7.2f} {r['restore_time_travel_s']:>11.2f}")
     by = {(r["backend"], r["state_mb"], r["snapshot"]): r for r in table}
     print()

@@ -258,8 +258,10 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         transaction). ``full_ranges``: key-group ranges whose keys missing from the source are
         deleted (None: all of them).
         """
+        # not streamed: delta-rs then reads the source's bounds and prunes target files (measured 1.9 s
+        # against 3.1 s for 50K changes into 100K rows under load); the source is one epoch's changes
         merge = tables.open_table(table).merge(source, _MERGE_ON, source_alias="s", target_alias="t",
-                                               merge_schema=evolve, commit_properties=props)
+                                               merge_schema=evolve, streamed_exec=False, commit_properties=props)
         merge = (
             merge.when_matched_delete("s.value IS NULL")
             .when_matched_update_all()
@@ -297,16 +299,24 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         for ref in map(StateFileRef.from_json, manifest["operators"][uid]["files"]):
             by_subtask.setdefault(ref.subtask, []).append(ref)
         full_ranges: list[tuple[int, int]] | None = [] if last > 0 else None
+        todos = {s: [r for r in chain if r.epoch > last] for s, chain in sorted(by_subtask.items())}
+        # one capture per subtask, all of one epoch (the usual epoch): its rows are unique per
+        # (key, state) and the subtasks own disjoint key groups, so there is nothing to fold
+        single = len({r.epoch for todo in todos.values() for r in todo}) <= 1 and all(
+            len(todo) <= 1 for todo in todos.values())
         links: list[pa.Table] = []
-        for _subtask, chain in sorted(by_subtask.items()):
-            todo = [r for r in chain if r.epoch > last]
+        for todo in todos.values():
             if todo and full_ranges is not None and todo[0].full:
                 lo, hi = todo[0].key_group_range
                 full_ranges.append((lo, hi))
             for ref in todo:
                 t = self.read_state(ref, root)
                 links.append(t.append_column("link", pa.array([len(links)] * t.num_rows, pa.int32())))
-        rows = self._fold(links).select(list(ROW_NAMES))
+        if single and links:
+            rows = pa.concat_tables([t.select(_FOLD_SCHEMA.names).cast(_FOLD_SCHEMA) for t in links])
+        else:
+            rows = self._fold(links)
+        rows = rows.select(list(ROW_NAMES))
         epochs = pa.array([int(manifest["epoch"])] * rows.num_rows, arrow_schema(("epoch",)).field("epoch").type)
         return rows.append_column("epoch", epochs), full_ranges
 
