@@ -176,7 +176,8 @@ def test_committed_state_is_a_plain_delta_table_with_time_travel(spark, tmp_path
     # the sink table (written by delta-rs) read by Spark at every epoch's version: what delta-rs reads there
     sink = DeltaSink(tmp_path / "out" / "counts", SCHEMA)
     assert [e for e, _v in sink.epochs()] == result.completed_epochs
-    for _epoch, version in sink.epochs():
+    epochs = sink.epochs()
+    for _epoch, version in sorted({epochs[0], epochs[len(epochs) // 2], epochs[-1]}):  # a Spark job each
         by_spark = spark.read.format("delta").option("versionAsOf", version).load(str(sink.path)).collect()
         assert sorted((r["key"], r["n"]) for r in by_spark) == sorted((r["key"], r["n"]) for r in sink.read(version))
     described = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").select("version", "userMetadata").collect()
