@@ -30,18 +30,17 @@ shared, so read the numbers with it. Not a test.
     python benchmarks/backends.py [--sizes 10,100,1000] [--backends local,s3,delta,delta-s3] [--epochs 4]
 
 The ``delta`` and ``delta-s3`` backends commit each epoch as the job master does (``commit``
-writes the manifest, then ``commit_epoch`` makes the Delta MERGE, so "commit" includes it) and
-restore as recovery does (``recover_epoch``: time travel to the recorded version, then the rows);
-they need the jars of ``scripts/setup.sh``. ``delta-s3`` keeps checkpoints (boto3) and the Delta
-tables (Spark through S3A, ``spark_session.s3a_conf``) in one bucket of the same moto server as
-``s3``. The local Spark session gets ``--spark-driver-memory`` (6g; the session's default 1g was
-not tried at 1 GB) and no cap on results collected to Python (the time-travel read collects the
-whole table, and 1 GB of state is just under Spark's default ``spark.driver.maxResultSize``).
-Where a Delta commit's time goes is
-measured by timers around delta.py's steps (the ``delta_*_s`` columns): ``fold`` (read the
-epoch's state files and fold them to one row per key), ``to_spark`` (``createDataFrame`` of that
-Arrow table), ``merge`` (the MERGE transaction), ``history`` (reads of the Delta log) and, on
-restore, ``time_travel`` (the table at the recorded version, collected to Arrow).
+writes the manifest, then ``commit_epoch`` makes the Delta MERGE through delta-rs, so "commit"
+includes it) and restore as recovery does (``recover_epoch``: time travel to the recorded version
+by delta-rs, then the rows); no Spark is involved any more (``--spark-driver-memory`` is kept for
+older runs). ``delta-s3`` keeps checkpoints (boto3) and the Delta tables (delta-rs) in one bucket
+of the moto server, which runs in this process: delta-rs keeps the GIL in some calls
+(``alter.set_table_properties`` at table creation) and then stalls an in-process server, so
+``delta-s3`` needs moto in another process to run now (not done here; tests/s3server.py has
+``MotoS3Process``). Where a Delta commit's time goes is measured by timers around the backend's
+steps (the ``delta_*_s`` columns): ``fold`` (read the epoch's state files and fold them to one row
+per key), ``merge`` (the delta-rs MERGE transaction), ``history`` (reads of the Delta log) and,
+on restore, ``time_travel`` (the table at the recorded version, as Arrow).
 """
 
 from __future__ import annotations
