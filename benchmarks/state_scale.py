@@ -155,9 +155,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for b in dict.fromkeys(r["backend"] for r in rows):
-        xs = [r for r in rows if r["backend"] == b]
-        ax.plot([r["epoch"] for r in xs], [r["trigger_to_commit_s"] for r in xs], marker="o", ms=3, label=b)
+    colors = {"files": "tab:blue", "delta": "tab:orange"}
+    for b, rep in dict.fromkeys((r["backend"], r.get("repeat", 0)) for r in rows):
+        xs = [r for r in rows if r["backend"] == b and r.get("repeat", 0) == rep]
+        ax.plot([r["epoch"] for r in xs], [r["trigger_to_commit_s"] for r in xs], marker="o", ms=3,
+                color=colors.get(b), alpha=0.8, label=f"{b} (run {int(rep) + 1})")
     ax.set_xlabel("epoch")
     ax.set_ylabel("trigger -> commit (s)")
     k = rows[0]["keys"] if rows else 0
