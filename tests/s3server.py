@@ -59,6 +59,35 @@ class MotoS3:
     def stop(self) -> None:
         self.server.stop()
 
+    def client(self, endpoint: str | None = None, key: str = FAKE_KEY, secret: str = FAKE_SECRET):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.session.Session().client(
+            "s3", endpoint_url=endpoint or self.url, region_name=REGION, aws_access_key_id=key,
+            aws_secret_access_key=secret, config=Config(s3={"addressing_style": "path"}))
+
+    def iam(self):
+        import boto3
+
+        return boto3.session.Session().client("iam", endpoint_url=self.url, region_name=REGION,
+                                              aws_access_key_id=FAKE_KEY, aws_secret_access_key=FAKE_SECRET)
+
+    def require_auth(self, on: bool) -> None:
+        """Switch moto's request authentication on (every request checked against its IAM
+        users and signatures) or off (any key accepted), server-wide."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        conn.request("POST", "/moto-api/reset-auth", body=b"0" if on else b"inf")
+        resp = conn.getresponse()
+        resp.read()
+        conn.close()
+        assert resp.status == 200, resp.status
+
+    def new_bucket(self, label: str = "t") -> str:
+        name = f"es-{re.sub(r'[^a-z0-9-]', '-', label.lower())[:40]}-{next(_buckets)}".strip("-")
+        self.client().create_bucket(Bucket=name)
+        return name
+
 
 class MotoS3Process(MotoS3):
     """moto's server in a child process: for clients that keep Python's GIL while they wait for
@@ -88,35 +117,6 @@ class MotoS3Process(MotoS3):
             self.proc.wait(10)
         except Exception:
             self.proc.kill()
-
-    def client(self, endpoint: str | None = None, key: str = FAKE_KEY, secret: str = FAKE_SECRET):
-        import boto3
-        from botocore.config import Config
-
-        return boto3.session.Session().client(
-            "s3", endpoint_url=endpoint or self.url, region_name=REGION, aws_access_key_id=key,
-            aws_secret_access_key=secret, config=Config(s3={"addressing_style": "path"}))
-
-    def iam(self):
-        import boto3
-
-        return boto3.session.Session().client("iam", endpoint_url=self.url, region_name=REGION,
-                                              aws_access_key_id=FAKE_KEY, aws_secret_access_key=FAKE_SECRET)
-
-    def require_auth(self, on: bool) -> None:
-        """Switch moto's request authentication on (every request checked against its IAM
-        users and signatures) or off (any key accepted), server-wide."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        conn.request("POST", "/moto-api/reset-auth", body=b"0" if on else b"inf")
-        resp = conn.getresponse()
-        resp.read()
-        conn.close()
-        assert resp.status == 200, resp.status
-
-    def new_bucket(self, label: str = "t") -> str:
-        name = f"es-{re.sub(r'[^a-z0-9-]', '-', label.lower())[:40]}-{next(_buckets)}".strip("-")
-        self.client().create_bucket(Bucket=name)
-        return name
 
 
 # ---------------------------------------------------------------- fault-injecting proxy
