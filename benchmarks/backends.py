@@ -30,18 +30,17 @@ shared, so read the numbers with it. Not a test.
     python benchmarks/backends.py [--sizes 10,100,1000] [--backends local,s3,delta,delta-s3] [--epochs 4]
 
 The ``delta`` and ``delta-s3`` backends commit each epoch as the job master does (``commit``
-writes the manifest, then ``commit_epoch`` makes the Delta MERGE, so "commit" includes it) and
-restore as recovery does (``recover_epoch``: time travel to the recorded version, then the rows);
-they need the jars of ``scripts/setup.sh``. ``delta-s3`` keeps checkpoints (boto3) and the Delta
-tables (Spark through S3A, ``spark_session.s3a_conf``) in one bucket of the same moto server as
-``s3``. The local Spark session gets ``--spark-driver-memory`` (6g; the session's default 1g was
-not tried at 1 GB) and no cap on results collected to Python (the time-travel read collects the
-whole table, and 1 GB of state is just under Spark's default ``spark.driver.maxResultSize``).
-Where a Delta commit's time goes is
-measured by timers around delta.py's steps (the ``delta_*_s`` columns): ``fold`` (read the
-epoch's state files and fold them to one row per key), ``to_spark`` (``createDataFrame`` of that
-Arrow table), ``merge`` (the MERGE transaction), ``history`` (reads of the Delta log) and, on
-restore, ``time_travel`` (the table at the recorded version, collected to Arrow).
+writes the manifest, then ``commit_epoch`` makes the Delta MERGE through delta-rs, so "commit"
+includes it) and restore as recovery does (``recover_epoch``: time travel to the recorded version
+by delta-rs, then the rows); no Spark is involved any more (``--spark-driver-memory`` is kept for
+older runs). ``delta-s3`` keeps checkpoints (boto3) and the Delta tables (delta-rs) in one bucket
+of the moto server, which runs in this process: delta-rs keeps the GIL in some calls
+(``alter.set_table_properties`` at table creation) and then stalls an in-process server, so
+``delta-s3`` needs moto in another process to run now (not done here; tests/s3server.py has
+``MotoS3Process``). Where a Delta commit's time goes is measured by timers around the backend's
+steps (the ``delta_*_s`` columns): ``fold`` (read the epoch's state files and fold them to one row
+per key), ``merge`` (the delta-rs MERGE transaction), ``history`` (reads of the Delta log) and,
+on restore, ``time_travel`` (the table at the recorded version, as Arrow).
 """
 
 from __future__ import annotations
@@ -187,7 +186,7 @@ class DeltaTimers:
     runs unchanged. Installed only when a Delta backend is measured.
     """
 
-    STEPS = ("fold", "to_spark", "merge", "history", "time_travel")
+    STEPS = ("fold", "merge", "history", "time_travel")
 
     def __init__(self) -> None:
         self.acc = dict.fromkeys(self.STEPS, 0.0)
@@ -206,9 +205,6 @@ class DeltaTimers:
     def install(self) -> None:
         if self.installed:
             return
-        from delta.tables import DeltaMergeBuilder
-        from pyspark.sql import SparkSession
-
         from epochstream.backends import delta
 
         cls = delta.DeltaCheckpointStorage
@@ -216,8 +212,7 @@ class DeltaTimers:
         cls._read_table = staticmethod(self._timed("time_travel", cls._read_table))  # type: ignore[method-assign]
         # the state backend and the sink call tables.history: time it where they look it up
         delta.tables.history = self._timed("history", delta.tables.history)
-        SparkSession.createDataFrame = self._timed("to_spark", SparkSession.createDataFrame)  # type: ignore
-        DeltaMergeBuilder.execute = self._timed("merge", DeltaMergeBuilder.execute)  # type: ignore[method-assign]
+        cls._merge = staticmethod(self._timed("merge", cls._merge))  # type: ignore[method-assign]
         self.installed = True
 
     def take(self) -> dict[str, Any]:
@@ -410,11 +405,11 @@ def print_summary(table: list[dict[str, Any]]) -> None:
               f"{r['commit_s']:>7.3f}s {r['later_commit_s']:>7.3f}s {r['restore_s']:>7.3f}s {r['restore_mb']:>8.1f}")
     delta_rows = [r for r in table if "merge_s" in r]
     if delta_rows:
-        print(f"\nDelta commits, epochs after the first (mean s): {'commit':>8} {'fold':>7} {'to_spark':>8} "
+        print(f"\nDelta commits, epochs after the first (mean s): {'commit':>8} {'fold':>7} "
               f"{'merge':>7} {'history':>7} | restore {'total':>7} {'time travel':>11}")
         for r in delta_rows:
             print(f"  {r['backend']:<8} {r['state_mb']:>5}MB {r['snapshot']:<11}{'':>17}{r['later_commit_s']:>8.2f} "
-                  f"{r['fold_s']:>7.2f} {r['to_spark_s']:>8.2f} {r['merge_s']:>7.2f} {r['history_s']:>7.2f} |"
+                  f"{r['fold_s']:>7.2f} {r['merge_s']:>7.2f} {r['history_s']:>7.2f} |"
                   f"{'':>8} {r['restore_s']:>7.2f} {r['restore_time_travel_s']:>11.2f}")
     by = {(r["backend"], r["state_mb"], r["snapshot"]): r for r in table}
     print()

@@ -27,7 +27,7 @@ def pytest_unconfigure(config):
         os._exit(_status[-1])
 
 # the S3 fixtures (moto's HTTP server, a fault-injecting proxy) for every test module
-from s3server import fault_proxy, moto_s3, s3_env, s3_url  # noqa: E402,F401
+from s3server import fault_proxy, moto_s3, moto_s3_process, s3_env, s3_url  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")

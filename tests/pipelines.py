@@ -78,6 +78,7 @@ from epochstream.deploy.sim import FailureSchedule, SimConfig
 __all__ = [
     "BUILDERS",
     "LAYOUTS",
+    "SINK_FORMATS",
     "SOURCE_RATE",
     "BatchRunningCount",
     "CollectIds",
@@ -112,7 +113,7 @@ class _PlaceholderSink(FileSink):
     staging output through it fails, so no test writes to a shared folder by mistake."""
 
     def relocated(self, path) -> FileSink:
-        return FileSink(path, self.encoder, self.decoder)
+        return FileSink(path, self._encoder, self._decoder, self.format, self.schema)
 
     def pre_commit(self, uid, subtask, epoch, attempt, records):
         raise RuntimeError(
@@ -290,14 +291,16 @@ def make_pipeline(
     )
 
 
-def _sink(out: str | Path | None, uid: str) -> FileSink:
+def _sink(out: str | Path | None, uid: str, sink_format: str = "jsonl") -> FileSink:
+    """The FileSink of sink ``uid`` (``sink_format``: ``jsonl`` or ``parquet``, ``SINK_FORMATS``)."""
     if out is None:
-        return _PlaceholderSink(Path(tempfile.gettempdir()) / "epochstream-placeholder-sink" / uid)
-    return FileSink(location(out) / uid)  # a local folder or an s3:// prefix
+        where = Path(tempfile.gettempdir()) / "epochstream-placeholder-sink" / uid
+        return _PlaceholderSink(where, format=sink_format)
+    return FileSink(location(out) / uid, format=sink_format)  # a local folder or an s3:// prefix
 
 
 def running_count(*, n: int = 300, keys: int = 7, out=None, emit_ids: bool = False, columnar: bool = False,
-                  **knobs: Any) -> Pipeline:
+                  sink_format: str = "jsonl", **knobs: Any) -> Pipeline:
     """collection -> key_by(key) -> RunningCount [uid "count"] -> sink "counts".
 
     Emits ``(key, n)``; with ``emit_ids=True`` ``(key, n, id)`` (not for the oracle).
@@ -310,19 +313,20 @@ def running_count(*, n: int = 300, keys: int = 7, out=None, emit_ids: bool = Fal
             p.from_arrow(arrow_input(n, keys), uid="src")
             .key_by("key")
             .process_batches(BatchRunningCount(emit_ids), uid="count")
-            .sink(_sink(out, "counts"), uid="counts")
+            .sink(_sink(out, "counts", sink_format), uid="counts")
         )
         return p
     (
         p.from_collection(input_records(n, keys), uid="src")
         .key_by(_key)
         .process(RunningCount(emit_ids), uid="count")
-        .sink(_sink(out, "counts"), uid="counts")
+        .sink(_sink(out, "counts", sink_format), uid="counts")
     )
     return p
 
 
-def list_state(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False, **knobs: Any) -> Pipeline:
+def list_state(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False,
+              sink_format: str = "jsonl", **knobs: Any) -> Pipeline:
     """collection -> key_by -> CollectIds [uid "ids"] (ListState of ids) -> sink "lengths".
     ``columnar``: from_arrow -> key_by("key") -> CollectIds (a row function on Arrow batches)."""
     p = make_pipeline("list-state", **knobs)
@@ -332,13 +336,13 @@ def list_state(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False,
         src
         .key_by("key" if columnar else _key)
         .process(CollectIds(), uid="ids")
-        .sink(_sink(out, "lengths"), uid="lengths")
+        .sink(_sink(out, "lengths", sink_format), uid="lengths")
     )
     return p
 
 
 def histogram(*, n: int = 300, keys: int = 5, buckets: int = 4, out=None, columnar: bool = False,
-              **knobs: Any) -> Pipeline:
+              sink_format: str = "jsonl", **knobs: Any) -> Pipeline:
     """generate -> key_by -> Histogram [uid "hist"] (MapState bucket -> count) -> sink "hist".
     ``columnar``: generate_batches (blocks of 16 rows) -> key_by("key") -> Histogram."""
     p = make_pipeline("histogram", **knobs)
@@ -350,7 +354,7 @@ def histogram(*, n: int = 300, keys: int = 5, buckets: int = 4, out=None, column
         src
         .key_by("key" if columnar else _key)
         .process(Histogram(buckets), uid="hist")
-        .sink(_sink(out, "hist"), uid="hist-out")
+        .sink(_sink(out, "hist", sink_format), uid="hist-out")
     )
     return p
 
@@ -377,7 +381,7 @@ def _explode_row(record: dict) -> list[dict]:
 
 
 def union_chain(*, n: int = 300, out=None, emit_ids: bool = False, columnar: bool = False,
-                **knobs: Any) -> Pipeline:
+                sink_format: str = "jsonl", **knobs: Any) -> Pipeline:
     """Two sources, union, rebalance, map/flat_map/filter, then a keyed running count.
 
     ``a`` = collection of ids 0..n-1; ``b`` = generate ids 100000..100000+n/2-1,
@@ -399,8 +403,8 @@ def union_chain(*, n: int = 300, out=None, emit_ids: bool = False, columnar: boo
             .flat_map(_explode_row)
             .filter(lambda r: r["id"] % 7 != 3)
         )
-        a.union(b).key_by("key").process(RunningCount(emit_ids), uid="count").sink(_sink(out, "counts"),
-                                                                                 uid="counts")
+        a.union(b).key_by("key").process(RunningCount(emit_ids), uid="count").sink(
+            _sink(out, "counts", sink_format), uid="counts")
         return p
     a = p.from_collection(input_records(n, 4), uid="a")
     b = (
@@ -410,7 +414,8 @@ def union_chain(*, n: int = 300, out=None, emit_ids: bool = False, columnar: boo
         .flat_map(_explode)
         .filter(lambda r: r[1] % 7 != 3)
     )
-    a.union(b).key_by(_key).process(RunningCount(emit_ids), uid="count").sink(_sink(out, "counts"), uid="counts")
+    a.union(b).key_by(_key).process(RunningCount(emit_ids), uid="count").sink(
+        _sink(out, "counts", sink_format), uid="counts")
     return p
 
 
@@ -429,7 +434,8 @@ def _with_bucket(batch: pa.RecordBatch) -> pa.RecordBatch:
     return batch.append_column("m", _prefixed("m", _mod(batch.column("id"), 3)))
 
 
-def two_stage(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False, **knobs: Any) -> Pipeline:
+def two_stage(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False,
+              sink_format: str = "jsonl", **knobs: Any) -> Pipeline:
     """Two keyed stages in sequence: process -> key_by -> process.
 
     collection -> key_by(key) -> TagWithCount [uid "stage1"] (ValueState, passes records on)
@@ -446,7 +452,7 @@ def two_stage(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False, 
             .process(TagWithCount(), uid="stage1")
             .key_by("m")
             .process(CollectIds(), uid="stage2")
-            .sink(_sink(out, "stage2-out"), uid="stage2-out")
+            .sink(_sink(out, "stage2-out", sink_format), uid="stage2-out")
         )
         return p
     (
@@ -455,29 +461,32 @@ def two_stage(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False, 
         .process(TagWithCount(), uid="stage1")
         .key_by(lambda r: f"m{r[1] % 3}")
         .process(CollectIds(), uid="stage2")
-        .sink(_sink(out, "stage2-out"), uid="stage2-out")
+        .sink(_sink(out, "stage2-out", sink_format), uid="stage2-out")
     )
     return p
 
 
-def two_sinks(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False, **knobs: Any) -> Pipeline:
+def two_sinks(*, n: int = 300, keys: int = 7, out=None, columnar: bool = False,
+              sink_format: str = "jsonl", **knobs: Any) -> Pipeline:
     """One source feeding two sinks: the raw records to sink "raw" (every id once) and a
     keyed running count [uid "count"] to sink "counts". ``columnar``: the source is from_arrow,
     the raw branch a row map over its batches, the count keyed by column "key"."""
     p = make_pipeline("two-sinks", **knobs)
     if columnar:
         src = p.from_arrow(arrow_input(n, keys), uid="src")
-        src.map(lambda r: ["raw", r["key"], r["id"]]).sink(_sink(out, "raw"), uid="raw")
+        src.map(lambda r: ["raw", r["key"], r["id"]]).sink(_sink(out, "raw", sink_format), uid="raw")
     else:
         src = p.from_collection(input_records(n, keys), uid="src")
-        src.map(lambda r: ["raw", r[0], r[1]]).sink(_sink(out, "raw"), uid="raw")
-    src.key_by("key" if columnar else _key).process(RunningCount(), uid="count").sink(_sink(out, "counts"),
-                                                                                     uid="counts")
+        src.map(lambda r: ["raw", r[0], r[1]]).sink(_sink(out, "raw", sink_format), uid="raw")
+    src.key_by("key" if columnar else _key).process(RunningCount(), uid="count").sink(
+        _sink(out, "counts", sink_format), uid="counts")
     return p
 
 
 #: how records travel, for parametrized tests: builder knobs of each layout (every builder takes them)
 LAYOUTS = {"rows": {}, "columns": {"columnar": True}}
+#: the FileSink formats, for parametrized tests: builder knobs of each (every builder takes them)
+SINK_FORMATS = {"jsonl": {}, "parquet": {"sink_format": "parquet"}}
 
 #: name -> builder, for parametrized tests
 BUILDERS = {
@@ -516,14 +525,21 @@ def sim_run(
 
 
 def committed_output(sink_dir: str | Path) -> list[Any]:
-    """Committed records of one FileSink folder (``part-*.jsonl``; staging is ignored).
+    """Committed records of one FileSink folder (``part-*.jsonl`` or ``part-*.parquet``;
+    staging is ignored).
 
-    JSON turns tuples into lists; records come back in file-name order (epoch, subtask).
+    JSON turns tuples into lists, and a Parquet row comes back as the list of its column
+    values in column order; records come back in file-name order (epoch, subtask).
     """
+    import pyarrow.parquet as pq
+
     out: list[Any] = []
-    for p in sorted(Path(sink_dir).glob("part-*.jsonl")):
-        with open(p, encoding="utf-8") as f:
-            out.extend(json.loads(line) for line in f if line.strip())
+    for p in sorted(Path(sink_dir).glob("part-*")):
+        if p.suffix == ".parquet":
+            out.extend(list(row.values()) for row in pq.read_table(p).to_pylist())
+        elif p.suffix == ".jsonl":
+            with open(p, encoding="utf-8") as f:
+                out.extend(json.loads(line) for line in f if line.strip())
     return out
 
 

@@ -89,6 +89,36 @@ class MotoS3:
         return name
 
 
+class MotoS3Process(MotoS3):
+    """moto's server in a child process: for clients that keep Python's GIL while they wait for
+    an answer (delta-rs does in some calls), which an in-process server could then never give."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto server did not start on port {self.port}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except Exception:
+            self.proc.kill()
+
+
 # ---------------------------------------------------------------- fault-injecting proxy
 
 
@@ -233,6 +263,13 @@ class FaultProxy:
 @pytest.fixture(scope="session")
 def moto_s3():
     server = MotoS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_s3_process():
+    server = MotoS3Process()
     yield server
     server.stop()
 

@@ -36,7 +36,7 @@ from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.failures import JobFailedError
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
-from epochstream.runtime.errors import ConfigurationError
+from epochstream.runtime.errors import ConfigurationError, SchemaError
 from pipelines import (
     PacedSource,
     RunningCount,
@@ -173,6 +173,16 @@ def test_committed_state_is_a_plain_delta_table_with_time_travel(spark, tmp_path
     final = {r["key"]: r["n"] for r in spark.read.format("delta").load(str(tmp_path / "out" / "counts"))
              .groupBy("key").max("n").withColumnRenamed("max(n)", "n").collect()}
     assert final == {f"k{i}": N // KEYS for i in range(KEYS)}
+    # the sink table (written by delta-rs) read by Spark at every epoch's version: what delta-rs reads there
+    sink = DeltaSink(tmp_path / "out" / "counts", SCHEMA)
+    assert [e for e, _v in sink.epochs()] == result.completed_epochs
+    epochs = sink.epochs()
+    for _epoch, version in sorted({epochs[0], epochs[len(epochs) // 2], epochs[-1]}):  # a Spark job each
+        by_spark = spark.read.format("delta").option("versionAsOf", version).load(str(sink.path)).collect()
+        assert sorted((r["key"], r["n"]) for r in by_spark) == sorted((r["key"], r["n"]) for r in sink.read(version))
+    described = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").select("version", "userMetadata").collect()
+    assert {json.loads(r["userMetadata"])["epoch"] for r in described if r["userMetadata"]} >= set(
+        result.completed_epochs)  # Spark sees each epoch's transaction label in the history
 
 
 def test_prepared_epoch_is_invisible_until_recovery_commits_it(spark, tmp_path):
@@ -311,8 +321,8 @@ def test_driver_memory_of_the_local_session_comes_from_the_environment(monkeypat
 
 def test_delta_sink_rejects_records_that_do_not_fit(tmp_path):
     sink = DeltaSink(tmp_path / "t", SCHEMA)
-    with pytest.raises(TypeError, match="does not match the columns"):
+    with pytest.raises(SchemaError, match="does not match the columns"):
         sink.pre_commit("s", 0, 1, "a", [("only-one-field",)])
-    with pytest.raises(TypeError, match="do not fit the schema"):
+    with pytest.raises(SchemaError, match="do not fit the schema"):
         sink.pre_commit("s", 0, 1, "a", [("k", "not-a-number")])
     assert json.loads(sink.encoder(("k", 3))) == {"key": "k", "n": 3}

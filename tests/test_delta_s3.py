@@ -37,10 +37,10 @@ N, KEYS = 80, 4
 
 
 @pytest.fixture(scope="module")
-def s3_spark(moto_s3):
+def s3_spark(moto_s3_process):
     """AWS_* pointed at moto for the whole module, then one Spark session that inherits them."""
     env = {"AWS_ACCESS_KEY_ID": FAKE_KEY, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET, "AWS_DEFAULT_REGION": REGION,
-           "AWS_ENDPOINT_URL": moto_s3.url}
+           "AWS_ENDPOINT_URL": moto_s3_process.url}
     saved = {k: os.environ.get(k) for k in [*env, "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"]}
     os.environ.update(env)
     for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
@@ -117,11 +117,11 @@ class FailPointLog:
 
 @pytest.mark.timeout(1500)  # S3A to moto makes many requests per Delta commit; minutes under load
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])
-def test_exactly_once_with_delta_on_s3_crashing_at_every_point(s3_spark, moto_s3, monkeypatch, mode):
+def test_exactly_once_with_delta_on_s3_crashing_at_every_point(s3_spark, moto_s3_process, monkeypatch, mode):
     """The oracle with checkpoints, state tables and the sink table all under s3:// (S3A for
     Spark), crashes at every point of the two-phase commit (``CHAOS``); re-issued commits never
     duplicate: each table holds one transaction per completed epoch."""
-    bucket = moto_s3.new_bucket(f"delta-{mode}")
+    bucket = moto_s3_process.new_bucket(f"delta-{mode}")
     work = f"s3://{bucket}/oracle"
     points = FailPointLog()
     runs = {}

@@ -71,38 +71,31 @@ def test_local_history_is_read_from_the_delta_log_newest_first(tmp_path):
     assert version_of_epoch(str(tmp_path), "other", 3) is None
 
 
-class _Field:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        from pyspark.sql import types as T
+def test_typed_columns_are_cached_per_table_version_and_per_writer(tmp_path, monkeypatch):
+    """Typed columns come from the table's schema (read by delta-rs) once per version and writer."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
 
-        self.dataType = T.LongType()
+    table = str(tmp_path / "tbl")
+    tables.create(table, pa.schema([("key_group", pa.int32()), ("typed_count", pa.int64())]),
+                  {tables.FORMAT_PROPERTY: tables.STATE_FORMAT}, "app")  # versions 0 (CREATE) and 1 (properties)
+    reads = []
+    real = tables.open_table
 
+    def counting(path, version=None):
+        reads.append(version)
+        return real(path, version)
 
-class _CountingTables(DeltaTables):
-    """A DeltaTables whose table schema is a list of typed column names, counting the reads."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.columns = ["typed_count"]
-        self.reads = 0
-
-    def open(self, table: str) -> Any:
-        self.reads += 1
-        fields = [_Field(n) for n in ["key_group", *self.columns]]
-        schema = type("S", (), {"fields": fields})
-        return type("T", (), {"toDF": lambda _self: type("D", (), {"schema": schema})()})()
-
-
-def test_typed_columns_are_cached_per_table_version_and_per_writer():
-    pytest.importorskip("pyspark")
-    t = _CountingTables()
+    monkeypatch.setattr(tables, "open_table", counting)
+    t = DeltaTables()
     bigint = TypeInformation.from_json("BIGINT")
-    assert t.typed_columns("tbl", 4) == {"typed_count": bigint}
-    assert t.typed_columns("tbl", 4) == {"typed_count": bigint} and t.reads == 1
-    t.keep_columns("tbl", 4, 5)  # our commit 5 kept the schema
-    assert t.typed_columns("tbl", 5) == {"typed_count": bigint} and t.reads == 1
-    t.columns.append("typed_sum")  # version 7 evolved the schema (not by a commit that kept it)
-    t.keep_columns("tbl", 5, 7)
-    assert set(t.typed_columns("tbl", 7)) == {"typed_count", "typed_sum"} and t.reads == 2
-    assert _CountingTables().typed_columns("tbl", 7) == {"typed_count": bigint}  # nothing shared between writers
+    assert t.typed_columns(table, 1) == {"typed_count": bigint}
+    assert t.typed_columns(table, 1) == {"typed_count": bigint} and len(reads) == 1
+    t.keep_columns(table, 1, 2)  # our commit 2 kept the schema: no read for it
+    assert t.typed_columns(table, 2) == {"typed_count": bigint} and len(reads) == 1
+    write_deltalake(table, pa.table({"key_group": pa.array([1], pa.int32()), "typed_count": [1], "typed_sum": [2.0]}),
+                    mode="append", schema_mode="merge")  # version 2 evolves the schema (someone else's commit)
+    t2 = DeltaTables()
+    assert set(t2.typed_columns(table, 2)) == {"typed_count", "typed_sum"} and len(reads) == 2
+    assert t2.typed_columns(table, 2)["typed_sum"] == TypeInformation.from_json("DOUBLE")
+    assert DeltaTables().typed_columns(table, 1) == {"typed_count": bigint}  # nothing shared between writers

@@ -55,6 +55,7 @@ from epochstream.oracle import OracleReport, check_exactly_once
 from pipelines import (
     BUILDERS,
     LAYOUTS,
+    SINK_FORMATS,
     SOURCE_RATE,
     check_running_counts,
     committed_counts,
@@ -117,10 +118,13 @@ class Chaos:
     layout: str = "rows"
     #: the batching policy's linger, virtual seconds (0: output leaves at the end of every step)
     batch_linger: float = 0.0
+    #: what the FileSinks write (``pipelines.SINK_FORMATS``: JSON lines or Parquet)
+    sink_format: str = "jsonl"
 
     def knobs(self) -> dict:
         return dict(
             **LAYOUTS[self.layout],
+            **SINK_FORMATS[self.sink_format],
             n=N,
             parallelism=self.parallelism,
             batch_size=self.batch_size,
@@ -151,6 +155,7 @@ class Chaos:
 _ANY_LAYOUT = st.sampled_from(sorted(LAYOUTS))
 #: the batching policy's linger (virtual seconds): none, shorter than an epoch, longer than one
 LINGERS = st.sampled_from([0.0, 0.0001, 0.002])
+_ANY_SINK_FORMAT = st.sampled_from(sorted(SINK_FORMATS))
 
 
 @st.composite
@@ -163,6 +168,7 @@ def chaos(
     write_failures=st.frozensets(st.integers(1, 30), max_size=3),
     layout=_ANY_LAYOUT,
     batch_linger=LINGERS,
+    sink_format=_ANY_SINK_FORMAT,
 ):
     n_kills = draw(kills)
     return Chaos(
@@ -186,6 +192,7 @@ def chaos(
         write_failures=tuple(sorted(draw(write_failures))),
         layout=draw(layout),
         batch_linger=draw(batch_linger),
+        sink_format=draw(sink_format),
     )
 
 

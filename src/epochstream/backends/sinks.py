@@ -1,8 +1,12 @@
 """Transactional sinks: output is staged per epoch (pre-commit) and made visible on commit.
 
 A FileSink writes each subtask's output of epoch n to
-``PATH/_staging/<uid>/e<n>-s<subtask>-a<attempt>.jsonl`` when the epoch's snapshot is taken,
-and moves it to ``PATH/part-e<n>-<uid>-s<subtask>.jsonl`` when the epoch commits.
+``PATH/_staging/<uid>/e<n>-s<subtask>-a<attempt>.<ext>`` when the epoch's snapshot is taken,
+and moves it to ``PATH/part-e<n>-<uid>-s<subtask>.<ext>`` when the epoch commits. ``<ext>`` is
+``jsonl`` (one encoded line per record, the default) or ``parquet`` (``format="parquet"``: one
+Parquet file per subtask per epoch, so ``PATH`` is a dataset folder that pandas, pyarrow and
+Spark read as it is). A Parquet sink takes Arrow batches whole (``write_batch``) and makes
+rows into Arrow once per batch.
 Readers (Spark, pandas, ``FileSink.read``) skip ``_``-prefixed folders, as Hadoop does, so
 they only ever see committed output. ``PATH`` is a local folder or an S3 prefix
 (``s3://bucket/prefix``): the sink works on the same ``ObjectStore`` as checkpoint storage.
@@ -20,11 +24,14 @@ import os
 import re
 from typing import Any, Callable, Iterable
 
+from ..runtime.errors import ConfigurationError, SchemaError
 from .base import TransactionalSink
 from .objects import safe_name as _safe
 
 STAGING = "_staging"
-_PART = re.compile(r"part-e(\d+)-(.*)-s(\d+)\.jsonl$")
+_PART = re.compile(r"part-e(\d+)-(.*)-s(\d+)\.(jsonl|parquet)$")
+#: the file formats a FileSink writes, by extension
+FORMATS = ("jsonl", "parquet")
 
 log = logging.getLogger(__name__)
 
@@ -34,50 +41,111 @@ def _default_encoder(record: Any) -> str:
 
 
 class FileSink(TransactionalSink):
-    """Exactly-once JSON-lines (or custom line format) files, one per subtask per epoch.
+    """Exactly-once files, one per subtask per epoch: JSON lines (or a custom line format), or
+    Parquet (``format="parquet"``).
 
     ``path`` is a local folder or ``s3://bucket/prefix`` (credentials and endpoint from the
-    usual boto3 chain, e.g. ``AWS_ENDPOINT_URL``)."""
+    usual boto3 chain, e.g. ``AWS_ENDPOINT_URL``).
+
+    Parquet records are Arrow batches (taken whole), dicts (column -> value), tuples or lists
+    (columns ``_1``, ``_2``, ... as Spark names them, or ``schema``'s names in order) or
+    single values (column ``value``). ``schema`` (a pyarrow schema or (name, type) pairs)
+    fixes the columns and types; without it they are inferred per epoch and file.
+    """
 
     def __init__(self, path: Any, encoder: Callable[[Any], str] | None = None,
-                 decoder: Callable[[str], Any] | None = None) -> None:
+                 decoder: Callable[[str], Any] | None = None, format: str = "jsonl",
+                 schema: Any = None) -> None:
         from . import open_objects
 
+        if format not in FORMATS:
+            raise ConfigurationError(f"FileSink({str(path)!r}): format {format!r} is not one of {FORMATS}")
+        if format == "parquet" and (encoder is not None or decoder is not None):
+            raise ConfigurationError(f"FileSink({str(path)!r}): a Parquet sink writes columns; an encoder or "
+                                     f"decoder applies to the jsonl format only")
         self.store = open_objects(path)
         self.path = self.store.root
-        self.encoder = encoder or _default_encoder
-        self.decoder = decoder or json.loads
+        self.format = format
+        self.schema = _arrow_schema(schema)
+        if format == "parquet":
+            self.encoder: Callable[[Any], str] = self._canonical
+            self.decoder: Callable[[str], Any] = json.loads
+        else:
+            self.encoder = encoder or _default_encoder
+            self.decoder = decoder or json.loads
+        self._encoder, self._decoder = encoder, decoder
 
     def __repr__(self) -> str:
-        return f"FileSink({str(self.path)!r})"
+        extra = "" if self.format == "jsonl" else f", format={self.format!r}"
+        return f"FileSink({str(self.path)!r}{extra})"
 
     def relocated(self, path: Any) -> "FileSink":
         """The same sink writing elsewhere (the oracle runs a job twice)."""
-        return type(self)(path, self.encoder, self.decoder)
+        return type(self)(path, self._encoder, self._decoder, self.format, self.schema)
 
-    def writer(self) -> "_LineWriter":
+    def writer(self) -> "_LineWriter | _ColumnWriter":
         """Per-subtask writer: encodes records as they arrive (strings, not tuples, wait for
-        the epoch's end: less memory, and nothing for the garbage collector to scan)."""
+        the epoch's end: less memory, and nothing for the garbage collector to scan); a
+        Parquet sink's writer keeps Arrow batches (rows become one batch per call)."""
+        if self.format == "parquet":
+            return _ColumnWriter(self._row, self.schema, repr(self))
         return _LineWriter(self.encoder)
 
+    # ------------------------------------------------------------ records as columns
+    def _row(self, record: Any) -> dict[str, Any]:
+        """A record as a Parquet row (column -> value)."""
+        if isinstance(record, dict):
+            return record
+        names = self.schema.names if self.schema is not None else None
+        if isinstance(record, (tuple, list)):
+            if names is None:
+                return {f"_{i}": v for i, v in enumerate(record, 1)}
+            if len(record) != len(names):
+                raise SchemaError(f"{self!r}: record {record!r:.200} has {len(record)} fields, the schema "
+                                  f"{names}")
+            return dict(zip(names, record, strict=True))
+        if names is not None and len(names) != 1:
+            raise SchemaError(f"{self!r}: record {record!r:.200} is one value, the schema has columns {names}")
+        return {names[0] if names else "value": record}
+
+    def _canonical(self, record: Any) -> str:
+        """The text of a record as a Parquet row: what the oracle compares (written record
+        against the row read back)."""
+        return json.dumps(self._row(record), sort_keys=True, default=repr, separators=(",", ":"))
+
     # ------------------------------------------------------------ 2PC verbs
-    def pre_commit(self, uid: str, subtask: int, epoch: int, attempt: str, records: list[Any]) -> str | None:
-        """Stage an epoch's output durably (encoded lines from ``writer``, or records);
-        returns the staged path relative to the sink root (None if empty)."""
-        if not records:
+    def pre_commit(self, uid: str, subtask: int, epoch: int, attempt: str, records: Any) -> str | None:
+        """Stage an epoch's output durably (encoded lines or an Arrow table from ``writer``, or
+        records); returns the staged path relative to the sink root (None if empty)."""
+        if records is None or not len(records):
             return None
-        lines = records.lines if isinstance(records, _Lines) else list(map(self.encoder, records))
-        data = ("\n".join(lines) + "\n").encode("utf-8")
-        rel = f"{STAGING}/{_safe(uid)}/e{epoch}-s{subtask}-a{attempt}.jsonl"
+        if self.format == "parquet":
+            data = self._parquet_bytes(records)
+        else:
+            lines = records.lines if isinstance(records, _Lines) else list(map(self.encoder, records))
+            data = ("\n".join(lines) + "\n").encode("utf-8")
+        rel = f"{STAGING}/{_safe(uid)}/e{epoch}-s{subtask}-a{attempt}.{self.format}"
         self.store.put(self.path / rel, data)
         return rel
 
+    def _parquet_bytes(self, records: Any) -> bytes:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not isinstance(records, pa.Table):  # records handed over without this sink's writer
+            w = _ColumnWriter(self._row, self.schema, repr(self))
+            w.write(list(records))
+            records = w.take()
+        out = pa.BufferOutputStream()
+        pq.write_table(records, out, compression="zstd")
+        return bytes(out.getvalue().to_pybytes())
+
     def final_name(self, staged: str) -> str:
-        m = re.search(r"/([^/]+)/e(\d+)-s(\d+)-a[^/]+\.jsonl$", staged)
+        m = re.search(r"/([^/]+)/e(\d+)-s(\d+)-a[^/]+\.(jsonl|parquet)$", staged)
         if not m:
             raise ValueError(f"not a staged file of this sink: {staged}")
         uid, epoch, subtask = m.group(1), int(m.group(2)), int(m.group(3))
-        return f"part-e{epoch:08d}-{uid}-s{subtask}.jsonl"
+        return f"part-e{epoch:08d}-{uid}-s{subtask}.{m.group(4)}"
 
     def commit(self, staged: Iterable[str]) -> int:
         """Make staged files visible; idempotent. Returns how many were moved now."""
@@ -126,17 +194,32 @@ class FileSink(TransactionalSink):
             m = _PART.match(key)
             return (int(m.group(1)), m.group(2), int(m.group(3))) if m else (1 << 62, key, 0)
 
-        keys = [k for k in self.store.keys(self.path, "part-") if "/" not in k and k.endswith(".jsonl")]
+        keys = [k for k in self.store.keys(self.path, "part-") if "/" not in k and _PART.match(k)]
         return [self.path / k for k in sorted(keys, key=order)]
 
     def read_lines(self, loc: Any) -> list[str]:
-        """The encoded lines of one committed file."""
+        """The encoded lines of one committed file (a Parquet file's rows as canonical text)."""
+        if str(loc).endswith(".parquet"):
+            return [self._canonical(row) for row in self.read_table(loc).to_pylist()]
         return [line for line in self.store.get(loc).decode("utf-8").split("\n") if line.strip()]
 
+    def read_table(self, loc: Any) -> Any:
+        """One committed Parquet file as an Arrow table."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        return pq.read_table(pa.BufferReader(self.store.get(loc)))
+
     def read(self) -> list[Any]:
-        """All committed records (epoch order, then subtask)."""
+        """All committed records (epoch order, then subtask); Parquet rows as dicts."""
         dec = self.decoder
-        return [dec(line) for loc in self.committed_files() for line in self.read_lines(loc)]
+        out: list[Any] = []
+        for loc in self.committed_files():
+            if str(loc).endswith(".parquet"):
+                out.extend(self.read_table(loc).to_pylist())
+            else:
+                out.extend(dec(line) for line in self.read_lines(loc))
+        return out
 
 
 class _Lines(list):
@@ -160,6 +243,76 @@ class _LineWriter:
     def take(self) -> "_Lines":
         out, self.buf = self.buf, _Lines()
         return out
+
+
+class _ColumnWriter:
+    """A Parquet sink's buffer of one epoch: Arrow batches as they came, rows made into one
+    batch per ``write`` call; ``take`` hands over one Arrow table (types unified), or an empty list."""
+
+    __slots__ = ("row", "schema", "what", "batches", "rows")
+
+    def __init__(self, row: Callable[[Any], dict[str, Any]], schema: Any, what: str) -> None:
+        self.row, self.schema, self.what = row, schema, what
+        self.batches: list[Any] = []
+        self.rows = 0
+
+    def write(self, records: list[Any]) -> None:
+        import pyarrow as pa
+
+        if not records:
+            return
+        try:
+            batch = pa.RecordBatch.from_pylist([self.row(r) for r in records], schema=self.schema)
+        except (pa.ArrowException, TypeError, ValueError) as exc:
+            raise SchemaError(f"{self.what}: Arrow cannot make Parquet rows of records like {records[0]!r:.200} "
+                              f"({type(exc).__name__}: {exc})") from None
+        self.write_batch(batch)
+
+    def write_batch(self, batch: Any) -> None:
+        """A columnar batch, taken whole (no row is made)."""
+        if self.schema is not None and batch.schema != self.schema:
+            batch = _conform(batch, self.schema, self.what)
+        if batch.num_rows:
+            self.batches.append(batch)
+            self.rows += batch.num_rows
+
+    def take(self) -> Any:
+        import pyarrow as pa
+
+        batches, self.batches, self.rows = self.batches, [], 0
+        if not batches:
+            return []
+        try:
+            return pa.concat_tables([pa.Table.from_batches([b]) for b in batches], promote_options="permissive")
+        except (pa.ArrowException, TypeError, ValueError) as exc:
+            raise SchemaError(f"{self.what}: the epoch's batches have columns that do not fit one Parquet file "
+                              f"({type(exc).__name__}: {exc}); pass schema= to the sink") from None
+
+
+def _arrow_schema(schema: Any) -> Any:
+    if schema is None:
+        return None
+    import pyarrow as pa
+
+    return schema if isinstance(schema, pa.Schema) else pa.schema(schema)
+
+
+def _conform(batch: Any, schema: Any, what: str) -> Any:
+    """A batch with ``schema``'s columns in its order and types, or a ``SchemaError`` naming the column."""
+    import pyarrow as pa
+
+    missing = [n for n in schema.names if n not in batch.schema.names]
+    if missing:
+        raise SchemaError(f"{what}: a batch has no column {missing[0]!r} (it has {batch.schema.names})")
+    cols = []
+    for field in schema:
+        col = batch.column(field.name)
+        try:
+            cols.append(col if col.type == field.type else col.cast(field.type))
+        except (pa.ArrowException, TypeError, ValueError) as exc:
+            raise SchemaError(f"{what}: column {field.name!r} of type {col.type} does not convert to "
+                              f"{field.type} ({exc})") from None
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
 
 
 class _DropWriter:

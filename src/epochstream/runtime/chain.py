@@ -23,7 +23,7 @@ from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, Chain, ColumnKey, Node, PhysicalPlan
 from .columns import as_record_batch, concat, even_slices, from_rows, key_columns, keys_of, split_by_code
 from .context import Context
-from .errors import UserFunctionError
+from .errors import SchemaError, UserFunctionError
 from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
 from .state import HeapKeyedState, OperatorStateBackend
 from .timers import TimerService
@@ -327,12 +327,19 @@ class ChainRuntime:
             writer = make() if make is not None else ListWriter()
             self.sink_writers[_uid(node)] = writer
             write = writer.write
+            # a columnar sink's writer takes a RecordBatch whole; row sinks get dict rows
+            write_batch = getattr(writer, "write_batch", None)
 
             def op_sink(records: Any, keys: list[Any] | None) -> None:
-                if type(records) is not list:
-                    records = records.to_pylist()
                 try:
-                    write(records)
+                    if type(records) is list:
+                        write(records)
+                    elif write_batch is not None:
+                        write_batch(records)
+                    else:
+                        write(records.to_pylist())
+                except SchemaError as exc:
+                    raise SchemaError(f"sink {label!r}: {exc}") from None
                 except Exception as exc:
                     raise UserFunctionError(f"sink {label!r} could not take records: {exc!r}") from exc
 

@@ -1,16 +1,21 @@
 """``DeltaSink``: exactly-once output to a Delta table, ONE append transaction per epoch.
 
+Commits go through delta-rs (no JVM); Spark with delta-spark reads the table (SQL, time
+travel per epoch). Records may be Arrow batches (taken whole by the writer: no rows are
+made), dicts or tuples in column order.
+
 The sink's side of the two-phase commit (thesis Table 4.1, Delta as the commit log):
 
 * **begin** (``start``, at every (re)start): the table is created, or checked to be ours
   and to have the sink's columns; the transaction id continues the restored run's lineage
   or starts a new one (``txnAppId`` = job, sink uid, lineage).
-* **pre-commit** (workers, no Spark): an epoch's records are staged as a Parquet file under
+* **pre-commit** (workers): an epoch's records are staged as a Parquet file under
   ``<table>/_epochstream_staging/<uid>/`` (``tables.STAGING``: Delta readers and VACUUM
   ignore ``_`` folders). Nothing is visible in the table yet.
 * **commit point**: the manifest names the table and the app id (``manifest_entry``).
 * **commit** (job master, after the manifest, ``commit_epoch``): the epoch's staged files
-  are appended as the transaction (app id, epoch); Delta skips it if it is re-issued.
+  are appended as the transaction (app id, epoch); a re-issue finds the transaction in the
+  table's ``txn`` record and appends nothing.
 * **recover**: the restored epoch's append is re-issued, later staged output dropped.
 """
 
@@ -25,6 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ...runtime.errors import SchemaError
 from ...snapshot.manifest import CheckpointError
 from .. import spark_session
 from ..base import TransactionalSink
@@ -36,8 +42,8 @@ from .tables import SINK_FORMAT, STAGING, DeltaTables, is_delta_table, version_o
 class DeltaSink(TransactionalSink):
     """Exactly-once output to a Delta table: one append transaction per epoch.
 
-    ``schema`` is a pyarrow schema (or a list of (name, type) pairs); records are tuples in
-    column order or dicts. Output is staged as Parquet by the workers (pre-commit) and
+    ``schema`` is a pyarrow schema (or a list of (name, type) pairs); records are Arrow
+    batches, tuples in column order or dicts. Output is staged as Parquet by the workers (pre-commit) and
     appended by the job master after the epoch's manifest, with ``txnAppId`` = job, sink
     uid and run lineage and ``txnVersion`` = epoch, so a re-issued commit is skipped by Delta.
     ``path`` is a local path or an S3 URL (``s3://`` or ``s3a://``).
@@ -52,13 +58,13 @@ class DeltaSink(TransactionalSink):
 
         self.path = str(location(path))
         if tables.is_remote(self.path):
-            spark_session.need_s3a()
+            spark_session.need_s3a()  # Spark reads the table (SQL, time travel): its session needs S3A
         self.schema = schema if isinstance(schema, pa.Schema) else pa.schema(schema)
         self.table_properties = dict(table_properties or {})
         #: sink uid -> the app id of its Delta transactions (the run lineage), set by ``start``
         self._app_ids: dict[str, str] = {}
         self._store: Any = None
-        #: the Spark session handle, and whether this sink checked (or created) its table
+        #: whether this sink checked (or created) its table
         self.tables = DeltaTables()
 
     def __repr__(self) -> str:
@@ -84,25 +90,63 @@ class DeltaSink(TransactionalSink):
             return {n: record.get(n) for n in self.schema.names}
         if isinstance(record, (tuple, list)) and len(record) == len(self.schema):
             return dict(zip(self.schema.names, record, strict=True))
-        raise TypeError(f"sink {self.path}: record {record!r} does not match the columns {self.schema.names}")
+        raise SchemaError(f"Delta sink {self.path}: record {record!r:.200} does not match the columns "
+                          f"{self.schema.names}")
 
     def encoder(self, record: Any) -> str:
         """The canonical text of a record (the oracle compares outputs through it)."""
         return json.dumps(self._row(record), sort_keys=True, default=repr, separators=(",", ":"))
 
-    def writer(self) -> _RowWriter:
-        return _RowWriter()
+    def writer(self) -> _ArrowWriter:
+        return _ArrowWriter(self)
+
+    def _table_of(self, records: Any) -> pa.Table:
+        """An epoch's records (Arrow batches and rows, in order) as one table of the sink's schema."""
+        parts = []
+        rows: list[dict[str, Any]] = []
+        for r in records:
+            if isinstance(r, pa.RecordBatch):
+                if rows:
+                    parts.append(self._rows_table(rows))
+                    rows = []
+                parts.append(pa.Table.from_batches([self._conform(r)]))
+            else:
+                rows.append(self._row(r))
+        if rows:
+            parts.append(self._rows_table(rows))
+        return pa.concat_tables(parts) if parts else self.schema.empty_table()
+
+    def _rows_table(self, rows: list[dict[str, Any]]) -> pa.Table:
+        try:
+            return pa.Table.from_pylist(rows, schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+            raise SchemaError(f"Delta sink {self.path}: records do not fit the schema {self.schema}: {exc}") from exc
+
+    def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """A columnar batch as the sink's columns (selected and cast), or a ``SchemaError`` naming the column."""
+        if batch.schema.equals(self.schema):
+            return batch
+        cols = []
+        for field in self.schema:
+            if field.name not in batch.schema.names:
+                raise SchemaError(f"Delta sink {self.path}: a batch has no column {field.name!r} "
+                                  f"(it has {batch.schema.names})")
+            col = batch.column(field.name)
+            try:
+                cols.append(col if col.type == field.type else col.cast(field.type))
+            except (pa.ArrowException, TypeError, ValueError) as exc:
+                raise SchemaError(f"Delta sink {self.path}: column {field.name!r} of type {col.type} does not "
+                                  f"convert to {field.type} ({exc})") from None
+        return pa.RecordBatch.from_arrays(cols, schema=self.schema)
 
     # ------------------------------------------------------------ 2PC verbs
     def pre_commit(self, uid: str, subtask: int, epoch: int, attempt: str, records: Any) -> str | None:
         """Stage an epoch's output as Parquet (workers); returns the path relative to the table."""
         if not records:
             return None
-        rows = [self._row(r) for r in records]
-        try:
-            table = pa.Table.from_pylist(rows, schema=self.schema)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
-            raise TypeError(f"sink {self.path}: records do not fit the schema {self.schema}: {exc}") from exc
+        table = self._table_of(records)
+        if not table.num_rows:
+            return None
         rel = f"{STAGING}/{safe_name(uid)}/e{epoch}-s{subtask}-a{attempt}.parquet"
         self.store.put(self.store.root / rel, tables.parquet_bytes(table))
         return rel
@@ -115,18 +159,18 @@ class DeltaSink(TransactionalSink):
             self._app_ids[uid] = entry["app_id"]
         else:
             self._app_ids[uid] = f"epochstream/{job}/sink/{uid}/{secrets.token_hex(4)}"
-        self._check_table()
+        self._check_table(self._app_ids[uid])
         if not is_delta_table(self.path):
-            self._create()
+            self._create(self._app_ids[uid])
 
     def manifest_entry(self, uid: str) -> dict[str, Any]:
         return {"table": self.path, "app_id": self._app_ids[uid]}
 
-    def _check_table(self) -> None:
+    def _check_table(self, app_id: str) -> None:
         """Refuse a table that is not this sink's (other format, other columns) or a folder of other files."""
         if is_delta_table(self.path):
-            self.tables.check_owned(self.path, SINK_FORMAT, {}, f"Delta sink {self.path}")
-            have = [f.name for f in self.tables.open(self.path).toDF().schema.fields]
+            self.tables.check_owned(self.path, SINK_FORMAT, {}, f"Delta sink {self.path}", app_id)
+            have = tables.arrow_schema_of(self.path).names
             if have != self.schema.names:
                 raise CheckpointError(
                     f"Delta sink {self.path}: the table has columns {have}, the sink writes {self.schema.names}; "
@@ -136,15 +180,8 @@ class DeltaSink(TransactionalSink):
             raise CheckpointError(f"Delta sink {self.path}: the folder holds files but is not a Delta table; "
                                   f"nothing was written to it")
 
-    def _create(self) -> None:
-        from delta.tables import DeltaTable
-
-        spark = self.tables.spark
-        empty = spark.createDataFrame(self.schema.empty_table())
-        builder = DeltaTable.createIfNotExists(spark).location(tables.spark_uri(self.path)).addColumns(empty.schema)
-        for k, v in {tables.FORMAT_PROPERTY: SINK_FORMAT, **self.table_properties}.items():
-            builder = builder.property(k, v)
-        builder.execute()
+    def _create(self, app_id: str) -> None:
+        tables.create(self.path, self.schema, {tables.FORMAT_PROPERTY: SINK_FORMAT, **self.table_properties}, app_id)
         self.tables.mark_owned(self.path, SINK_FORMAT)
 
     def commit_epoch(self, uid: str, epoch: int, staged: list[str]) -> int | None:
@@ -164,19 +201,27 @@ class DeltaSink(TransactionalSink):
                 f"Delta sink {self.path}: staged output {missing[:3]} of epoch {epoch} is gone and was never "
                 f"committed; the epoch's output is lost (was the staging folder deleted by hand?)"
             )
-        tables.append(self._staged_frame(present), self.path, app_id, epoch,
+        tables.append(self._staged_table(present), self.path, app_id, epoch,
                       lambda exc: f"Delta sink {self.path}: epoch {epoch} kept conflicting: {exc}")
         self.abort(present)
         return version_of_epoch(self.path, app_id, epoch)
 
-    def _staged_frame(self, staged: list[str]) -> Any:
-        """The staged Parquet files as one Spark DataFrame of the sink's columns (empty if none)."""
-        spark = self.tables.spark
-        spark_schema = spark.createDataFrame(self.schema.empty_table()).schema
-        if not staged:
-            return spark.createDataFrame([], spark_schema)
-        return spark.read.schema(spark_schema).parquet(
-            *[tables.spark_uri(str(self.store.root / rel)) for rel in staged])
+    def _staged_table(self, staged: list[str]) -> pa.Table:
+        """The staged Parquet files as one Arrow table of the sink's columns (empty if none)."""
+        import pyarrow.parquet as pq
+
+        parts = []
+        for rel in staged:
+            try:
+                t = pq.read_table(pa.BufferReader(self.store.get(self.store.root / rel)))
+                parts.append(t.select(self.schema.names).cast(self.schema))
+            except (pa.ArrowException, KeyError, ValueError) as exc:
+                raise CheckpointError(f"Delta sink {self.path}: staged output {rel} is damaged or not the sink's "
+                                      f"columns ({type(exc).__name__}: {exc}); nothing of its epoch was appended"
+                                      ) from exc
+        if not parts:
+            return self.schema.empty_table()
+        return pa.concat_tables(parts)
 
     def commit(self, staged: Iterable[str]) -> int:
         raise CheckpointError("DeltaSink commits once per epoch (commit_epoch); the job master calls it")
@@ -196,13 +241,10 @@ class DeltaSink(TransactionalSink):
 
     # ------------------------------------------------------------ reading committed output
     def read(self, version: int | None = None) -> list[dict[str, Any]]:
-        """Committed rows (optionally as of a Delta version)."""
+        """Committed rows (optionally as of a Delta version), read by delta-rs."""
         if not is_delta_table(self.path):
             return []
-        reader = self.tables.spark.read.format("delta")
-        if version is not None:
-            reader = reader.option("versionAsOf", int(version))
-        rows: list[dict[str, Any]] = reader.load(tables.spark_uri(self.path)).toArrow().to_pylist()
+        rows: list[dict[str, Any]] = tables.open_table(self.path, version).to_pyarrow_table().to_pylist()
         return rows
 
     def committed_lines_by_epoch(self) -> dict[int, collections.Counter[str]]:
@@ -222,21 +264,29 @@ class DeltaSink(TransactionalSink):
         out = []
         for h in tables.history(self.path):
             m = h["meta"]
-            if isinstance(m, dict) and "/sink/" in str(m.get("epochstream")):
+            # epoch 0 is the table's creation (CREATE and its properties), no epoch's output
+            if isinstance(m, dict) and "/sink/" in str(m.get("epochstream")) and int(m.get("epoch", 0)) > 0:
                 out.append((int(m["epoch"]), int(h["version"])))
         return sorted(out, key=lambda ev: ev[1])
 
 
-class _RowWriter:
-    """A worker's buffer of one epoch's records (``TransactionalSink.writer``)."""
+class _ArrowWriter:
+    """A worker's buffer of one epoch's output (``TransactionalSink.writer``): Arrow batches
+    taken whole (``write_batch``, selected and cast to the sink's columns on arrival, so a bad
+    batch fails the epoch in the operator that wrote it) and rows as they came."""
 
-    __slots__ = ("buf",)
+    __slots__ = ("sink", "buf")
 
-    def __init__(self) -> None:
+    def __init__(self, sink: DeltaSink) -> None:
+        self.sink = sink
         self.buf: list[Any] = []
 
     def write(self, records: list[Any]) -> None:
         self.buf.extend(records)
+
+    def write_batch(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows:
+            self.buf.append(self.sink._conform(batch))
 
     def take(self) -> list[Any]:
         out, self.buf = self.buf, []

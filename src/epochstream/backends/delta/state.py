@@ -11,14 +11,20 @@ it owns the state side of the two-phase commit (thesis Table 4.1, Delta as the c
   will have and the typed columns it writes (``manifest["delta"]["state"][uid]``). The table
   is created, or checked to be ours, here: a foreign table fails the epoch before it exists.
 * **commit** (driver, after the manifest, ``commit_epoch``): per operator ONE Delta MERGE
-  that makes the table equal the operator's committed state at the epoch (upserts, deletes
-  of tombstoned keys, and for full captures deletes of keys gone from the captured key-group
-  range). Delta skips it if it is re-issued after a crash; a commit that lands at another
-  version than the manifest recorded means another writer was there (``DeltaConflictError``).
+  through delta-rs (no JVM) that makes the table equal the operator's committed state at the
+  epoch (upserts, deletes of tombstoned keys, and for full captures deletes of keys gone from
+  the captured key-group range), carrying the app transaction (job and operator, epoch); it
+  is skipped if the table holds the transaction already (re-issued after a crash); a commit
+  that lands at another version than the manifest recorded means another writer was there
+  (``DeltaConflictError``).
 * **recover** (``recover_epoch``): the restored manifest's commits are re-issued (no-ops if
   they happened), the operator state is read back from the table at the recorded version
-  (time travel) and handed to the workers as one Parquet file per operator (workers need
-  no Spark).
+  (time travel, delta-rs) and handed to the workers as one Parquet file per operator.
+
+Why a MERGE and not an append-only changelog: the table then IS the committed state at every
+version, so Spark SQL reads a plain keyed table (``VERSION AS OF`` = an epoch) without
+folding a changelog; a delta-rs MERGE of an epoch's changes costs milliseconds
+(benchmarks/state_scale.py), where Spark's took seconds.
 
 Layout under the checkpoint dir::
 
@@ -41,7 +47,7 @@ from ...snapshot.manifest import CheckpointError, StateFileRef
 from .. import spark_session
 from ..base import Row
 from ..objects import ObjectCheckpointStorage, safe_name
-from ..typed import declared_columns, typed_arrays
+from ..typed import arrow_type, declared_columns, typed_arrays
 from . import tables
 from .schema import COLUMNS, ROW_KEY, ROW_NAMES, arrow_schema
 from .tables import (
@@ -77,10 +83,10 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         from .. import open_objects
 
         super().__init__(open_objects(where))
-        #: the Spark session handle, and the tables this storage checked and their typed columns
+        #: the tables this storage checked and their typed columns
         self.tables = DeltaTables()
         if tables.is_remote(self.root):
-            spark_session.need_s3a()  # its tables live on S3: the session must carry the S3A jars
+            spark_session.need_s3a()  # Spark reads its tables (SQL, time travel): its session needs S3A
 
     def __repr__(self) -> str:
         return f"DeltaCheckpointStorage({str(self.root)!r})"
@@ -157,7 +163,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         """Create the operator's table, or check that the one at its path is ours."""
         props = {"epochstream.job": job, "epochstream.operator": uid}
         if is_delta_table(table):
-            self.tables.check_owned(table, STATE_FORMAT, props, _what(uid))
+            self.tables.check_owned(table, STATE_FORMAT, props, _what(uid), app_id)
             return
         if tables.path_has_files(table):
             raise CheckpointError(f"{_what(uid)}: {table} holds files but is not a Delta table; nothing was "
@@ -167,18 +173,9 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
     def _create_table(self, table: str, props: dict[str, str], app_id: str,
                       declared: dict[str, TypeInformation]) -> None:
         """Create a state table (as the transaction (app_id, 0), so it counts as ours in its history)."""
-        from delta.tables import DeltaTable
-
-        spark = self.tables.spark
-        builder = DeltaTable.createIfNotExists(spark).location(tables.spark_uri(table))
-        for c in COLUMNS:
-            builder = builder.addColumn(c.name, c.sql, nullable=c.nullable)
-        for name, t in declared.items():
-            builder = builder.addColumn(name, t.sql, nullable=True)
-        for k, v in {tables.FORMAT_PROPERTY: STATE_FORMAT, **props}.items():
-            builder = builder.property(k, v)
-        with tables.AppTransaction(spark, app_id, 0):
-            builder.execute()
+        fields = [pa.field(c.name, c.arrow, nullable=c.nullable) for c in COLUMNS]
+        fields += [pa.field(name, arrow_type(t), nullable=True) for name, t in declared.items()]
+        tables.create(table, pa.schema(fields), {tables.FORMAT_PROPERTY: STATE_FORMAT, **props}, app_id)
         self.tables.mark_owned(table, STATE_FORMAT)
 
     # ------------------------------------------------------------ commit
@@ -224,8 +221,12 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         source, full_ranges = self._changes(manifest, uid, 0 if new else last, root)
         for col, arr in typed_arrays(source, columns, _what(uid)).items():
             source = source.append_column(col, arr)
-        merge = self._merge(table, source, bool(new), full_ranges)
-        tables.merge(self.tables.spark, merge, app_id, epoch, lambda exc: (
+        evolve = bool(new)
+
+        def run(props: Any) -> None:
+            self._merge(table, source, evolve, full_ranges, props)
+
+        tables.transact(table, app_id, epoch, run, lambda exc: (
             f"{_what(uid)}: Delta commit of epoch {epoch} to {table} kept conflicting with another writer "
             f"({type(exc).__name__}); the checkpoint stays complete and the commit is re-issued on recovery"))
         version = version_of_epoch(table, app_id, epoch)
@@ -247,28 +248,31 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
             )
         return int(version)
 
-    def _merge(self, table: str, source: pa.Table, evolve: bool, full_ranges: list[tuple[int, int]] | None) -> Any:
-        """The MERGE that applies ``source`` (null value = delete) to the table.
+    @staticmethod
+    def _merge(table: str, source: pa.Table, evolve: bool, full_ranges: list[tuple[int, int]] | None,
+               props: Any) -> None:
+        """The delta-rs MERGE that applies ``source`` (null value = delete) to the table, as the
+        transaction of ``props``.
 
         ``evolve``: the source brings new typed columns (MERGE schema evolution, in this same
         transaction). ``full_ranges``: key-group ranges whose keys missing from the source are
         deleted (None: all of them).
         """
-        df = self.tables.spark.createDataFrame(source)
-        merge = self.tables.open(table).alias("t").merge(df.alias("s"), _MERGE_ON)
-        if evolve:
-            merge = merge.withSchemaEvolution()
+        # not streamed: delta-rs then reads the source's bounds and prunes target files (measured 1.9 s
+        # against 3.1 s for 50K changes into 100K rows under load); the source is one epoch's changes
+        merge = tables.open_table(table).merge(source, _MERGE_ON, source_alias="s", target_alias="t",
+                                               merge_schema=evolve, streamed_exec=False, commit_properties=props)
         merge = (
-            merge.whenMatchedDelete("s.value IS NULL")
-            .whenMatchedUpdateAll()
-            .whenNotMatchedInsertAll("s.value IS NOT NULL")
+            merge.when_matched_delete("s.value IS NULL")
+            .when_matched_update_all()
+            .when_not_matched_insert_all("s.value IS NOT NULL")
         )
         if full_ranges is None:  # the whole state is replaced (the table holds none of this lineage)
-            return merge.whenNotMatchedBySourceDelete()
-        if full_ranges:
-            return merge.whenNotMatchedBySourceDelete(
+            merge = merge.when_not_matched_by_source_delete()
+        elif full_ranges:
+            merge = merge.when_not_matched_by_source_delete(
                 " OR ".join(f"(t.key_group BETWEEN {lo} AND {hi})" for lo, hi in full_ranges))
-        return merge
+        merge.execute()
 
     @staticmethod
     def _last_epoch(hist: list[dict[str, Any]], app_id: str, table: str, what: str) -> int:
@@ -295,16 +299,24 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         for ref in map(StateFileRef.from_json, manifest["operators"][uid]["files"]):
             by_subtask.setdefault(ref.subtask, []).append(ref)
         full_ranges: list[tuple[int, int]] | None = [] if last > 0 else None
+        todos = {s: [r for r in chain if r.epoch > last] for s, chain in sorted(by_subtask.items())}
+        # one capture per subtask, all of one epoch (the usual epoch): its rows are unique per
+        # (key, state) and the subtasks own disjoint key groups, so there is nothing to fold
+        single = len({r.epoch for todo in todos.values() for r in todo}) <= 1 and all(
+            len(todo) <= 1 for todo in todos.values())
         links: list[pa.Table] = []
-        for _subtask, chain in sorted(by_subtask.items()):
-            todo = [r for r in chain if r.epoch > last]
+        for todo in todos.values():
             if todo and full_ranges is not None and todo[0].full:
                 lo, hi = todo[0].key_group_range
                 full_ranges.append((lo, hi))
             for ref in todo:
                 t = self.read_state(ref, root)
                 links.append(t.append_column("link", pa.array([len(links)] * t.num_rows, pa.int32())))
-        rows = self._fold(links).select(list(ROW_NAMES))
+        if single and links:
+            rows = pa.concat_tables([t.select(_FOLD_SCHEMA.names).cast(_FOLD_SCHEMA) for t in links])
+        else:
+            rows = self._fold(links)
+        rows = rows.select(list(ROW_NAMES))
         epochs = pa.array([int(manifest["epoch"])] * rows.num_rows, arrow_schema(("epoch",)).field("epoch").type)
         return rows.append_column("epoch", epochs), full_ranges
 
@@ -356,10 +368,8 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
 
     @staticmethod
     def _read_table(table: str, version: int) -> pa.Table:
-        """An operator's committed state at a Delta version (time travel), as Arrow."""
-        spark = spark_session.get_spark()
-        df = spark.read.format("delta").option("versionAsOf", int(version)).load(tables.spark_uri(table))
-        return df.select(*ROW_NAMES).toArrow()
+        """An operator's committed state at a Delta version (time travel, delta-rs), as Arrow."""
+        return tables.read_version(table, int(version), list(ROW_NAMES)).cast(arrow_schema(ROW_NAMES))
 
     def read_operator_rows(self, manifest: dict[str, Any], root: Any, operator: str,
                            key_groups: tuple[int, int] | None = None) -> Iterable[Row]:

@@ -1,19 +1,32 @@
 """Delta table access: paths, the commit log, idempotent transactions, table ownership.
 
 Both Delta writers of epochstream (the state backend and the sink) commit through this
-module, so the rules that make their commits exactly-once are written once:
+module, so the rules that make their commits exactly-once are written once. Commits go
+through ``deltalake`` (delta-rs, no JVM); Spark with delta-spark reads the same tables
+(SQL, ``VERSION AS OF`` per epoch), and ``spark_uri`` gives the path it takes.
 
-* **Idempotent transactions.** A MERGE or an append runs as the Delta transaction
-  (``txnAppId``, ``txnVersion``) = (app id, epoch) and carries ``userMetadata``
-  ``{"epochstream": app_id, "epoch": n}``; Delta skips a transaction it has already seen, and
+* **Idempotent transactions.** A MERGE or an append carries Delta's app transaction
+  (``txn`` action: ``appId`` = app id, ``version`` = epoch, delta-rs
+  ``CommitProperties(app_transactions=...)``) and ``userMetadata``
+  ``{"epochstream": app_id, "epoch": n}``. Before each attempt the table's transaction
+  version for the app id is read: an epoch it already holds is not written again, so a
+  commit re-issued after a crash, or retried after an answer that was lost, adds nothing.
   ``version_of_epoch`` finds the version that holds an epoch in the table's history.
-* **Conflicts.** Delta's optimistic-concurrency failures are retried a few times, then
-  reported as ``DeltaConflictError``.
+* **Conflicts and transient faults.** delta-rs rebases a commit over concurrent appends
+  itself; a conflict it cannot resolve (``CommitFailedError``) and transient object-store
+  faults are retried a few times (tenacity), then reported as ``DeltaConflictError`` or
+  ``DeltaCommitError`` naming the table and epoch.
+* **S3.** delta-rs 1.x commits a version with a conditional put (``If-None-Match: *``) of
+  its log file, so concurrent writers cannot overwrite each other's commit without a
+  locking provider or ``AWS_S3_ALLOW_UNSAFE_RENAME``; moto honours the condition (a test
+  shows a second writer of the same version refused). Credentials and the endpoint come
+  from the usual ``AWS_*`` variables (``storage_options``).
 * **Ownership.** A table at a target path that epochstream did not create for that purpose
   (``epochstream.format`` and the other properties) is refused before anything is written.
+  delta-rs refuses unknown properties at CREATE, so they are set by a second commit of the
+  same transaction; a table left between the two (a crash) is finished by ``ensure_owned``.
 * **Paths.** Local paths and ``file:`` URLs are read directly where that is cheaper (the
-  ``_delta_log`` JSON files); object stores (``s3://``, reached by Spark as ``s3a://``) go
-  through Spark.
+  ``_delta_log`` JSON files); object stores go through delta-rs.
 
 What a process learns about tables (which ones it checked, their typed columns) is held by a
 ``DeltaTables`` object, one per storage or sink, not by the module.
@@ -21,7 +34,9 @@ What a process learns about tables (which ones it checked, their typed columns) 
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,8 +47,7 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 
 from ...runtime.types import TypeInformation
 from ...snapshot.manifest import CheckpointError
-from .. import scheme_of, spark_session
-from ..typed import spec_of_spark_type
+from .. import scheme_of
 
 #: table property naming what wrote a table; anything else at the path is refused
 FORMAT_PROPERTY = "epochstream.format"
@@ -42,13 +56,13 @@ SINK_FORMAT = "sink-v1"
 #: where a Delta sink stages an epoch's output inside its table's folder (Delta ignores ``_`` folders)
 STAGING = "_epochstream_staging"
 
-_TXN_APP = "spark.databricks.delta.write.txnAppId"
-_TXN_VERSION = "spark.databricks.delta.write.txnVersion"
-_USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
-
 
 class DeltaConflictError(CheckpointError):
     """Another writer changed a Delta table epochstream commits to."""
+
+
+class DeltaCommitError(CheckpointError):
+    """A Delta commit failed (after retries of transient faults); nothing of it is in the table."""
 
 
 # ---------------------------------------------------------------- paths
@@ -66,12 +80,59 @@ def spark_uri(path: str) -> str:
     return path if "://" in path else str(Path(path).resolve())
 
 
-def is_delta_table(path: str) -> bool:
+def table_uri(path: str) -> str:
+    """The form delta-rs takes: ``s3://`` for S3 (also given as s3a://), an absolute local path."""
+    path = str(path)
+    if path.startswith("s3a://"):
+        return "s3://" + path[len("s3a://"):]
     if is_remote(path):
-        from delta.tables import DeltaTable
+        return path
+    return str(Path(path.removeprefix("file://").removeprefix("file:")).resolve())
 
-        return bool(DeltaTable.isDeltaTable(spark_session.get_spark(), spark_uri(path)))
-    return (Path(path) / "_delta_log").is_dir()
+
+def storage_options(path: str) -> dict[str, str] | None:
+    """delta-rs's object-store settings for a table path, from the ``AWS_*`` variables boto3
+    reads too (None for a local path). An ``http://`` endpoint (moto, MinIO) needs
+    ``AWS_ALLOW_HTTP``. No locking setting: delta-rs 1.x commits with a conditional put."""
+    if not is_remote(path):
+        return None
+    env = os.environ
+    opts = {k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN") if env.get(k)}
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if region:
+        opts["AWS_REGION"] = region
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        opts["AWS_ENDPOINT_URL"] = endpoint
+        if endpoint.startswith("http://"):
+            opts["AWS_ALLOW_HTTP"] = "true"
+    return opts
+
+
+def open_table(path: str, version: int | None = None) -> Any:
+    """The delta-rs ``DeltaTable`` at a path (at ``version``: time travel)."""
+    from deltalake import DeltaTable
+
+    return DeltaTable(table_uri(path), version=version, storage_options=storage_options(path))
+
+
+def is_delta_table(path: str) -> bool:
+    """Whether a Delta log is at ``path`` (on S3: a listing of ``_delta_log/`` through boto3;
+    delta-rs's own check keeps Python's GIL while it waits, which stalls an S3 server that
+    runs in the same process, as the tests' moto does)."""
+    if is_remote(path):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        store = _remote_store(table_uri(path), endpoint)
+        return any(True for _ in store.keys(store.root / "_delta_log"))
+    return (Path(path.removeprefix("file:")) / "_delta_log").is_dir()
+
+
+@functools.lru_cache(maxsize=64)
+def _remote_store(uri: str, endpoint: str | None) -> Any:
+    """One object-store client per table (and endpoint): a boto3 client costs tens of ms to make."""
+    from .. import open_objects
+
+    return open_objects(uri)
 
 
 def path_has_files(path: str) -> bool:
@@ -96,6 +157,18 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return bytes(sink.getvalue().to_pybytes())
 
 
+def read_version(path: str, version: int, columns: list[str] | None = None) -> pa.Table:
+    """A table's rows at a Delta version (time travel), as Arrow; transient faults are retried,
+    a version that is gone (VACUUMed, log cleaned) is a ``CheckpointError`` naming it."""
+    try:
+        table: pa.Table = _retry_commit(lambda: open_table(path, version).to_pyarrow_table(columns=columns))()
+    except Exception as exc:
+        raise CheckpointError(f"Delta table {path}: version {version} cannot be read ({type(exc).__name__}: "
+                              f"{str(exc)[:300]}); was the table's history cleaned (VACUUM, log retention)?"
+                              ) from exc
+    return table
+
+
 # ---------------------------------------------------------------- the commit log
 
 
@@ -118,12 +191,11 @@ def history(table: str) -> list[dict[str, Any]]:
 
     On a local path the commit files of ``_delta_log`` are read directly (Delta's own
     protocol: one JSON file per version, its ``commitInfo`` carrying ``userMetadata``);
-    that takes milliseconds where ``DESCRIBE HISTORY`` runs Spark jobs. Elsewhere
-    (object stores), Spark's history is used.
+    elsewhere (object stores) delta-rs reads the history.
     """
     log_dir = _local_log(table)
     out = _log_history(log_dir) if log_dir is not None else []
-    return out or _spark_history(table)
+    return out or _rs_history(table)
 
 
 def _log_history(log_dir: Path) -> list[dict[str, Any]]:
@@ -140,14 +212,13 @@ def _log_history(log_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _spark_history(table: str) -> list[dict[str, Any]]:
-    from delta.tables import DeltaTable
-
-    spark = spark_session.get_spark()
-    rows = DeltaTable.forPath(spark, spark_uri(table)).history().select(
-        "version", "operation", "userMetadata").collect()
-    return [{"version": int(r["version"]), "operation": r["operation"], "meta": _parse_meta(r["userMetadata"])}
-            for r in rows]
+def _rs_history(table: str) -> list[dict[str, Any]]:
+    if not is_delta_table(table):
+        return []
+    rows = open_table(table).history()
+    return sorted(({"version": int(r["version"]), "operation": r.get("operation"),
+                    "meta": _parse_meta(r.get("userMetadata"))} for r in rows),
+                  key=lambda h: -h["version"])
 
 
 def is_transaction(meta: Any, app_id: str, epoch: int | None = None) -> bool:
@@ -168,73 +239,153 @@ def version_of_epoch(table: str, app_id: str, epoch: int) -> int | None:
 
 
 def is_conflict(exc: BaseException) -> bool:
+    """A Delta commit lost to another writer (delta-rs ``CommitFailedError``, Spark's Concurrent*)."""
     name = type(exc).__name__ + " " + str(exc)[:400]
-    return "Concurrent" in name or "ConcurrentModification" in name or "DELTA_CONCURRENT" in name
+    return ("CommitFailed" in name or "Concurrent" in name or "DELTA_CONCURRENT" in name
+            or "Failed to commit transaction" in name)
 
 
-#: Delta's optimistic concurrency: a conflicting transaction fails and is retried a few times
-_retry_conflicts = retry(
-    retry=retry_if_exception(is_conflict),
+def is_transient(exc: BaseException) -> bool:
+    """An object-store fault worth another try (timeouts, 5xx, dropped connections)."""
+    if is_conflict(exc):
+        return True
+    text = str(exc)[:600].lower()
+    return isinstance(exc, OSError) or any(w in text for w in (
+        "timed out", "timeout", "connection", "internalerror", "slowdown", "503", "500 internal",
+        "service unavailable", "broken pipe", "reset by peer"))
+
+
+def commit_properties(app_id: str, epoch: int) -> Any:
+    """delta-rs commit properties of the transaction (app_id, epoch): the ``txn`` action and
+    the ``userMetadata`` label."""
+    from deltalake import CommitProperties, Transaction
+
+    return CommitProperties(custom_metadata={"userMetadata": commit_meta(app_id, epoch)},
+                            app_transactions=[Transaction(app_id, epoch)])
+
+
+#: retries of one commit: Delta conflicts delta-rs could not rebase, and transient store faults
+_retry_commit = retry(
+    retry=retry_if_exception(is_transient),
     stop=stop_after_attempt(4),
     wait=wait_exponential(multiplier=0.2, max=2.0),
     reraise=True,
 )
 
 
-class AppTransaction:
-    """Session settings that make the next Delta DML (MERGE, CREATE) the transaction
-    (app_id, epoch), labelled with ``commit_meta``; unset on exit."""
-
-    def __init__(self, spark: Any, app_id: str, epoch: int) -> None:
-        self.spark, self.app_id, self.epoch = spark, app_id, epoch
-
-    def __enter__(self) -> None:
-        conf = self.spark.conf
-        conf.set(_TXN_APP, self.app_id)
-        conf.set(_TXN_VERSION, str(self.epoch))
-        conf.set(_USER_METADATA, commit_meta(self.app_id, self.epoch))
-
-    def __exit__(self, *exc: object) -> None:
-        for k in (_TXN_APP, _TXN_VERSION, _USER_METADATA):
-            self.spark.conf.unset(k)
+def committed_txn(table: str, app_id: str) -> int:
+    """The newest epoch of transaction ``app_id`` in the table (-1: none): Delta's ``txn`` record."""
+    version = open_table(table).transaction_version(app_id)
+    return -1 if version is None else int(version)
 
 
-def _commit(action: Callable[[], None], conflict: Callable[[BaseException], str]) -> None:
-    """Run a Delta commit, retrying conflicts; one that persists is a ``DeltaConflictError``."""
+def transact(table: str, app_id: str, epoch: int, action: Callable[[Any], None],
+             conflict: Callable[[BaseException], str]) -> None:
+    """Run one commit of the transaction (app_id, epoch) unless the table holds it already.
+
+    ``action(props)`` makes the commit with ``commit_properties``. Each attempt first reads
+    the table's transaction version, so a retry after a commit whose answer was lost does
+    not commit twice. A conflict that persists is a ``DeltaConflictError`` (``conflict(exc)``
+    words it); another failure a ``DeltaCommitError``.
+    """
+    def attempt() -> None:
+        if committed_txn(table, app_id) >= epoch:
+            return  # re-issued, or an earlier attempt landed
+        action(commit_properties(app_id, epoch))
+        if committed_txn(table, app_id) < epoch:
+            # delta-rs writes no version for a MERGE that changes nothing: commit the
+            # transaction alone, so every epoch has its version (time travel per epoch)
+            dt = open_table(table)
+            dt.create_write_transaction([], mode="append", schema=dt.schema(),
+                                        commit_properties=commit_properties(app_id, epoch))
+
     try:
-        _retry_conflicts(action)()
+        _retry_commit(attempt)()
+    except CheckpointError:
+        raise
     except Exception as exc:
         if is_conflict(exc):
             raise DeltaConflictError(conflict(exc)) from exc
-        raise
+        raise DeltaCommitError(f"Delta commit of epoch {epoch} to {table} failed ({type(exc).__name__}: "
+                               f"{str(exc)[:300]}); nothing of it is in the table, and recovery re-issues it"
+                               ) from exc
 
 
-def merge(spark: Any, builder: Any, app_id: str, epoch: int, conflict: Callable[[BaseException], str]) -> None:
-    """Execute a ``DeltaMergeBuilder`` as the transaction (app_id, epoch); ``conflict(exc)`` words
-    the error if Delta's conflicts persist."""
+def append(data: pa.Table, table: str, app_id: str, epoch: int, conflict: Callable[[BaseException], str]) -> None:
+    """Append Arrow rows to a Delta table as the transaction (app_id, epoch)."""
+    from deltalake import write_deltalake
+
+    def run(props: Any) -> None:
+        write_deltalake(table_uri(table), data, mode="append", storage_options=storage_options(table),
+                        commit_properties=props)
+
+    transact(table, app_id, epoch, run, conflict)
+
+
+def create(table: str, schema: pa.Schema, properties: dict[str, str], app_id: str) -> None:
+    """Create a Delta table as the transaction (app_id, 0), its properties set in a second
+    commit of the same transaction (delta-rs refuses unknown properties at CREATE)."""
+    from deltalake import DeltaTable
+
+    uri, opts = table_uri(table), storage_options(table)
+
     def run() -> None:
-        with AppTransaction(spark, app_id, epoch):
-            builder.execute()
+        if not is_delta_table(table):
+            DeltaTable.create(uri, schema, mode="ignore", storage_options=opts,
+                              commit_properties=commit_properties(app_id, 0))
+        set_properties(table, properties, app_id)
 
-    _commit(run, conflict)
+    try:
+        _retry_commit(run)()  # both steps check first: a retry redoes only what is missing
+    except Exception as exc:
+        raise DeltaCommitError(f"Delta table {table}: creating it failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                               f"nothing was written to it but possibly the empty table") from exc
 
 
-def append(df: Any, table: str, app_id: str, epoch: int, conflict: Callable[[BaseException], str]) -> None:
-    """Append a DataFrame to a Delta table as the transaction (app_id, epoch)."""
-    def run() -> None:
-        (df.write.format("delta").mode("append")
-         .option("txnAppId", app_id).option("txnVersion", epoch)
-         .option("userMetadata", commit_meta(app_id, epoch)).save(spark_uri(table)))
+def set_properties(table: str, properties: dict[str, str], app_id: str) -> None:
+    """Set table properties as a commit of the transaction (app_id, 0), unless they are set."""
+    dt = open_table(table)
+    have = dt.metadata().configuration
+    if all(have.get(k) == v for k, v in properties.items()):
+        return
+    dt.alter.set_table_properties(properties, raise_if_not_exists=False,
+                                  commit_properties=commit_properties(app_id, 0))
 
-    _commit(run, conflict)
+
+def properties(table: str) -> dict[str, str]:
+    return dict(open_table(table).metadata().configuration)
+
+
+def arrow_schema_of(table: str) -> pa.Schema:
+    """A table's schema as Arrow."""
+    return pa.schema(open_table(table).schema().to_arrow())
+
+
+def spec_of_arrow_type(dt: pa.DataType) -> Any:
+    """An Arrow column type as a ``runtime.types`` JSON spec (the inverse of ``typed.arrow_type``)."""
+    t = pa.types
+    if t.is_string(dt) or t.is_large_string(dt) or t.is_string_view(dt):
+        return "STRING"
+    if t.is_binary(dt) or t.is_large_binary(dt) or t.is_binary_view(dt):
+        return "BINARY"
+    simple = {pa.bool_(): "BOOLEAN", pa.int8(): "TINYINT", pa.int32(): "INT", pa.int64(): "BIGINT",
+              pa.float32(): "FLOAT", pa.float64(): "DOUBLE"}
+    if dt in simple:
+        return simple[dt]
+    if t.is_map(dt):
+        return {"map": [spec_of_arrow_type(dt.key_type), spec_of_arrow_type(dt.item_type)]}
+    if t.is_list(dt) or t.is_large_list(dt) or t.is_list_view(dt):
+        return {"list": spec_of_arrow_type(dt.value_type)}
+    if t.is_struct(dt):
+        return {"row": [[dt.field(i).name, spec_of_arrow_type(dt.field(i).type)] for i in range(dt.num_fields)]}
+    raise ValueError(f"column type {dt} is not one epochstream writes")
 
 
 # ---------------------------------------------------------------- what a writer knows about its tables
 
 
 class DeltaTables:
-    """The Spark session handle of one Delta writer (a state backend or a sink), and what it has
-    learned about its tables.
+    """What one Delta writer (a state backend or a sink) has learned about its tables.
 
     Owned by the writer, so two writers (or two tests) in one process share nothing. Both
     caches are safe to keep for the writer's life: ``_owned`` only skips a repeated read of
@@ -249,24 +400,23 @@ class DeltaTables:
         #: by ``keep_columns`` when this writer commits without changing the schema
         self._typed: dict[str, tuple[int, dict[str, TypeInformation]]] = {}
 
-    @property
-    def spark(self) -> Any:
-        """The driver's Spark session (``spark_session.get_spark``: started on first use)."""
-        return spark_session.get_spark()
-
-    def open(self, table: str) -> Any:
-        """The ``DeltaTable`` at a path."""
-        from delta.tables import DeltaTable
-
-        return DeltaTable.forPath(self.spark, spark_uri(table))
-
     # ------------------------------------------------------------ ownership
-    def check_owned(self, table: str, fmt: str, props: dict[str, str], what: str) -> None:
+    def check_owned(self, table: str, fmt: str, props: dict[str, str], what: str,
+                    app_id: str | None = None) -> None:
         """Refuse a table at ``table`` that epochstream did not create for this purpose
-        (checked once per table and writer; later foreign commits show in the history)."""
+        (checked once per table and writer; later foreign commits show in the history).
+
+        A table whose only commit is our creation (``app_id``, epoch 0) but whose properties
+        are missing was left by a crash between CREATE and its properties: they are set now.
+        """
         if (table, fmt) in self._owned:
             return
-        detail = self.open(table).detail().select("properties").collect()[0]["properties"] or {}
+        detail = properties(table)
+        if detail.get(FORMAT_PROPERTY) is None and app_id is not None:
+            hist = history(table)
+            if hist and all(is_transaction(h["meta"], app_id, 0) for h in hist):
+                set_properties(table, {FORMAT_PROPERTY: fmt, **props}, app_id)
+                detail = properties(table)
         if detail.get(FORMAT_PROPERTY) != fmt:
             raise CheckpointError(
                 f"{what}: the Delta table at {table} was not created by epochstream (table property "
@@ -290,9 +440,9 @@ class DeltaTables:
         """The typed columns (``typed_*``) of a state table whose newest version is ``version``."""
         entry = self._typed.get(table)
         if entry is None or entry[0] != version:
-            schema = self.open(table).toDF().schema
-            entry = (version, {f.name: TypeInformation.from_json(spec_of_spark_type(f.dataType))
-                               for f in schema.fields if f.name.startswith("typed_")})
+            schema = pa.schema(open_table(table, version).schema().to_arrow())
+            entry = (version, {f.name: TypeInformation.from_json(spec_of_arrow_type(f.type))
+                               for f in schema if f.name.startswith("typed_")})
             self._typed[table] = entry
         return dict(entry[1])
 

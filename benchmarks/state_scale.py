@@ -1,0 +1,221 @@
+"""Keyed state at scale: the files backend against the Delta backend (delta-rs commits), per epoch.
+
+Workload: a ``rate`` source at ``--rate`` rows/s for ``--seconds`` (the same input for every
+backend), keyed by ``value % --keys``, a running count in ValueState emitting ``(key, n)``,
+a discarding sink; local driver, ``--parallelism`` workers, aligned epochs every
+``--interval`` seconds, incremental snapshots.
+
+For every completed epoch the job master's epoch log gives:
+
+* ``trigger_to_manifest_s``: trigger until the manifest is written (the checkpoint exists);
+* ``commit_s``: the commits after the manifest (for Delta: one MERGE per stateful operator
+  through delta-rs, then the sinks);
+* ``trigger_to_commit_s`` = the two added: trigger until the epoch's state is visible to
+  readers (Delta: the table version holding the epoch). This is the figure compared.
+
+Writes ``benchmarks/results/state_scale.csv`` (one row per epoch) and ``state_scale.png``;
+prints a summary table with p50/p99 per backend and the Delta/files ratio of the p99. Each
+run is checked: the final committed state holds every key's exact count. Not a test.
+
+    python benchmarks/state_scale.py [--keys 100000] [--rate 50000] [--seconds 40] [--backends files,delta]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from epochstream import (  # noqa: E402
+    CheckpointConfig,
+    DiscardingSink,
+    KeyedProcessFunction,
+    Pipeline,
+    ValueStateDescriptor,
+)
+from epochstream.oracle import committed_state  # noqa: E402
+
+
+class RunningCount(KeyedProcessFunction):
+    def open(self, ctx: Any) -> None:
+        self.count = ctx.state(ValueStateDescriptor("count", default=0))
+
+    def process(self, value: Any, ctx: Any) -> Any:
+        n = self.count.value() + 1
+        self.count.update(n)
+        return ((ctx.key, n),)
+
+
+class KeyOf:
+    """``value % keys`` (a class, so it pickles to the workers by reference)."""
+
+    def __init__(self, keys: int) -> None:
+        self.keys = keys
+
+    def __call__(self, record: dict[str, Any]) -> int:
+        return int(record["value"]) % self.keys
+
+
+def build(backend: str, keys: int, rate: float, seconds: float, interval: float, parallelism: int) -> Pipeline:
+    p = Pipeline(f"state-scale-{backend}", parallelism=parallelism,
+                 checkpoint=CheckpointConfig(interval=interval, incremental=True))
+    p.checkpoint.state_backend = backend
+    (
+        p.rate(rate, count=int(rate * seconds), uid="src")
+        .key_by(KeyOf(keys))
+        .process(RunningCount(), uid="count")
+        .sink(DiscardingSink(), uid="out")
+    )
+    return p
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    i = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
+    return xs[i]
+
+
+def run_one(backend: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    chk = work / f"chk-{backend}"
+    p = build(backend, args.keys, args.rate, args.seconds, args.interval, args.parallelism)
+    t0 = time.perf_counter()
+    result = p.run(deployment="local", checkpoint_dir=str(chk))
+    wall = time.perf_counter() - t0
+    check(backend, chk, args)
+    rows = []
+    load1 = os.getloadavg()[0]
+    for e in result.metrics.get("epochs", []):
+        if e.get("state") != "completed":
+            continue
+        t2m = float(e["trigger_to_commit_seconds"])
+        commit = float(e["commit_seconds"])
+        rows.append({
+            "backend": backend, "keys": args.keys, "rate": args.rate, "interval_s": args.interval,
+            "parallelism": args.parallelism, "epoch": e["epoch"], "kind": e.get("kind"),
+            "trigger_to_manifest_s": round(t2m, 4), "commit_s": round(commit, 4),
+            "trigger_to_commit_s": round(t2m + commit, 4), "run_wall_s": round(wall, 2),
+            "records_in": result.records_in, "load1": round(load1, 2),
+        })
+    return rows
+
+
+def check(backend: str, chk: Path, args: argparse.Namespace) -> None:
+    """The newest checkpoint's committed state holds every key's exact count (for Delta: read
+    back from the table at the recorded version, by delta-rs)."""
+    from epochstream.backends.local import LocalCheckpointStorage
+
+    if backend == "delta":
+        from epochstream.backends.delta import DeltaCheckpointStorage
+
+        storage: Any = DeltaCheckpointStorage(str(chk))
+    else:
+        storage = LocalCheckpointStorage(chk)
+    latest = storage.latest()
+    if latest is None:
+        raise SystemExit(f"{backend}: no checkpoint")
+    manifest, root = latest
+    counts = committed_state(storage, manifest, root)["count"].get("count", {})
+    total = int(args.rate * args.seconds)
+    want = {k: total // args.keys + (1 if k < total % args.keys else 0) for k in range(min(args.keys, total))}
+    if counts != want:
+        raise SystemExit(f"{backend}: committed counts are wrong ({len(counts)} keys, {sum(counts.values())} counts)")
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for b in dict.fromkeys(r["backend"] for r in rows):
+        xs = [r for r in rows if r["backend"] == b]
+        t2c = [r["trigger_to_commit_s"] for r in xs]
+        out.append({
+            "backend": b, "epochs": len(xs), "run_wall_s": xs[0]["run_wall_s"] if xs else float("nan"),
+            "t2c_p50": pct(t2c, 0.5), "t2c_p99": pct(t2c, 0.99), "t2c_max": max(t2c) if t2c else float("nan"),
+            "commit_p50": pct([r["commit_s"] for r in xs], 0.5), "commit_p99": pct([r["commit_s"] for r in xs], 0.99),
+            "t2m_p50": pct([r["trigger_to_manifest_s"] for r in xs], 0.5),
+            "mean": statistics.fmean(t2c) if t2c else float("nan"),
+        })
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = {"files": "tab:blue", "delta": "tab:orange"}
+    for b, rep in dict.fromkeys((r["backend"], r.get("repeat", 0)) for r in rows):
+        xs = [r for r in rows if r["backend"] == b and r.get("repeat", 0) == rep]
+        ax.plot([r["epoch"] for r in xs], [r["trigger_to_commit_s"] for r in xs], marker="o", ms=3,
+                color=colors.get(b), alpha=0.8, label=f"{b} (run {int(rep) + 1})")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("trigger -> commit (s)")
+    k = rows[0]["keys"] if rows else 0
+    ax.set_title(f"keyed running count, {k:,} keys, local driver p={rows[0]['parallelism'] if rows else 0}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--keys", type=int, default=100_000)
+    ap.add_argument("--rate", type=float, default=50_000, help="rows/s of the rate source")
+    ap.add_argument("--seconds", type=float, default=40, help="input length in seconds at --rate")
+    ap.add_argument("--interval", type=float, default=1.0, help="checkpoint interval (s)")
+    ap.add_argument("--parallelism", type=int, default=2)
+    ap.add_argument("--backends", default="files,delta")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per backend, interleaved")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--name", default="state_scale")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    work = Path(tempfile.mkdtemp(prefix="state-scale-"))
+    try:
+        for rep in range(args.repeats):
+            for b in args.backends.split(","):
+                got = run_one(b, args, work)
+                for r in got:
+                    r["repeat"] = rep
+                rows += got
+                print(f"{b} repeat {rep}: {len(got)} epochs, run {got[0]['run_wall_s'] if got else '?'} s, "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
+                shutil.rmtree(work / f"chk-{b}", ignore_errors=True)
+                with open(out / f"{args.name}.csv", "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                    w.writeheader()
+                    w.writerows(rows)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    table = summary(rows)
+    print(f"\n{'backend':<8} {'epochs':>6} {'run s':>6} {'t->c p50':>9} {'t->c p99':>9} {'max':>7} "
+          f"{'commit p50':>10} {'commit p99':>10} {'t->manifest p50':>15}")
+    for r in table:
+        print(f"{r['backend']:<8} {r['epochs']:>6} {r['run_wall_s']:>6} {r['t2c_p50']:>8.3f}s {r['t2c_p99']:>8.3f}s "
+              f"{r['t2c_max']:>6.2f}s {r['commit_p50']:>9.3f}s {r['commit_p99']:>9.3f}s {r['t2m_p50']:>14.3f}s")
+    by = {r["backend"]: r for r in table}
+    if "files" in by and "delta" in by:
+        print(f"\nDelta / files trigger->commit: p50 {by['delta']['t2c_p50'] / by['files']['t2c_p50']:.2f}x, "
+              f"p99 {by['delta']['t2c_p99'] / by['files']['t2c_p99']:.2f}x (target p99 <= 1.2x)")
+    plot(rows, out / f"{args.name}.png")
+    print(f"wrote {out / (args.name + '.csv')} and {args.name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
