@@ -45,9 +45,10 @@ def test_each_knob_costs_virtual_time(mode, tmp_path):
     knobs = {"stragglers": dict(straggler_rate=300.0, straggler_min=0.0005), "cores": dict(worker_cores=1)}
     if mode == "tracker":
         knobs["tracker costs"] = dict(report_cost=5e-6, agent_cost=50e-6)
-    plain = _run(running_count(n=400, parallelism=3, mode=mode, out=tmp_path / "o0"), tmp_path / "plain", base).now
+    job = dict(n=4000, parallelism=2, batch_size=1, mode=mode)
+    plain = _run(running_count(**job, out=tmp_path / "o0"), tmp_path / "plain", base).now
     for name, kw in knobs.items():
-        p = running_count(n=400, parallelism=3, mode=mode, out=tmp_path / f"o-{name}")
+        p = running_count(**job, out=tmp_path / f"o-{name}")
         loaded = _run(p, tmp_path / name, replace(base, **kw)).now
         assert loaded > plain, f"{name}: {loaded} <= {plain}"
 
@@ -70,7 +71,7 @@ def test_no_stragglers_draw_nothing(tmp_path):
 
 @pytest.mark.parametrize("builder", [running_count, union_chain], ids=["running_count", "union_chain"])
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), kills=st.lists(st.floats(0.0, 1.0), max_size=2),
        parallelism=st.integers(1, 3))
 def test_exactly_once_on_a_loaded_simulator(builder, mode, seed, kills, parallelism, tmp_path_factory):

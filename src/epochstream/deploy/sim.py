@@ -335,12 +335,19 @@ class _SimAttempt:
         """One step of ``task``, busy for its cost; returns the records it took in."""
         now, cfg = self.driver.now, self.cfg
         before = task.records_in
+        tracker = self.trackers.get(task.id[1])
+        events = tracker.events if tracker is not None else 0
         actions = task.step(now, budget=budget, read_source=read_source)
         got = task.records_in - before
         done = now + cfg.message_cost + got * cfg.record_cost
+        if tracker is not None and cfg.report_cost:
+            done += (tracker.events - events) * cfg.report_cost
         if self.next_pause:
             done = self._straggle(task.id[1], now, done)
         self.busy[task.id] = done
+        if self.cores:
+            cores = self.cores[task.id[1]]
+            cores[cores.index(min(cores))] = done
         if cfg.check_invariants:
             task.check_invariants()
         self.handle(task.id, actions, done)
