@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=20, help="simulated nodes (paper: 20)")
     ap.add_argument("--cores", type=int, default=2, help="cores per node (paper: dual-core VMs)")
     ap.add_argument("--rates", default="", help="comma-separated input rates (records/s, whole job)")
-    ap.add_argument("--records", type=int, default=3000, help="records per run")
+    ap.add_argument("--seconds", type=float, default=0.02,
+                    help="virtual seconds of input per run (records = rate x seconds, at least --min-records)")
+    ap.add_argument("--min-records", type=int, default=600)
     ap.add_argument("--knee", type=float, default=2.0, help="sustainable: median within this x the low-rate one")
     ap.add_argument("--report-cost", type=float, default=None, help="seconds per SND/RCV event (default: measured)")
     ap.add_argument("--agent-cost", type=float, default=None,
@@ -173,12 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.graph_size, args.workers, args.records = 10, 5, 600
+        args.graph_size, args.workers = 10, 5
     if args.rates:
         rates = [float(r) for r in args.rates.split(",")]
     else:
-        steps = (500, 2000, 8000, 32000, 128000) if args.quick else (250, 500, 1000, 2000, 4000, 8000, 16000, 32000,
-                                                                      64000, 128000)
+        steps = (500, 2000, 8000, 32000, 128000, 512000) if args.quick else (
+            250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 256000, 512000)
         rates = [float(r) for r in steps]
     measured = calibrate() if args.report_cost is None or args.agent_cost is None else (0.0, 0.0)
     report_cost = args.report_cost if args.report_cost is not None else measured[0]
@@ -193,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             k += 1
             print(f"[{k}/{total}] {label} at {rate:g}/s ...", end=" ", flush=True)
             limit = None if base is None else base * OVERLOAD / 1000
-            row = run(args.graph_size, args.workers, args.cores, rate, args.records, mode, g, report_cost,
-                      agent_cost, limit)
+            records = max(args.min_records, int(rate * args.seconds))
+            row = run(args.graph_size, args.workers, args.cores, rate, records, mode, g, report_cost, agent_cost, limit)
             row = {"setup": label, "mode": mode, "granularity": g or 0, "graph_size": args.graph_size,
                    "workers": args.workers, "cores": args.cores, **row}
             rows.append(row)

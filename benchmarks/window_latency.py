@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--straggler-rate", type=float, default=2.0,
                     help="pauses per virtual second per worker in the straggler runs (0: skip them)")
     ap.add_argument("--straggler-alpha", type=float, default=1.5, help="Pareto shape of a pause's length")
-    ap.add_argument("--straggler-min", type=float, default=0.002, help="shortest pause, seconds")
+    ap.add_argument("--straggler-min", type=float, default=0.01, help="shortest pause, seconds")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
