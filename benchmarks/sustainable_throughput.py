@@ -12,12 +12,13 @@ Setups, as in the paper: no tracking (no epochs at all), the trAcker at granular
 per record, aggregated local trackers) and markers (barrier alignment) at granularity 1, 10 and
 50 records per epoch. Granularity g cuts an epoch every g records of the whole job.
 
-The cost model, stated because the result depends on it: a task step costs 5 us plus 2 us per
-record (the simulator's defaults), a marker is a message like any other (5 us at every task it
-reaches, on the data channels, as the paper says punctuations are); the trAcker costs its tasks
-``--report-cost`` per SND/RCV event and its single agent ``--agent-cost`` per report or promise
-it folds. Both default to the Python objects' own cost measured here with timeit at start (the
-numbers are printed). Network: exponential one-way delay, mean 0.5 ms between workers.
+The cost model, stated because the result depends on it: every task step (one record, or one
+marker: punctuations travel the data channels and cost a step at every task they reach) costs
+the measured wall time of epochstream's own ``Task.step``; the trAcker costs its tasks the
+measured time of a local tracker's SND/RCV event, and its single agent the measured time per
+report or promise it folds. All three are measured at start in this process as CPU time
+(``--costs`` sets them instead; they are printed and in the CSV). Network:
+exponential one-way delay, mean 0.5 ms between workers.
 
 Paper (FlameStream, RR-30, 20 nodes of 2 cores): no tracking ~9K items/s, finest trAcker ~7K,
 markers finest < 1K, granularity 10 ~2K, granularity 50 ~5K. The shape to reproduce: the
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import time
 import timeit
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -97,8 +99,17 @@ def _identity(r):
     return r
 
 
+@dataclass(frozen=True)
+class Costs:
+    """CPU seconds the simulator charges (see the module docstring)."""
+
+    step: float = 5e-6  # a task step on one record (batch of 1)
+    report: float = 0.0  # a SND/RCV event at a local tracker
+    agent: float = 0.0  # one report or promise folded by the agent
+
+
 def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: str, granularity: int | None,
-        report_cost: float, agent_cost: float, limit: float | None) -> dict:
+        costs: Costs, limit: float | None) -> dict:
     """One run at ``rate`` records/s for the whole job."""
     clock = Clock()
     probe = Probe(clock, limit)
@@ -111,8 +122,7 @@ def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: 
         s = s.key_by(_key).map(_identity, name=f"map{k}")
     s.key_by(_key).map(probe, name="probe").sink(DiscardingSink(), uid="sink")
     cfg = SimConfig(source_rate=rate / workers, source_batch=1, check_invariants=False, worker_cores=cores,
-                    report_cost=report_cost if mode == "tracker" else 0.0,
-                    agent_cost=agent_cost if mode == "tracker" else 0.0)
+                    message_cost=costs.step, record_cost=0.0, report_cost=costs.report, agent_cost=costs.agent)
     t0 = time.perf_counter()
     overloaded = False
     with tempfile.TemporaryDirectory(prefix="es-sustain-") as chk:
@@ -128,34 +138,43 @@ def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: 
             "virtual_s": round(driver.now, 4), "wall_s": round(time.perf_counter() - t0, 2)}
 
 
-def calibrate() -> tuple[float, float]:
-    """The trAcker's own costs on this machine: a local tracker's SND event, and the agent's
-    handling of one report (a segment's XOR fold) measured through a whole simulated job."""
+def calibrate() -> Costs:
+    """This machine's costs, measured now in this process as CPU time (so other processes' load
+    does not inflate them): a task step
+    on one record (wall time of ``Task.step`` over a small job without tracking), a local
+    tracker's SND event (timeit), and the agent's time per report folded (over a small
+    tracker-mode job)."""
+    from epochstream.runtime.task import Task
+    from epochstream.tracker import agent as agent_mod
     from epochstream.tracker.local import LocalTracker
 
-    tr = LocalTracker("w0", aggregate=True, flush_interval=None, flush_count=1_000_000)
-    n = 200_000
-    report = timeit.timeit(lambda: tr.snd(12345, 1, 0), number=n) / n
-    # the agent: time spent in receive over reports folded, on a small tracker-mode job
-    from epochstream.tracker import agent as agent_mod
+    def timing(cls, name: str, weight):
+        real, spent = getattr(cls, name), [0.0, 0]
 
-    spent = [0.0, 0]
-    real = agent_mod.TrackingAgent.receive
+        def timed(self, *a, **kw):
+            t0 = time.thread_time()
+            try:
+                return real(self, *a, **kw)
+            finally:
+                spent[0] += time.thread_time() - t0
+                spent[1] += weight(a)
 
-    def timed(self, message, now):
-        t0 = time.perf_counter()
-        try:
-            return real(self, message, now)
-        finally:
-            spent[0] += time.perf_counter() - t0
-            spent[1] += max(1, len(message.reports) + len(message.promises))
+        setattr(cls, name, timed)
+        return real, spent
 
-    agent_mod.TrackingAgent.receive = timed  # type: ignore[method-assign]
+    real, steps = timing(Task, "step", lambda a: 1)
     try:
-        run(10, 5, 2, 2000.0, 300, "tracker", 1, 0.0, 0.0, None)
+        run(10, 5, 2, 2000.0, 2000, "aligned", None, Costs(), None)
+    finally:
+        Task.step = real  # type: ignore[method-assign]
+    tr = LocalTracker("w0", aggregate=True, flush_interval=None, flush_count=1_000_000)
+    report = timeit.Timer(lambda: tr.snd(12345, 1, 0), timer=time.thread_time).timeit(100_000) / 100_000
+    real, folded = timing(agent_mod.TrackingAgent, "receive", lambda a: max(1, len(a[0].reports) + len(a[0].promises)))
+    try:
+        run(10, 5, 2, 2000.0, 300, "tracker", 1, Costs(), None)
     finally:
         agent_mod.TrackingAgent.receive = real  # type: ignore[method-assign]
-    return report, spent[0] / max(1, spent[1])
+    return Costs(step=steps[0] / max(1, steps[1]), report=report, agent=folded[0] / max(1, folded[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,9 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="virtual seconds of input per run (records = rate x seconds, at least --min-records)")
     ap.add_argument("--min-records", type=int, default=600)
     ap.add_argument("--knee", type=float, default=2.0, help="sustainable: median within this x the low-rate one")
-    ap.add_argument("--report-cost", type=float, default=None, help="seconds per SND/RCV event (default: measured)")
-    ap.add_argument("--agent-cost", type=float, default=None,
-                    help="seconds per report at the agent (default: measured)")
+    ap.add_argument("--costs", default="measured",
+                    help="'measured' (calibrated now), or step,report,agent in microseconds (e.g. 5,0.5,20)")
     ap.add_argument("--quick", action="store_true", help="RR-10 on 5 workers, fewer rates and records")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
@@ -182,11 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         steps = (500, 2000, 8000, 32000, 128000, 512000) if args.quick else (
             250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 256000, 512000)
         rates = [float(r) for r in steps]
-    measured = calibrate() if args.report_cost is None or args.agent_cost is None else (0.0, 0.0)
-    report_cost = args.report_cost if args.report_cost is not None else measured[0]
-    agent_cost = args.agent_cost if args.agent_cost is not None else measured[1]
-    print(f"RR-{args.graph_size}, {args.workers} workers x {args.cores} cores; trAcker costs: "
-          f"{report_cost * 1e6:.2f} us per SND/RCV event, {agent_cost * 1e6:.2f} us per report at the agent")
+    if args.costs == "measured":
+        costs = calibrate()
+    else:
+        step, report, agent = (float(x) * 1e-6 for x in args.costs.split(","))
+        costs = Costs(step, report, agent)
+    print(f"RR-{args.graph_size}, {args.workers} workers x {args.cores} cores; costs: {costs.step * 1e6:.2f} us "
+          f"per task step, trAcker {costs.report * 1e6:.2f} us per SND/RCV event and "
+          f"{costs.agent * 1e6:.2f} us per report at the agent", flush=True)
     rows: list[dict] = []
     total, k = len(SETUPS) * len(rates), 0
     for label, mode, g in SETUPS:
@@ -196,9 +217,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{k}/{total}] {label} at {rate:g}/s ...", end=" ", flush=True)
             limit = None if base is None else base * OVERLOAD / 1000
             records = max(args.min_records, int(rate * args.seconds))
-            row = run(args.graph_size, args.workers, args.cores, rate, records, mode, g, report_cost, agent_cost, limit)
+            tracked = costs if mode == "tracker" else Costs(step=costs.step)
+            row = run(args.graph_size, args.workers, args.cores, rate, records, mode, g, tracked, limit)
             row = {"setup": label, "mode": mode, "granularity": g or 0, "graph_size": args.graph_size,
-                   "workers": args.workers, "cores": args.cores, **row}
+                   "workers": args.workers, "cores": args.cores, "step_us": costs.step * 1e6,
+                   "report_us": tracked.report * 1e6, "agent_us": tracked.agent * 1e6, **row}
             rows.append(row)
             if base is None:
                 base = row["p50_ms"]

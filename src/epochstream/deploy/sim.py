@@ -79,6 +79,9 @@ class SimConfig:
     #: CPU of the tracking agent per report message: the agent is one process, so messages
     #: queue behind each other there (0 = the agent is never the bottleneck)
     agent_cost: float = 0.0
+    #: the task itself writes its snapshot and processes nothing meanwhile (the blocking save of
+    #: paper 000 §5.3.2); off = epochstream's asynchronous writer lane beside the task
+    blocking_writes: bool = False
 
 
 class SimDriver(Driver):
@@ -92,8 +95,10 @@ class SimDriver(Driver):
         self.writes = 0
         #: (epoch, task, seconds from the epoch's trigger to the task's bound), every attempt
         self.bound_latency: list[tuple[int, Any, float]] = []
-        #: the last attempt's trAcker objects (None in the aligned modes) and its tasks (benchmarks read their logs)
+        #: the last attempt's trAcker objects (None in the aligned modes), tasks and controller (benchmarks read
+        #: their logs and epoch timings)
         self.tracking: Tracking | None = None
+        self.controller: AttemptController | None = None
         self.tasks: dict[TaskId, Task] = {}
 
     def clock(self) -> float:
@@ -113,6 +118,7 @@ class SimDriver(Driver):
             self.traffic.merge(self.attempt_traffic)
             if run is not None:
                 self.bound_latency.extend(run.controller.bound_latency)
+                self.controller = run.controller
 
     def _injected_write_failure(self) -> None:
         self.injected += 1
@@ -291,6 +297,8 @@ class _SimAttempt:
         size = sum(len(k.rows) for k in capture.keyed) * 64 + sum(len(s.records) for s in capture.sinks) * 32
         at = max(done_at, self.writer_busy[tid]) + self.cfg.write_base + size * self.cfg.write_cost
         self.writer_busy[tid] = at
+        if self.cfg.blocking_writes:
+            self.busy[tid] = max(self.busy[tid], at)
         self.push(at, self._on_persisted, capture)
 
     def _exhausted(self, tid, a: SourceExhausted, done_at: float) -> None:
@@ -311,6 +319,8 @@ class _SimAttempt:
 
     def _on_step(self, tid) -> None:
         wait = self._core_free_at(tid)
+        if self.cfg.blocking_writes and self.busy[tid] > self.driver.now:  # a blocking save began after scheduling
+            wait = max(wait or 0.0, self.busy[tid])
         if wait is not None:
             self.push(wait, self._on_step, tid)
             return
