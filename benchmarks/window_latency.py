@@ -102,9 +102,10 @@ def q8_pipeline(mode: str, workers: int, rate: float, seconds: float, window: fl
     return p
 
 
-def measure(mode: str, workers: int, args) -> dict:
+def measure(mode: str, workers: int, args, straggle: float = 0.0) -> dict:
     p = q8_pipeline(mode, workers, args.rate, args.seconds, args.window, args.slack, args.flush_interval)
-    cfg = SimConfig(source_rate=args.rate, source_batch=4, check_invariants=False, net_delay=args.net_delay)
+    cfg = SimConfig(source_rate=args.rate, source_batch=4, check_invariants=False, net_delay=args.net_delay,
+                    straggler_rate=straggle, straggler_alpha=args.straggler_alpha, straggler_min=args.straggler_min)
     with tempfile.TemporaryDirectory(prefix="es-window-") as chk:
         driver = SimDriver(p, LocalCheckpointStorage(chk), seed=1, config=cfg)
         driver.run(None, False, None)
@@ -119,7 +120,9 @@ def measure(mode: str, workers: int, args) -> dict:
         lat.append((fired - entered) * 1000)
     lat.sort()
     traffic = driver.traffic.as_dict()["total"]
-    return {"mode": mode, "workers": workers, "window_s": args.window, "slack_s": args.slack,
+    return {"mode": mode, "workers": workers, "stragglers": "on" if straggle else "off",
+            "straggler_rate": straggle, "straggler_alpha": args.straggler_alpha,
+            "straggler_min_ms": args.straggler_min * 1000, "window_s": args.window, "slack_s": args.slack,
             "net_delay_ms": args.net_delay * 1000, "windows": len(lat), "p50_ms": statistics.median(lat),
             "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "max_ms": lat[-1],
             "flush_interval_ms": args.flush_interval * 1000, "service_messages": traffic["messages"]}
@@ -139,21 +142,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--net-delay", type=float, default=0.0005, help="mean one-way delay between workers (s)")
     ap.add_argument("--flush-interval", type=float, default=0.005,
                     help="local trackers' flush interval (s); the tracker's latency floor (paper: 5 ms)")
+    ap.add_argument("--straggler-rate", type=float, default=2.0,
+                    help="pauses per virtual second per worker in the straggler runs (0: skip them)")
+    ap.add_argument("--straggler-alpha", type=float, default=1.5, help="Pareto shape of a pause's length")
+    ap.add_argument("--straggler-min", type=float, default=0.01, help="shortest pause, seconds")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     w_values = [2, 5] if args.quick else [2, 5, 10, 20, 30]
+    settings = [0.0] + ([args.straggler_rate] if args.straggler_rate > 0 else [])
     rows = []
-    total = len(w_values) * len(MODES)
+    total = len(w_values) * len(MODES) * len(settings)
     k = 0
-    for w in w_values:
-        for mode in MODES:
-            k += 1
-            print(f"[{k}/{total}] W={w} {mode} ...", end=" ", flush=True)
-            row = measure(mode, w, args)
-            rows.append(row)
-            print(f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms over {row['windows']} windows, "
-                  f"{row['service_messages']} service messages")
+    for straggle in settings:
+        for w in w_values:
+            for mode in MODES:
+                k += 1
+                print(f"[{k}/{total}] W={w} {mode} stragglers {'on' if straggle else 'off'} ...", end=" ", flush=True)
+                row = measure(mode, w, args, straggle)
+                rows.append(row)
+                print(f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms over {row['windows']} windows, "
+                      f"{row['service_messages']} service messages")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "window_latency.csv", "w", newline="") as f:
@@ -161,36 +170,40 @@ def main(argv: list[str] | None = None) -> int:
         wr.writeheader()
         wr.writerows(rows)
     print("\nwindow latency (ms) from a window's last element being in to its firing, NEXMark Q8, simulator")
-    print(f"  {'workers':>7} " + " ".join(f"{m + ' p50':>14} {m + ' p99':>14}" for m in MODES))
-    for w in w_values:
-        cells = []
-        for m in MODES:
-            r = next(r for r in rows if (r["mode"], r["workers"]) == (m, w))
-            cells.append(f"{r['p50_ms']:14.2f} {r['p99_ms']:14.2f}")
-        a, t = (next(r for r in rows if (r["mode"], r["workers"]) == (m, w)) for m in MODES)
-        ratio = a["service_messages"] / t["service_messages"]
-        print(f"  {w:>7} " + " ".join(cells) + f"   service messages aligned/tracker {ratio:.1f}x")
-    _plot(rows, w_values, out / "window_latency.png")
+    for straggle in settings:
+        sel = [r for r in rows if r["straggler_rate"] == straggle]
+        how = (f"on ({straggle}/s per worker, Pareto a={args.straggler_alpha}, min {args.straggler_min * 1000:g} ms)"
+               if straggle else "off")
+        print(f"stragglers {how}")
+        print(f"  {'workers':>7} " + " ".join(f"{m + ' p50':>14} {m + ' p99':>14}" for m in MODES))
+        for w in w_values:
+            a, t = (next(r for r in sel if (r["mode"], r["workers"]) == (m, w)) for m in MODES)
+            cells = " ".join(f"{r['p50_ms']:14.2f} {r['p99_ms']:14.2f}" for r in (a, t))
+            ratio = a["service_messages"] / t["service_messages"]
+            print(f"  {w:>7} {cells}   service messages aligned/tracker {ratio:.1f}x")
+    _plot(rows, w_values, settings, out / "window_latency.png")
     print(f"\nwrote {out / 'window_latency.csv'} and {out / 'window_latency.png'}")
     return 0
 
 
-def _plot(rows, w_values, path: Path) -> None:
+def _plot(rows, w_values, settings, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    for mode in MODES:
-        sel = [next(r for r in rows if (r["mode"], r["workers"]) == (mode, w)) for w in w_values]
-        label = "watermarks (aligned)" if mode == "aligned" else "trAcker"
-        ax.plot(w_values, [r["p50_ms"] for r in sel], marker="o", label=f"{label} p50")
-        ax.plot(w_values, [r["p99_ms"] for r in sel], marker="x", linestyle="--", label=f"{label} p99")
-    ax.set_xlabel("workers")
-    ax.set_ylabel("ms from last element in to window fired")
-    ax.set_title("NEXMark Q8 window latency (simulator)", fontsize=9)
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), squeeze=False, sharey=True)
+    for ax, straggle in zip(axes[0], settings, strict=True):
+        for mode in MODES:
+            sel = [next(r for r in rows if (r["mode"], r["workers"], r["straggler_rate"]) == (mode, w, straggle))
+                   for w in w_values]
+            label = "watermarks (aligned)" if mode == "aligned" else "trAcker"
+            ax.plot(w_values, [r["p50_ms"] for r in sel], marker="o", label=f"{label} p50")
+            ax.plot(w_values, [r["p99_ms"] for r in sel], marker="x", linestyle="--", label=f"{label} p99")
+        ax.set_xlabel("workers")
+        ax.set_ylabel("ms from last element in to window fired")
+        ax.set_title(f"NEXMark Q8 window latency (simulator), stragglers {'on' if straggle else 'off'}", fontsize=9)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

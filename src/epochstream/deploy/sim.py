@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,6 +61,27 @@ class SimConfig:
     #: virtual times (from the start of each attempt) at which a savepoint is triggered into
     #: the run's savepoint_dir, as ``epochstream savepoint`` does on a running job
     savepoints_at: tuple[float, ...] = ()
+    #: stragglers (paper 000 §5.3.1: "the probability that some node delays punctuation
+    #: increases" with the number of nodes): every worker pauses ``straggler_rate`` times per
+    #: virtual second on average (Poisson), each pause lasting ``straggler_min`` seconds times a
+    #: Pareto(``straggler_alpha``) draw, a heavy tail like GC pauses and noisy neighbours. A step
+    #: that overlaps a pause ends that much later. 0 = no stragglers (and no extra random draws,
+    #: so a seed's schedule is unchanged).
+    straggler_rate: float = 0.0
+    straggler_alpha: float = 1.5
+    straggler_min: float = 0.002
+    #: CPU sharing (for throughput experiments, paper 000 §5.4): with ``worker_cores`` the tasks of
+    #: a worker share that many cores, so a step waits for a free one; None = every task has a CPU
+    #: of its own (the default: latency experiments on an unloaded system)
+    worker_cores: int | None = None
+    #: CPU of a task per SND/RCV event it hands its local tracker (the trAcker's per-batch XOR)
+    report_cost: float = 0.0
+    #: CPU of the tracking agent per report message: the agent is one process, so messages
+    #: queue behind each other there (0 = the agent is never the bottleneck)
+    agent_cost: float = 0.0
+    #: the task itself writes its snapshot and processes nothing meanwhile (the blocking save of
+    #: paper 000 §5.3.2); off = epochstream's asynchronous writer lane beside the task
+    blocking_writes: bool = False
 
 
 class SimDriver(Driver):
@@ -73,8 +95,10 @@ class SimDriver(Driver):
         self.writes = 0
         #: (epoch, task, seconds from the epoch's trigger to the task's bound), every attempt
         self.bound_latency: list[tuple[int, Any, float]] = []
-        #: the last attempt's trAcker objects (None in the aligned modes) and its tasks (benchmarks read their logs)
+        #: the last attempt's trAcker objects (None in the aligned modes), tasks and controller (benchmarks read
+        #: their logs and epoch timings)
         self.tracking: Tracking | None = None
+        self.controller: AttemptController | None = None
         self.tasks: dict[TaskId, Task] = {}
 
     def clock(self) -> float:
@@ -94,6 +118,7 @@ class SimDriver(Driver):
             self.traffic.merge(self.attempt_traffic)
             if run is not None:
                 self.bound_latency.extend(run.controller.bound_latency)
+                self.controller = run.controller
 
     def _injected_write_failure(self) -> None:
         self.injected += 1
@@ -130,6 +155,18 @@ class _SimAttempt:
         self.writer_busy: dict = {tid: d.now for tid in self.tasks}
         self.step_scheduled: set = set()
         self.last_arrival: dict[Any, float] = {}
+        #: per worker, when each of its cores is free (only with ``SimConfig.worker_cores``)
+        self.cores: dict[int, list[float]] = {}
+        if self.cfg.worker_cores is not None:
+            self.cores = {w: [d.now] * self.cfg.worker_cores for w in range(self.plan.parallelism)}
+        self.agent_busy = d.now
+        #: per worker, when its next pause starts (only with ``SimConfig.straggler_rate``)
+        self.next_pause: dict[int, float] = {}
+        self.pauses: dict[int, deque[tuple[float, float]]] = {}
+        if self.cfg.straggler_rate > 0:
+            self.next_pause = {w: d.now + self.rng.expovariate(self.cfg.straggler_rate)
+                               for w in range(self.plan.parallelism)}
+            self.pauses = {w: deque() for w in range(self.plan.parallelism)}
         #: what the controller's actions do here (the cluster driver sends them to workers)
         self.act = {Trigger: self._trigger, Neoss: self._neoss, CaptureFull: self._capture_full, Stop: None}
         #: what the tasks' actions do here
@@ -262,6 +299,8 @@ class _SimAttempt:
         size = sum(len(k.rows) for k in capture.keyed) * 64 + sum(len(s.records) for s in capture.sinks) * 32
         at = max(done_at, self.writer_busy[tid]) + self.cfg.write_base + size * self.cfg.write_cost
         self.writer_busy[tid] = at
+        if self.cfg.blocking_writes:
+            self.busy[tid] = max(self.busy[tid], at)
         self.push(at, self._on_persisted, capture)
 
     def _exhausted(self, tid, a: SourceExhausted, done_at: float) -> None:
@@ -273,7 +312,20 @@ class _SimAttempt:
         self.tasks[dst].receive(a.channel, a.message)
         self.schedule_step(dst)
 
+    def _core_free_at(self, tid) -> float | None:
+        """With ``worker_cores``: when a core of the task's worker is free, if not now."""
+        if not self.cores:
+            return None
+        free = min(self.cores[tid[1]])
+        return free if free > self.driver.now else None
+
     def _on_step(self, tid) -> None:
+        wait = self._core_free_at(tid)
+        if self.cfg.blocking_writes and self.busy[tid] > self.driver.now:  # a blocking save began after scheduling
+            wait = max(wait or 0.0, self.busy[tid])
+        if wait is not None:
+            self.push(wait, self._on_step, tid)
+            return
         self.step_scheduled.discard(tid)
         task = self.tasks[tid]
         self._run_task(task, budget=1, read_source=False)
@@ -281,6 +333,10 @@ class _SimAttempt:
             self.schedule_step(tid)
 
     def _on_read(self, tid) -> None:
+        wait = self._core_free_at(tid)
+        if wait is not None:
+            self.push(wait, self._on_read, tid)
+            return
         task = self.tasks[tid]
         got = self._run_task(task, budget=self.rng.randint(1, self.batch), read_source=True)
         self.driver.records_in += got
@@ -291,9 +347,19 @@ class _SimAttempt:
         """One step of ``task``, busy for its cost; returns the records it took in."""
         now, cfg = self.driver.now, self.cfg
         before = task.records_in
+        tracker = self.trackers.get(task.id[1])
+        events = tracker.events if tracker is not None else 0
         actions = task.step(now, budget=budget, read_source=read_source)
         got = task.records_in - before
-        self.busy[task.id] = done = now + cfg.message_cost + got * cfg.record_cost
+        done = now + cfg.message_cost + got * cfg.record_cost
+        if tracker is not None and cfg.report_cost:
+            done += (tracker.events - events) * cfg.report_cost
+        if self.next_pause:
+            done = self._straggle(task.id[1], now, done)
+        self.busy[task.id] = done
+        if self.cores:
+            cores = self.cores[task.id[1]]
+            cores[cores.index(min(cores))] = done
         if cfg.check_invariants:
             task.check_invariants()
         self.handle(task.id, actions, done)
@@ -310,7 +376,32 @@ class _SimAttempt:
         if due is not None and due <= self.driver.now:
             self.schedule_step(tid)
 
+    def _straggle(self, worker: int, now: float, done: float) -> float:
+        """A step of ``worker`` from ``now`` to ``done`` is held up by every pause of the worker
+        that overlaps it (the whole worker pauses, so all its tasks wait for the same pause)."""
+        cfg, pauses = self.cfg, self.pauses[worker]
+        while pauses and pauses[0][1] <= now:  # steps come in time order: a past pause stays past
+            pauses.popleft()
+        i = 0
+        while True:
+            while self.next_pause[worker] < done:  # draw the pauses that begin before the step ends
+                start = self.next_pause[worker]
+                end = start + cfg.straggler_min * self.rng.paretovariate(cfg.straggler_alpha)
+                pauses.append((start, end))
+                self.next_pause[worker] = end + self.rng.expovariate(cfg.straggler_rate)
+            if i == len(pauses) or pauses[i][0] >= done:
+                return done
+            start, end = pauses[i]
+            done += end - max(start, now)
+            i += 1
+
     def _on_tracker(self, msg) -> None:
+        if self.cfg.agent_cost:  # the agent handles one message at a time
+            now = self.driver.now
+            if self.agent_busy > now:
+                self.push(self.agent_busy, self._on_tracker, msg)
+                return
+            self.agent_busy = now + self.cfg.agent_cost * max(1, len(msg.reports) + len(msg.promises))
         c = self.controller
         self.apply(c.on_tracker_report(TrackerReport(msg), self.driver.now))
         if self.cfg.check_invariants and c.tracking is not None:  # not None: on_tracker_report checked

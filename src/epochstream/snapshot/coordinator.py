@@ -119,6 +119,9 @@ class EpochCoordinator:
         self.last_completed = last_completed
         self.next_epoch = last_completed + 1
         self.epochs: dict[int, EpochRecord] = {}
+        #: the PENDING and PREPARED epochs, oldest first (epochs only grow): every query of a
+        #: tick reads this, so its cost follows the epochs in flight, not the job's whole history
+        self._open: dict[int, EpochRecord] = {}
         self.last_trigger = now
         self.last_completion = now
         self.consecutive_failures = 0
@@ -129,7 +132,7 @@ class EpochCoordinator:
 
     # ------------------------------------------------------------ queries
     def pending(self) -> list[int]:
-        return sorted(e for e, r in self.epochs.items() if r.state in (EpochState.PENDING, EpochState.PREPARED))
+        return list(self._open)
 
     def next_deadline(self, now: float) -> float | None:
         """Earliest time ``poll`` has something to do (for the simulator's clock and driver
@@ -137,8 +140,10 @@ class EpochCoordinator:
         if self.failed or self.finished:
             return None
         cfg = self.config
-        times = [r.triggered_at + cfg.timeout for r in self.epochs.values() if r.state is EpochState.PENDING]
-        if len(self.pending()) < cfg.max_concurrent and self.final_epoch is None:
+        # epochs are triggered in order, so the oldest pending one times out first
+        oldest = next((r for r in self._open.values() if r.state is EpochState.PENDING), None)
+        times = [] if oldest is None else [oldest.triggered_at + cfg.timeout]
+        if len(self._open) < cfg.max_concurrent and self.final_epoch is None:
             if self.final_requested:
                 times.append(now)
             elif cfg.interval is not None:
@@ -151,7 +156,7 @@ class EpochCoordinator:
             return []
         actions: list[CoordinatorAction] = []
         cfg = self.config
-        for rec in list(self.epochs.values()):
+        for rec in list(self._open.values()):
             if rec.state is EpochState.PENDING and now >= rec.triggered_at + cfg.timeout:
                 actions += self._abort(rec, f"epoch {rec.epoch} timed out after {cfg.timeout}s", now)
         if self.failed:
@@ -206,6 +211,7 @@ class EpochCoordinator:
         if rec is None or rec.state is not EpochState.PREPARED:
             raise ProtocolError("EpochCoordinator", rec.state.value if rec else "unknown", f"manifest_written({epoch})")
         rec.state = EpochState.COMPLETED
+        del self._open[epoch]
         rec.completed_at = now
         self.last_completed = epoch
         self.last_completion = now
@@ -251,7 +257,7 @@ class EpochCoordinator:
     def _trigger(self, kind: str, now: float) -> TriggerEpoch:
         epoch = self.next_epoch
         self.next_epoch += 1
-        self.epochs[epoch] = EpochRecord(epoch, kind, now)
+        self.epochs[epoch] = self._open[epoch] = EpochRecord(epoch, kind, now)
         self.last_trigger = now
         if kind == FINAL:
             self.final_epoch = epoch
@@ -259,7 +265,7 @@ class EpochCoordinator:
 
     def _prepare_ready(self, now: float) -> list[CoordinatorAction]:
         """Move the oldest fully-acked epoch to PREPARED if nothing older is still pending."""
-        if any(r.state is EpochState.PREPARED for r in self.epochs.values()):
+        if any(r.state is EpochState.PREPARED for r in self._open.values()):
             return []  # one manifest at a time, in order
         for e in self.pending():
             rec = self.epochs[e]
@@ -272,6 +278,7 @@ class EpochCoordinator:
 
     def _abort(self, rec: EpochRecord, reason: str, now: float, count: bool = True) -> list[CoordinatorAction]:
         rec.state = EpochState.ABORTED
+        self._open.pop(rec.epoch, None)
         rec.reason = reason
         rec.completed_at = now
         actions: list[CoordinatorAction] = [AbortEpoch(rec.epoch, reason)]

@@ -1,0 +1,279 @@
+"""Sustainable throughput by tracking granularity (paper 000 §5.4, Figure 13b), on the simulator.
+
+RR-N (a source, N identity maps each repartitioned round-robin by key, a sink; one record per
+batch) on W workers whose tasks share ``--cores`` cores each, fed at a fixed input rate. Every
+record carries the virtual time it was read; the last map records its source-to-sink latency.
+The *sustainable throughput* of a setup is the highest input rate whose median latency stays
+within ``--knee`` times the median at the lowest rate (the paper: the rate at which the median
+latency starts to grow). A run whose latency passes 20x the low-rate median is cut short as
+overloaded (the simulator would otherwise queue records forever), and a setup's sweep stops at
+its first rate past the knee: higher rates only queue more.
+
+Setups, as in the paper: no tracking (no epochs at all), the trAcker at granularity 1 (an epoch
+per record, aggregated local trackers) and markers (barrier alignment) at granularity 1, 10 and
+50 records per epoch. Granularity g cuts an epoch every g records of the whole job.
+
+The cost model, stated because the result depends on it: every task step (one record, or one
+marker: punctuations travel the data channels and cost a step at every task they reach) costs
+the measured wall time of epochstream's own ``Task.step``; the trAcker costs its tasks the
+measured time of a local tracker's SND/RCV event, and its single agent the measured time per
+report or promise it folds. All three are measured at start in this process as CPU time
+(``--costs`` sets them instead; they are printed and in the CSV). Network:
+exponential one-way delay, mean 0.5 ms between workers.
+
+Paper (FlameStream, RR-30, 20 nodes of 2 cores): no tracking ~9K items/s, finest trAcker ~7K,
+markers finest < 1K, granularity 10 ~2K, granularity 50 ~5K. The shape to reproduce: the
+trAcker's finest setting keeps >= 0.75x of no tracking, markers at granularity 1 < 0.15x.
+
+Writes benchmarks/results/sustainable_throughput.csv (every run) and .png (median latency by
+input rate per setup) and prints the sustainable rates with their ratios. Not a test.
+
+    python benchmarks/sustainable_throughput.py [--quick] [--graph-size 30] [--workers 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import tempfile
+import time
+import timeit
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+from epochstream import CheckpointConfig, DiscardingSink, JobFailedError, Pipeline, TrackerConfig  # noqa: E402
+from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
+from epochstream.deploy.sim import SimConfig, SimDriver  # noqa: E402
+
+#: (label, mode, granularity): granularity None = no epochs
+SETUPS = (("no tracking", "aligned", None), ("trAcker g=1", "tracker", 1),
+          ("markers g=1", "aligned", 1), ("markers g=10", "aligned", 10), ("markers g=50", "aligned", 50))
+OVERLOAD = 20.0  # a run is cut short once a record's latency passes this multiple of the low-rate median
+
+
+class Overloaded(Exception):
+    """Raised from the latency probe: the run's latency has left the sustainable range."""
+
+
+class Clock:
+    """The running simulator's virtual clock, for the records' timestamps (one process)."""
+
+    driver: SimDriver | None = None
+
+    def now(self) -> float:
+        assert self.driver is not None
+        return self.driver.now
+
+
+class Stamp:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def __call__(self, i: int) -> tuple[int, float]:
+        return (i, self.clock.now())
+
+
+class Probe:
+    """The last map: source-to-sink latency of every record, in virtual seconds."""
+
+    def __init__(self, clock: Clock, limit: float | None) -> None:
+        self.clock, self.limit = clock, limit
+        self.latencies: list[float] = []
+
+    def __call__(self, r: tuple[int, float]) -> tuple[int, float]:
+        lat = self.clock.now() - r[1]
+        self.latencies.append(lat)
+        if self.limit is not None and lat > self.limit:
+            raise Overloaded(f"latency {lat * 1000:.1f} ms")
+        return r
+
+
+def _key(r: tuple[int, float]) -> int:
+    return r[0]
+
+
+def _identity(r):
+    return r
+
+
+@dataclass(frozen=True)
+class Costs:
+    """CPU seconds the simulator charges (see the module docstring)."""
+
+    step: float = 5e-6  # a task step on one record (batch of 1)
+    report: float = 0.0  # a SND/RCV event at a local tracker
+    agent: float = 0.0  # one report or promise folded by the agent
+
+
+def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: str, granularity: int | None,
+        costs: Costs, limit: float | None) -> dict:
+    """One run at ``rate`` records/s for the whole job."""
+    clock = Clock()
+    probe = Probe(clock, limit)
+    interval = None if granularity is None else granularity / rate
+    p = Pipeline(f"rr-{n_maps}", parallelism=workers, mode=mode, batch_size=1, restart_attempts=0,
+                 checkpoint=CheckpointConfig(interval=interval, max_concurrent=1_000_000, num_retained=1),
+                 tracker=TrackerConfig(aggregate=True, flush_interval=0.005, flush_count=1000))
+    s = p.generate(Stamp(clock), count=records, uid="src")
+    for k in range(n_maps - 1):
+        s = s.key_by(_key).map(_identity, name=f"map{k}")
+    s.key_by(_key).map(probe, name="probe").sink(DiscardingSink(), uid="sink")
+    cfg = SimConfig(source_rate=rate / workers, source_batch=1, check_invariants=False, worker_cores=cores,
+                    message_cost=costs.step, record_cost=0.0, report_cost=costs.report, agent_cost=costs.agent)
+    t0 = time.perf_counter()
+    overloaded = False
+    with tempfile.TemporaryDirectory(prefix="es-sustain-") as chk:
+        driver = SimDriver(p, LocalCheckpointStorage(chk), seed=1, config=cfg)
+        clock.driver = driver
+        try:
+            driver.run(None, False, None)
+        except (JobFailedError, Overloaded):
+            overloaded = True
+    lat = sorted(probe.latencies) or [float("inf")]
+    return {"rate": rate, "records_done": len(probe.latencies), "overloaded": overloaded,
+            "p50_ms": statistics.median(lat) * 1000, "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000,
+            "virtual_s": round(driver.now, 4), "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+def calibrate() -> Costs:
+    """This machine's costs, measured now in this process as CPU time (so other processes' load
+    does not inflate them): a task step
+    on one record (wall time of ``Task.step`` over a small job without tracking), a local
+    tracker's SND event (timeit), and the agent's time per report folded (over a small
+    tracker-mode job)."""
+    from epochstream.runtime.task import Task
+    from epochstream.tracker import agent as agent_mod
+    from epochstream.tracker.local import LocalTracker
+
+    def timing(cls, name: str, weight):
+        real, spent = getattr(cls, name), [0.0, 0]
+
+        def timed(self, *a, **kw):
+            t0 = time.thread_time()
+            try:
+                return real(self, *a, **kw)
+            finally:
+                spent[0] += time.thread_time() - t0
+                spent[1] += weight(a)
+
+        setattr(cls, name, timed)
+        return real, spent
+
+    real, steps = timing(Task, "step", lambda a: 1)
+    try:
+        run(10, 5, 2, 2000.0, 2000, "aligned", None, Costs(), None)
+    finally:
+        Task.step = real  # type: ignore[method-assign]
+    tr = LocalTracker("w0", aggregate=True, flush_interval=None, flush_count=1_000_000)
+    report = timeit.Timer(lambda: tr.snd(12345, 1, 0), timer=time.thread_time).timeit(100_000) / 100_000
+    real, folded = timing(agent_mod.TrackingAgent, "receive", lambda a: max(1, len(a[0].reports) + len(a[0].promises)))
+    try:
+        run(10, 5, 2, 2000.0, 300, "tracker", 1, Costs(), None)
+    finally:
+        agent_mod.TrackingAgent.receive = real  # type: ignore[method-assign]
+    return Costs(step=steps[0] / max(1, steps[1]), report=report, agent=folded[0] / max(1, folded[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--graph-size", type=int, default=30, help="N of RR-N (paper: 30)")
+    ap.add_argument("--workers", type=int, default=20, help="simulated nodes (paper: 20)")
+    ap.add_argument("--cores", type=int, default=2, help="cores per node (paper: dual-core VMs)")
+    ap.add_argument("--rates", default="", help="comma-separated input rates (records/s, whole job)")
+    ap.add_argument("--seconds", type=float, default=0.02,
+                    help="virtual seconds of input per run (records = rate x seconds, at least --min-records)")
+    ap.add_argument("--min-records", type=int, default=600)
+    ap.add_argument("--knee", type=float, default=2.0, help="sustainable: median within this x the low-rate one")
+    ap.add_argument("--costs", default="measured",
+                    help="'measured' (calibrated now), or step,report,agent in microseconds (e.g. 5,0.5,20)")
+    ap.add_argument("--quick", action="store_true", help="RR-10 on 5 workers, fewer rates and records")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--name", default="sustainable_throughput", help="file name of the CSV and PNG, without suffix")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.graph_size, args.workers = 10, 5
+    if args.rates:
+        rates = [float(r) for r in args.rates.split(",")]
+    else:
+        steps = (500, 2000, 8000, 32000, 128000, 512000) if args.quick else (
+            250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 256000, 512000)
+        rates = [float(r) for r in steps]
+    if args.costs == "measured":
+        costs = calibrate()
+    else:
+        step, report, agent = (float(x) * 1e-6 for x in args.costs.split(","))
+        costs = Costs(step, report, agent)
+    print(f"RR-{args.graph_size}, {args.workers} workers x {args.cores} cores; costs: {costs.step * 1e6:.2f} us "
+          f"per task step, trAcker {costs.report * 1e6:.2f} us per SND/RCV event and "
+          f"{costs.agent * 1e6:.2f} us per report at the agent", flush=True)
+    rows: list[dict] = []
+    total, k = len(SETUPS) * len(rates), 0
+    for label, mode, g in SETUPS:
+        base = None
+        for rate in rates:
+            k += 1
+            print(f"[{k}/{total}] {label} at {rate:g}/s ...", end=" ", flush=True)
+            limit = None if base is None else base * OVERLOAD / 1000
+            records = max(args.min_records, int(rate * args.seconds))
+            tracked = costs if mode == "tracker" else Costs(step=costs.step)
+            row = run(args.graph_size, args.workers, args.cores, rate, records, mode, g, tracked, limit)
+            row = {"setup": label, "mode": mode, "granularity": g or 0, "graph_size": args.graph_size,
+                   "workers": args.workers, "cores": args.cores, "step_us": costs.step * 1e6,
+                   "report_us": tracked.report * 1e6, "agent_us": tracked.agent * 1e6, **row}
+            rows.append(row)
+            if base is None:
+                base = row["p50_ms"]
+            print(f"p50 {row['p50_ms']:.2f} ms p99 {row['p99_ms']:.2f} ms"
+                  f"{' (overloaded, cut short)' if row['overloaded'] else ''} [{row['wall_s']}s]")
+            if row["overloaded"] or row["p50_ms"] > args.knee * base:  # past the knee: higher rates only queue more
+                k += len(rates) - rates.index(rate) - 1
+                break
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{args.name}.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    sustained = {}
+    for label, _m, _g in SETUPS:
+        sel = [r for r in rows if r["setup"] == label]
+        base = sel[0]["p50_ms"]
+        ok = [r["rate"] for r in sel if not r["overloaded"] and r["p50_ms"] <= args.knee * base]
+        sustained[label] = max(ok) if ok else 0.0
+    ref = sustained["no tracking"] or 1.0
+    print(f"\nsustainable throughput (median latency within {args.knee}x of the lowest rate's), simulator")
+    print(f"  {'setup':<14} {'records/s':>10} {'x no tracking':>14}")
+    for label, _m, _g in SETUPS:
+        print(f"  {label:<14} {sustained[label]:>10g} {sustained[label] / ref:>14.2f}")
+    print("  targets: trAcker g=1 >= 0.75x, markers g=1 < 0.15x (paper: 7K/9K = 0.78x, <1K/9K < 0.11x)")
+    _plot(rows, out / f"{args.name}.png", args)
+    print(f"\nwrote {out / (args.name + '.csv')} and {out / (args.name + '.png')}")
+    return 0
+
+
+def _plot(rows, path: Path, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, _m, _g in SETUPS:
+        sel = [r for r in rows if r["setup"] == label]
+        ax.plot([r["rate"] for r in sel], [r["p50_ms"] for r in sel], marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("input rate (records/s, whole job)")
+    ax.set_ylabel("median source-to-sink latency (ms)")
+    ax.set_title(f"RR-{args.graph_size}, {args.workers} workers x {args.cores} cores (simulator)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
