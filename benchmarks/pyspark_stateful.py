@@ -243,13 +243,13 @@ def keyed_count_pipeline(keys: int, rows: int, args, sink, func=count, extra: di
     return p
 
 
-def es_keyed_count(keys: int, args) -> dict:
+def es_keyed_count(keys: int, rows: int, args) -> dict:
     extra, label = batching_kwargs(args)
     variant = f"local p=2, 1 s epochs, generate_batches {args.batch_size}" + (f", {label}" if label else "")
     with tempfile.TemporaryDirectory(prefix="es-keyed-count-") as tmp:
         logs = Path(tmp) / "logs"
         logs.mkdir()
-        p = keyed_count_pipeline(keys, args.es_rows, args, ProbeSink(str(logs), "count"), extra=extra)
+        p = keyed_count_pipeline(keys, rows, args, ProbeSink(str(logs), "count"), extra=extra)
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
         res = p.run(deployment="local", checkpoint_dir=str(Path(tmp) / "chk"))
@@ -260,10 +260,10 @@ def es_keyed_count(keys: int, args) -> dict:
         state = committed_state(storage, manifest, root)["count"]["$groupState"]
         total = sum(v[0][0] for v in state.values())
     lat = epoch_latencies(res)
-    return result("keyed count", keys, "epochstream", variant, rows=args.es_rows, seconds=round(wall, 2),
-                  rows_per_s=rate, rows_per_s_wall=args.es_rows / wall, batches=len(lat),
+    return result("keyed count", keys, "epochstream", variant, rows=rows, seconds=round(wall, 2),
+                  rows_per_s=rate, rows_per_s_wall=rows / wall, batches=len(lat),
                   latency_kind="epoch trigger-to-commit", latency_p50_ms=pct(lat, 0.5), latency_p99_ms=pct(lat, 0.99),
-                  state_ok=total == args.es_rows and len(state) == keys, load_1min=round(load, 2),
+                  state_ok=total == rows and len(state) == keys, load_1min=round(load, 2),
                   note=f"steady window {steady_s:.1f} s, {steady_rows} rows")
 
 
@@ -404,7 +404,7 @@ def spark_keyed_count(spark, keys: int, args, work: Path) -> dict:
     state_ok: Any = ""
     try:  # every committed batch counted once: Spark's state holds the committed input rows
         state = spark.read.format("statestore").load(str(chk))
-        committed = state.selectExpr("sum(value.c) AS n").collect()[0]["n"]
+        committed = state.selectExpr(f"sum({_field_path(state.schema, 'c')}) AS n").collect()[0]["n"]
         state_ok = committed == sum(p["numInputRows"] for p in done)
     except Exception as exc:  # the reader may not know this operator's state layout: say so
         notes.append(f"state not read: {str(exc).splitlines()[0][:120]}")
@@ -412,6 +412,22 @@ def spark_keyed_count(spark, keys: int, args, work: Path) -> dict:
                   rows_per_s_wall=rows / wall, batches=len(steady), latency_kind="micro-batch duration",
                   latency_p50_ms=pct(lat, 0.5), latency_p99_ms=pct(lat, 0.99), state_ok=state_ok,
                   load_1min=round(load, 2), note="; ".join(notes))
+
+
+def _field_path(schema, name: str, prefix: str = "") -> str:
+    """The dotted path of the first field ``name`` in a (nested) Spark schema: the state
+    source nests applyInPandasWithState's state in ``value`` (as ``groupState``)."""
+    from pyspark.sql.types import StructType
+
+    for f in schema.fields:
+        if f.name == name:
+            return prefix + f.name
+        if isinstance(f.dataType, StructType):
+            try:
+                return _field_path(f.dataType, name, f"{prefix}{f.name}.")
+            except KeyError:
+                continue
+    raise KeyError(f"no field {name!r} in {schema.simpleString()}")
 
 
 def expected_counts(records: int, keys: int) -> dict[str, int]:
@@ -448,6 +464,11 @@ def spark_processor(spark, src: Path, args, work: Path) -> dict:
                   batches=len(lat), latency_kind="micro-batch duration", latency_p50_ms=pct(lat, 0.5),
                   latency_p99_ms=pct(lat, 0.99), state_ok=got == expected_counts(args.records, args.processor_keys),
                   load_1min=round(load, 2), note="rows/s = records / busy time (start-up excluded)")
+
+
+def _spark_message(error: Any) -> str:
+    """Spark's error message on one line, without the query dump it appends."""
+    return " ".join(str(error).split("=== Streaming Query ===")[0].split())[:1500]
 
 
 class LatencyWriter:
@@ -494,7 +515,7 @@ def spark_real_time(spark, args, work: Path, allowlist_check: bool) -> dict:
              .trigger(realTime="5 seconds").start())
     except Exception as exc:
         return result("real-time latency", keys, "spark", variant, state_ok="",
-                      note=f"refused at start: {' '.join(str(exc).split())[:600]}")
+                      note=f"refused at start: {_spark_message(exc)}")
     stop = threading.Event()
     fed = [0]
 
@@ -529,7 +550,7 @@ def spark_real_time(spark, args, work: Path, allowlist_check: bool) -> dict:
         pass
     if error is not None:
         return result("real-time latency", keys, "spark", variant, state_ok="", load_1min=round(load, 2),
-                      note=f"failed while running: {' '.join(str(error).split())[:900]}")
+                      note=f"failed while running: {_spark_message(error)}")
     lat = read_latencies(str(folder), "spark-*.log", t0 + args.warmup)
     batches = "; ".join(f"batch {p['batchId']}: {p['numInputRows']} rows, {p['durationMs'].get('triggerExecution')} ms"
                         for p in progress[:4])
@@ -552,7 +573,7 @@ def profile_keyed_count(args, out: Path) -> None:
     import pstats
 
     keys = int(args.keys.split(",")[0])
-    rows = min(args.es_rows, 2_000_000)
+    rows = min(int(str(args.es_rows).split(",")[0]), 1_000_000)
     with tempfile.TemporaryDirectory(prefix="es-profile-") as tmp:
         p = keyed_count_pipeline(keys, rows, args, DiscardingSink(), extra=batching_kwargs(args)[0])
         prof = cProfile.Profile()
@@ -578,7 +599,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smaller run (about 3 minutes)")
     ap.add_argument("--keys", default="100,10000", help="keyed count: comma list of key counts")
-    ap.add_argument("--es-rows", type=int, default=None, help="keyed count: epochstream input rows")
+    ap.add_argument("--es-rows", default=None,
+                    help="keyed count: epochstream input rows, one per key count (comma list; the last repeats)")
     ap.add_argument("--batch-size", type=int, default=65536, help="epochstream: rows per source read")
     ap.add_argument("--batch-rows", type=int, default=None, help="epochstream batching policy, if the Pipeline has it")
     ap.add_argument("--batch-linger", type=float, default=None, help="epochstream batching policy (seconds)")
@@ -603,7 +625,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
     quick = args.quick
-    defaults = {"es_rows": 3_000_000 if quick else 20_000_000, "spark_rows_per_batch": 1_500_000,
+    defaults = {"es_rows": "2000000,300000" if quick else "10000000,1000000", "spark_rows_per_batch": 1_500_000,
                 "spark_batches": 2 if quick else 6, "spark_timeout": 120 if quick else 300,
                 "records": 5_000 if quick else 20_000, "files": 2 if quick else 10,
                 "rtm_seconds": 10 if quick else 30, "rtm_spark_seconds": 25 if quick else 60}
@@ -615,6 +637,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     key_counts = [int(k) for k in args.keys.split(",")]
+    es_rows = [int(n) for n in str(args.es_rows).split(",")]
+    es_rows = dict(zip(key_counts, es_rows + es_rows[-1:] * len(key_counts), strict=False))
     uptime = os.popen("uptime").read().strip()
     log(f"start: {uptime}")
 
@@ -626,8 +650,8 @@ def main() -> None:
         spark = spark_session()
         if not args.no_keyed_count:
             for keys in key_counts:  # interleaved, so machine noise hits both alike
-                log(f"keyed count, {keys} keys: epochstream, {args.es_rows:,} rows ...")
-                results.append(es_keyed_count(keys, args))
+                log(f"keyed count, {keys} keys: epochstream, {es_rows[keys]:,} rows ...")
+                results.append(es_keyed_count(keys, es_rows[keys], args))
                 r = results[-1]
                 log(f"  -> {r['rows_per_s']:,.0f} rows/s steady, p99 epoch {r['latency_p99_ms']:.0f} ms")
                 log(f"keyed count, {keys} keys: Spark, {args.skip_batches} + {args.spark_batches} batches ...")
@@ -717,8 +741,9 @@ def plot(results: list[dict], path: Path) -> None:
              and r["workload"] in ("keyed count", "real-time latency")]
     ax.bar(range(len(shown)), [r["latency_p50_ms"] for r in shown], color=[color[r["system"]] for r in shown],
            yerr=[[0] * len(shown), [max(0.0, r["latency_p99_ms"] - r["latency_p50_ms"]) for r in shown]])
-    ax.set_xticks(range(len(shown)), [f"{r['system']}\n{r['workload'][:10]} {r['keys']}\n{r['latency_kind'][:22]}"
-                                      for r in shown], fontsize=6)
+    kind = {"epoch trigger-to-commit": "epoch", "micro-batch duration": "batch"}
+    ax.set_xticks(range(len(shown)), [f"{r['system']}\n{r['workload'].split()[0]} {r['keys']}\n"
+                                      f"{kind.get(r['latency_kind'], 'row to sink')}" for r in shown], fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("ms (bar p50, whisker to p99)")
     ax.set_title("latency")
