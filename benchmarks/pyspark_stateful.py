@@ -625,10 +625,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
     quick = args.quick
-    defaults = {"es_rows": "2000000,300000" if quick else "10000000,1000000", "spark_rows_per_batch": 1_500_000,
+    defaults = {"es_rows": "1000000,150000" if quick else "10000000,1000000", "spark_rows_per_batch": 1_500_000,
                 "spark_batches": 2 if quick else 6, "spark_timeout": 120 if quick else 300,
-                "records": 5_000 if quick else 20_000, "files": 2 if quick else 10,
-                "rtm_seconds": 10 if quick else 30, "rtm_spark_seconds": 25 if quick else 60}
+                "records": 3_000 if quick else 20_000, "files": 2 if quick else 10,
+                "rtm_seconds": 8 if quick else 30, "rtm_spark_seconds": 20 if quick else 60}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
