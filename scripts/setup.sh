@@ -41,3 +41,14 @@ if [ "$(cat "$KSTAMP" 2>/dev/null)" != "$KWANT" ] || ! ls "$KJARS"/kafka_2.13-*.
   echo "$KWANT" > "$KSTAMP"
 fi
 echo "kafka broker jars: $(ls "$KJARS"/*.jar | wc -l) in $KJARS"
+
+# Spark Structured Streaming's own Kafka connector: only the Spark peer of benchmarks/kafka.py uses it
+SKJARS=jars/kafka-spark/lib
+SKSTAMP="$SKJARS/.pom-sha256"
+SKWANT=$(sha256sum jars/kafka-spark/pom.xml | cut -d' ' -f1)
+if [ "$(cat "$SKSTAMP" 2>/dev/null)" != "$SKWANT" ] || ! ls "$SKJARS"/spark-sql-kafka-*.jar >/dev/null 2>&1; then
+  rm -rf "$SKJARS"
+  mvn -q -B -f jars/kafka-spark/pom.xml dependency:copy-dependencies
+  echo "$SKWANT" > "$SKSTAMP"
+fi
+echo "spark kafka connector jars: $(ls "$SKJARS"/*.jar | wc -l) in $SKJARS"

@@ -127,8 +127,10 @@ class KafkaCluster:
         for node in range(1, self.n + 1):
             props = self._properties(node)
             if not (self.dir / f"node{node}" / "data" / "meta.properties").exists():
-                fmt = subprocess.run(self._java(node, "kafka.tools.StorageTool", "format", "-t", self.cluster_id,
-                                                "-c", str(props)), capture_output=True, text=True)
+                # --cluster-id=: an id may start with "-", which the tool would take for an option
+                fmt = subprocess.run(self._java(node, "kafka.tools.StorageTool", "format",
+                                                f"--cluster-id={self.cluster_id}", "-c", str(props)),
+                                     capture_output=True, text=True)
                 if fmt.returncode != 0:
                     raise KafkaBrokerError(f"formatting node {node}'s storage failed: {fmt.stdout}{fmt.stderr}")
             self._launch(node)

@@ -6,6 +6,8 @@ Every client comes from ``confluent-kafka`` (librdkafka), the optional extra
 
 from __future__ import annotations
 
+import os
+import weakref
 from typing import Any
 
 from ...runtime.errors import ConfigurationError, EpochStreamError
@@ -58,3 +60,24 @@ def broker_config(bootstrap_servers: str, name: str, settings: dict[str, Any] | 
     configs = client.describe_configs([res])[res].result(timeout)
     entry = configs.get(name)
     return None if entry is None else entry.value
+
+
+#: sources and sinks holding librdkafka clients in this process (see ``release_before_fork``)
+_HOLDERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def holds_clients(obj: Any) -> None:
+    """Register ``obj`` (with a ``release()`` method) to close its clients before this process forks."""
+    _HOLDERS.add(obj)
+
+
+def release_before_fork() -> None:
+    """Close every registered client. The local driver forks workers from the job master's
+    process; a librdkafka handle's threads do not survive a fork, and a child that inherits
+    the handle (and its locks) can hang when it frees it. The clients open again on next use."""
+    for obj in list(_HOLDERS):
+        obj.release()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=release_before_fork)

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable
 from ...runtime.errors import ConfigurationError, UserFunctionError
 from ..base import TransactionalSink
 from ..objects import safe_name as _safe
-from .client import KafkaSinkError, broker_config, confluent
+from .client import KafkaSinkError, broker_config, confluent, holds_clients
 
 STAGING = "_staging"
 GUARANTEES = ("exactly-once", "at-least-once", "none")
@@ -199,6 +199,7 @@ class KafkaSink(TransactionalSink):
             if self.guarantee == "at-least-once":
                 settings.setdefault("enable.idempotence", True)
             self._producer = ck.Producer(settings)
+            holds_clients(self)
         return self._producer
 
     # ------------------------------------------------------------ 2PC verbs
@@ -256,8 +257,14 @@ class KafkaSink(TransactionalSink):
         if tm is None or tm.error is not None:
             raise KafkaSinkError(f"sink {uid!r}: topic {self.topic!r} does not exist at {self.bootstrap_servers} "
                                  f"({tm.error if tm is not None else 'unknown topic'})")
-        if self._producer is not None:
-            self._producer.flush(5)
+        self.release()
+        self._open(uid)
+        self._marker[uid] = self.read_marker(uid)
+
+    def _open(self, uid: str) -> None:
+        """The transactional producer (``init_transactions`` aborts any transaction of this
+        transactional id still open, and fences an older producer) and the marker's consumer."""
+        ck = confluent()
         tid = self.transactional_id(uid)
         self._producer = ck.Producer({
             "bootstrap.servers": self.bootstrap_servers, "transactional.id": tid,
@@ -268,12 +275,21 @@ class KafkaSink(TransactionalSink):
         except ck.KafkaException as exc:
             raise KafkaSinkError(f"sink {uid!r} to topic {self.topic!r}: init_transactions for transactional id "
                                  f"{tid!r} failed: {exc.args[0]}") from None
-        if self._marker_consumer is not None:
-            self._marker_consumer.close()
         self._marker_consumer = ck.Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": tid,
                                              "enable.auto.commit": False, "isolation.level": "read_committed",
                                              "log_level": 3, **self._client_settings()})
-        self._marker[uid] = self.read_marker(uid)
+        holds_clients(self)
+
+    def release(self) -> None:
+        """Close the clients (their threads): the local driver forks workers from the master's
+        process after recovery, and no librdkafka thread may be alive at a fork. The next
+        commit opens them again."""
+        if self._producer is not None:
+            self._producer.flush(10)
+            self._producer = None
+        if self._marker_consumer is not None:
+            self._marker_consumer.close()
+            self._marker_consumer = None
 
     def _client_settings(self) -> dict[str, Any]:
         """Connection settings (security, ...) from the producer settings that other clients share."""
@@ -283,8 +299,15 @@ class KafkaSink(TransactionalSink):
     def read_marker(self, uid: str) -> int:
         """The newest epoch Kafka committed for this sink (-1 if none), from the marker group."""
         ck = confluent()
-        assert self._marker_consumer is not None, "start() first"
-        got = self._marker_consumer.committed([ck.TopicPartition(self.topic, 0)], timeout=30)[0]
+        consumer = self._marker_consumer or ck.Consumer({
+            "bootstrap.servers": self.bootstrap_servers, "group.id": self.transactional_id(uid),
+            "enable.auto.commit": False, "isolation.level": "read_committed", "log_level": 3,
+            **self._client_settings()})
+        try:
+            got = consumer.committed([ck.TopicPartition(self.topic, 0)], timeout=30)[0]
+        finally:
+            if consumer is not self._marker_consumer:
+                consumer.close()
         if got.error is not None:
             raise KafkaSinkError(f"sink {uid!r}: reading the commit marker of group {self.transactional_id(uid)!r} "
                                  f"failed: {got.error}")
@@ -294,8 +317,10 @@ class KafkaSink(TransactionalSink):
         """Produce an epoch's staged output and its marker in one transaction (idempotent:
         an epoch the marker already covers is skipped)."""
         staged = sorted(staged, key=_staged_order)
-        if self._producer is None:
+        if uid not in self._marker:
             self.start(uid, "job", None)
+        if self._producer is None:
+            self._open(uid)
         if epoch <= self._marker.get(uid, -1):
             self._drop(staged)
             return
@@ -356,12 +381,7 @@ class KafkaSink(TransactionalSink):
         raise NotImplementedError("KafkaSink writes to a topic: compare runs by reading the topic (read_topic)")
 
     def close(self) -> None:
-        if self._producer is not None:
-            self._producer.flush(10)
-            self._producer = None
-        if self._marker_consumer is not None:
-            self._marker_consumer.close()
-            self._marker_consumer = None
+        self.release()
 
 
 def _staged_order(rel: str) -> tuple[int, int, str]:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 from ...runtime.errors import UserFunctionError
 from ...runtime.sources import Source
-from .client import KafkaSourceError, confluent, topic_metadata
+from .client import KafkaSourceError, confluent, holds_clients, topic_metadata
 
 #: how long a worker waits for the first fetch of a split when asked for records at an offset
 #: it is not at (a seek); afterwards reads never wait
@@ -88,11 +88,9 @@ class KafkaSource(Source):
         self.end_offsets: list[int] | None = None if end is None else self._resolve(end, "end")
         self._consumers: dict[int, Any] = {}
         self._positions: dict[int, int] = {}
-        #: the job master's consumer that commits completed epochs' offsets to the group
-        self._group_committer: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_consumers": {}, "_positions": {}, "_group_committer": None}
+        return {**self.__dict__, "_consumers": {}, "_positions": {}}
 
     def __repr__(self) -> str:
         return f"KafkaSource({self.bootstrap_servers!r}, {self.topics!r}, {self.num_splits} partitions)"
@@ -216,6 +214,7 @@ class KafkaSource(Source):
                 "fetch.wait.max.ms": 10, "log_level": 3, **self.settings,
             })
             self._consumers[split] = consumer
+            holds_clients(self)
         return consumer
 
     def _seek(self, consumer: Any, split: int, offset: int) -> None:
@@ -237,6 +236,10 @@ class KafkaSource(Source):
                 pos = pos2
         return out
 
+    def release(self) -> None:
+        """Close the consumers (they open again, at the offset asked for, on the next read)."""
+        self.close()
+
     def close(self) -> None:
         for c in self._consumers.values():
             c.close()
@@ -254,14 +257,15 @@ class KafkaSource(Source):
                if int(s) < self.num_splits]
         if not tps:
             return
-        consumer = self._group_committer
-        if consumer is None:
-            consumer = ck.Consumer({"bootstrap.servers": self.bootstrap_servers,
-                                    "group.id": self.group_id or f"epochstream-{self.uid}",
-                                    "enable.auto.commit": False, "log_level": 3, **self.settings})
-            self._group_committer = consumer
+        # a short-lived client: the local driver forks workers from the master's process, and a
+        # librdkafka handle's threads must not be alive at a fork
+        consumer = ck.Consumer({"bootstrap.servers": self.bootstrap_servers,
+                                "group.id": self.group_id or f"epochstream-{self.uid}",
+                                "enable.auto.commit": False, "log_level": 3, **self.settings})
         try:
             consumer.commit(offsets=tps, asynchronous=False)
         except ck.KafkaException as exc:
             logging.getLogger(__name__).warning("source %s: committing offsets to group %s failed: %s", self.uid,
                                                 self.group_id, exc)
+        finally:
+            consumer.close()
