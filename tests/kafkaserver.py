@@ -27,7 +27,8 @@ def kafka():
 def kafka3():
     from epochstream.deploy.kafka_broker import KafkaCluster
 
-    cluster = KafkaCluster(3).start()
+    # a dead broker is noticed in 2 s instead of 9 (broker.session.timeout.ms), so leaders move soon
+    cluster = KafkaCluster(3, settings={"broker.session.timeout.ms": 2000, "broker.heartbeat.interval.ms": 300}).start()
     yield cluster
     cluster.stop()
 

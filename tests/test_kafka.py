@@ -231,3 +231,28 @@ def test_exactly_once_under_failures(kafka, tmp_path, mode, failure):
         assert hook is not None and hook.done
         assert len(raw) > len(got), "the crash inside the transaction left no aborted records"
     assert len(raw) >= len(got)
+
+
+# ---------------------------------------------------------------- three brokers, one killed
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_exactly_once_when_a_broker_dies(kafka3, tmp_path, mode):
+    """Three brokers, topics with replication 3 and min.insync.replicas 2; one broker is
+    SIGKILLed while the job runs (and started again after it): the output at read_committed
+    still holds every input's result exactly once."""
+    import threading
+
+    src = _fill(kafka3)
+    out = new_topic(kafka3, "out", 2)
+    victim = 1 if mode == "aligned" else 2
+    killer = threading.Timer(0.8, kafka3.kill, args=(victim,))
+    p, sink = _count_job(kafka3, src, out, mode=mode, staging=tmp_path / "staging")
+    killer.start()
+    try:
+        res = p.run("local", checkpoint_dir=tmp_path / "chk")
+    finally:
+        killer.join()
+        kafka3.restart(victim)
+    assert res.completed_epochs
+    assert check_running_counts(_committed(kafka3, out), range(N)) == []
