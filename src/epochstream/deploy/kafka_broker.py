@@ -200,10 +200,12 @@ class KafkaCluster:
         raise KafkaBrokerError(f"topic {name!r} has no leader for every partition after 30s")
 
     def stop(self) -> None:
+        """Stop every node: SIGKILL when the cluster's folder is a temporary one (its data goes
+        anyway, and a controlled shutdown of several nodes takes many seconds), else SIGTERM."""
         for node in list(self.procs):
             proc = self.procs.pop(node)
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, signal.SIGKILL if self._own_dir else signal.SIGTERM)
                 proc.wait(15)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 try:

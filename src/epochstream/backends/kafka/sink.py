@@ -122,6 +122,8 @@ class KafkaSink(TransactionalSink):
         self.producer_settings = dict(producer_settings or {})
         #: the master commits once per sink per epoch (``commit_epoch``), not once per staged file
         self.epoch_transactions = guarantee == "exactly-once"
+        #: its commits are Kafka transactions, not Spark jobs (the spark driver needs no spare slot)
+        self.commits_with_spark = False
         self.staging = staging if staging is not None else os.path.join(
             tempfile.gettempdir(), "epochstream-kafka-staging", _safe(topic))
         self._store: Any = None
