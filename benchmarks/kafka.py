@@ -255,6 +255,10 @@ def run_spark(cluster, interval: float, n: int, load: float, seconds: float, war
 
 
 def main(argv: list[str] | None = None) -> int:
+    # the local driver forks its workers from this process: load pyarrow.parquet (state files)
+    # once here, or every worker pays its import (seconds on a loaded machine) in its first epoch
+    import pyarrow.parquet  # noqa: F401
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=int, default=100_000, help="input records of the throughput run")
     ap.add_argument("--seconds", type=float, default=20.0, help="length of the latency run")
