@@ -206,7 +206,10 @@ def _spark_run(bootstrap: str, src: str, out: str, interval: float, bounded: boo
         q.awaitTermination()
     else:
         q = writer.trigger(processingTime=f"{int(interval * 1000)} milliseconds").start()
-        time.sleep(seconds + 2)
+        while q.lastProgress is None:  # the first (empty) micro-batch ran: Spark is up
+            time.sleep(0.2)
+        queue.put("ready")
+        time.sleep(seconds)
         q.stop()
     queue.put(time.time() - t0)
     spark.stop()
@@ -234,13 +237,13 @@ def run_spark(cluster, interval: float, n: int, load: float, seconds: float, war
     cluster.create_topic(out2, 2)
     rate = max(100.0, load * rps)
     lq = ctx.Queue()
-    reader = ctx.Process(target=_reader, args=(cluster.bootstrap_servers, out2, seconds + 25, lq))
-    reader.start()
     sq = ctx.Queue()
-    job = ctx.Process(target=_spark_run, args=(cluster.bootstrap_servers, src2, out2, interval, False, seconds + 15,
+    job = ctx.Process(target=_spark_run, args=(cluster.bootstrap_servers, src2, out2, interval, False, seconds + 8,
                                                sq))
     job.start()
-    time.sleep(15)  # Spark's JVM and first batch; the load starts once it runs
+    assert sq.get(timeout=600) == "ready"  # the load starts once Spark's query runs
+    reader = ctx.Process(target=_reader, args=(cluster.bootstrap_servers, out2, seconds + 8, lq))
+    reader.start()
     loader = ctx.Process(target=_load, args=(cluster.bootstrap_servers, src2, rate, seconds))
     loader.start()
     loader.join()
