@@ -38,3 +38,27 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || ! ls "$JARS"/delta-spark_*.ja
   echo "$WANT" > "$STAMP"
 fi
 echo "spark jars: $(ls "$JARS"/*.jar | wc -l) in $JARS"
+
+# Apache Kafka's broker (KRaft) for the Kafka tests, benchmarks and demo: its own folder and stamp
+# (jars/kafka/pom.xml -> jars/kafka/lib), run in its own JVM by epochstream.deploy.kafka_broker
+KJARS=jars/kafka/lib
+KSTAMP="$KJARS/.pom-sha256"
+KWANT=$(sha256sum jars/kafka/pom.xml | cut -d' ' -f1)
+if [ "$(cat "$KSTAMP" 2>/dev/null)" != "$KWANT" ] || ! ls "$KJARS"/kafka_2.13-*.jar >/dev/null 2>&1; then
+  command -v mvn >/dev/null || { echo "setup: mvn is needed to fetch the Kafka broker jars (apt-get install maven)" >&2; exit 1; }
+  rm -rf "$KJARS"
+  mvn -q -B -f jars/kafka/pom.xml dependency:copy-dependencies
+  echo "$KWANT" > "$KSTAMP"
+fi
+echo "kafka broker jars: $(ls "$KJARS"/*.jar | wc -l) in $KJARS"
+
+# Spark Structured Streaming's own Kafka connector: only the Spark peer of benchmarks/kafka.py uses it
+SKJARS=jars/kafka-spark/lib
+SKSTAMP="$SKJARS/.pom-sha256"
+SKWANT=$(sha256sum jars/kafka-spark/pom.xml | cut -d' ' -f1)
+if [ "$(cat "$SKSTAMP" 2>/dev/null)" != "$SKWANT" ] || ! ls "$SKJARS"/spark-sql-kafka-*.jar >/dev/null 2>&1; then
+  rm -rf "$SKJARS"
+  mvn -q -B -f jars/kafka-spark/pom.xml dependency:copy-dependencies
+  echo "$SKWANT" > "$SKSTAMP"
+fi
+echo "spark kafka connector jars: $(ls "$SKJARS"/*.jar | wc -l) in $SKJARS"

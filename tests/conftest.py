@@ -40,3 +40,6 @@ def spark():
     s = spark_session.get_spark()
     yield s
     spark_session.stop()
+
+# the Kafka broker fixtures (a real KRaft broker from jars/kafka/lib)
+from kafkaserver import kafka, kafka3  # noqa: E402,F401

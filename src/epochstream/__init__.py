@@ -3,6 +3,7 @@
 from .api.builtin import TumblingEventTimeWindows
 from .api.functions import KeyedBatchFunction, KeyedProcessFunction
 from .api.pipeline import CheckpointConfig, IterativeStream, KeyedStream, Pipeline, Stream, TrackerConfig
+from .backends.kafka import KafkaSink, KafkaSource
 from .backends.sinks import DiscardingSink, FileSink
 from .deploy.failures import JobFailedError
 from .deploy.result import JobResult
@@ -18,7 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointConfig", "CheckpointError", "CollectionSource", "Context", "DiscardingSink", "EpochStreamError",
-    "FileSink", "GeneratorSource", "IterativeStream", "JobFailedError", "JobResult", "KeyedBatchFunction",
+    "FileSink", "GeneratorSource", "IterativeStream", "JobFailedError", "JobResult", "KafkaSink", "KafkaSource",
+    "KeyedBatchFunction",
     "KeyedProcessFunction", "KeyedStream", "ListStateDescriptor", "MapStateDescriptor", "ParallelismError",
     "Pipeline", "SchemaError", "Source", "StateSerializationError", "Stream", "TrackerConfig",
     "TumblingEventTimeWindows", "TypeInformation", "Types", "UserFunctionError", "ValueStateDescriptor",

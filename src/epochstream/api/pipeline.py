@@ -540,6 +540,30 @@ class Pipeline:
                                       elastic=num_splits is None)
         return self.from_source(source, uid=uid, name="generate_batches", timestamps=timestamps)
 
+    def from_kafka(self, bootstrap_servers: str, topics: Any, start: Any = "earliest", end: Any = None,
+                   uid: str | None = None, group_id: str | None = None,
+                   key_deserializer: Callable[[bytes | None], Any] | None = None,
+                   value_deserializer: Callable[[bytes | None], Any] | None = None,
+                   timestamps: Callable[[Any], float] | None = None,
+                   settings: dict[str, Any] | None = None) -> Stream:
+        """A replayable source over Kafka topics (a name, a list, or a compiled regular
+        expression): one split per partition, Kafka offsets in the epoch manifest, read at
+        ``read_committed``. ``start``: ``"earliest"``, ``"latest"``, a timestamp in ms or
+        offsets (``{partition: offset}``, or ``{(topic, partition): offset}``); ``end``: None
+        (unbounded), ``"latest"`` (the ends when the job is built) or offsets. Records are dicts
+        with ``key``, ``value`` (bytes unless a deserializer is given), ``topic``,
+        ``partition``, ``offset``, ``timestamp`` (ms) and ``headers``. Offsets are committed to
+        ``group_id`` (default ``epochstream-<uid>``) after each epoch completes, for monitoring.
+        Needs ``epochstream[kafka]``; see ``backends.kafka.source``."""
+        from ..backends.kafka.source import KafkaSource
+
+        uid = uid or f"kafka-{len(self._nodes)}"
+        source = KafkaSource(bootstrap_servers, topics, start=start, end=end, group_id=group_id,
+                             key_deserializer=key_deserializer, value_deserializer=value_deserializer,
+                             settings=settings)
+        source.uid = uid
+        return self.from_source(source, uid=uid, name="kafka", timestamps=timestamps)
+
     def from_source(self, source: Source, uid: str | None = None, name: str = "source",
                     timestamps: str | Callable[[Any], float] | None = None) -> Stream:
         uid = uid or f"source-{len(self._nodes)}"

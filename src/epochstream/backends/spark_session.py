@@ -191,7 +191,8 @@ def delta_conf() -> dict[str, str]:
 def uses_delta(pipeline: Any) -> bool:
     """Whether a job commits to Delta tables (state backend or a sink)."""
     return pipeline.checkpoint.state_backend == "delta" or any(
-        getattr(s, "epoch_transactions", False) for s in pipeline.sinks.values())
+        getattr(s, "epoch_transactions", False) and getattr(s, "commits_with_spark", True)
+        for s in pipeline.sinks.values())
 
 
 def builder(master: str = "local[2]", app_name: str = "epochstream", s3a: bool | None = None) -> Any:

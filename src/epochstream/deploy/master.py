@@ -100,6 +100,9 @@ class JobMaster:
         self.plan = plan
         self.storage = storage
         self.sinks = pipeline.sinks
+        #: sources told of each completed epoch's offsets (Kafka: the consumer group's offsets)
+        self.offset_committers = {uid: src for uid, src in pipeline.sources.items()
+                                  if hasattr(src, "epoch_completed")}
         cfg = pipeline.checkpoint
         self.num_retained = cfg.num_retained
         self.coordinator = EpochCoordinator(
@@ -297,6 +300,9 @@ class JobMaster:
                 first = False
                 self.sinks[uid].commit([rel])
         commit_seconds = time.perf_counter() - t_commit
+        for uid, src in self.offset_committers.items():
+            if uid in manifest["sources"]:
+                src.epoch_completed(manifest["sources"][uid]["offsets"])
         self.fail_point("after_commit")
         self._take_savepoint(epoch, manifest)
         self.builder.completed(epoch, manifest)

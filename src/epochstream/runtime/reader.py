@@ -38,7 +38,7 @@ class SplitReader:
         self.uid = uid
         self.splits = splits
         #: next offset to read per split; only grows
-        self.offsets: dict[int, int] = {s: int(offsets.get(s, 0)) for s in splits}
+        self.offsets: dict[int, int] = {s: int(offsets.get(s, source.start_offset(s))) for s in splits}
         #: records per split (None: unbounded)
         self.lengths: dict[int, int | None] = {s: source.split_length(s) for s in splits}
         self._next_split = 0
@@ -69,9 +69,9 @@ class SplitReader:
             length = self.lengths[split]
             if length is not None and offset >= length:
                 continue
-            records = self.source.read(split, offset, budget)
+            records, after = self.source.read_next(split, offset, budget)
+            self.offsets[split] = after
             if records:
-                self.offsets[split] = offset + len(records)
                 if self.timestamp is None:
                     return [(None, records)]
                 return self._runs(split, offset, records)

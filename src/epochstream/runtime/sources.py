@@ -48,6 +48,16 @@ class Source:
         """Records in the split, or None if unbounded."""
         raise NotImplementedError
 
+    def start_offset(self, split: int) -> int:
+        """Where a fresh start reads ``split`` from (a Kafka source: its resolved ``start``)."""
+        return 0
+
+    def read_next(self, split: int, offset: int, count: int) -> tuple[list[Any], int]:
+        """``read`` plus the offset after the records. Offsets count records unless a source
+        says otherwise: a Kafka source's are Kafka offsets, which have gaps (transaction markers)."""
+        records = self.read(split, offset, count)
+        return records, offset + len(records)
+
     @property
     def bounded(self) -> bool:
         return all(self.split_length(s) is not None for s in range(self.num_splits))

@@ -1,0 +1,258 @@
+"""Kafka in, Kafka out, on a real broker (``kafkaserver.kafka``: KRaft, one per session).
+
+The source: one split per partition, Kafka offsets in the manifest, bounded by ``end``, group
+offsets committed after epochs; bad input (a missing topic, an unreachable broker, a record
+the deserializer rejects) is a clear error naming topic, partition and offset.
+
+The exactly-once sink: a failure injected at each step of its commit (a worker killed before
+its output is staged, after it is staged; the job master crashing after the manifest, in the
+middle of Kafka's transaction, after Kafka's commit), in both modes, and the output topic read
+at ``read_committed`` holds every input's result exactly once (``check_running_counts``: each
+id once, each key's counts exactly 1..n), checked independently of the sink's own marker.
+Where the crash fell inside a Kafka transaction, ``read_uncommitted`` shows the aborted writes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from epochstream import KafkaSink, Pipeline
+from epochstream.backends.kafka import KafkaSourceError, read_topic
+from epochstream.deploy.failures import FailureSchedule, InjectedFailure
+from epochstream.runtime.errors import ConfigurationError
+from kafkaserver import new_topic, produce
+from pipelines import RunningCount, check_running_counts, make_pipeline
+
+pytestmark = pytest.mark.slow
+
+N = 1200
+KEYS = 7
+
+
+def _fill(kafka, n: int = N, partitions: int = 3) -> str:
+    topic = new_topic(kafka, "in", partitions)
+    produce(kafka, topic, [(f"k{i % KEYS}", str(i)) for i in range(n)])
+    return topic
+
+
+def _as_pair(r):
+    return r["key"].decode(), int(r["value"])
+
+
+def _slow(pair):
+    time.sleep(0.0004)  # so a run lasts long enough for kills to land mid-run
+    return pair
+
+
+def _count_job(kafka, src_topic, out_topic, mode="aligned", staging=None, **knobs):
+    p = make_pipeline("kafka-count", mode=mode, interval=0.1, batch_size=16, **knobs)
+    sink = KafkaSink(kafka.bootstrap_servers, out_topic, key=lambda r: r[0], staging=staging)
+    (
+        p.from_kafka(kafka.bootstrap_servers, src_topic, end="latest", uid="src")
+        .map(_as_pair).map(_slow)
+        .key_by(lambda r: r[0])
+        .process(RunningCount(emit_ids=True), uid="count")
+        .sink(sink, uid="out")
+    )
+    return p, sink
+
+
+def _committed(kafka, topic, isolation="read_committed"):
+    return [json.loads(m["value"]) for m in read_topic(kafka.bootstrap_servers, topic, isolation)]
+
+
+# ---------------------------------------------------------------- source
+
+
+def test_source_reads_every_partition_once_and_commits_group_offsets(kafka, tmp_path):
+    from confluent_kafka import Consumer, TopicPartition
+
+    topic = _fill(kafka, 300)
+    p = Pipeline("kafka-read", parallelism=2)
+    got = []
+    from epochstream import FileSink
+
+    (p.from_kafka(kafka.bootstrap_servers, topic, end="latest", uid="src", group_id="g-read")
+     .map(lambda r: {k: (v.decode() if isinstance(v, bytes) else v) for k, v in r.items()})
+     .sink(FileSink(tmp_path / "out"), uid="out"))
+    res = p.run("local", checkpoint_dir=tmp_path / "chk")
+    got = FileSink(tmp_path / "out").read()
+    assert sorted(int(r["value"]) for r in got) == list(range(300))
+    r0 = got[0]
+    assert set(r0) == {"key", "value", "topic", "partition", "offset", "timestamp", "headers"}
+    assert r0["topic"] == topic and r0["timestamp"] > 0
+    # the manifest holds Kafka offsets per split; the group has them too (after the epoch completed)
+    assert res.completed_epochs
+    c = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": "g-read", "log_level": 3})
+    committed = c.committed([TopicPartition(topic, i) for i in range(3)], timeout=10)
+    c.close()
+    per_partition = {i: sum(1 for r in got if r["partition"] == i) for i in range(3)}
+    assert {tp.partition: tp.offset for tp in committed} == per_partition
+
+
+def test_source_start_and_end_offsets(kafka):
+    from epochstream.backends.kafka import KafkaSource
+
+    topic = _fill(kafka, 30, partitions=1)
+    src = KafkaSource(kafka.bootstrap_servers, topic, start={0: 10}, end={0: 20})
+    assert (src.start_offset(0), src.split_length(0)) == (10, 20)
+    recs, after = [], 10
+    while after < 20:
+        got, after = src.read_next(0, after, 100)
+        recs += got
+    assert [int(r["value"]) for r in recs] == list(range(10, 20))
+    latest = KafkaSource(kafka.bootstrap_servers, topic, start="latest")
+    assert latest.start_offset(0) == 30 and latest.split_length(0) is None
+    future = KafkaSource(kafka.bootstrap_servers, topic, start=int(time.time() * 1000) + 3_600_000)
+    assert future.start_offset(0) == 30  # nothing that late: the end
+    pattern = KafkaSource(kafka.bootstrap_servers, re.compile(re.escape(topic)))
+    assert pattern.partitions == [(topic, 0)]
+    src.close()
+
+
+def test_source_bad_input_names_topic_partition_offset(kafka, tmp_path):
+    with pytest.raises(KafkaSourceError, match="topic 'no-such-topic' does not exist"):
+        Pipeline("x").from_kafka(kafka.bootstrap_servers, "no-such-topic")
+    with pytest.raises(KafkaSourceError, match="cannot reach the Kafka cluster"):
+        from epochstream.backends.kafka import KafkaSource
+
+        KafkaSource("127.0.0.1:1", "t", timeout=1.0)
+    topic = new_topic(kafka, "bad", 1)
+    produce(kafka, topic, [("a", "1"), ("b", "oops"), ("c", "3")])
+    p = Pipeline("kafka-bad", parallelism=1, restart_attempts=0)
+    (p.from_kafka(kafka.bootstrap_servers, topic, end="latest", uid="src", value_deserializer=lambda b: int(b))
+     .sink(KafkaSink(kafka.bootstrap_servers, topic), uid="out"))
+    with pytest.raises(Exception, match=rf"topic '{topic}' partition 0 offset 1") as info:
+        p.run("local", checkpoint_dir=tmp_path / "chk")
+    assert "deserializer" in str(info.value)
+    assert len(read_topic(kafka.bootstrap_servers, topic)) == 3  # nothing of the failed job was committed
+
+
+# ---------------------------------------------------------------- sink
+
+
+def test_sink_encodings_and_at_least_once(kafka, tmp_path):
+    out = new_topic(kafka, "alo", 1)
+    p = Pipeline("kafka-alo", parallelism=2)
+    (p.from_collection([b"raw", "text", {"n": 1}], uid="src")
+     .sink(KafkaSink(kafka.bootstrap_servers, out, guarantee="at-least-once",
+                     headers=lambda r: [("kind", type(r).__name__.encode())]), uid="out"))
+    p.run("local", checkpoint_dir=tmp_path / "chk")
+    values = sorted(m["value"] for m in read_topic(kafka.bootstrap_servers, out))
+    assert values == sorted([b"raw", b"text", b'{"n":1}'])
+
+
+def test_sink_rejects_a_broker_transaction_timeout_too_short(kafka, tmp_path):
+    out = new_topic(kafka, "tmo", 1)
+    sink = KafkaSink(kafka.bootstrap_servers, out, transaction_timeout=4000.0, staging=tmp_path / "st")
+    with pytest.raises(ConfigurationError, match=r"transaction.max.timeout.ms is \d+ ms, below"):
+        sink.start("out", "job", None)
+    with pytest.raises(Exception, match="topic 'missing-out' does not exist"):
+        KafkaSink(kafka.bootstrap_servers, "missing-out", staging=tmp_path / "st").start("out", "job", None)
+
+
+def test_sink_recovery_produces_exactly_the_epochs_kafka_lacks(kafka, tmp_path):
+    """The sink's verbs driven by hand: a manifest-committed epoch whose Kafka transaction was
+    aborted by the crash is produced again; one Kafka has is not."""
+    out = new_topic(kafka, "rec", 1)
+    staging = tmp_path / "st"
+    sink = KafkaSink(kafka.bootstrap_servers, out, staging=staging)
+    sink.start("out", "job", None)
+    rel1 = sink.pre_commit("out", 0, 1, "a", ["e1-r0", "e1-r1"])
+    sink.commit_epoch("out", 1, [rel1])
+    rel2 = sink.pre_commit("out", 0, 2, "a", ["e2-r0"])
+
+    def crash(step):
+        if step == "produced":
+            raise InjectedFailure("master dies inside Kafka's transaction")
+
+    sink.fail_hook = crash
+    with pytest.raises(InjectedFailure):
+        sink.commit_epoch("out", 2, [rel2])
+    sink.fail_hook = None
+    # a new master: start aborts the open transaction, recover re-produces epoch 2 (the manifest's)
+    fresh = KafkaSink(kafka.bootstrap_servers, out, staging=staging)
+    fresh.start("out", "job", None)
+    assert fresh.read_marker("out") == 1
+    rel3 = fresh.pre_commit("out", 0, 3, "a", ["never-in-a-manifest"])
+    fresh.recover("out", [rel2], epoch=2)
+    assert fresh.read_marker("out") == 2
+    assert [m["value"] for m in read_topic(kafka.bootstrap_servers, out)] == [b"e1-r0", b"e1-r1", b"e2-r0"]
+    uncommitted = [m["value"] for m in read_topic(kafka.bootstrap_servers, out, "read_uncommitted")]
+    assert uncommitted.count(b"e2-r0") == 2  # the aborted write is there, and only read_committed hides it
+    assert not list(fresh.store.keys(fresh.store.root, "_staging/"))  # rel3 (and the committed ones) are gone
+    # recovering again is idempotent
+    fresh.recover("out", [rel2], epoch=2)
+    assert len(read_topic(kafka.bootstrap_servers, out)) == 3
+    del rel3
+
+
+# failure points of the commit: (kill moment of a worker | fail point of the master | inside the sink)
+FAILURES = {
+    "worker-before-flush": FailureSchedule(kill_times=[0.4], kill_moments=["now"]),
+    "worker-after-flush": FailureSchedule(kill_times=[0.4], kill_moments=["snapshot_write"]),
+    "after-manifest": FailureSchedule(fail_points={"after_manifest": {2}}),
+    "in-kafka-transaction": None,  # the sink's own hook (below)
+    "after-kafka-commit": FailureSchedule(fail_points={"after_commit": {2}}),
+}
+
+
+class _CrashInTransaction:
+    """Raise (as a crashing job master would die) once, between producing and committing."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def __call__(self, step: str) -> None:
+        if step == "produced" and not self.done:
+            self.done = True
+            raise InjectedFailure("job master crashed inside Kafka's transaction")
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_exactly_once_under_failures(kafka, tmp_path, mode, failure):
+    src = _fill(kafka)
+    out = new_topic(kafka, "out", 2)
+    p, sink = _count_job(kafka, src, out, mode=mode, staging=tmp_path / "staging")
+    hook = None
+    if failure == "in-kafka-transaction":
+        hook = sink.fail_hook = _CrashInTransaction()
+    res = p.run("local", checkpoint_dir=tmp_path / "chk", failures=FAILURES[failure])
+    assert res.restarts >= 1, f"the failure {failure} was not injected"
+    got = _committed(kafka, out)
+    assert check_running_counts(got, range(N)) == []
+    raw = _committed(kafka, out, "read_uncommitted")
+    if failure in ("in-kafka-transaction",):
+        assert hook is not None and hook.done
+        assert len(raw) > len(got), "the crash inside the transaction left no aborted records"
+    assert len(raw) >= len(got)
+
+
+# ---------------------------------------------------------------- three brokers, one killed
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_exactly_once_when_a_broker_dies(kafka3, tmp_path, mode):
+    """Three brokers, topics with replication 3 and min.insync.replicas 2; one broker is
+    SIGKILLed while the job runs (and started again after it): the output at read_committed
+    still holds every input's result exactly once."""
+    import threading
+
+    src = _fill(kafka3)
+    out = new_topic(kafka3, "out", 2)
+    victim = 1 if mode == "aligned" else 2
+    killer = threading.Timer(0.8, kafka3.kill, args=(victim,))
+    p, sink = _count_job(kafka3, src, out, mode=mode, staging=tmp_path / "staging")
+    killer.start()
+    try:
+        res = p.run("local", checkpoint_dir=tmp_path / "chk")
+    finally:
+        killer.join()
+        kafka3.restart(victim)
+    assert res.completed_epochs
+    assert check_running_counts(_committed(kafka3, out), range(N)) == []
