@@ -72,6 +72,15 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             p.restart_strategy = parse_restart_strategy(args.restart_strategy)
         if getattr(args, "state_backend", None):
             p.checkpoint = replace(p.checkpoint, state_backend=args.state_backend)
+        if getattr(args, "heartbeat_interval", None) or getattr(args, "heartbeat_timeout", None):
+            from .deploy.liveness import HeartbeatConfig
+            from .runtime.errors import ConfigurationError
+
+            try:
+                p.heartbeat = HeartbeatConfig(args.heartbeat_interval or p.heartbeat.interval,
+                                              args.heartbeat_timeout or p.heartbeat.timeout)
+            except ConfigurationError as exc:
+                raise UsageError(f"--heartbeat-interval/--heartbeat-timeout: {exc}") from None
         return p
 
     return build
@@ -81,6 +90,11 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("pipeline", metavar="FILE.py:FUNCTION", help="a function that returns a Pipeline")
     ap.add_argument("--deployment", choices=["sim", "local", "spark"], default="local",
                     help="where to run (default: local; spark: one barrier task per worker)")
+    ap.add_argument("--heartbeat-interval", type=float, metavar="SECONDS",
+                    help="local/spark: seconds between worker heartbeats (heartbeat.interval, default 1)")
+    ap.add_argument("--heartbeat-timeout", type=float, metavar="SECONDS",
+                    help="local/spark: a worker silent this long is declared failed and the job fails over "
+                         "(heartbeat.timeout, default 10)")
     ap.add_argument("--master", help="spark: the Spark master, e.g. local[4,3], local-cluster[2,1,1024], "
                                      "spark://host:7077 (default local[*])")
     ap.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
@@ -363,8 +377,8 @@ def cmd_chaos(args) -> int:
         if m not in MOMENTS + ("commit",):
             raise UsageError(f"--kill-moments: unknown moment {m!r} (one of {', '.join(MOMENTS + ('commit',))})")
     for t in targets:
-        if t not in ("worker", "executor"):
-            raise UsageError(f"--kill-targets: unknown target {t!r} (worker, executor)")
+        if t not in ("worker", "executor", "freeze"):
+            raise UsageError(f"--kill-targets: unknown target {t!r} (worker, executor, freeze)")
     options = _spark_options(args)
     rng = random.Random(args.seed)
     horizon: dict[str, float] = {}
@@ -506,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "kill: now, alignment, snapshot_write, commit (default: now)")
     chaos.add_argument("--kill-targets", metavar="LIST",
                        help="local/spark: what a kill hits, chosen at random per kill: worker (its Python "
-                            "process), executor (spark on local-cluster: the executor JVM) (default: worker)")
+                            "process), executor (spark on local-cluster: the executor JVM), freeze (SIGSTOP the "
+                            "worker: heartbeats time out) (default: worker)")
     chaos.add_argument("--workdir", help="keep both runs' output and checkpoints here (--checkpoint-dir is the same)")
     chaos.add_argument("--compare", choices=("recorded", "strict"), default="recorded",
                        help="recorded (default): replay the reference in the order the committed epochs processed "

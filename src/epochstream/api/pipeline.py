@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, is_dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
+from ..deploy.liveness import HeartbeatConfig
 from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, RestartStrategy
 from ..deploy.result import JobResult
 from ..graph.kinds import OpKind
@@ -377,6 +378,7 @@ class Pipeline:
         restart_delay: float | None = None,
         tracker: TrackerConfig | None = None,
         restart_strategy: RestartStrategy | None = None,
+        heartbeat: HeartbeatConfig | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -400,6 +402,8 @@ class Pipeline:
         self.restart_strategy: RestartStrategy = restart_strategy or FixedDelayRestart(
             10 if restart_attempts is None else restart_attempts, 0.5 if restart_delay is None else restart_delay)
         self.tracker = tracker or TrackerConfig()
+        #: worker liveness on the local and spark drivers (Flink's heartbeat.interval / heartbeat.timeout)
+        self.heartbeat = heartbeat or HeartbeatConfig()
         self.batch_size = batch_size
         self._nodes: dict[int, Node] = {}
 
