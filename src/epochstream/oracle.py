@@ -734,6 +734,8 @@ def check_run_recorded(pipeline, logs: dict[str, str], storage, sink_root: Any,
     for uid in orders:
         ref.follow(uid, [])  # gate from the start: nothing runs before the log says so
     got_out: dict[str, collections.Counter[str]] = {uid: collections.Counter() for uid in sinks}
+    want_out: dict[str, collections.Counter[str]] = {uid: collections.Counter() for uid in sinks}
+    seen_out = {uid: 0 for uid in sinks}
     seen_epoch = {uid: 0 for uid in sinks}
     previous, logged = 0, 0
     for epoch in storage.list_checkpoints():
@@ -769,7 +771,10 @@ def check_run_recorded(pipeline, logs: dict[str, str], storage, sink_root: Any,
             for e in sorted(e for e in by_epoch[uid] if seen_epoch[uid] < e <= epoch):
                 got.update(by_epoch[uid][e])
             seen_epoch[uid] = max(seen_epoch[uid], epoch)
-            want = _encoded(ref.sinks.get(uid, []), pipeline.sinks[uid].encoder)
+            recs = ref.sinks.get(uid, [])
+            want_out[uid].update(_encoded(recs[seen_out[uid]:], pipeline.sinks[uid].encoder))
+            seen_out[uid] = len(recs)
+            want = want_out[uid]
             if got != want:
                 report.mismatched_epoch_output += 1
                 missing, extra = sum((want - got).values()), sum((got - want).values())

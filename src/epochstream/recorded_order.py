@@ -162,6 +162,10 @@ def record_id(value: Any) -> Any:
     tuples keep their order, sets and dicts are sorted (their iteration order follows the
     process's hash seed), other objects are identified by their pickle."""
     t = type(value)
+    if t is str or t is int:  # fast paths, untagged: every tagged form is a tuple holding a tuple
+        return value
+    if t is tuple and all(type(v) is str or type(v) is int for v in value):
+        return value
     if t in _SCALARS:
         return (t.__name__, value)
     if t is tuple or t is list:
