@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, is_dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
+from ..deploy.liveness import HeartbeatConfig
 from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, RestartStrategy
 from ..deploy.result import JobResult
 from ..graph.kinds import OpKind
@@ -386,6 +387,7 @@ class Pipeline:
         restart_strategy: RestartStrategy | None = None,
         batch_rows: int | None = None,
         batch_linger: float = 0.0,
+        heartbeat: HeartbeatConfig | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -416,6 +418,8 @@ class Pipeline:
         #: the batching policy (``runtime.batching``): rows per source read and per full output
         #: buffer, and seconds buffered output may wait for more (0: sent at the end of every step)
         self.batching = BatchPolicy(DEFAULT_BATCH_ROWS if rows is None else rows, batch_linger)
+        #: worker liveness on the local and spark drivers (Flink's heartbeat.interval / heartbeat.timeout)
+        self.heartbeat = heartbeat or HeartbeatConfig()
         self._nodes: dict[int, Node] = {}
 
     # -- the batching policy's knobs, like Spark's micro-batch size and Flink's buffer timeout

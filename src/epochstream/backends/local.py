@@ -10,6 +10,7 @@ retention, recovery) is ``objects.ObjectCheckpointStorage``, shared with S3.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -23,6 +24,7 @@ from .objects import (  # noqa: F401  (METADATA, STATE_SCHEMA: imported from her
     ObjectExistsError,
     ObjectMissingError,
     ObjectStore,
+    StorageFullError,
     safe_name,
 )
 
@@ -40,13 +42,29 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: errors that mean the device or the quota is full
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def _write_tmp(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        if exc.errno not in _FULL:
+            raise
+        try:  # a partial temporary file holds space and is garbage
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise StorageFullError(
+            exc.errno, f"no space left writing {path} ({len(data)} bytes): {exc.strerror or exc}; free space on "
+                       f"its device (or raise the quota): completed checkpoints are intact, and the job resumes "
+                       f"from the latest one once writes succeed") from exc
     return tmp
 
 

@@ -71,6 +71,13 @@ class StorageAccessError(StorageError, ConfigurationError):
     or restarting cannot help, so the job fails at once with this message."""
 
 
+class StorageFullError(StorageError):
+    """The device or quota under the storage is full (ENOSPC, EDQUOT). Nothing that was
+    completed is touched (objects are written to a temporary name first, which is removed);
+    the write fails like any storage write, so the job fails over and retries from the latest
+    completed checkpoint until space is free or its restart strategy gives up."""
+
+
 class ObjectMissingError(StorageError, FileNotFoundError):
     """No object under that name."""
 

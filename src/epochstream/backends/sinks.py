@@ -29,6 +29,8 @@ from .base import TransactionalSink
 from .objects import safe_name as _safe
 
 STAGING = "_staging"
+#: where ``roll_back`` sets aside committed output of epochs newer than a restored one
+ROLLED_BACK = "_rolled_back"
 _PART = re.compile(r"part-e(\d+)-(.*)-s(\d+)\.(jsonl|parquet)$")
 #: the file formats a FileSink writes, by extension
 FORMATS = ("jsonl", "parquet")
@@ -186,6 +188,34 @@ class FileSink(TransactionalSink):
         for key in list(self.store.keys(self.path, folder)):
             if key not in keep:
                 self.store.delete(self.path / key)
+
+    def roll_back(self, uid: str, restored_epoch: int) -> list[int]:
+        """Set aside this sink's committed output of epochs after ``restored_epoch``.
+
+        Recovery calls it when it restores an epoch older than output that was already
+        committed (a newer checkpoint's manifest is damaged, or an older checkpoint or
+        savepoint is restored into the same sink): the replay writes those epochs again, so
+        leaving their parts would duplicate them. The parts move to
+        ``PATH/_rolled_back/after-e<restored>-<token>/`` (readers skip ``_`` folders), nothing
+        is deleted. Returns the epochs set aside."""
+        import secrets
+
+        name = _safe(uid)
+        newer = []
+        for key in self.store.keys(self.path, "part-"):
+            m = _PART.match(key)
+            if "/" not in key and m and m.group(2) == name and int(m.group(1)) > restored_epoch:
+                newer.append((int(m.group(1)), key))
+        if not newer:
+            return []
+        aside = f"{ROLLED_BACK}/after-e{restored_epoch}-{secrets.token_hex(3)}"
+        for _epoch, key in sorted(newer):
+            self.store.move(self.path / key, self.path / aside / key)
+        epochs = sorted({e for e, _ in newer})
+        log.warning("sink %s (%s): restored epoch %d is older than its committed output of epochs %s; moved %d "
+                    "part files to %s, the replay writes those epochs again", self.path, uid, restored_epoch,
+                    epochs, len(newer), self.path / aside)
+        return epochs
 
     # ------------------------------------------------------------ reading committed output
     def committed_files(self) -> list[Any]:

@@ -35,12 +35,14 @@ from .attempt import AttemptController, CaptureFull
 from .control import JobControl, SavepointRequest
 from .driver import Driver
 from .failures import Failover
+from .liveness import HeartbeatMonitor
 from .protocol import (
     Ack,
     Decline,
     Die,
     Exhausted,
     Fatal,
+    Heartbeat,
     Ready,
     Stopped,
     TrackerReport,
@@ -110,6 +112,7 @@ class ClusterDriver(Driver):
         #: a kill waiting for its moment: (armed at, victim, target, moment)
         self._armed: tuple[float, int, str, str] | None = None
         self._attempt_killed = False
+        self._liveness = HeartbeatMonitor(self.pipeline.heartbeat)
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -163,6 +166,7 @@ class ClusterDriver(Driver):
                "savepoint-dir": self.savepoint_dir, "completed-epochs": len(self.completed),
                "latest-epoch": self.completed[-1] if self.completed else None, "records-in": self.records_in},
             restarts=self.restarts, savepoints=list(self.savepoints_written), epochs=self.epoch_log[-200:],
+            **{"last-failover": self.failover_log[-1] if self.failover_log else None},
             duration=self.clock(), **self._progress(),
         )
 
@@ -251,7 +255,8 @@ class ClusterDriver(Driver):
         moment = moments[i] if i < len(moments) else "now"
         target = targets[i] if i < len(targets) else "worker"
         victim = self.rng.randrange(len(group.conns))
-        if moment == "now":
+        if moment == "now" or target == "freeze":  # a frozen process cannot wait for a moment
+            moment = "now"
             self._kill(group, victim, target, moment)
             return
         self._armed = (now, victim, target, moment)
@@ -267,7 +272,10 @@ class ClusterDriver(Driver):
         if moment is not None:
             self.kill_log.append({"time": self.clock(), "worker": victim, "target": target, "moment": moment})
         try:
-            os.kill(group.pid(victim, target), signal.SIGKILL)
+            if target == "freeze":  # alive but silent: a hung or cut-off host (liveness.py)
+                os.kill(group.pid(victim, "worker"), signal.SIGSTOP)
+            else:
+                os.kill(group.pid(victim, target), signal.SIGKILL)
         except ProcessLookupError:
             pass
 
@@ -281,10 +289,15 @@ class ClusterDriver(Driver):
         traffic = ServiceTraffic()
         c = self._controller = self.new_attempt(restored, attempt, time.monotonic(), self.deployment, traffic,
                                                 workers=len(group.conns), stop_at=self.deadline)
+        self._liveness = HeartbeatMonitor(self.pipeline.heartbeat)
+        launched = time.monotonic()
+        for w in range(len(group.conns)):
+            self._liveness.launched(w, launched)
         #: worker -> driver messages by type (each handler returns the controller's actions)
         on = {Ready: functools.partial(self._on_ready, c), Ack: functools.partial(self._on_ack, c),
               Decline: c.on_decline, Exhausted: c.on_exhausted, TrackerReport: c.on_tracker_report,
-              Stopped: c.on_stopped, WorkerError: self._on_worker_error, Fatal: self._on_fatal}
+              Stopped: c.on_stopped, Heartbeat: self._on_heartbeat, WorkerError: self._on_worker_error,
+              Fatal: self._on_fatal}
         try:
             while True:
                 now = time.monotonic()
@@ -323,6 +336,7 @@ class ClusterDriver(Driver):
         live = [conn for w, conn in enumerate(conns) if w not in c.stopped]
         # wait() hands back some of the connections it was given (typeshed: any waitable)
         ready: list[Any] = wait(live, timeout=timeout) if live else []
+        liveness = self._liveness
         for conn in ready:
             w = conns.index(conn)
             try:
@@ -332,12 +346,41 @@ class ClusterDriver(Driver):
             handler = on.get(type(msg))
             if handler is None:
                 raise Failover(f"worker {w} sent {type(msg).__name__} on its control connection mid-attempt")
-            self._do(handler(msg, time.monotonic()), conns)
+            received = time.monotonic()
+            if type(msg) is Ready:
+                liveness.watch(w, received)
+            else:
+                liveness.heard(w, received)
+            self._do(handler(msg, received), conns)
         group.check(c.stopped, c.stop_sent)
+        self._check_liveness(group, c)
         self._do(c.stop_workers(), conns)
         self.collect(c.master)
 
+    def _check_liveness(self, group: WorkerGroup, c: AttemptController) -> None:
+        """Fail over when a watched worker has been silent for the heartbeat timeout. Unread
+        messages on its connection count as life (this loop may have been busy, not it)."""
+        liveness = self._liveness
+        if c.stop_sent:
+            liveness.forget_all()  # workers leave their loops: heartbeats end
+            return
+        now = time.monotonic()
+        for silent in liveness.expired(now):
+            conn = group.conns[silent.worker]
+            try:
+                alive = conn.poll()
+            except (EOFError, OSError):
+                alive = False
+            if alive:
+                liveness.heard(silent.worker, now)
+                continue
+            log.error("job %s: %s", self.pipeline.name, silent.reason)
+            raise Failover(silent.reason)
+
     # -- worker -> driver messages the driver handles itself (the rest go to the controller)
+    def _on_heartbeat(self, msg: Heartbeat, now: float) -> list[Any]:
+        return []
+
     def _on_ready(self, c: AttemptController, msg: Ready, now: float) -> list[Any]:
         out = c.on_ready(msg, now)
         if c.all_ready and self.last_failure is not None:

@@ -40,7 +40,8 @@ class FailureSchedule:
     write_failures: set[int] = field(default_factory=set)
     #: local and spark drivers, per kill in ``kill_times`` order (missing: "now", "worker"): the
     #: protocol moment the kill waits for ("now", "alignment", "snapshot_write", "commit") and
-    #: what it kills ("worker": the worker's process; "executor": the Spark executor JVM)
+    #: what it kills ("worker": the worker's process; "executor": the Spark executor JVM;
+    #: "freeze": SIGSTOP of the worker's process, alive but silent until heartbeats time out)
     kill_moments: list[str] = field(default_factory=list)
     kill_targets: list[str] = field(default_factory=list)
 

@@ -6,7 +6,7 @@ between workers carry envelopes (``deploy.worker``), never these.
 
 Worker -> driver, in the order a healthy attempt sends them::
 
-    Hello (spark only, first)  Ready  {Exhausted | TrackerReport | Ack | Decline}*  Stopped
+    Hello (spark only, first)  Ready  {Exhausted | TrackerReport | Ack | Decline | Heartbeat}*  Stopped
 
 and, instead of the rest, ``WorkerError`` (the job fails over) or ``Fatal`` (a damaged
 checkpoint: restarting cannot help). Driver -> worker: ``Trigger`` and ``Neoss`` while the
@@ -100,6 +100,13 @@ class Stopped(_Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Heartbeat(_Message):
+    """Worker ``worker`` is alive and its loop turns (sent every heartbeat interval; ``liveness.py``)."""
+
+    worker: int
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerError(_Message):
     """The worker failed (``text``: what and where); the job fails over."""
 
@@ -149,6 +156,6 @@ class Stop(_Message):
 
 
 #: messages a worker sends, for a driver's dispatch table
-FROM_WORKER = (Hello, Ready, Ack, Decline, Exhausted, TrackerReport, Stopped, WorkerError, Fatal)
+FROM_WORKER = (Hello, Ready, Ack, Decline, Exhausted, TrackerReport, Stopped, Heartbeat, WorkerError, Fatal)
 #: messages a driver sends
 TO_WORKER = (Trigger, Neoss, Die, Stop)

@@ -138,6 +138,8 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
     restored manifest, which names their transaction ids.
     """
     staged = restored.manifest["sinks"] if restored else {}
+    if restored is not None:
+        roll_back_newer_output(sinks, restored)
     recover_state = getattr(storage, "recover_epoch", None)
     if restored is not None and recover_state is not None and restored.reader is None:
         fail_point("recovery")
@@ -153,3 +155,32 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
         else:
             sink.recover(uid, entry.get("staged", []))
     storage.recover(restored.epoch if restored else None)
+
+
+class RollbackError(CheckpointError):
+    """A restore would replay epochs whose output a sink committed and cannot take back."""
+
+
+def roll_back_newer_output(sinks: dict[str, Any], restored: Restored) -> None:
+    """Take back committed output of epochs after the restored one, before the replay
+    writes those epochs again (else it is duplicated, and the epoch numbers are reused
+    with other content).
+
+    A sink with ``roll_back(uid, epoch)`` sets that output aside (``FileSink``). A sink
+    that can only tell which later epochs it committed (``committed_epochs_after(uid,
+    epoch)``) and cannot take them back makes recovery refuse, naming the epochs and the
+    way out. Sinks with neither are left as they are."""
+    for uid, sink in sorted(sinks.items()):
+        roll_back = getattr(sink, "roll_back", None)
+        if roll_back is not None:
+            roll_back(uid, restored.epoch)
+            continue
+        committed_after = getattr(sink, "committed_epochs_after", None)
+        newer = committed_after(uid, restored.epoch) if committed_after is not None else []
+        if newer:
+            raise RollbackError(
+                f"restoring epoch {restored.epoch} ({restored.path}) would replay epochs {newer[:10]} whose output "
+                f"sink {uid!r} ({sink!r}) already committed and cannot take back, so it would be duplicated; "
+                f"restore the newest checkpoint that holds epoch {newer[-1]} (repair or recover its "
+                f"_metadata.json), or write to a new sink location"
+            )

@@ -58,6 +58,7 @@ from ..runtime.columns import from_ipc, to_ipc
 from ..runtime.messages import Batch, Marker, Send, Snapshot, SourceExhausted, Watermark
 from ..snapshot.manifest import CheckpointError
 from .assembly import build_tasks
+from .liveness import DEFAULT_INTERVAL, HeartbeatSender
 from .persist import StateWriteError, persist
 from .protocol import (
     MOMENTS,
@@ -66,6 +67,7 @@ from .protocol import (
     Die,
     Exhausted,
     Fatal,
+    Heartbeat,
     Neoss,
     Ready,
     Stop,
@@ -266,7 +268,11 @@ class WorkerLoop:
         peer_of = {id(c): p for p, c in self.peers.items()}
         batch = self.pipeline.batch_rows
         lingering = self.pipeline.batch_linger > 0
+        config = getattr(self.pipeline, "heartbeat", None)
+        beat = HeartbeatSender(config.interval if config is not None else DEFAULT_INTERVAL, time.monotonic())
         while not self.stopping:
+            if beat.due(time.monotonic()):  # from the loop itself: a loop that stops turning goes silent
+                self.control.send(Heartbeat(self.index))
             did = self._control()
             ready: list[Any] = wait(inbound, timeout=0) if inbound else []  # Connections: inbound holds no socket
             for conn in ready:
