@@ -224,7 +224,9 @@ class FileSink(TransactionalSink):
             m = _PART.match(key)
             return (int(m.group(1)), m.group(2), int(m.group(3))) if m else (1 << 62, key, 0)
 
-        keys = [k for k in self.store.keys(self.path, "part-") if "/" not in k and _PART.match(k)]
+        # every part file a dataset reader would read, named as this sink names them or not
+        keys = [k for k in self.store.keys(self.path, "part-")
+                if "/" not in k and k.endswith(tuple(f".{f}" for f in FORMATS))]
         return [self.path / k for k in sorted(keys, key=order)]
 
     def read_lines(self, loc: Any) -> list[str]:
