@@ -396,6 +396,10 @@ def cmd_chaos(args) -> int:
         return r
 
     work = args.workdir or args.checkpoint_dir or tempfile.mkdtemp(prefix="epochstream-chaos-")
+    from .backends import open_storage
+    from .deploy.lease import check_not_held
+
+    check_not_held(open_storage(work), "run chaos in it")  # its runs would clear the holder's state
     try:
         # runs cut by --duration stop at different points: compare per epoch, not whole outputs
         report = check_exactly_once(build, run, work, whole_output=args.duration is None)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import secrets
 import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..snapshot.manifest import CheckpointError
+from .lease import DEFAULT_TTL, Lease, LeaseKeeper
 
 if TYPE_CHECKING:
     from .driver import Driver
@@ -43,16 +45,28 @@ def run_pipeline(
     **options: Any,
 ):
     storage = make_storage(checkpoint_dir, pipeline.checkpoint.state_backend)
-    if restore is None and storage.list_checkpoints():
-        raise CheckpointError(
-            f"checkpoint dir {storage.root} already holds checkpoints {storage.list_checkpoints()[-3:]}; "
-            f"pass restore='latest' (--restore latest) to resume, or use an empty directory"
-        )
-    t0 = time.perf_counter()
-    driver = _new_driver(pipeline, deployment, storage, seed, parallelism, sim, failures, savepoint_dir,
-                         stop_with_savepoint, options)
-    driver.run(restore, allow_non_restored_state, duration)
-    return _result(pipeline, deployment, storage, driver, time.perf_counter() - t0)
+    lease_ttl = options.pop("lease_ttl", DEFAULT_TTL)
+    # the job id is the lease holder's: chosen here, before the driver, so a refusal changes nothing
+    job_id = secrets.token_hex(16)
+    lease = Lease(storage, pipeline.name, job_id, ttl=lease_ttl).acquire(
+        "restore into it" if restore else "run a job in it")
+    keeper = LeaseKeeper(lease).start()
+    try:
+        if restore is None and storage.list_checkpoints():
+            raise CheckpointError(
+                f"checkpoint dir {storage.root} already holds checkpoints {storage.list_checkpoints()[-3:]}; "
+                f"pass restore='latest' (--restore latest) to resume, or use an empty directory"
+            )
+        t0 = time.perf_counter()
+        driver = _new_driver(pipeline, deployment, storage, seed, parallelism, sim, failures, savepoint_dir,
+                             stop_with_savepoint, options)
+        driver.job_id = job_id
+        driver.lease = lease
+        driver.run(restore, allow_non_restored_state, duration)
+        return _result(pipeline, deployment, storage, driver, time.perf_counter() - t0)
+    finally:
+        keeper.stop()
+        lease.release()
 
 
 def _new_driver(pipeline, deployment: str, storage, seed: int, parallelism: int | None, sim: Any, failures: Any,
