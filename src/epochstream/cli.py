@@ -137,7 +137,8 @@ def cmd_run(args) -> int:
     build = _configured(load_pipeline_factory(args.pipeline), args)
     options = _spark_options(args)
     p = build()
-    extra: dict[str, Any] = {"savepoint_dir": args.savepoint_dir, "stop_with_savepoint": args.stop_with_savepoint}
+    extra: dict[str, Any] = {"savepoint_dir": args.savepoint_dir, "stop_with_savepoint": args.stop_with_savepoint,
+                             "allow_sources_from_start": args.allow_sources_from_start}
     if args.deployment == "local":
         def started(info: dict[str, Any]) -> None:
             print(f"epochstream: job {info['name']!r} is running as {info['id']}; REST API at {info['endpoint']}",
@@ -458,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start from a savepoint (or checkpoint) folder, at any parallelism up to max parallelism")
     run.add_argument("--allow-non-restored-state", "-n", action="store_true",
                      help="drop state of operators that are no longer in the pipeline")
+    run.add_argument("--allow-sources-from-start", action="store_true",
+                     help="on a restore, let a source with no offsets in the checkpoint (a new or renamed uid) start "
+                          "from the beginning although the sinks already hold committed output")
     run.add_argument("--savepoint-dir", help="default target of savepoints triggered on this job")
     run.add_argument("--stop-with-savepoint", action="store_true",
                      help="end the run (bounded input done or --duration over) with a savepoint in --savepoint-dir")

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..runtime.errors import ConfigurationError, EpochStreamError
-from ..snapshot.manifest import CheckpointError, StateFileRef, validate_manifest
+from ..snapshot.manifest import CheckpointError, StateFileRef, encode_manifest, validate_manifest, verified
 from .base import CheckpointStorage, Row
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class ObjectCheckpointStorage(CheckpointStorage):
 
     def commit(self, manifest: dict[str, Any]) -> Any:
         folder = self.checkpoint_dir(manifest["epoch"])
-        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        data = encode_manifest(manifest)
         try:
             self.store.put_new(folder / METADATA, data)
         except ObjectExistsError:
@@ -244,6 +244,14 @@ class ObjectCheckpointStorage(CheckpointStorage):
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"checkpoint manifest {path} is corrupt or truncated: {exc}") from None
         validate_manifest(manifest, str(path))
+        folder = _CHK.match(path.parent.name)
+        if folder and not manifest.get("self_contained") and int(folder.group(1)) != manifest["epoch"]:
+            raise CheckpointError(
+                f"checkpoint manifest {path} is the manifest of epoch {manifest['epoch']}, not of epoch "
+                f"{folder.group(1)} (moved, copied or swapped between checkpoints); nothing is restored from it")
+        if not verified(manifest):
+            log.warning("checkpoint manifest %s (format version %s) predates manifest checksums: read unverified",
+                        path, manifest.get("format_version"))
         # checkpoints name files relative to the storage root; a savepoint relative to itself
         root = path.parent if manifest.get("self_contained") else path.parent.parent
         return manifest, root

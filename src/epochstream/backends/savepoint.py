@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
-import json
 import pickle
 from typing import Any, Iterable
 
-from ..snapshot.manifest import FORMAT_VERSION, CheckpointError, StateFileRef
+from ..snapshot.manifest import FORMAT_VERSION, CheckpointError, StateFileRef, encode_manifest
 from . import location, open_object_storage, open_storage
 from .base import Row
 from .objects import METADATA, ObjectExistsError
@@ -84,7 +83,7 @@ def write_savepoint(storage, manifest: dict[str, Any], root: Any, target_dir: An
         },
     })
     try:  # written last and only if absent: a savepoint exists exactly when its manifest does
-        out.store.put_new(folder / METADATA, json.dumps(sp, indent=1, sort_keys=True).encode())
+        out.store.put_new(folder / METADATA, encode_manifest(sp))
     except ObjectExistsError:
         raise CheckpointError(f"savepoint {folder} was written by someone else meanwhile") from None
     return folder

@@ -46,6 +46,7 @@ def run_pipeline(
 ):
     storage = make_storage(checkpoint_dir, pipeline.checkpoint.state_backend)
     lease_ttl = options.pop("lease_ttl", DEFAULT_TTL)
+    allow_sources_from_start = bool(options.pop("allow_sources_from_start", False))
     # the job id is the lease holder's: chosen here, before the driver, so a refusal changes nothing
     job_id = secrets.token_hex(16)
     lease = Lease(storage, pipeline.name, job_id, ttl=lease_ttl).acquire(
@@ -62,6 +63,7 @@ def run_pipeline(
                              stop_with_savepoint, options)
         driver.job_id = job_id
         driver.lease = lease
+        driver.allow_sources_from_start = allow_sources_from_start
         driver.run(restore, allow_non_restored_state, duration)
         return _result(pipeline, deployment, storage, driver, time.perf_counter() - t0)
     finally:

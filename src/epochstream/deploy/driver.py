@@ -75,6 +75,10 @@ class Driver:
         #: savepoint folders written during the run
         self.savepoints_written: list[str] = []
         self.master: JobMaster | None = None
+        #: a source with no offsets in the restored checkpoint may start from the beginning
+        self.allow_sources_from_start = False
+        #: what the restore dropped and what started empty (``restore.check_compatible``)
+        self.restore_notes: list[str] = []
         #: the run's lease on its checkpoint folder (``run_pipeline`` takes it); each attempt is recorded in it
         self.lease: Lease | None = None
         self.failures = failures or FailureSchedule()
@@ -111,7 +115,8 @@ class Driver:
         """Find and check what the run starts from (before anything is started or written)."""
         restored = find_restore(self.storage, restore)
         if restored:
-            check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state)
+            self.restore_notes = check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state,
+                                                  self.allow_sources_from_start)
         resolve_sources(self.plan, self.pipeline, restored)
         return restored
 
