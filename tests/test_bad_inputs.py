@@ -737,3 +737,49 @@ def test_process_without_key_by_is_rejected():
     p = Pipeline("nokey", parallelism=1)
     with pytest.raises(TypeError, match="key_by"):
         p.from_collection([1], uid="src").process(RunningCount(), uid="c")
+
+
+# ---------------------------------------------------------------- the CLI refuses what cannot work (issue 18)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["-p", "0"], "argument --parallelism/-p: '0' is out of range: must be >= 1"),
+    (["-p", "-2"], "argument --parallelism/-p: '-2' is out of range: must be >= 1"),
+    (["--max-parallelism", "0"], "argument --max-parallelism: '0' is out of range: must be >= 1 and <= 32768"),
+    (["--max-parallelism", "40000"], "'40000' is out of range: must be >= 1 and <= 32768"),
+    (["-p", "4", "--max-parallelism", "2"], "argument --max-parallelism: 2 is below --parallelism 4"),
+    (["--interval", "-1"], "argument --interval: '-1' is out of range: must be >= 0"),
+    (["--interval", "nan"], "argument --interval: 'nan' is not a finite number"),
+    (["--duration", "0"], "argument --duration: '0' is out of range: must be > 0"),
+    (["-p", "two"], "argument --parallelism/-p: 'two' is not an integer"),
+])
+def test_cli_ranges_are_checked_at_parse_time(tmp_path, capsys, argv, words):
+    """On main ``-p 0`` and ``--max-parallelism 0`` were silently ignored."""
+    from epochstream.cli import main
+
+    job = tmp_path / "job.py"
+    job.write_text("raise SystemExit('the job file must not even be imported')\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["run", f"{job}:build", "--deployment", "sim", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    print(err.splitlines()[-1])
+    assert words in err and "usage:" in err
+
+
+@pytest.mark.parametrize("body, shown", [
+    ("return None", "returned NoneType None, not a Pipeline"),
+    ("return [1, 2]", "returned list [1, 2], not a Pipeline"),
+    ("return 'x' * 500", "returned str 'xxxxxxxx"),
+])
+def test_cli_job_function_that_does_not_return_a_pipeline(tmp_path, capsys, body, shown):
+    """On main: a Python traceback and exit 1."""
+    from epochstream.cli import main
+
+    job = tmp_path / "job.py"
+    job.write_text(f"def build():\n    {body}\n")
+    assert main(["run", f"{job}:build", "--deployment", "sim", "--checkpoint-dir", str(tmp_path / "chk")]) == 2
+    err = capsys.readouterr().err.strip()
+    print(err)
+    assert len(err.splitlines()) == 1 and f"{job}:build {shown}" in err and "Traceback" not in err
+    assert len(err) < 300

@@ -26,6 +26,29 @@ class UsageError(ValueError):
     """Bad command-line input (exit code 2)."""
 
 
+#: Flink's upper bound of max parallelism (key groups): ``KeyGroupRangeAssignment.UPPER_BOUND_MAX_PARALLELISM``
+MAX_PARALLELISM_BOUND = 32768
+
+
+def _number(kind: type, low: float, high: float | None = None, low_open: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type`` that parses ``kind`` and checks its range at parse time (usage error, exit 2)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            bound = f"> {low:g}" if low_open else f">= {low:g}"
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is out of range: must be {bound}" + (f" and <= {high:g}" if high is not None else ""))
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def load_pipeline_factory(spec: str) -> Callable[[], Any]:
     """``path/to/file.py:function`` -> the function (called to build a fresh Pipeline)."""
     if ":" not in spec:
@@ -50,18 +73,23 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
     """Wrap a factory so every pipeline it builds carries the command-line overrides."""
     from dataclasses import replace
 
-    from .api.pipeline import MODES
+    from .api.pipeline import MODES, Pipeline
     from .graph.keygroups import check_parallelism, default_max_parallelism
 
     def build():
         p = factory()
+        if not isinstance(p, Pipeline):
+            shown = repr(p)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise UsageError(f"{args.pipeline} returned {type(p).__name__} {shown}, not a Pipeline "
+                             f"(the function must build and return an epochstream Pipeline)")
         if args.mode:
             if args.mode not in MODES:
                 raise UsageError(f"--mode must be one of {MODES}, got {args.mode!r}")
             p.mode = args.mode
-        if args.parallelism:
+        if args.parallelism is not None:
             p.parallelism = args.parallelism
-        if args.max_parallelism:
+        if args.max_parallelism is not None:
             p.max_parallelism = args.max_parallelism
         check_parallelism(p.parallelism, p.max_parallelism or default_max_parallelism(p.parallelism))
         if args.interval is not None:
@@ -88,14 +116,17 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", metavar="MODE",
                     help="one of: aligned, tracker, at-least-once (aligned: barrier alignment, the default; "
                          "tracker: trAcker firm bounds; both exactly-once)")
-    ap.add_argument("--parallelism", "-p", type=int, help="number of workers")
-    ap.add_argument("--max-parallelism", type=int, help="number of key groups (fixed once state exists)")
+    ap.add_argument("--parallelism", "-p", type=_number(int, 1), help="number of workers (>= 1)")
+    ap.add_argument("--max-parallelism", type=_number(int, 1, MAX_PARALLELISM_BOUND),
+                    help=f"number of key groups, >= parallelism and <= {MAX_PARALLELISM_BOUND} (fixed once state "
+                         f"exists)")
     ap.add_argument("--checkpoint-dir", help="where checkpoints go (default: a new temporary directory)")
-    ap.add_argument("--interval", type=float, help="seconds between epochs (0: only the final epoch)")
+    ap.add_argument("--interval", type=_number(float, 0), help="seconds between epochs (0: only the final epoch)")
     ap.add_argument("--state-backend", choices=["files", "delta"],
                     help="committed keyed state: snapshot files only (default) or also a Delta table per operator")
     ap.add_argument("--seed", type=int, default=0, help="seed of the simulator's schedule and of chaos")
-    ap.add_argument("--duration", type=float, help="stop after this many seconds with a final epoch")
+    ap.add_argument("--duration", type=_number(float, 0, low_open=True),
+                    help="stop after this many seconds with a final epoch (> 0)")
     ap.add_argument("--json", action="store_true", help="print a JSON document instead of text")
 
 
@@ -465,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--savepoint-dir", help="default target of savepoints triggered on this job")
     run.add_argument("--stop-with-savepoint", action="store_true",
                      help="end the run (bounded input done or --duration over) with a savepoint in --savepoint-dir")
-    run.add_argument("--rest-port", type=int, help="port of the job's HTTP API on 127.0.0.1 (default: any free one)")
+    run.add_argument("--rest-port", type=_number(int, 0, 65535),
+                     help="port of the job's HTTP API on 127.0.0.1 (default: any free one)")
     run.set_defaults(func=cmd_run)
 
     sp = sub.add_parser(
@@ -473,7 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="epochstream savepoint JOB_OR_ENDPOINT [DIR] | savepoint dispose PATH | savepoint list [DIR]")
     sp.add_argument("words", nargs="+", metavar="JOB_OR_ENDPOINT [DIR] | dispose PATH | list [DIR]")
     sp.add_argument("--savepoint-dir", help="for list: the directory (default EPOCHSTREAM_SAVEPOINT_DIR)")
-    sp.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the savepoint (default 300)")
+    sp.add_argument("--timeout", type=_number(float, 0, low_open=True), default=300.0,
+                    help="seconds to wait for the savepoint (default 300)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_savepoint)
 
@@ -481,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--savepoint", nargs="?", const=True, metavar="DIR",
                       help="take a savepoint as the final epoch (into DIR, or the job's --savepoint-dir)")
     stop.add_argument("job", nargs="?", metavar="JOB_OR_ENDPOINT", help="job id, id prefix, name or http://host:port")
-    stop.add_argument("--timeout", type=float, default=300.0)
+    stop.add_argument("--timeout", type=_number(float, 0, low_open=True), default=300.0)
     stop.add_argument("--json", action="store_true")
     stop.set_defaults(func=cmd_stop)
 
@@ -491,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--checkpoint-dir", required=True, help="a checkpoint dir, or one chk-N or savepoint folder")
     q.add_argument("--operator", required=True, metavar="UID")
     q.add_argument("--key", help="one key; parsed as JSON when it parses (5, '\"5\"', [1,2]), else taken as text")
-    q.add_argument("--epoch", type=int, help="a retained epoch (default: the newest completed)")
+    q.add_argument("--epoch", type=_number(int, 1), help="a retained epoch (default: the newest completed)")
     q.add_argument("--state", help="one state name")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_state_query)
@@ -505,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chaos = sub.add_parser("chaos", help="run with injected failures and check exactly-once against a failure-free run")
     _add_run_flags(chaos)
-    chaos.add_argument("--kills", type=int, default=3, help="failures to inject (default 3)")
+    chaos.add_argument("--kills", type=_number(int, 0), default=3, help="failures to inject (default 3)")
     chaos.add_argument("--kill-moments", metavar="LIST",
                        help="local/spark: comma-separated protocol moments kills wait for, chosen at random per "
                             "kill: now, alignment, snapshot_write, commit (default: now)")
@@ -518,7 +551,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    p, maxp = getattr(args, "parallelism", None), getattr(args, "max_parallelism", None)
+    if p is not None and maxp is not None and maxp < p:
+        parser.error(f"argument --max-parallelism: {maxp} is below --parallelism {p} (each worker needs a key group)")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .runtime.errors import EpochStreamError
