@@ -18,7 +18,15 @@ import copy
 import zlib
 from typing import Any, Callable, cast
 
-from ..graph.keygroups import assign_to_key_group, distinct_keys, key_bytes, key_group_table, murmur_mix
+from ..graph.keygroups import (
+    CANONICAL_TYPES,
+    assign_to_key_group,
+    canonical_key,
+    distinct_keys,
+    key_bytes,
+    key_group_table,
+    murmur_mix,
+)
 from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, Chain, ColumnKey, Node, PhysicalPlan
 from .columns import as_record_batch, concat, even_slices, from_rows, key_columns, keys_of, split_by_code
@@ -394,7 +402,7 @@ class ChainRuntime:
             extend = out.extend
             try:
                 for value, key in zip(records, keys, strict=True):
-                    keyslot.key = key
+                    keyslot.key = canonical_key(key) if type(key) in CANONICAL_TYPES else key
                     res = process(value, ctx)
                     if res is not None:
                         if type(res) in _NOT_RECORD_ITERABLES:
