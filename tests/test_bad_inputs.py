@@ -22,6 +22,7 @@ import pytest
 
 from epochstream import (
     CheckpointError,
+    DiscardingSink,
     FileSink,
     KeyedProcessFunction,
     ParallelismError,
@@ -868,3 +869,109 @@ def test_filesink_writes_standard_json(tmp_path):
         raise ValueError(f"not standard JSON: {token}")
 
     assert [json.loads(line, parse_constant=strict) for line in text.splitlines()]
+
+
+# ---------------------------------------------------------------- errors that say where (issue 18)
+
+
+def _where_of(p, record) -> tuple[int, int]:
+    """(split, offset) of ``record`` in source "src" of pipeline ``p``."""
+    src = p.sources["src"]
+    for split in range(src.num_splits):
+        rows = src.read(split, 0, 10**6)
+        if record in rows:
+            return split, rows.index(record)
+    raise AssertionError(f"{record} is not in the source")
+
+
+def test_a_map_failure_names_operator_subtask_record_split_and_offset(tmp_path):
+    """On main: "map 'my-map' failed: Boom('boom at id 120')", nothing about where."""
+    p = _user_error_pipeline(tmp_path / "out", "map", 0)
+    with pytest.raises(JobFailedError) as exc:
+        sim_run(p, tmp_path / "chk", seed=1, source_rate=RATE)
+    msg = str(exc.value)
+    print(msg)
+    split, offset = _where_of(p, ("k1", 120))
+    assert re.search(rf"map 'my-map' failed \(subtask {split % 2}, record \('k1', 120\), read from source 'src' "
+                     rf"split {split} offset {offset}\): Boom\('boom at id 120'\)", msg), msg
+
+
+def test_a_process_failure_names_key_and_record(tmp_path):
+    with pytest.raises(JobFailedError) as exc:
+        sim_run(_user_error_pipeline(tmp_path / "out", "process", 0), tmp_path / "chk", seed=1, source_rate=RATE)
+    msg = str(exc.value)
+    print(msg)
+    assert re.search(r"process 'my-process' failed \(subtask [01], key 'k1', record \('k1', 120\)\): "
+                     r"Boom\('boom at id 120'\)", msg), msg
+
+
+def test_a_long_record_is_truncated_in_the_message(tmp_path):
+    p = make_pipeline("long-record", parallelism=1, restart_attempts=0)
+    p.from_collection([("k", "x" * 5000)], uid="src").map(lambda r: 1 / 0, name="div") \
+        .sink(DiscardingSink(), uid="out")
+    with pytest.raises(JobFailedError) as exc:
+        sim_run(p, tmp_path / "chk", seed=1)
+    msg = str(exc.value)
+    assert "record ('k', 'xxxx" in msg and "... (5009 chars)" in msg and "split 0 offset 0" in msg
+    assert len(msg) < 1200, msg
+
+
+class BrokenSource:
+    """A source whose split 1 fails to read from offset 3 on."""
+
+    def __new__(cls):
+        from epochstream.runtime.sources import Source
+
+        class _Broken(Source):
+            num_splits = 2
+
+            def read(self, split, offset, count):
+                if split == 1 and offset + count > 3:
+                    if offset >= 3:
+                        raise ConnectionError("broker went away")
+                    count = 3 - offset
+                return [(f"k{split}", split * 100 + i) for i in range(offset, min(offset + count, 10))]
+
+            def split_length(self, split):
+                return 10
+
+        return _Broken()
+
+
+def test_a_source_failure_names_the_source_uid_and_split(tmp_path):
+    """On main the failing source was not named by its uid."""
+    from epochstream.runtime.errors import SourceError
+
+    p = make_pipeline("broken-source", parallelism=2, restart_attempts=1, batch_size=2)
+    p.from_source(BrokenSource(), uid="orders").key_by(lambda r: r[0]).process(RunningCount(), uid="count") \
+        .sink(DiscardingSink(), uid="out")
+    with pytest.raises(JobFailedError) as exc:
+        sim_run(p, tmp_path / "chk", seed=1)
+    msg = str(exc.value)
+    print(msg)
+    assert "source 'orders' split 1 failed to read at offset 3: ConnectionError('broker went away')" in msg
+    assert any(isinstance(e, SourceError) for e in _error_chain(exc.value))
+
+
+FAIL_ONCE = [True]
+
+
+def _fail_once(record):
+    if FAIL_ONCE[0] and record[1] == 120:
+        FAIL_ONCE[0] = False
+        raise Boom("boom at id 120")
+    return record
+
+
+def test_the_same_text_reaches_the_jobresult(tmp_path, caplog):
+    FAIL_ONCE[0] = True
+    p = make_pipeline("fails-once", parallelism=2, restart_attempts=2)
+    p.from_collection(input_records(N, KEYS), uid="src").map(_fail_once, name="once") \
+        .key_by(lambda r: r[0]).process(RunningCount(emit_ids=True), uid="count") \
+        .sink(FileSink(tmp_path / "out"), uid="out")
+    result = sim_run(p, tmp_path / "chk", seed=1, source_rate=RATE)
+    reason = result.metrics["failovers"][0]["reason"]
+    assert re.search(r"map 'once' failed \(subtask [01], record \('k1', 120\), read from source 'src' split \d+ "
+                     r"offset \d+\): Boom", reason), reason
+    assert any(reason.splitlines()[0] in r.getMessage() for r in caplog.records)
+    assert check_running_counts(committed_output(tmp_path / "out"), range(N)) == []

@@ -148,8 +148,8 @@ def test_chaos_on_a_held_folder_is_refused(tmp_path):
     lease = Lease(open_storage(str(chk)), "holder", "f" * 32).acquire()
     try:
         job = tmp_path / "job.py"
-        job.write_text("from epochstream import Pipeline\ndef build():\n    p = Pipeline('x')\n"
-                       "    p.from_collection([1, 2], uid='s').map(lambda r: r).print()\n    return p\n")
+        job.write_text("from epochstream import DiscardingSink, Pipeline\ndef build():\n    p = Pipeline('x')\n"
+                       "    p.from_collection([1, 2], uid='s').sink(DiscardingSink(), uid='o')\n    return p\n")
         assert main(["chaos", f"{job}:build", "--deployment", "sim", "--checkpoint-dir", str(chk)]) == 2
         assert sorted(p.name for p in chk.iterdir()) == [".lock", LEASE]
     finally:

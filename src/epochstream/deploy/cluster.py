@@ -158,6 +158,9 @@ class ClusterDriver(Driver):
                "savepoint-dir": self.savepoint_dir, "completed-epochs": len(self.completed),
                "latest-epoch": self.completed[-1] if self.completed else None, "records-in": self.records_in},
             restarts=self.restarts, savepoints=list(self.savepoints_written), epochs=self.epoch_log[-50:],
+            # the failover reasons, the same text as in the logs and JobResult (operator, subtask, key, record,
+            # source split and offset of a user-function failure)
+            failures=[{"time": f["time"], "reason": f["reason"].splitlines()[0]} for f in self.failover_log[-10:]],
             duration=self.clock(),
         )
 

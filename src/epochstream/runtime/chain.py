@@ -203,10 +203,14 @@ class ChainRuntime:
                         by_columns(records)
                         return
                     records = records.to_pylist()  # a key function takes rows: make them once per batch
+                ks: list[Any] = []
+                add_key = ks.append
                 try:
-                    ks = [key_of(r) for r in records]
+                    for r in records:
+                        add_key(key_of(r))
                 except Exception as exc:
-                    raise UserFunctionError(f"key_by function after {name!r} failed: {exc!r}") from exc
+                    raise UserFunctionError(f"key_by function after {name!r} failed", exc,
+                                            record=records[len(ks)]) from exc
                 for r, k in zip(records, ks, strict=True):
                     ch = channels[table[mix(crc(kb(k))) % m]]
                     buffers[ch].append(r)
@@ -288,10 +292,13 @@ class ChainRuntime:
             def op_map(records: Any, keys: list[Any] | None) -> None:
                 if type(records) is not list:
                     records = records.to_pylist()
+                out: list[Any] = []
+                add = out.append
                 try:
-                    out = [fn(r) for r in records]
-                except Exception as exc:
-                    raise UserFunctionError(f"map {label!r} failed: {exc!r}") from exc
+                    for r in records:
+                        add(fn(r))
+                except Exception as exc:  # the failing record is the one after the last output
+                    raise UserFunctionError(f"map {label!r} failed", exc, record=records[len(out)]) from exc
                 push(out, None)
 
             return op_map
@@ -300,10 +307,14 @@ class ChainRuntime:
             def op_filter(records: Any, keys: list[Any] | None) -> None:
                 if type(records) is not list:
                     records = records.to_pylist()
+                out: list[Any] = []
+                r: Any = None
                 try:
-                    out = [r for r in records if fn(r)]
+                    for r in records:
+                        if fn(r):
+                            out.append(r)
                 except Exception as exc:
-                    raise UserFunctionError(f"filter {label!r} failed: {exc!r}") from exc
+                    raise UserFunctionError(f"filter {label!r} failed", exc, record=r) from exc
                 if out:
                     push(out, None)
 
@@ -313,10 +324,14 @@ class ChainRuntime:
             def op_flat_map(records: Any, keys: list[Any] | None) -> None:
                 if type(records) is not list:
                     records = records.to_pylist()
+                out: list[Any] = []
+                extend = out.extend
+                r: Any = None
                 try:
-                    out = [o for r in records for o in fn(r)]
+                    for r in records:
+                        extend(fn(r))
                 except Exception as exc:
-                    raise UserFunctionError(f"flat_map {label!r} failed: {exc!r}") from exc
+                    raise UserFunctionError(f"flat_map {label!r} failed", exc, record=r) from exc
                 if out:
                     push(out, None)
 
@@ -333,7 +348,7 @@ class ChainRuntime:
                 try:
                     write(records)
                 except Exception as exc:
-                    raise UserFunctionError(f"sink {label!r} could not take records: {exc!r}") from exc
+                    raise UserFunctionError(f"sink {label!r} could not take records", exc) from exc
 
             return op_sink
         if kind == OpKind.MAP_BATCHES:
@@ -344,7 +359,7 @@ class ChainRuntime:
                 try:
                     out = fn(batch)
                 except Exception as exc:
-                    raise UserFunctionError(f"{where} failed: {exc!r}") from exc
+                    raise UserFunctionError(f"{where} failed", exc) from exc
                 out = as_record_batch(out, where)
                 if out is not None and out.num_rows:
                     push(out, None)
@@ -400,6 +415,7 @@ class ChainRuntime:
                 keys = [key_of(r) for r in records]
             out: list[Any] = []
             extend = out.extend
+            value: Any = None
             try:
                 for value, key in zip(records, keys, strict=True):
                     keyslot.key = canonical_key(key) if type(key) in CANONICAL_TYPES else key
@@ -412,7 +428,7 @@ class ChainRuntime:
                             )
                         extend(res)
             except Exception as exc:
-                raise UserFunctionError(f"process {label!r} failed on key {keyslot.key!r}: {exc!r}") from exc
+                raise UserFunctionError(f"process {label!r} failed", exc, key=keyslot.key, record=value) from exc
             if out:
                 down(out, None)
 
@@ -439,7 +455,7 @@ class ChainRuntime:
             try:
                 out = process_batch(records, keys, ctx)
             except Exception as exc:
-                raise UserFunctionError(f"process {label!r} failed on key {ctx.key!r}: {exc!r}") from exc
+                raise UserFunctionError(f"process {label!r} failed", exc, key=ctx.key) from exc
             if out:
                 down(out, None)
 
@@ -454,7 +470,7 @@ class ChainRuntime:
             try:
                 fn.open(ctx)
             except Exception as exc:
-                raise UserFunctionError(f"open() of {ctx.operator_uid!r} failed: {exc!r}") from exc
+                raise UserFunctionError(f"open() of {ctx.operator_uid!r} failed", exc, subtask=self.subtask) from exc
 
     def fire_timers(self, label: int, slack: float) -> None:
         """Event time reached time label ``label``: fire the timers it passes."""
@@ -470,7 +486,7 @@ class ChainRuntime:
             try:
                 timers.advance(label, watermark, on_timer)
             except Exception as exc:
-                raise UserFunctionError(f"on_timer of {uid!r} failed on key {ctx.key!r}: {exc!r}") from exc
+                raise UserFunctionError(f"on_timer of {uid!r} failed", exc, key=ctx.key) from exc
             if out:
                 down(out, None)
 
@@ -499,7 +515,8 @@ class ChainRuntime:
             try:
                 out = fn.on_epoch_end(epoch, ctx)
             except Exception as exc:
-                raise UserFunctionError(f"on_epoch_end of {label!r} failed at epoch {epoch}: {exc!r}") from exc
+                raise UserFunctionError(f"on_epoch_end of {label!r} failed at epoch {epoch}", exc,
+                                        subtask=self.subtask) from exc
             if out:
                 down(list(out), None)
 

@@ -192,7 +192,7 @@ class KeyedBatches:
             try:
                 res = call(k, part, ctx)
             except Exception as exc:
-                raise UserFunctionError(f"{where} failed on key {k!r}: {exc!r}") from exc
+                raise UserFunctionError(f"{where} failed", exc, key=k) from exc
             if res is None:
                 continue
             if type(res) is not record_batch:
