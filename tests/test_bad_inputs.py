@@ -975,3 +975,85 @@ def test_the_same_text_reaches_the_jobresult(tmp_path, caplog):
                      r"offset \d+\): Boom", reason), reason
     assert any(reason.splitlines()[0] in r.getMessage() for r in caplog.records)
     assert check_running_counts(committed_output(tmp_path / "out"), range(N)) == []
+
+
+# ---------------------------------------------------------------- housekeeping (issue 18)
+
+
+def test_list_tells_dead_jobs_from_live_and_prunes_them(tmp_path, monkeypatch, capsys):
+    """On main a killed job stayed in the registry as if it ran."""
+    import os
+    import subprocess
+    import sys
+
+    from epochstream.backends import open_storage
+    from epochstream.cli import main
+    from epochstream.deploy import jobs
+    from epochstream.deploy.lease import Lease
+
+    monkeypatch.setenv("EPOCHSTREAM_HOME", str(tmp_path / "home"))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    live_chk = tmp_path / "live-chk"
+    lease = Lease(open_storage(str(live_chk)), "live", "1" * 32).acquire()
+    try:
+        jobs.register({"id": "1" * 32, "name": "live", "pid": os.getpid(), "endpoint": "http://127.0.0.1:1",
+                       "checkpoint_dir": str(live_chk), "started_at": 1})
+        jobs.register({"id": "2" * 32, "name": "killed", "pid": dead_pid, "endpoint": "http://127.0.0.1:2",
+                       "checkpoint_dir": str(tmp_path / "dead-chk"), "started_at": 2})
+        jobs.register({"id": "3" * 32, "name": "lost-lease", "pid": os.getpid(), "endpoint": "http://127.0.0.1:3",
+                       "checkpoint_dir": str(tmp_path / "other-chk"), "started_at": 3})
+        assert main(["list", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert {j["name"]: j["status"] for j in doc["jobs"]} == {"live": "running", "killed": "dead",
+                                                                 "lost-lease": "orphaned"}
+        assert main(["list"]) == 0
+        text = capsys.readouterr().out
+        print(text)
+        assert "1 dead job(s): their processes are gone; epochstream list --prune removes them" in text
+        assert main(["list", "--prune"]) == 0
+        text = capsys.readouterr().out
+        assert f"pruned dead job 'killed' ({'2' * 32}, pid {dead_pid})" in text
+        assert {j["name"] for j in jobs.listed()} == {"live", "lost-lease"}
+    finally:
+        lease.release()
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    from epochstream.backends.local import LocalObjects
+
+    store = LocalObjects(tmp_path)
+    with pytest.raises(TypeError):
+        store.put(tmp_path / "chk-1" / "x", "not bytes")  # fails after the temporary file was created
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_the_next_start_removes_temporary_files_a_killed_writer_left(tmp_path, caplog):
+    """On main the ``.tmp`` files of a killed or failed write stayed for ever."""
+    p, out, chk, storage, _result = completed_job(tmp_path)
+    latest = storage.list_checkpoints()[-1]
+    strays = [storage.checkpoint_dir(latest + 1) / f".{METADATA}.tmp-4242",
+              chk / "shared" / "count" / "0" / ".e99-aX.parquet.tmp-4242"]
+    for s in strays:
+        s.parent.mkdir(parents=True, exist_ok=True)
+        s.write_bytes(b"half")
+    restore_run(tmp_path / "out2", chk, "latest")
+    assert not any(s.exists() for s in strays)
+    assert any("removed 2 temporary files" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failed_savepoint_leaves_nothing_behind(tmp_path):
+    """A savepoint whose source checkpoint has a damaged state file fails half-way: the
+    savepoint folder, its state files and temporary files are gone (on main they stayed)."""
+    from epochstream.backends.savepoint import write_savepoint
+
+    p, out, chk, storage, _result = completed_job(tmp_path)
+    manifest, root = storage.latest()
+    files = manifest["operators"]["count"]["files"]
+    assert len({f["subtask"] for f in files}) == 2
+    last = [f for f in files if f["subtask"] == 1][-1]
+    (chk / last["path"]).write_bytes(b"damaged")
+    target = tmp_path / "savepoints"
+    with pytest.raises(CheckpointError, match="is damaged"):
+        write_savepoint(storage, manifest, root, target, "f" * 32)
+    assert not target.exists() or [x for x in target.rglob("*")] == []

@@ -254,6 +254,28 @@ def cmd_checkpoints_list(args) -> int:
     return EXIT_OK
 
 
+def cmd_list(args) -> int:
+    """``list [--prune]``: jobs in the registry, running or dead (pid and lease check)."""
+    from .deploy import jobs
+
+    pruned = jobs.prune() if args.prune else []
+    rows = jobs.listed()
+    if args.json:
+        print(json.dumps({"jobs": rows, "pruned": [j["id"] for j in pruned]}, indent=1))
+        return EXIT_OK
+    for j in pruned:
+        print(f"pruned dead job {j.get('name')!r} ({j['id']}, pid {j.get('pid')})")
+    if not rows:
+        print(f"no jobs registered in {jobs.home() / 'jobs'}")
+    for j in rows:
+        print(f"{j['id']}  {j['status']:<8} {j.get('name')!r:<24} pid {j.get('pid')}  {j.get('endpoint', '-')}  "
+              f"{j.get('checkpoint_dir') or ''}")
+    dead = sum(1 for j in rows if j["status"] == "dead")
+    if dead:
+        print(f"{dead} dead job(s): their processes are gone; epochstream list --prune removes them")
+    return EXIT_OK
+
+
 def _client(target: str):
     from .deploy.jobs import JobNotFoundError, resolve
     from .deploy.rest import RestClient, RestError
@@ -528,6 +550,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--state", help="one state name")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_state_query)
+
+    ls = sub.add_parser("list", help="jobs in the registry: running, dead (process gone) or orphaned (lease lost)")
+    ls.add_argument("--prune", action="store_true", help="remove the registry entries of dead jobs")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_list)
 
     chk = sub.add_parser("checkpoints", help="inspect checkpoints")
     chk_sub = chk.add_subparsers(dest="checkpoints_command", required=True)

@@ -27,6 +27,8 @@ from .objects import (  # noqa: F401  (METADATA, STATE_SCHEMA: imported from her
 )
 
 _safe = safe_name  # the foundation's name
+#: temporary files are ``.<name>.tmp-<pid>``; one a killed writer left is removed by the next recovery
+TMP_MARK = ".tmp-"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -41,19 +43,28 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_tmp(path: Path, data: bytes) -> Path:
+    """``data`` in a temporary file beside ``path``; a failed write (a full disk) removes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return tmp
 
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` so that ``path`` holds either nothing, the old bytes, or all new bytes."""
     tmp = _write_tmp(path, data)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 

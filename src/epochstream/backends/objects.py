@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 METADATA = "_metadata.json"
 _CHK = re.compile(r"^chk-(\d+)$")
 _STATE_FILE = re.compile(r"e(\d+)-a.+\.parquet$")
+_TMP_FILE = re.compile(r"(^|/)\.[^/]+\.tmp-\d+$")
 
 STATE_SCHEMA = pa.schema(
     [
@@ -151,6 +152,8 @@ class ObjectCheckpointStorage(CheckpointStorage):
         self.store = store
         self.root = store.root
         self.scheme = store.scheme
+        #: temporary files removed by the first recovery of this process (None: not yet looked)
+        self.removed_temporary: int | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.root)!r})"
@@ -319,7 +322,24 @@ class ObjectCheckpointStorage(CheckpointStorage):
                 removed += 1
         return removed
 
+    def remove_temporary(self) -> int:
+        """Delete temporary files (``.<name>.tmp-<pid>``) a killed or failed writer left anywhere
+        under the root; only the lease holder recovers, so none of them is being written."""
+        removed = 0
+        if self.scheme != "file":  # object stores write whole objects: no temporary files
+            return removed
+        for rel in list(self.store.keys(self.root)):
+            if _TMP_FILE.search(rel):
+                self.store.delete(self.root / rel)
+                removed += 1
+        return removed
+
     def recover(self, restored_epoch: int | None) -> None:
+        if self.removed_temporary is None:  # once per run: before its first attempt
+            self.removed_temporary = self.remove_temporary()
+            if self.removed_temporary:
+                log.warning("removed %d temporary files left in %s by an earlier writer", self.removed_temporary,
+                            self.root)
         retained, damaged = self.retained_manifests()
         for epoch in damaged:
             if epoch > (restored_epoch or 0):

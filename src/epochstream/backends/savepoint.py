@@ -51,6 +51,22 @@ def write_savepoint(storage, manifest: dict[str, Any], root: Any, target_dir: An
         n += 1
         folder = target / f"{PREFIX}{job_id[:6]}-{epoch}-{n}"
         out = open_object_storage(str(folder))
+    try:
+        return _write_into(storage, manifest, root, out, folder, job_id)
+    except BaseException:
+        # a savepoint that failed half-way leaves nothing: no state files, no temporary files
+        # (the folder has no manifest, so it never was a savepoint; its name was free)
+        try:
+            out.store.delete_tree(folder)
+            if hasattr(folder, "rmdir"):
+                folder.rmdir()
+        except OSError:
+            pass
+        raise
+
+
+def _write_into(storage, manifest: dict[str, Any], root: Any, out, folder: Any, job_id: str) -> Any:
+    epoch = int(manifest["epoch"])
     operators: dict[str, Any] = {}
     total = 0
     for uid, entry in manifest["operators"].items():
