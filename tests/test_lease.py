@@ -249,3 +249,57 @@ def test_a_zombie_attempt_writes_no_state_and_stages_no_output(tmp_path):
         assert {p for p in tmp_path.rglob("*") if p.is_file()} == files_before
     finally:
         lease.release()
+
+
+JOB = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from pipelines import RunningCount, _key, input_records, make_pipeline
+from epochstream import FileSink
+
+
+def gate(record):  # record 300 waits until the test has tried its second runs
+    while record[1] == 300 and not os.path.exists({gate!r}):
+        time.sleep(0.05)
+    return record
+
+
+def build():
+    p = make_pipeline("cli-lease", parallelism=2, interval=0.05)
+    p.from_collection(input_records(400, 5), uid="src").map(gate, name="gate").key_by(_key) \\
+        .process(RunningCount(emit_ids=True), uid="count").sink(FileSink({out!r}), uid="counts")
+    return p
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_two_cli_runs_local_driver_second_refused(tmp_path, mode):
+    """Two ``epochstream run --deployment local`` processes on one --checkpoint-dir: the second
+    (a fresh run, then ``--restore latest``) exits 2 naming the first; the first's output is exact."""
+    job = tmp_path / "job.py"
+    gate = tmp_path / "release"
+    job.write_text(JOB.format(tests=str(Path(__file__).parent), out=str(tmp_path / "out"), gate=str(gate)))
+    chk = tmp_path / "chk"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), EPOCHSTREAM_HOME=str(tmp_path / "home"))
+    cmd = [sys.executable, "-m", "epochstream.cli", "run", f"{job}:build", "--checkpoint-dir", str(chk),
+           "--mode", mode]
+    first = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stderr is not None
+        line = first.stderr.readline()
+        assert "is running as" in line, line
+        for extra in ([], ["--restore", "latest"]):
+            second = subprocess.run(cmd + extra, env=env, capture_output=True, text=True, timeout=120)
+            print(second.stderr.strip())
+            assert second.returncode == 2, second.stderr
+            assert "is in use by job 'cli-lease'" in second.stderr and f"pid {first.pid}" in second.stderr
+        gate.touch()
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == 0, err
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    records = committed_output(tmp_path / "out")
+    assert check_running_counts(records, range(400)) == []
