@@ -22,6 +22,7 @@ import pytest
 
 from epochstream import (
     CheckpointError,
+    DiscardingSink,
     FileSink,
     KeyedProcessFunction,
     ParallelismError,
@@ -737,3 +738,322 @@ def test_process_without_key_by_is_rejected():
     p = Pipeline("nokey", parallelism=1)
     with pytest.raises(TypeError, match="key_by"):
         p.from_collection([1], uid="src").process(RunningCount(), uid="c")
+
+
+# ---------------------------------------------------------------- the CLI refuses what cannot work (issue 18)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["-p", "0"], "argument --parallelism/-p: '0' is out of range: must be >= 1"),
+    (["-p", "-2"], "argument --parallelism/-p: '-2' is out of range: must be >= 1"),
+    (["--max-parallelism", "0"], "argument --max-parallelism: '0' is out of range: must be >= 1 and <= 32768"),
+    (["--max-parallelism", "40000"], "'40000' is out of range: must be >= 1 and <= 32768"),
+    (["-p", "4", "--max-parallelism", "2"], "argument --max-parallelism: 2 is below --parallelism 4"),
+    (["--interval", "-1"], "argument --interval: '-1' is out of range: must be >= 0"),
+    (["--interval", "nan"], "argument --interval: 'nan' is not a finite number"),
+    (["--duration", "0"], "argument --duration: '0' is out of range: must be > 0"),
+    (["-p", "two"], "argument --parallelism/-p: 'two' is not an integer"),
+])
+def test_cli_ranges_are_checked_at_parse_time(tmp_path, capsys, argv, words):
+    """On main ``-p 0`` and ``--max-parallelism 0`` were silently ignored."""
+    from epochstream.cli import main
+
+    job = tmp_path / "job.py"
+    job.write_text("raise SystemExit('the job file must not even be imported')\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["run", f"{job}:build", "--deployment", "sim", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    print(err.splitlines()[-1])
+    assert words in err and "usage:" in err
+
+
+@pytest.mark.parametrize("body, shown", [
+    ("return None", "returned NoneType None, not a Pipeline"),
+    ("return [1, 2]", "returned list [1, 2], not a Pipeline"),
+    ("return 'x' * 500", "returned str 'xxxxxxxx"),
+])
+def test_cli_job_function_that_does_not_return_a_pipeline(tmp_path, capsys, body, shown):
+    """On main: a Python traceback and exit 1."""
+    from epochstream.cli import main
+
+    job = tmp_path / "job.py"
+    job.write_text(f"def build():\n    {body}\n")
+    assert main(["run", f"{job}:build", "--deployment", "sim", "--checkpoint-dir", str(tmp_path / "chk")]) == 2
+    err = capsys.readouterr().err.strip()
+    print(err)
+    assert len(err.splitlines()) == 1 and f"{job}:build {shown}" in err and "Traceback" not in err
+    assert len(err) < 300
+
+
+# ---------------------------------------------------------------- NaN keys and standard JSON (issue 18)
+
+
+def test_nan_keys_form_one_key_and_one_stable_key_group():
+    from epochstream.graph.keygroups import NAN_KEY, assign_to_key_group, canonical_key, key_bytes
+
+    nans = [float("nan"), float("-nan"), float("inf") - float("inf"), struct_nan(0x7FF8000000000001)]
+    assert {key_bytes(k) for k in nans} == {b"fnan"}
+    assert len({assign_to_key_group(k, 128) for k in nans}) == 1
+    assert len({assign_to_key_group(("a", k), 128) for k in nans}) == 1
+    assert all(canonical_key(k) is NAN_KEY for k in nans)
+    assert assign_to_key_group(-0.0, 128) == assign_to_key_group(0.0, 128) == assign_to_key_group(0, 128)
+
+
+def struct_nan(bits: int) -> float:
+    import struct
+
+    return struct.unpack("<d", struct.pack("<Q", bits))[0]
+
+
+class FloatCount(RunningCount):
+    def process(self, value, ctx):
+        n = self.count.value() + 1
+        self.count.update(n)
+        return ((None if ctx.key != ctx.key else ctx.key, n, value[1]),)
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_ten_nan_keys_count_to_ten_rows(tmp_path, mode):
+    """On main: ten records with key NaN counted ten 1s (Spark's grouping gives one group of 10).
+    The job fails once mid-way, so the NaN key's state also goes through a restore."""
+    from epochstream.deploy.sim import FailureSchedule
+
+    records = [(float("nan") if i % 3 == 0 else float(i % 2), i) for i in range(60)]
+    p = make_pipeline("nan-keys", mode=mode, parallelism=2)
+    p.from_collection(records, uid="src").key_by(lambda r: r[0]).process(FloatCount(), uid="count") \
+        .sink(FileSink(tmp_path / "out"), uid="out")
+    result = sim_run(p, tmp_path / "chk", seed=3, failures=FailureSchedule(kill_times=[0.002]))
+    assert result.restarts == 1, "the NaN key goes through a failover and restore"
+    out = committed_output(tmp_path / "out")
+    nan_counts = sorted(n for k, n, _ in out if k is None)
+    assert nan_counts == list(range(1, 21)), nan_counts  # one key, counted 1..20
+    assert sorted(r[2] for r in out) == list(range(60))
+
+
+def test_nan_keys_of_a_column_form_one_key_across_batches(tmp_path):
+    import pyarrow as pa
+
+    from epochstream import KeyedBatchFunction
+
+    class Count(KeyedBatchFunction):
+        def open(self, ctx):
+            self.count = ctx.state(ValueStateDescriptor("count", default=0))
+
+        def process_batch(self, key, batch, ctx):
+            c = self.count.value() + batch.num_rows
+            self.count.update(c)
+            return pa.record_batch({"key": pa.array([key], pa.float64()), "n": pa.array([c], pa.int64())})
+
+    keys = [float("nan") if i % 2 else 1.0 for i in range(40)]
+    table = pa.table({"key": pa.array(keys, pa.float64()), "id": pa.array(range(40), pa.int64())})
+    p = make_pipeline("nan-columns", parallelism=2, batch_size=4)
+    p.from_arrow(table, uid="src").key_by("key").process_batches(Count(), uid="count") \
+        .sink(FileSink(tmp_path / "out"), uid="out")
+    sim_run(p, tmp_path / "chk", seed=1)
+    out = committed_output(tmp_path / "out")
+    assert max(r["n"] for r in out if r["key"] is None) == 20  # NaN written as null, counted as one key
+    assert max(r["n"] for r in out if r["key"] == 1.0) == 20
+
+
+def test_filesink_writes_standard_json(tmp_path):
+    """On main FileSink wrote ``NaN``, which strict JSON readers reject."""
+    sink = FileSink(tmp_path / "out")
+    staged = sink.pre_commit("out", 0, 1, "a", [{"x": float("nan"), "y": [float("inf"), -float("inf"), 1.5]},
+                                                 (1, float("nan"))])
+    sink.commit([staged])
+    text = "".join(p.read_text() for p in (tmp_path / "out").glob("part-*"))
+    assert text.splitlines() == ['{"x":null,"y":[null,null,1.5]}', "[1,null]"]
+
+    def strict(token):
+        raise ValueError(f"not standard JSON: {token}")
+
+    assert [json.loads(line, parse_constant=strict) for line in text.splitlines()]
+
+
+# ---------------------------------------------------------------- errors that say where (issue 18)
+
+
+def _where_of(p, record) -> tuple[int, int]:
+    """(split, offset) of ``record`` in source "src" of pipeline ``p``."""
+    src = p.sources["src"]
+    for split in range(src.num_splits):
+        rows = src.read(split, 0, 10**6)
+        if record in rows:
+            return split, rows.index(record)
+    raise AssertionError(f"{record} is not in the source")
+
+
+def test_a_map_failure_names_operator_subtask_record_split_and_offset(tmp_path):
+    """On main: "map 'my-map' failed: Boom('boom at id 120')", nothing about where."""
+    p = _user_error_pipeline(tmp_path / "out", "map", 0)
+    with pytest.raises(JobFailedError) as exc:
+        sim_run(p, tmp_path / "chk", seed=1, source_rate=RATE)
+    msg = str(exc.value)
+    print(msg)
+    split, offset = _where_of(p, ("k1", 120))
+    assert re.search(rf"map 'my-map' failed \(subtask {split % 2}, record \('k1', 120\), read from source 'src' "
+                     rf"split {split} offset {offset}\): Boom\('boom at id 120'\)", msg), msg
+
+
+def test_a_process_failure_names_key_and_record(tmp_path):
+    with pytest.raises(JobFailedError) as exc:
+        sim_run(_user_error_pipeline(tmp_path / "out", "process", 0), tmp_path / "chk", seed=1, source_rate=RATE)
+    msg = str(exc.value)
+    print(msg)
+    assert re.search(r"process 'my-process' failed \(subtask [01], key 'k1', record \('k1', 120\)\): "
+                     r"Boom\('boom at id 120'\)", msg), msg
+
+
+def test_a_long_record_is_truncated_in_the_message(tmp_path):
+    p = make_pipeline("long-record", parallelism=1, restart_attempts=0)
+    p.from_collection([("k", "x" * 5000)], uid="src").map(lambda r: 1 / 0, name="div") \
+        .sink(DiscardingSink(), uid="out")
+    with pytest.raises(JobFailedError) as exc:
+        sim_run(p, tmp_path / "chk", seed=1)
+    msg = str(exc.value)
+    assert "record ('k', 'xxxx" in msg and "... (5009 chars)" in msg and "split 0 offset 0" in msg
+    assert len(msg) < 1200, msg
+
+
+class BrokenSource:
+    """A source whose split 1 fails to read from offset 3 on."""
+
+    def __new__(cls):
+        from epochstream.runtime.sources import Source
+
+        class _Broken(Source):
+            num_splits = 2
+
+            def read(self, split, offset, count):
+                if split == 1 and offset + count > 3:
+                    if offset >= 3:
+                        raise ConnectionError("broker went away")
+                    count = 3 - offset
+                return [(f"k{split}", split * 100 + i) for i in range(offset, min(offset + count, 10))]
+
+            def split_length(self, split):
+                return 10
+
+        return _Broken()
+
+
+def test_a_source_failure_names_the_source_uid_and_split(tmp_path):
+    """On main the failing source was not named by its uid."""
+    from epochstream.runtime.errors import SourceError
+
+    p = make_pipeline("broken-source", parallelism=2, restart_attempts=1, batch_size=2)
+    p.from_source(BrokenSource(), uid="orders").key_by(lambda r: r[0]).process(RunningCount(), uid="count") \
+        .sink(DiscardingSink(), uid="out")
+    with pytest.raises(JobFailedError) as exc:
+        sim_run(p, tmp_path / "chk", seed=1)
+    msg = str(exc.value)
+    print(msg)
+    assert "source 'orders' split 1 failed to read at offset 3: ConnectionError('broker went away')" in msg
+    assert any(isinstance(e, SourceError) for e in _error_chain(exc.value))
+
+
+FAIL_ONCE = [True]
+
+
+def _fail_once(record):
+    if FAIL_ONCE[0] and record[1] == 120:
+        FAIL_ONCE[0] = False
+        raise Boom("boom at id 120")
+    return record
+
+
+def test_the_same_text_reaches_the_jobresult(tmp_path, caplog):
+    FAIL_ONCE[0] = True
+    p = make_pipeline("fails-once", parallelism=2, restart_attempts=2)
+    p.from_collection(input_records(N, KEYS), uid="src").map(_fail_once, name="once") \
+        .key_by(lambda r: r[0]).process(RunningCount(emit_ids=True), uid="count") \
+        .sink(FileSink(tmp_path / "out"), uid="out")
+    result = sim_run(p, tmp_path / "chk", seed=1, source_rate=RATE)
+    reason = result.metrics["failovers"][0]["reason"]
+    assert re.search(r"map 'once' failed \(subtask [01], record \('k1', 120\), read from source 'src' split \d+ "
+                     r"offset \d+\): Boom", reason), reason
+    assert any(reason.splitlines()[0] in r.getMessage() for r in caplog.records)
+    assert check_running_counts(committed_output(tmp_path / "out"), range(N)) == []
+
+
+# ---------------------------------------------------------------- housekeeping (issue 18)
+
+
+def test_list_tells_dead_jobs_from_live_and_prunes_them(tmp_path, monkeypatch, capsys):
+    """On main a killed job stayed in the registry as if it ran."""
+    import os
+    import subprocess
+    import sys
+
+    from epochstream.backends import open_storage
+    from epochstream.cli import main
+    from epochstream.deploy import jobs
+    from epochstream.deploy.lease import Lease
+
+    monkeypatch.setenv("EPOCHSTREAM_HOME", str(tmp_path / "home"))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    live_chk = tmp_path / "live-chk"
+    lease = Lease(open_storage(str(live_chk)), "live", "1" * 32).acquire()
+    try:
+        jobs.register({"id": "1" * 32, "name": "live", "pid": os.getpid(), "endpoint": "http://127.0.0.1:1",
+                       "checkpoint_dir": str(live_chk), "started_at": 1})
+        jobs.register({"id": "2" * 32, "name": "killed", "pid": dead_pid, "endpoint": "http://127.0.0.1:2",
+                       "checkpoint_dir": str(tmp_path / "dead-chk"), "started_at": 2})
+        jobs.register({"id": "3" * 32, "name": "lost-lease", "pid": os.getpid(), "endpoint": "http://127.0.0.1:3",
+                       "checkpoint_dir": str(tmp_path / "other-chk"), "started_at": 3})
+        assert main(["list", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert {j["name"]: j["status"] for j in doc["jobs"]} == {"live": "running", "killed": "dead",
+                                                                 "lost-lease": "orphaned"}
+        assert main(["list"]) == 0
+        text = capsys.readouterr().out
+        print(text)
+        assert "1 dead job(s): their processes are gone; epochstream list --prune removes them" in text
+        assert main(["list", "--prune"]) == 0
+        text = capsys.readouterr().out
+        assert f"pruned dead job 'killed' ({'2' * 32}, pid {dead_pid})" in text
+        assert {j["name"] for j in jobs.listed()} == {"live", "lost-lease"}
+    finally:
+        lease.release()
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    from epochstream.backends.local import LocalObjects
+
+    store = LocalObjects(tmp_path)
+    with pytest.raises(TypeError):
+        store.put(tmp_path / "chk-1" / "x", "not bytes")  # fails after the temporary file was created
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_the_next_start_removes_temporary_files_a_killed_writer_left(tmp_path, caplog):
+    """On main the ``.tmp`` files of a killed or failed write stayed for ever."""
+    p, out, chk, storage, _result = completed_job(tmp_path)
+    latest = storage.list_checkpoints()[-1]
+    strays = [storage.checkpoint_dir(latest + 1) / f".{METADATA}.tmp-4242",
+              chk / "shared" / "count" / "0" / ".e99-aX.parquet.tmp-4242"]
+    for s in strays:
+        s.parent.mkdir(parents=True, exist_ok=True)
+        s.write_bytes(b"half")
+    restore_run(tmp_path / "out2", chk, "latest")
+    assert not any(s.exists() for s in strays)
+    assert any("removed 2 temporary files" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failed_savepoint_leaves_nothing_behind(tmp_path):
+    """A savepoint whose source checkpoint has a damaged state file fails half-way: the
+    savepoint folder, its state files and temporary files are gone (on main they stayed)."""
+    from epochstream.backends.savepoint import write_savepoint
+
+    p, out, chk, storage, _result = completed_job(tmp_path)
+    manifest, root = storage.latest()
+    files = manifest["operators"]["count"]["files"]
+    assert len({f["subtask"] for f in files}) == 2
+    last = [f for f in files if f["subtask"] == 1][-1]
+    (chk / last["path"]).write_bytes(b"damaged")
+    target = tmp_path / "savepoints"
+    with pytest.raises(CheckpointError, match="is damaged"):
+        write_savepoint(storage, manifest, root, target, "f" * 32)
+    assert not target.exists() or [x for x in target.rglob("*")] == []

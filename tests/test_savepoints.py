@@ -38,6 +38,7 @@ from epochstream.deploy.rest import RestClient, RestError, RestServer
 from epochstream.deploy.sim import SimDriver
 from epochstream.oracle import Reference
 from epochstream.snapshot.coordinator import EpochState
+from epochstream.snapshot.manifest import FORMAT_VERSION
 from pipelines import running_count, sim_run, without_fsync
 
 N = 300
@@ -302,6 +303,7 @@ def test_older_manifest_formats(tmp_path):
     shutil.copytree(sp, v1)
     m = json.loads((v1 / METADATA).read_text())
     m["format_version"] = 1
+    del m["checksum"]  # format 1 had none: read unverified, with a warning
     for src in m["sources"].values():
         del src["splits"]
     del m["job_id"]
@@ -311,14 +313,14 @@ def test_older_manifest_formats(tmp_path):
     p = running_count(n=N, keys=KEYS, out=tmp_path / "out2", parallelism=3, max_parallelism=13)
     sim_run(p, tmp_path / "chk2", restore=str(v1))
     new = LocalCheckpointStorage(tmp_path / "chk2")
-    assert new.latest()[0]["format_version"] == 2
+    assert new.latest()[0]["format_version"] == FORMAT_VERSION
     assert committed(new, new.list_checkpoints()[-1]) == {f"k{i}": sum(1 for j in range(N) if j % KEYS == i)
                                                           for i in range(KEYS)}
     m["format_version"] = 0
     text = json.dumps(m)
     (v1 / METADATA).write_text(text)
     with pytest.raises(CheckpointError, match=r"format version 0 is not supported \(it is older than the oldest "
-                                              r"format .* reads versions 1 to 2\)"):
+                                              rf"format .* reads versions 1 to {FORMAT_VERSION}\)"):
         sim_run(p, tmp_path / "chk3", restore=str(v1))
     assert (v1 / METADATA).read_text() == text
 

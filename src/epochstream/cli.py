@@ -26,6 +26,29 @@ class UsageError(ValueError):
     """Bad command-line input (exit code 2)."""
 
 
+#: Flink's upper bound of max parallelism (key groups): ``KeyGroupRangeAssignment.UPPER_BOUND_MAX_PARALLELISM``
+MAX_PARALLELISM_BOUND = 32768
+
+
+def _number(kind: type, low: float, high: float | None = None, low_open: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type`` that parses ``kind`` and checks its range at parse time (usage error, exit 2)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            bound = f"> {low:g}" if low_open else f">= {low:g}"
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is out of range: must be {bound}" + (f" and <= {high:g}" if high is not None else ""))
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def load_pipeline_factory(spec: str) -> Callable[[], Any]:
     """``path/to/file.py:function`` -> the function (called to build a fresh Pipeline)."""
     if ":" not in spec:
@@ -50,18 +73,23 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
     """Wrap a factory so every pipeline it builds carries the command-line overrides."""
     from dataclasses import replace
 
-    from .api.pipeline import MODES
+    from .api.pipeline import MODES, Pipeline
     from .graph.keygroups import check_parallelism, default_max_parallelism
 
     def build():
         p = factory()
+        if not isinstance(p, Pipeline):
+            shown = repr(p)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise UsageError(f"{args.pipeline} returned {type(p).__name__} {shown}, not a Pipeline "
+                             f"(the function must build and return an epochstream Pipeline)")
         if args.mode:
             if args.mode not in MODES:
                 raise UsageError(f"--mode must be one of {MODES}, got {args.mode!r}")
             p.mode = args.mode
-        if args.parallelism:
+        if args.parallelism is not None:
             p.parallelism = args.parallelism
-        if args.max_parallelism:
+        if args.max_parallelism is not None:
             p.max_parallelism = args.max_parallelism
         check_parallelism(p.parallelism, p.max_parallelism or default_max_parallelism(p.parallelism))
         if args.interval is not None:
@@ -128,10 +156,12 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", metavar="MODE",
                     help="one of: aligned, tracker, at-least-once (aligned: barrier alignment, the default; "
                          "tracker: trAcker firm bounds; both exactly-once)")
-    ap.add_argument("--parallelism", "-p", type=int, help="number of workers")
-    ap.add_argument("--max-parallelism", type=int, help="number of key groups (fixed once state exists)")
+    ap.add_argument("--parallelism", "-p", type=_number(int, 1), help="number of workers (>= 1)")
+    ap.add_argument("--max-parallelism", type=_number(int, 1, MAX_PARALLELISM_BOUND),
+                    help=f"number of key groups, >= parallelism and <= {MAX_PARALLELISM_BOUND} (fixed once state "
+                         f"exists)")
     ap.add_argument("--checkpoint-dir", help="where checkpoints go (default: a new temporary directory)")
-    ap.add_argument("--interval", type=float, help="seconds between epochs (0: only the final epoch)")
+    ap.add_argument("--interval", type=_number(float, 0), help="seconds between epochs (0: only the final epoch)")
     ap.add_argument("--batch-rows", type=_batch_rows, metavar="N",
                     help="rows a source reads at once and a full output batch holds (default 1024)")
     ap.add_argument("--batch-linger", type=_batch_linger, metavar="SECONDS",
@@ -140,7 +170,8 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--state-backend", choices=["files", "delta"],
                     help="committed keyed state: snapshot files only (default) or also a Delta table per operator")
     ap.add_argument("--seed", type=int, default=0, help="seed of the simulator's schedule and of chaos")
-    ap.add_argument("--duration", type=float, help="stop after this many seconds with a final epoch")
+    ap.add_argument("--duration", type=_number(float, 0, low_open=True),
+                    help="stop after this many seconds with a final epoch (> 0)")
     ap.add_argument("--json", action="store_true", help="print a JSON document instead of text")
 
 
@@ -182,7 +213,8 @@ def cmd_run(args) -> int:
     build = _configured(load_pipeline_factory(args.pipeline), args)
     options = _spark_options(args)
     p = build()
-    extra: dict[str, Any] = {"savepoint_dir": args.savepoint_dir, "stop_with_savepoint": args.stop_with_savepoint}
+    extra: dict[str, Any] = {"savepoint_dir": args.savepoint_dir, "stop_with_savepoint": args.stop_with_savepoint,
+                             "allow_sources_from_start": args.allow_sources_from_start}
     status_line = _status_line("run", args)
     if args.deployment in ("local", "spark"):
         def started(info: dict[str, Any]) -> None:
@@ -280,6 +312,28 @@ def cmd_checkpoints_list(args) -> int:
     for r in rows:
         print(f"{r['epoch']:>6}  {r['status']:<9} {r.get('kind') or '-':<10} {r.get('state_files', 0):>5} "
               f"{r.get('state_bytes', 0):>10}  {r.get('created_at') or r.get('error', '')}")
+    return EXIT_OK
+
+
+def cmd_list(args) -> int:
+    """``list [--prune]``: jobs in the registry, running or dead (pid and lease check)."""
+    from .deploy import jobs
+
+    pruned = jobs.prune() if args.prune else []
+    rows = jobs.listed()
+    if args.json:
+        print(json.dumps({"jobs": rows, "pruned": [j["id"] for j in pruned]}, indent=1))
+        return EXIT_OK
+    for j in pruned:
+        print(f"pruned dead job {j.get('name')!r} ({j['id']}, pid {j.get('pid')})")
+    if not rows:
+        print(f"no jobs registered in {jobs.home() / 'jobs'}")
+    for j in rows:
+        print(f"{j['id']}  {j['status']:<8} {j.get('name')!r:<24} pid {j.get('pid')}  {j.get('endpoint', '-')}  "
+              f"{j.get('checkpoint_dir') or ''}")
+    dead = sum(1 for j in rows if j["status"] == "dead")
+    if dead:
+        print(f"{dead} dead job(s): their processes are gone; epochstream list --prune removes them")
     return EXIT_OK
 
 
@@ -463,6 +517,10 @@ def cmd_chaos(args) -> int:
         return r
 
     work = args.workdir or args.checkpoint_dir or tempfile.mkdtemp(prefix="epochstream-chaos-")
+    from .backends import open_storage
+    from .deploy.lease import check_not_held
+
+    check_not_held(open_storage(work), "run chaos in it")  # its runs would clear the holder's state
     try:
         # runs cut by --duration stop at different points: compare per epoch, not whole outputs
         report = check_exactly_once(build, run, work, whole_output=args.duration is None, compare=args.compare)
@@ -544,10 +602,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start from a savepoint (or checkpoint) folder, at any parallelism up to max parallelism")
     run.add_argument("--allow-non-restored-state", "-n", action="store_true",
                      help="drop state of operators that are no longer in the pipeline")
+    run.add_argument("--allow-sources-from-start", action="store_true",
+                     help="on a restore, let a source with no offsets in the checkpoint (a new or renamed uid) start "
+                          "from the beginning although the sinks already hold committed output")
     run.add_argument("--savepoint-dir", help="default target of savepoints triggered on this job")
     run.add_argument("--stop-with-savepoint", action="store_true",
                      help="end the run (bounded input done or --duration over) with a savepoint in --savepoint-dir")
-    run.add_argument("--rest-port", type=int, help="port of the job's HTTP API on 127.0.0.1 (default: any free one)")
+    run.add_argument("--rest-port", type=_number(int, 0, 65535),
+                     help="port of the job's HTTP API on 127.0.0.1 (default: any free one)")
     run.set_defaults(func=cmd_run)
 
     sp = sub.add_parser(
@@ -555,7 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="epochstream savepoint JOB_OR_ENDPOINT [DIR] | savepoint dispose PATH | savepoint list [DIR]")
     sp.add_argument("words", nargs="+", metavar="JOB_OR_ENDPOINT [DIR] | dispose PATH | list [DIR]")
     sp.add_argument("--savepoint-dir", help="for list: the directory (default EPOCHSTREAM_SAVEPOINT_DIR)")
-    sp.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the savepoint (default 300)")
+    sp.add_argument("--timeout", type=_number(float, 0, low_open=True), default=300.0,
+                    help="seconds to wait for the savepoint (default 300)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_savepoint)
 
@@ -563,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--savepoint", nargs="?", const=True, metavar="DIR",
                       help="take a savepoint as the final epoch (into DIR, or the job's --savepoint-dir)")
     stop.add_argument("job", nargs="?", metavar="JOB_OR_ENDPOINT", help="job id, id prefix, name or http://host:port")
-    stop.add_argument("--timeout", type=float, default=300.0)
+    stop.add_argument("--timeout", type=_number(float, 0, low_open=True), default=300.0)
     stop.add_argument("--json", action="store_true")
     stop.set_defaults(func=cmd_stop)
 
@@ -573,10 +636,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--checkpoint-dir", required=True, help="a checkpoint dir, or one chk-N or savepoint folder")
     q.add_argument("--operator", required=True, metavar="UID")
     q.add_argument("--key", help="one key; parsed as JSON when it parses (5, '\"5\"', [1,2]), else taken as text")
-    q.add_argument("--epoch", type=int, help="a retained epoch (default: the newest completed)")
+    q.add_argument("--epoch", type=_number(int, 1), help="a retained epoch (default: the newest completed)")
     q.add_argument("--state", help="one state name")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_state_query)
+
+    ls = sub.add_parser("list", help="jobs in the registry: running, dead (process gone) or orphaned (lease lost)")
+    ls.add_argument("--prune", action="store_true", help="remove the registry entries of dead jobs")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_list)
 
     chk = sub.add_parser("checkpoints", help="inspect checkpoints")
     chk_sub = chk.add_subparsers(dest="checkpoints_command", required=True)
@@ -587,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chaos = sub.add_parser("chaos", help="run with injected failures and check exactly-once against a failure-free run")
     _add_run_flags(chaos)
-    chaos.add_argument("--kills", type=int, default=3, help="failures to inject (default 3)")
+    chaos.add_argument("--kills", type=_number(int, 0), default=3, help="failures to inject (default 3)")
     chaos.add_argument("--kill-moments", metavar="LIST",
                        help="local/spark: comma-separated protocol moments kills wait for, chosen at random per "
                             "kill: now, alignment, snapshot_write, commit (default: now)")
@@ -611,7 +679,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    p, maxp = getattr(args, "parallelism", None), getattr(args, "max_parallelism", None)
+    if p is not None and maxp is not None and maxp < p:
+        parser.error(f"argument --max-parallelism: {maxp} is below --parallelism {p} (each worker needs a key group)")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .runtime.errors import EpochStreamError

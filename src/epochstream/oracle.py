@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .graph.cycles import back_edges
+from .graph.keygroups import canonical_key
 from .graph.kinds import OpKind
 from .graph.plan import Node, topological_order, uid_of
 from .recorded_order import read_orders, record_id, record_order
@@ -309,7 +310,7 @@ class Reference:
             else:
                 out = []
             for r in records:
-                keyslot.key = key_fn(r)
+                keyslot.key = canonical_key(key_fn(r))
                 res = fn.process(r, ctx)
                 if res is not None:
                     out.extend(res)

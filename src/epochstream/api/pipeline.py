@@ -613,6 +613,11 @@ class Pipeline:
         chain; ``AWS_ENDPOINT_URL`` for an S3-compatible server) or a ``CheckpointStorage``;
         None: a new temporary folder. ``restore``: None (fresh start), ``"latest"`` (newest
         completed checkpoint in ``checkpoint_dir``) or the location of a checkpoint.
+        ``allow_non_restored_state`` drops the state of operators the pipeline no longer has;
+        ``allow_sources_from_start=True`` (an option) lets a source with no offsets in the
+        restored checkpoint start from the beginning although sinks hold committed output.
+        ``lease_ttl`` (an option, seconds, default 30): how long the run's lease on the
+        checkpoint folder outlives its last heartbeat (``deploy.lease``).
         """
         if deployment not in DEPLOYMENTS:
             raise ValueError(f"deployment must be one of {DEPLOYMENTS}, got {deployment!r}")

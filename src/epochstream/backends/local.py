@@ -29,6 +29,8 @@ from .objects import (  # noqa: F401  (METADATA, STATE_SCHEMA: imported from her
 )
 
 _safe = safe_name  # the foundation's name
+#: temporary files are ``.<name>.tmp-<pid>``; one a killed writer left is removed by the next recovery
+TMP_MARK = ".tmp-"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -47,7 +49,8 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _write_tmp(path: Path, data: bytes) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """``data`` in a temporary file beside ``path``; a failed write (a full disk) removes it."""
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
@@ -55,23 +58,27 @@ def _write_tmp(path: Path, data: bytes) -> Path:
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
+        tmp.unlink(missing_ok=True)  # a partial temporary file holds space and is garbage
         if exc.errno not in _FULL:
             raise
-        try:  # a partial temporary file holds space and is garbage
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise StorageFullError(
             exc.errno, f"no space left writing {path} ({len(data)} bytes): {exc.strerror or exc}; free space on "
                        f"its device (or raise the quota): completed checkpoints are intact, and the job resumes "
                        f"from the latest one once writes succeed") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return tmp
 
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` so that ``path`` holds either nothing, the old bytes, or all new bytes."""
     tmp = _write_tmp(path, data)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..runtime.errors import ConfigurationError, EpochStreamError
-from ..snapshot.manifest import CheckpointError, StateFileRef, validate_manifest
+from ..snapshot.manifest import CheckpointError, StateFileRef, encode_manifest, validate_manifest, verified
 from .base import CheckpointStorage, Row
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 METADATA = "_metadata.json"
 _CHK = re.compile(r"^chk-(\d+)$")
 _STATE_FILE = re.compile(r"e(\d+)-a.+\.parquet$")
+_TMP_FILE = re.compile(r"(^|/)\.[^/]+\.tmp-\d+$")
 
 STATE_SCHEMA = pa.schema(
     [
@@ -158,6 +159,8 @@ class ObjectCheckpointStorage(CheckpointStorage):
         self.store = store
         self.root = store.root
         self.scheme = store.scheme
+        #: temporary files removed by the first recovery of this process (None: not yet looked)
+        self.removed_temporary: int | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.root)!r})"
@@ -203,7 +206,7 @@ class ObjectCheckpointStorage(CheckpointStorage):
 
     def commit(self, manifest: dict[str, Any]) -> Any:
         folder = self.checkpoint_dir(manifest["epoch"])
-        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        data = encode_manifest(manifest)
         try:
             self.store.put_new(folder / METADATA, data)
         except ObjectExistsError:
@@ -251,6 +254,14 @@ class ObjectCheckpointStorage(CheckpointStorage):
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"checkpoint manifest {path} is corrupt or truncated: {exc}") from None
         validate_manifest(manifest, str(path))
+        folder = _CHK.match(path.parent.name)
+        if folder and not manifest.get("self_contained") and int(folder.group(1)) != manifest["epoch"]:
+            raise CheckpointError(
+                f"checkpoint manifest {path} is the manifest of epoch {manifest['epoch']}, not of epoch "
+                f"{folder.group(1)} (moved, copied or swapped between checkpoints); nothing is restored from it")
+        if not verified(manifest):
+            log.warning("checkpoint manifest %s (format version %s) predates manifest checksums: read unverified",
+                        path, manifest.get("format_version"))
         # checkpoints name files relative to the storage root; a savepoint relative to itself
         root = path.parent if manifest.get("self_contained") else path.parent.parent
         return manifest, root
@@ -318,7 +329,24 @@ class ObjectCheckpointStorage(CheckpointStorage):
                 removed += 1
         return removed
 
+    def remove_temporary(self) -> int:
+        """Delete temporary files (``.<name>.tmp-<pid>``) a killed or failed writer left anywhere
+        under the root; only the lease holder recovers, so none of them is being written."""
+        removed = 0
+        if self.scheme != "file":  # object stores write whole objects: no temporary files
+            return removed
+        for rel in list(self.store.keys(self.root)):
+            if _TMP_FILE.search(rel):
+                self.store.delete(self.root / rel)
+                removed += 1
+        return removed
+
     def recover(self, restored_epoch: int | None) -> None:
+        if self.removed_temporary is None:  # once per run: before its first attempt
+            self.removed_temporary = self.remove_temporary()
+            if self.removed_temporary:
+                log.warning("removed %d temporary files left in %s by an earlier writer", self.removed_temporary,
+                            self.root)
         retained, damaged = self.retained_manifests()
         for epoch in damaged:
             if epoch > (restored_epoch or 0):

@@ -262,6 +262,29 @@ class S3Objects(ObjectStore):
             if self.get(loc) != data:
                 raise
 
+    def put_if(self, loc: S3Path, data: bytes, etag: str | None) -> str:
+        """Compare-and-swap: write only if the object's ETag is still ``etag`` (None: only if
+        there is no object); ``ObjectExistsError`` if another writer got there first. Returns
+        the new ETag. The lease's acquire, takeover and renewal are this one request."""
+        def put() -> Any:
+            kw: dict[str, Any] = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+            return self.client.put_object(Bucket=loc.bucket, Key=loc.key, Body=data, **kw)
+
+        try:
+            resp = self._call("conditional PUT", loc, put)
+        except ObjectMissingError:  # If-Match on a key that was deleted meanwhile
+            raise ObjectExistsError(f"{loc} changed (deleted) since it was read") from None
+        return str(resp.get("ETag", ""))
+
+    def get_tagged(self, loc: S3Path) -> tuple[bytes, str]:
+        """The object's bytes and ETag (for ``put_if``)."""
+        def fetch() -> tuple[bytes, str]:
+            resp = self.client.get_object(Bucket=loc.bucket, Key=loc.key)
+            with resp["Body"] as body:
+                return body.read(), str(resp.get("ETag", ""))
+
+        return self._call("GET", loc, fetch)
+
     def get(self, loc: S3Path) -> bytes:
         def fetch() -> bytes:
             resp = self.client.get_object(Bucket=loc.bucket, Key=loc.key)

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
-import json
 import pickle
 from typing import Any, Iterable
 
-from ..snapshot.manifest import FORMAT_VERSION, CheckpointError, StateFileRef
+from ..snapshot.manifest import FORMAT_VERSION, CheckpointError, StateFileRef, encode_manifest
 from . import location, open_object_storage, open_storage
 from .base import Row
 from .objects import METADATA, ObjectExistsError
@@ -52,6 +51,22 @@ def write_savepoint(storage, manifest: dict[str, Any], root: Any, target_dir: An
         n += 1
         folder = target / f"{PREFIX}{job_id[:6]}-{epoch}-{n}"
         out = open_object_storage(str(folder))
+    try:
+        return _write_into(storage, manifest, root, out, folder, job_id)
+    except BaseException:
+        # a savepoint that failed half-way leaves nothing: no state files, no temporary files
+        # (the folder has no manifest, so it never was a savepoint; its name was free)
+        try:
+            out.store.delete_tree(folder)
+            if hasattr(folder, "rmdir"):
+                folder.rmdir()
+        except OSError:
+            pass
+        raise
+
+
+def _write_into(storage, manifest: dict[str, Any], root: Any, out, folder: Any, job_id: str) -> Any:
+    epoch = int(manifest["epoch"])
     operators: dict[str, Any] = {}
     total = 0
     for uid, entry in manifest["operators"].items():
@@ -84,7 +99,7 @@ def write_savepoint(storage, manifest: dict[str, Any], root: Any, target_dir: An
         },
     })
     try:  # written last and only if absent: a savepoint exists exactly when its manifest does
-        out.store.put_new(folder / METADATA, json.dumps(sp, indent=1, sort_keys=True).encode())
+        out.store.put_new(folder / METADATA, encode_manifest(sp))
     except ObjectExistsError:
         raise CheckpointError(f"savepoint {folder} was written by someone else meanwhile") from None
     return folder

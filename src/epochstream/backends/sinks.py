@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from typing import Any, Callable, Iterable
@@ -39,7 +40,23 @@ log = logging.getLogger(__name__)
 
 
 def _default_encoder(record: Any) -> str:
-    return json.dumps(record, default=repr, separators=(",", ":"))
+    """Standard JSON (RFC 8259), one line: NaN and infinities, which JSON cannot spell, become
+    ``null`` (as Spark's ``to_json`` and pandas' ``to_json`` write them); values JSON has no
+    type for are written as their ``repr``."""
+    try:
+        return json.dumps(record, default=repr, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a NaN or an infinity somewhere inside
+        return json.dumps(_finite_or_null(record), default=repr, separators=(",", ":"), allow_nan=False)
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 class FileSink(TransactionalSink):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import secrets
 import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..snapshot.manifest import CheckpointError
+from .lease import DEFAULT_TTL, Lease, LeaseKeeper
 
 if TYPE_CHECKING:
     from .driver import Driver
+
+log = logging.getLogger("epochstream")
 
 
 def make_storage(checkpoint_dir: Any, state_backend: str = "files"):
@@ -43,16 +48,37 @@ def run_pipeline(
     **options: Any,
 ):
     storage = make_storage(checkpoint_dir, pipeline.checkpoint.state_backend)
-    if restore is None and storage.list_checkpoints():
-        raise CheckpointError(
-            f"checkpoint dir {storage.root} already holds checkpoints {storage.list_checkpoints()[-3:]}; "
-            f"pass restore='latest' (--restore latest) to resume, or use an empty directory"
-        )
-    t0 = time.perf_counter()
-    driver = _new_driver(pipeline, deployment, storage, seed, parallelism, sim, failures, savepoint_dir,
-                         stop_with_savepoint, options)
-    driver.run(restore, allow_non_restored_state, duration)
-    return _result(pipeline, deployment, storage, driver, time.perf_counter() - t0)
+    lease_ttl = options.pop("lease_ttl", DEFAULT_TTL)
+    allow_sources_from_start = bool(options.pop("allow_sources_from_start", False))
+    # the job id is the lease holder's: chosen here, before the driver, so a refusal changes nothing
+    job_id = secrets.token_hex(16)
+    lease: Lease | None = None
+    keeper: LeaseKeeper | None = None
+    if getattr(storage, "store", None) is not None:  # every built-in backend; a custom one may keep no store
+        lease = Lease(storage, pipeline.name, job_id, ttl=lease_ttl).acquire(
+            "restore into it" if restore else "run a job in it")
+        keeper = LeaseKeeper(lease).start()
+    else:
+        log.warning("%r keeps no object store: the run holds no lease on it (nothing stops a second run)", storage)
+    try:
+        if restore is None and storage.list_checkpoints():
+            raise CheckpointError(
+                f"checkpoint dir {storage.root} already holds checkpoints {storage.list_checkpoints()[-3:]}; "
+                f"pass restore='latest' (--restore latest) to resume, or use an empty directory"
+            )
+        t0 = time.perf_counter()
+        driver = _new_driver(pipeline, deployment, storage, seed, parallelism, sim, failures, savepoint_dir,
+                             stop_with_savepoint, options)
+        driver.job_id = job_id
+        driver.lease = lease
+        driver.allow_sources_from_start = allow_sources_from_start
+        driver.run(restore, allow_non_restored_state, duration)
+        return _result(pipeline, deployment, storage, driver, time.perf_counter() - t0)
+    finally:
+        if keeper is not None:
+            keeper.stop()
+        if lease is not None:
+            lease.release()
 
 
 def _new_driver(pipeline, deployment: str, storage, seed: int, parallelism: int | None, sim: Any, failures: Any,

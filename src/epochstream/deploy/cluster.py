@@ -167,6 +167,9 @@ class ClusterDriver(Driver):
                "latest-epoch": self.completed[-1] if self.completed else None, "records-in": self.records_in},
             restarts=self.restarts, savepoints=list(self.savepoints_written), epochs=self.epoch_log[-200:],
             **{"last-failover": self.failover_log[-1] if self.failover_log else None},
+            # the failover reasons, the same text as in the logs and JobResult (operator, subtask, key, record,
+            # source split and offset of a user-function failure)
+            failures=[{"time": f["time"], "reason": f["reason"].splitlines()[0]} for f in self.failover_log[-10:]],
             duration=self.clock(), **self._progress(),
         )
 

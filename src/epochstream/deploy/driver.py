@@ -24,6 +24,7 @@ from ..tracker.traffic import ServiceTraffic
 from .attempt import AttemptController
 from .control import SavepointRequest
 from .failures import Failover, FailureSchedule, InjectedFailure, JobFailedError
+from .lease import FencedError, Lease, check_fence
 from .master import JobMaster
 from .persist import SinkStagingError
 from .restore import Restored, check_compatible, find_restore, recover, resolve_sources
@@ -34,7 +35,7 @@ log = logging.getLogger("epochstream")
 
 def _retryable(exc: BaseException) -> bool:
     """Failures a restart can cure; a damaged checkpoint or an impossible set-up cannot."""
-    if isinstance(exc, (CheckpointError, ConfigurationError)):
+    if isinstance(exc, (CheckpointError, ConfigurationError, FencedError)):
         return False
     return isinstance(exc, (Failover, InjectedFailure, SinkStagingError, EpochStreamError))
 
@@ -74,6 +75,12 @@ class Driver:
         #: savepoint folders written during the run
         self.savepoints_written: list[str] = []
         self.master: JobMaster | None = None
+        #: a source with no offsets in the restored checkpoint may start from the beginning
+        self.allow_sources_from_start = False
+        #: what the restore dropped and what started empty (``restore.check_compatible``)
+        self.restore_notes: list[str] = []
+        #: the run's lease on its checkpoint folder (``run_pipeline`` takes it); each attempt is recorded in it
+        self.lease: Lease | None = None
         self.failures = failures or FailureSchedule()
         self.restarts = 0
         self.point_counts: dict[str, int] = {}
@@ -108,7 +115,8 @@ class Driver:
         """Find and check what the run starts from (before anything is started or written)."""
         restored = find_restore(self.storage, restore)
         if restored:
-            check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state)
+            self.restore_notes = check_compatible(self.plan, self.pipeline, restored, allow_non_restored_state,
+                                                  self.allow_sources_from_start)
         resolve_sources(self.plan, self.pipeline, restored)
         return restored
 
@@ -122,14 +130,16 @@ class Driver:
     def run_prepared(self, restored: Restored | None, duration: float | None) -> None:
         """``run`` from what ``prepare`` returned, for a driver that called it already."""
         initial = restored
-        run_id = secrets.token_hex(4)  # unique file names per run, never from a seeded rng
+        self.run_id = secrets.token_hex(4)  # unique file names per run, never from a seeded rng
         strategy = self.pipeline.restart_strategy
         failure_times: list[float] = []
         current = {"restored": restored}
 
         def once() -> None:
+            if self.lease is not None:  # from here on, writes of earlier attempts are refused
+                self.lease.begin_attempt(self.attempt_id())
             recover(self.storage, self.pipeline.sinks, current["restored"], self.fail_point, self.pipeline.name)
-            self.attempt(current["restored"], f"{run_id}.{self.restarts}", duration)
+            self.attempt(current["restored"], self.attempt_id(), duration)
 
         def failed(state: tenacity.RetryCallState) -> None:  # after every retryable failure
             exc = state.outcome.exception() if state.outcome else None  # set before `after` runs
@@ -171,6 +181,10 @@ class Driver:
                 f"last failure: {reason}"
             ) from exc
 
+    def attempt_id(self) -> str:
+        """The current attempt's id, ``<run id>.<restart>``: names its files and fences older attempts."""
+        return f"{self.run_id}.{self.restarts}"
+
     def collect(self, master: JobMaster) -> None:
         """Move what the job master finished into the run's record."""
         if master.completed:
@@ -187,6 +201,9 @@ class Driver:
                    traffic: ServiceTraffic | None = None, workers: int | None = None) -> JobMaster:
         self.master = JobMaster(self.pipeline, self.plan, self.storage, restored, now, self.fail_point, deployment,
                                 job_id=self.job_id, stop_request=self.stop_request, traffic=traffic, workers=workers)
+        if self.lease is not None:
+            storage, attempt = self.storage, self.attempt_id()
+            self.master.fence = lambda: check_fence(storage, attempt)
         return self.master
 
     def new_attempt(self, restored: Restored | None, attempt: str, now: float, deployment: str,

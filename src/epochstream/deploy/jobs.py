@@ -63,6 +63,51 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def listed() -> list[dict[str, Any]]:
+    """Every registered job, oldest first, with ``status``: ``running`` (its process is alive
+    and, where it names a checkpoint dir, holds the lease there), ``dead`` (its process is
+    gone, e.g. killed: the file was never removed) or ``orphaned`` (a live process that no
+    longer holds its checkpoint dir's lease), and ``file``: the registry file."""
+    out: list[dict[str, Any]] = []
+    folder = _jobs_dir()
+    if not folder.is_dir():
+        return out
+    for path in folder.glob("*.json"):
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError):
+            info = {"id": path.stem, "name": "?", "pid": -1}
+        info["file"] = str(path)
+        info["status"] = _status(info)
+        out.append(info)
+    return sorted(out, key=lambda i: i.get("started_at", 0))
+
+
+def _status(info: dict[str, Any]) -> str:
+    if not _alive(int(info.get("pid", -1))):
+        return "dead"
+    chk = info.get("checkpoint_dir")
+    if chk:
+        try:
+            from ..backends import open_storage
+            from .lease import read_lease
+
+            lease = read_lease(open_storage(chk))
+        except Exception:  # storage unreachable: the pid says alive, trust it
+            return "running"
+        if lease is None or lease.job_id != info.get("id"):
+            return "orphaned"
+    return "running"
+
+
+def prune() -> list[dict[str, Any]]:
+    """Remove the registry files of dead jobs; returns them."""
+    gone = [j for j in listed() if j["status"] == "dead"]
+    for j in gone:
+        Path(j["file"]).unlink(missing_ok=True)
+    return gone
+
+
 def running() -> list[dict[str, Any]]:
     """Jobs whose driver process is alive, oldest first."""
     out: list[dict[str, Any]] = []

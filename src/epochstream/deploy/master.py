@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, cast
 
+from ..backends import open_object_storage
 from ..backends.objects import StorageAccessError
 from ..graph.plan import PhysicalPlan
 from ..runtime.messages import TaskId
@@ -38,6 +39,7 @@ from ..tracker.traffic import ServiceTraffic
 from ..ui.graph import job_graph
 from .control import IN_PROGRESS, SavepointRequest
 from .failures import FailPoint, no_fail
+from .lease import check_not_held
 from .restore import Restored
 
 log = logging.getLogger("epochstream")
@@ -136,6 +138,9 @@ class JobMaster:
         self.offsets_total = _offsets_total(restored.manifest) if restored else 0
         #: the job graph as the dashboard draws it, kept in every manifest (``epochstream ui`` reads it)
         self.graph = job_graph(plan, pipeline.mode)
+        #: raises ``lease.FencedError`` once this attempt no longer holds the checkpoint folder
+        #: (checked before the manifest and the sinks are committed); the driver sets it
+        self.fence: Callable[[], None] = _unfenced
 
     # -- events from the driver
     def poll(self, now: float) -> MasterOutput:
@@ -232,6 +237,7 @@ class JobMaster:
             if getattr(sink, "epoch_transactions", False) and uid in manifest["sinks"]:
                 manifest["sinks"][uid]["delta"] = sink.manifest_entry(uid)
         self.fail_point("before_manifest")
+        self.fence()
         try:
             self.storage.commit(manifest)
         except StorageAccessError:
@@ -282,6 +288,7 @@ class JobMaster:
 
     def _commit(self, epoch: int) -> None:
         manifest = self.manifests.pop(epoch)
+        self.fence()
         t_commit = time.perf_counter()
         commit_state = getattr(self.storage, "commit_epoch", None)
         if commit_state is not None:  # Delta: one transaction per operator, before the sinks
@@ -341,6 +348,7 @@ class JobMaster:
         if req is None:
             return
         try:
+            check_not_held(open_object_storage(req.target), "write a savepoint into it", self.job_id)
             folder = write_savepoint(self.storage, manifest, self.storage.root, req.target, self.job_id)
         except (OSError, CheckpointError) as exc:
             log.error("savepoint of epoch %d failed: %s", epoch, exc)
@@ -349,6 +357,10 @@ class JobMaster:
         log.info("savepoint of epoch %d written to %s", epoch, folder)
         self.written.append(str(folder))
         req.complete(str(folder))
+
+
+def _unfenced() -> None:
+    return None
 
 
 def _readable_manifests(storage) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from ..runtime.messages import TaskCapture
 from ..snapshot.manifest import AckInfo
+from .lease import check_fence
 
 
 class SinkStagingError(Exception):
@@ -40,6 +41,7 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
     failed state write only costs this epoch (the task's next capture is full).
     """
     t0 = time.perf_counter()
+    check_fence(storage, attempt)  # a zombie of an older attempt stages and writes nothing
     staged: dict[str, tuple[str, ...]] = {}
     for sc in capture.sinks:
         try:

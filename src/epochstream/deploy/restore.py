@@ -61,14 +61,21 @@ def find_restore(storage, restore: str | None) -> Restored | None:
     return Restored(epoch, manifest, root, root if manifest.get("self_contained") else root / f"chk-{epoch}", reader)
 
 
-def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non_restored_state: bool) -> None:
+def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non_restored_state: bool,
+                     allow_sources_from_start: bool = False) -> list[str]:
     """Refuse a checkpoint or savepoint this pipeline cannot take over, naming what differs.
 
     State maps to operators by uid, as in Flink: the job's name may differ (a renamed or
     forked job takes over its savepoint), but every uid that holds state in the checkpoint
     must exist in the pipeline as the same kind of operator, unless
     ``allow_non_restored_state`` drops the state of the missing ones. Max parallelism may
-    never change: it fixes the key groups."""
+    never change: it fixes the key groups.
+
+    The other way round, a source of the pipeline with no offsets in the checkpoint would
+    start from the beginning and replay its whole input into sinks that already hold the
+    output committed up to the checkpoint (a renamed uid does exactly that): refused unless
+    ``allow_sources_from_start``. Returns what the restore drops and what starts empty,
+    one line each (also logged as warnings)."""
     m = restored.manifest
     what = "savepoint" if m.get("kind") == "savepoint" else "checkpoint"
     where = f"{what} {restored.path}"
@@ -101,6 +108,26 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
         )
     if other_job:
         log.warning("restoring %s into job %r: operators matched by uid", where, pipeline.name)
+    notes = []
+    for uid in unknown:  # allowed by allow_non_restored_state, or refused above
+        states = sorted(m["operators"].get(uid, {}).get("states", {})) or \
+            sorted(m["operators"].get(uid, {}).get("operator_state", {}))
+        what_state = f"state {', '.join(repr(s) for s in states)}" if states else (
+            "source offsets" if uid in m["sources"] else "state")
+        notes.append(f"dropping {what_state} of operator {uid!r} (not in the pipeline)")
+    stateful = sorted(uid for uid, n in nodes.items() if kind_of[uid] == OpKind.PROCESS and uid not in held)
+    notes.extend(f"operator {uid!r} has no state in the {what}: it starts empty" for uid in stateful)
+    fresh = sorted(uid for uid in pipeline.sources if uid not in m["sources"])
+    if fresh and pipeline.sinks and not allow_sources_from_start:
+        raise CheckpointError(
+            f"{where}: source(s) {fresh} have no offsets in the {what} (it has {sorted(m['sources'])}): they would "
+            f"start from the beginning and replay their whole input into sinks {sorted(pipeline.sinks)} that already "
+            f"hold the output committed up to epoch {m['epoch']}. If a source's uid was renamed, give it back its "
+            f"old uid; to replay on purpose pass allow_sources_from_start=True (--allow-sources-from-start)"
+        )
+    notes.extend(f"source {uid!r} has no offsets in the {what}: it starts from the beginning" for uid in fresh)
+    for note in notes:
+        log.warning("restore from %s: %s", where, note)
     for uid, src in pipeline.sources.items():
         splits = source_splits(m, uid)
         if splits is not None and splits != src.num_splits and not src.elastic:
@@ -109,6 +136,7 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
                 f"kept per split, so the split count cannot change (build the source without splits= to adopt "
                 f"the {what}'s count)"
             )
+    return notes
 
 
 def resolve_sources(plan: PhysicalPlan, pipeline, restored: Restored | None) -> None:

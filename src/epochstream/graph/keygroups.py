@@ -57,6 +57,34 @@ def check_parallelism(parallelism: int, max_parallelism: int) -> None:
         )
 
 
+#: the one NaN every NaN key becomes (``canonical_key``): dicts find a key by identity first
+NAN_KEY = float("nan")
+#: key types ``canonical_key`` may change (others are returned as they are)
+CANONICAL_TYPES = frozenset({float, tuple})
+
+
+def canonical_key(key: Any) -> Any:
+    """The key as keyed state stores it: every float NaN (also inside a tuple) becomes ``NAN_KEY``.
+
+    ``NaN != NaN``, so a dict would give every NaN record a key of its own (ten records with
+    key NaN summed by ``reduce``: ten 1s). Spark's grouping and pandas' ``groupby(dropna=False)``
+    treat all NaNs as one value; so do we: ``NAN_KEY`` is one object, which a dict finds by
+    identity. ``-0.0`` and ``0.0`` are already one key (equal, equal hash). ``None`` is a key
+    like any other (Spark's null group).
+
+    >>> canonical_key(float("nan")) is canonical_key(float("-nan")) is NAN_KEY
+    True
+    >>> canonical_key(("a", float("nan")))[1] is NAN_KEY
+    True
+    """
+    t = type(key)
+    if t is float:
+        return NAN_KEY if key != key else key
+    if t is tuple and any(type(k) in CANONICAL_TYPES for k in key):
+        return tuple(canonical_key(k) for k in key)
+    return key
+
+
 def key_bytes(key: Any) -> bytes:
     """Canonical bytes of a key: equal keys give equal bytes in every process and run.
 
@@ -78,8 +106,8 @@ def key_bytes(key: Any) -> bytes:
         return b"b" + raw
     if key is None:
         return b"n"
-    if t is float:
-        return b"f" + struct.pack("<d", key)
+    if t is float:  # every NaN (any sign or payload) encodes alike: one key group, stable across runs
+        return b"fnan" if key != key else b"f" + struct.pack("<d", key)
     if t is tuple:
         return b"t" + b"".join(len(p).to_bytes(4, "little") + p for p in map(key_bytes, key))
     if t is frozenset:  # iteration order follows the salted hash: sort the encoded items

@@ -18,7 +18,15 @@ import copy
 import zlib
 from typing import Any, Callable, cast
 
-from ..graph.keygroups import assign_to_key_group, distinct_keys, key_bytes, key_group_table, murmur_mix
+from ..graph.keygroups import (
+    CANONICAL_TYPES,
+    assign_to_key_group,
+    canonical_key,
+    distinct_keys,
+    key_bytes,
+    key_group_table,
+    murmur_mix,
+)
 from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, Chain, ColumnKey, Node, PhysicalPlan
 from .columns import as_record_batch, concat, even_slices, from_rows, key_columns, keys_of, split_by_code
@@ -204,10 +212,14 @@ class ChainRuntime:
                         by_columns(records)
                         return
                     records = records.to_pylist()  # a key function takes rows: make them once per batch
+                ks: list[Any] = []
+                add_key = ks.append
                 try:
-                    ks = [key_of(r) for r in records]
+                    for r in records:
+                        add_key(key_of(r))
                 except Exception as exc:
-                    raise UserFunctionError(f"key_by function after {name!r} failed: {exc!r}") from exc
+                    raise UserFunctionError(f"key_by function after {name!r} failed", exc,
+                                            record=records[len(ks)]) from exc
                 for r, k in zip(records, ks, strict=True):
                     ch = channels[table[mix(crc(kb(k))) % m]]
                     buffers[ch].append(r)
@@ -289,10 +301,13 @@ class ChainRuntime:
             def op_map(records: Any, keys: list[Any] | None) -> None:
                 if type(records) is not list:
                     records = records.to_pylist()
+                out: list[Any] = []
+                add = out.append
                 try:
-                    out = [fn(r) for r in records]
-                except Exception as exc:
-                    raise UserFunctionError(f"map {label!r} failed: {exc!r}") from exc
+                    for r in records:
+                        add(fn(r))
+                except Exception as exc:  # the failing record is the one after the last output
+                    raise UserFunctionError(f"map {label!r} failed", exc, record=records[len(out)]) from exc
                 push(out, None)
 
             return op_map
@@ -301,10 +316,14 @@ class ChainRuntime:
             def op_filter(records: Any, keys: list[Any] | None) -> None:
                 if type(records) is not list:
                     records = records.to_pylist()
+                out: list[Any] = []
+                r: Any = None
                 try:
-                    out = [r for r in records if fn(r)]
+                    for r in records:
+                        if fn(r):
+                            out.append(r)
                 except Exception as exc:
-                    raise UserFunctionError(f"filter {label!r} failed: {exc!r}") from exc
+                    raise UserFunctionError(f"filter {label!r} failed", exc, record=r) from exc
                 if out:
                     push(out, None)
 
@@ -314,10 +333,14 @@ class ChainRuntime:
             def op_flat_map(records: Any, keys: list[Any] | None) -> None:
                 if type(records) is not list:
                     records = records.to_pylist()
+                out: list[Any] = []
+                extend = out.extend
+                r: Any = None
                 try:
-                    out = [o for r in records for o in fn(r)]
+                    for r in records:
+                        extend(fn(r))
                 except Exception as exc:
-                    raise UserFunctionError(f"flat_map {label!r} failed: {exc!r}") from exc
+                    raise UserFunctionError(f"flat_map {label!r} failed", exc, record=r) from exc
                 if out:
                     push(out, None)
 
@@ -341,7 +364,7 @@ class ChainRuntime:
                 except SchemaError as exc:
                     raise SchemaError(f"sink {label!r}: {exc}") from None
                 except Exception as exc:
-                    raise UserFunctionError(f"sink {label!r} could not take records: {exc!r}") from exc
+                    raise UserFunctionError(f"sink {label!r} could not take records", exc) from exc
 
             return op_sink
         if kind == OpKind.MAP_BATCHES:
@@ -352,7 +375,7 @@ class ChainRuntime:
                 try:
                     out = fn(batch)
                 except Exception as exc:
-                    raise UserFunctionError(f"{where} failed: {exc!r}") from exc
+                    raise UserFunctionError(f"{where} failed", exc) from exc
                 out = as_record_batch(out, where)
                 if out is not None and out.num_rows:
                     push(out, None)
@@ -408,9 +431,10 @@ class ChainRuntime:
                 keys = [key_of(r) for r in records]
             out: list[Any] = []
             extend = out.extend
+            value: Any = None
             try:
                 for value, key in zip(records, keys, strict=True):
-                    keyslot.key = key
+                    keyslot.key = canonical_key(key) if type(key) in CANONICAL_TYPES else key
                     res = process(value, ctx)
                     if res is not None:
                         if type(res) in _NOT_RECORD_ITERABLES:
@@ -420,7 +444,7 @@ class ChainRuntime:
                             )
                         extend(res)
             except Exception as exc:
-                raise UserFunctionError(f"process {label!r} failed on key {keyslot.key!r}: {exc!r}") from exc
+                raise UserFunctionError(f"process {label!r} failed", exc, key=keyslot.key, record=value) from exc
             if out:
                 down(out, None)
 
@@ -447,7 +471,7 @@ class ChainRuntime:
             try:
                 out = process_batch(records, keys, ctx)
             except Exception as exc:
-                raise UserFunctionError(f"process {label!r} failed on key {ctx.key!r}: {exc!r}") from exc
+                raise UserFunctionError(f"process {label!r} failed", exc, key=ctx.key) from exc
             if out:
                 down(out, None)
 
@@ -462,7 +486,7 @@ class ChainRuntime:
             try:
                 fn.open(ctx)
             except Exception as exc:
-                raise UserFunctionError(f"open() of {ctx.operator_uid!r} failed: {exc!r}") from exc
+                raise UserFunctionError(f"open() of {ctx.operator_uid!r} failed", exc, subtask=self.subtask) from exc
 
     def fire_timers(self, label: int, slack: float) -> None:
         """Event time reached time label ``label``: fire the timers it passes."""
@@ -478,7 +502,7 @@ class ChainRuntime:
             try:
                 timers.advance(label, watermark, on_timer)
             except Exception as exc:
-                raise UserFunctionError(f"on_timer of {uid!r} failed on key {ctx.key!r}: {exc!r}") from exc
+                raise UserFunctionError(f"on_timer of {uid!r} failed", exc, key=ctx.key) from exc
             if out:
                 down(out, None)
 
@@ -507,7 +531,8 @@ class ChainRuntime:
             try:
                 out = fn.on_epoch_end(epoch, ctx)
             except Exception as exc:
-                raise UserFunctionError(f"on_epoch_end of {label!r} failed at epoch {epoch}: {exc!r}") from exc
+                raise UserFunctionError(f"on_epoch_end of {label!r} failed at epoch {epoch}", exc,
+                                        subtask=self.subtask) from exc
             if out:
                 down(list(out), None)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..graph.keygroups import distinct_keys
+from ..graph.keygroups import canonical_key, distinct_keys
 from ..graph.plan import ColumnKey
 from .errors import SchemaError, UserFunctionError
 
@@ -188,11 +188,11 @@ class KeyedBatches:
         out = []
         call, record_batch = self._call, pa.RecordBatch
         for k, part in group_by_key(batch, self.key, f"{where} (key_by {self.key})"):
-            keyslot.key = k
+            keyslot.key = k = canonical_key(k)  # a NaN of this batch is a new object: the one NaN key
             try:
                 res = call(k, part, ctx)
             except Exception as exc:
-                raise UserFunctionError(f"{where} failed on key {k!r}: {exc!r}") from exc
+                raise UserFunctionError(f"{where} failed", exc, key=k) from exc
             if res is None:
                 continue
             if type(res) is not record_batch:

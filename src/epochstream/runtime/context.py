@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..graph.keygroups import canonical_key
+
 if TYPE_CHECKING:
     from .state import (
         BroadcastState,
@@ -48,7 +50,7 @@ class Context:
     def set_current_key(self, key: Any) -> None:
         """Make ``key`` current (Flink's ``setCurrentKey``): for work that is not driven by a
         record of that key, such as timers that fire at an epoch bound."""
-        self._keys.key = key
+        self._keys.key = canonical_key(key)
 
     def keys(self, name: str) -> list[Any]:
         """The keys of this subtask that hold a value in state ``name`` (a snapshot list)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .errors import EpochStreamError, UserFunctionError
+from .errors import EpochStreamError, SourceError, UserFunctionError
 from .messages import END_OF_TIME
 from .sources import Source
 
@@ -27,7 +27,7 @@ Run = tuple[int | None, list[Any]]
 class SplitReader:
     """Offsets and time labels of the splits one source subtask reads."""
 
-    __slots__ = ("source", "uid", "splits", "offsets", "lengths", "_next_split", "timestamp", "slack",
+    __slots__ = ("source", "uid", "splits", "offsets", "lengths", "_next_split", "timestamp", "slack", "last_read",
                  "_split_label", "time_promised")
 
     def __init__(self, source: Source, uid: str, splits: list[int], offsets: dict[int, int],
@@ -42,6 +42,7 @@ class SplitReader:
         #: records per split (None: unbounded)
         self.lengths: dict[int, int | None] = {s: source.split_length(s) for s in splits}
         self._next_split = 0
+        self.last_read: tuple[int, int] = (-1, -1)
         timestamp: Callable[[Any], Any] | None = source.timestamp if slack is not None else None
         #: the source's timestamp function, when records are labelled
         self.timestamp = timestamp
@@ -69,8 +70,19 @@ class SplitReader:
             length = self.lengths[split]
             if length is not None and offset >= length:
                 continue
-            records, after = self.source.read_next(split, offset, budget)
+            try:
+                records, after = self.source.read_next(split, offset, budget)
+            except UserFunctionError as exc:  # a generator function: it knows its rows, we add the split
+                exc.locate(source=self.uid, split=split, offset=offset)
+                raise
+            except EpochStreamError:
+                raise
+            except Exception as exc:
+                raise SourceError(f"source {self.uid!r} split {split} failed to read at offset {offset}: "
+                                  f"{exc!r}") from exc
             self.offsets[split] = after
+            #: where the records just read start (the task names them when a function fails on one)
+            self.last_read = (split, offset)
             if records:
                 if self.timestamp is None:
                     return [(None, records)]
@@ -115,7 +127,7 @@ class SplitReader:
         try:
             return self.timestamp(record)
         except Exception as exc:
-            raise UserFunctionError(f"timestamp function of source {self.uid!r} failed: {exc!r}") from exc
+            raise UserFunctionError(f"timestamp function of source {self.uid!r} failed", exc, record=record) from exc
 
     def _label(self, split: int, offset: int, record: Any) -> int:
         ts = self._timestamp(record)

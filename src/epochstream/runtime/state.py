@@ -17,6 +17,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, overload
 
+from ..graph.keygroups import canonical_key
 from .errors import StateSerializationError
 from .messages import KeyedCapture
 from .types import TypeInformation, column_type, typed_column_name
@@ -341,7 +342,7 @@ class HeapKeyedState:
             table = self.tables.get(name)
             if table is None:
                 table = self.tables[name] = _Table(name, kinds.get(name, "value"))
-            key = loads(kbytes)
+            key = canonical_key(loads(kbytes))  # an unpickled NaN is a new object: the one NaN key
             if vbytes is None:
                 table.data.pop(key, None)
             else:

@@ -46,7 +46,7 @@ from typing import Any, Callable
 from ..graph.plan import PhysicalPlan
 from .batching import BatchPolicy
 from .chain import ChainRuntime
-from .errors import ProtocolError
+from .errors import ProtocolError, UserFunctionError
 from .eventtime import EventClock
 from .gate import Gate
 from .messages import Batch, Marker, Message, Snapshot, SourceExhausted, TaskAction, TaskCapture, TaskId, Watermark
@@ -165,10 +165,14 @@ class Task:
         """Process up to ``budget`` records (or one message); return actions."""
         actions: list[TaskAction] = []
         self.chain.set_now(now)
-        if self.reader is not None:
-            self._read(self.reader, now, budget, read_source, actions)
-        else:
-            self._consume(now, budget, actions)
+        try:
+            if self.reader is not None:
+                self._read(self.reader, now, budget, read_source, actions)
+            else:
+                self._consume(now, budget, actions)
+        except UserFunctionError as exc:  # say which subtask
+            exc.locate(subtask=self.id[1])
+            raise
         return actions
 
     def _read(self, reader: SplitReader, now: float, budget: int, read_source: bool,
@@ -177,12 +181,20 @@ class Task:
             self._end_epoch(self.triggers.popleft(), 0.0, now, actions)
         if read_source:
             clock, push = self.clock, self._source_push
-            for label, records in reader.read(budget):
+            runs = reader.read(budget)
+            split, offset = reader.last_read
+            for label, records in runs:
                 if label is not None and label != clock.out_time:
                     self._flush(actions)  # a batch never spans two time labels
                     clock.out_time = label
-                push(records, None)
-                self.records_in += len(records)
+                try:
+                    push(records, None)
+                except UserFunctionError as exc:  # name the split and offset the record was read from
+                    exc.locate(subtask=self.id[1], source=reader.uid, split=split, offset=offset, batch=records)
+                    raise
+                n = len(records)
+                offset += n
+                self.records_in += n
             if reader.has_more():
                 self._flush_due(now, actions)
             else:  # nothing more will fill the buffers

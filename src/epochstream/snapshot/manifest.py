@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import builtins
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -17,9 +19,13 @@ from ..runtime.errors import EpochStreamError
 FORMAT = "epochstream-checkpoint"
 #: version 2 added operator (non-keyed) state, the split count of sources, the job id and
 #: savepoints (``kind: savepoint``, ``self_contained``); version 1 manifests read as version 2
-#: without those (no operator state, splits = the splits that have offsets)
-FORMAT_VERSION = 2
+#: without those (no operator state, splits = the splits that have offsets). Version 3 added
+#: ``checksum``: the sha256 of the manifest's own content (``content_checksum``)
+FORMAT_VERSION = 3
 OLDEST_READABLE_VERSION = 1
+#: manifests of this version and later must carry a checksum; older ones are read unverified
+FIRST_CHECKSUMMED_VERSION = 3
+CHECKSUM = "checksum"
 
 
 class CheckpointError(EpochStreamError):
@@ -183,8 +189,30 @@ class ManifestBuilder:
         self.declined = {k for k in self.declined if k[1] > epoch}
 
 
+def content_checksum(m: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of a manifest's content without its checksum, as canonical JSON
+    (sorted keys, no spaces): independent of how the file was indented."""
+    body = {k: v for k, v in m.items() if k != CHECKSUM}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def encode_manifest(m: dict[str, Any]) -> bytes:
+    """The bytes of a manifest as written: its content plus ``checksum`` of that content."""
+    sealed = {**{k: v for k, v in m.items() if k != CHECKSUM}, CHECKSUM: content_checksum(m)}
+    return json.dumps(sealed, indent=1, sort_keys=True).encode()
+
+
+def verified(m: dict[str, Any]) -> bool:
+    """Whether a (validated) manifest carried a checksum; False: an old, unverified manifest."""
+    return CHECKSUM in m
+
+
 def validate_manifest(m: Any, where: str) -> dict[str, Any]:
-    """Check a parsed manifest's shape; raise CheckpointError naming ``where``."""
+    """Check a parsed manifest's checksum and shape; raise CheckpointError naming ``where``.
+
+    A manifest of version 3 or later whose checksum is missing or differs from its content
+    is damaged (one digit of an offset changed, a key dropped or emptied), exactly like one
+    that does not parse; older manifests have no checksum and are read unverified."""
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointError(f"{where}: not an epochstream checkpoint manifest")
     version = m.get("format_version")
@@ -202,6 +230,14 @@ def validate_manifest(m: Any, where: str) -> dict[str, Any]:
     for key in ("job", "epoch", "parallelism", "max_parallelism", "operators", "sources", "sinks"):
         if key not in m:
             raise CheckpointError(f"{where}: manifest lacks {key!r}; the file is damaged")
+    if CHECKSUM in m or version >= FIRST_CHECKSUMMED_VERSION:
+        if CHECKSUM not in m:
+            raise CheckpointError(f"{where}: manifest (format version {version}) lacks its checksum; the file is "
+                                  f"damaged and nothing is restored from it")
+        if m[CHECKSUM] != content_checksum(m):
+            raise CheckpointError(
+                f"{where}: manifest checksum does not match its content (the file was changed or damaged after it "
+                f"was written: an edited offset, a dropped or emptied key); nothing is restored from it")
     try:
         _check_shape(m)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
