@@ -13,6 +13,7 @@ from __future__ import annotations
 import pandas as pd
 import pyarrow as pa
 import pytest
+from pyspark.errors import PySparkRuntimeError
 from pyspark.sql import Row
 from pyspark.sql.streaming import StatefulProcessor
 from pyspark.sql.streaming.state import GroupStateTimeout
@@ -51,12 +52,12 @@ class Harness:
     def feed(self, *records) -> list[dict]:
         recs = list(records)
         if self.source == "arrow":
-            return self.op.process_batch(pa.RecordBatch.from_pylist(recs), None, self.ctx)
-        return self.op.process_batch(recs, [self.op.key_of(r) for r in recs], self.ctx)
+            return rows_of(self.op.process_batch(pa.RecordBatch.from_pylist(recs), None, self.ctx))
+        return rows_of(self.op.process_batch(recs, [self.op.key_of(r) for r in recs], self.ctx))
 
     def bound(self) -> list[dict]:
         self.epoch += 1
-        return self.op.on_epoch_end(self.epoch, self.ctx)
+        return rows_of(self.op.on_epoch_end(self.epoch, self.ctx))
 
     def restart(self) -> None:
         cap = self.state.capture(self.epoch, incremental=False)
@@ -68,6 +69,11 @@ class Harness:
 
     def value(self, name: str, key) -> object:
         return self.state.as_dict().get(name, {}).get(key)
+
+
+def rows_of(out) -> list[dict]:
+    """A wrapper's output as rows: pandas output leaves as one RecordBatch per input batch."""
+    return out if isinstance(out, list) else out.to_pylist(maps_as_pydicts="strict")
 
 
 #: batches as dict rows, or as Arrow RecordBatches (the wrappers' columnar path)
@@ -380,7 +386,8 @@ def test_timers_need_a_time_mode():
             return iter([])
 
     h = Harness(lambda c: TransformWithState(T(), "k string", "none", "k", clock=c))
-    with pytest.raises(ValueError, match="Timers with TimeMode.None"):
+    with pytest.raises(PySparkRuntimeError, match="STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_TIME_MODE"
+                       "] Failed to perform stateful processor operation=register_timer with invalid timeMode=NoTime"):
         h.feed({"k": "a"})
 
 
