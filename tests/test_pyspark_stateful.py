@@ -896,3 +896,42 @@ def test_initial_state_seeds_each_key_once_before_its_rows():
     assert state.as_dict()["n"][("a",)] == ((16,), None)
     with pytest.raises(SchemaError, match=r"lacks the grouping column\(s\) \['k'\]"):
         TransformWithState(Seeded(), "k string, n long", "none", "k", initial_state=pd.DataFrame({"x": [1]}))
+
+
+def test_late_rows_and_event_time_timers_follow_the_watermark_as_of_the_epoch_start():
+    """With job-wide event time (here a TimerService advanced by hand, as the trAcker or the
+    aligned watermarks advance it) the wrapper judges rows and fires timers against the
+    watermark read at the last epoch bound (Spark: the previous micro-batch's)."""
+    from epochstream.runtime.state import OperatorStateBackend
+    from epochstream.runtime.timers import TimerService
+
+    class Sess(StatefulProcessor):
+        def init(self, handle):
+            self.h = handle
+
+        def handleInputRows(self, key, rows, timerValues):
+            for pdf in rows:
+                for t in pdf["t"]:
+                    self.h.registerTimer(int(t) + 100)
+                    yield pd.DataFrame({"k": [key[0]], "t": [int(t)], "wm": [timerValues.getCurrentWatermarkInMs()]})
+
+        def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+            yield pd.DataFrame({"k": [key[0]], "t": [-expiredTimerInfo.getExpiryTimeInMs()],
+                                "wm": [timerValues.getCurrentWatermarkInMs()]})
+
+    state = HeapKeyedState("op", lambda k: 0, (0, 0))
+    timers = TimerService(state)
+    ctx = Context(state, 0, 1, "op", timers, OperatorStateBackend("op", 0))
+    op = TransformWithState(Sess(), "k string, t long, wm long", "eventtime", "k", event_time="t", clock=Clock())
+    op.open(ctx)
+
+    def feed(k, t):
+        return rows_of(op.process_batch([{"k": k, "t": t}], [(k,)], ctx))
+
+    assert feed("a", 1_000) == [{"k": "a", "t": 1_000, "wm": 0}]
+    fired: list = []
+    timers.advance(1, 2_000.0, lambda ts: fired.extend(op.on_timer(ts, ctx)))
+    assert fired == []  # event time passed 1100, the epoch's watermark did not: deferred to the bound
+    assert feed("b", 500) == [{"k": "b", "t": 500, "wm": 0}]  # late only against the runtime's newer watermark
+    assert rows_of(op.on_epoch_end(1, ctx)) == [{"k": "a", "t": -1_100, "wm": 1_999}]
+    assert feed("c", 1_500) == []  # at or below the epoch's watermark now: late
