@@ -252,8 +252,10 @@ def run_spark(spark, tmp: Path, batches, schema: str, build, processing_time: bo
     return [r.asDict() for r in rows]
 
 
-def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool) -> dict[str, dict]:
-    """{variable: {key tuple: value}} from Spark's state data source; lists sorted, maps as dicts."""
+def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool, fmt: str = "statestore",
+                **options: str) -> dict[str, dict]:
+    """{variable: {key tuple: value}} from Spark's state data source (``fmt="epochstream-state"``:
+    epochstream's, with the same options); lists sorted, maps as dicts."""
     from pyspark.sql import Row
 
     def plain(v) -> tuple:
@@ -263,7 +265,7 @@ def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool) -> di
 
     out: dict[str, dict] = {}
     for name, kind in variables.items():
-        df = spark.read.format("statestore").option("stateVarName", name).load(str(chk))
+        df = spark.read.format(fmt).options(**options).option("stateVarName", name).load(str(chk))
         got: dict = {}
         for r in df.collect():
             key = tuple(r["key"])
@@ -275,7 +277,7 @@ def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool) -> di
                 got.setdefault(key, {})[tuple(r["user_map_key"])] = plain(r["user_map_value"])
         out[name] = {k: sorted(v) if isinstance(v, list) else v for k, v in got.items()}
     if timers:
-        df = spark.read.format("statestore").option("readRegisteredTimers", "true").load(str(chk))
+        df = spark.read.format(fmt).options(**options).option("readRegisteredTimers", "true").load(str(chk))
         got = {}
         for r in df.collect():
             got.setdefault(tuple(r["key"]), []).append(r["expiration_timestamp_ms"])
@@ -525,3 +527,27 @@ class Exits(StatefulProcessor):
 
     def handleInputRows(self, key, rows, timerValues):
         sys.exit(3)
+
+
+# ---------------------------------------------------------------- Spark's state reader on epochstream checkpoints
+
+
+def test_the_epochstream_state_source_reads_a_checkpoint_as_spark_reads_its_own(spark, everything_spark, tmp_path):
+    """``format("epochstream-state")`` on epochstream's checkpoint gives what ``format("statestore")``
+    gives on Spark's, through the same reading code, and what ``epochstream state query`` prints."""
+    import subprocess
+
+    from epochstream.pyspark.state_source import register
+
+    register(spark)
+    _spark_rows, spark_st = everything_spark
+    _rows, raw = run_epochstream(tmp_path, "sim", everything_input(), lambda s: s.transform_with_state(
+        Everything(), EVERYTHING_OUT, "ProcessingTime", key="k", clock=SteppingClock(), uid="op"))
+    chk = tmp_path / "es-chk"
+    mine = spark_state(spark, chk, EVERYTHING_VARS, timers=True, fmt="epochstream-state", operatorUid="op")
+    assert mine == spark_st == epochstream_state(raw, EVERYTHING_VARS)
+    cli = subprocess.run([sys.executable, "-m", "epochstream.cli", "state", "query", "--checkpoint-dir", str(chk),
+                          "--operator", "op", "--state", "count", "--json"], capture_output=True, text=True,
+                         check=True)
+    counts = {tuple(r["key"]): tuple(r["value"][0]) for r in json.loads(cli.stdout)["rows"]}
+    assert counts == mine["count"]
