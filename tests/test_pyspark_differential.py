@@ -77,6 +77,8 @@ def spark():
          .config("spark.ui.enabled", "false")
          .config("spark.sql.session.timeZone", "UTC")
          .config("spark.sql.streaming.stateStore.providerClass", ROCKSDB)
+         # a loaded machine (CI runs in parallel) can take more than the default 15 s to start a Python worker
+         .config("spark.python.authenticate.socketTimeout", "300s")
          .getOrCreate())
     yield s
     s.stop()
