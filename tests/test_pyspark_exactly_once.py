@@ -289,7 +289,7 @@ def test_event_time_timers_are_exactly_once(tmp_path_factory, which, mode, seed,
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("which", ["tws", "group_state"])
+@pytest.mark.parametrize("which", ["tws", "group_state", "tws-init"])
 def test_a_savepoint_taken_at_parallelism_2_restores_at_parallelism_3(tmp_path, mode, which):
     """Stop part-way at parallelism 2 with a savepoint (the simulator stops at ``duration``),
     restore the savepoint at parallelism 3 into a new checkpoint folder and finish: the
