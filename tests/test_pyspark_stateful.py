@@ -898,10 +898,11 @@ def test_initial_state_seeds_each_key_once_before_its_rows():
         TransformWithState(Seeded(), "k string, n long", "none", "k", initial_state=pd.DataFrame({"x": [1]}))
 
 
-def test_late_rows_and_event_time_timers_follow_the_watermark_as_of_the_epoch_start():
+def test_late_rows_are_judged_against_the_watermark_as_of_the_epoch_start():
     """With job-wide event time (here a TimerService advanced by hand, as the trAcker or the
-    aligned watermarks advance it) the wrapper judges rows and fires timers against the
-    watermark read at the last epoch bound (Spark: the previous micro-batch's)."""
+    aligned watermarks advance it) a row is late against the watermark read at the last epoch
+    bound (Spark: the previous micro-batch's, eventTimeWatermarkForLateEvents); timers fire as
+    event time passes them (Spark: against the current one, eventTimeWatermarkForEviction)."""
     from epochstream.runtime.state import OperatorStateBackend
     from epochstream.runtime.timers import TimerService
 
@@ -931,7 +932,7 @@ def test_late_rows_and_event_time_timers_follow_the_watermark_as_of_the_epoch_st
     assert feed("a", 1_000) == [{"k": "a", "t": 1_000, "wm": 0}]
     fired: list = []
     timers.advance(1, 2_000.0, lambda ts: fired.extend(op.on_timer(ts, ctx)))
-    assert fired == []  # event time passed 1100, the epoch's watermark did not: deferred to the bound
-    assert feed("b", 500) == [{"k": "b", "t": 500, "wm": 0}]  # late only against the runtime's newer watermark
-    assert rows_of(op.on_epoch_end(1, ctx)) == [{"k": "a", "t": -1_100, "wm": 1_999}]
+    assert fired == [{"k": "a", "t": -1_100, "wm": 1_999}]
+    assert feed("b", 500) == [{"k": "b", "t": 500, "wm": 1_999}]  # late only against the newer watermark: kept
+    assert rows_of(op.on_epoch_end(1, ctx)) == []
     assert feed("c", 1_500) == []  # at or below the epoch's watermark now: late

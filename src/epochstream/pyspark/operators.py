@@ -174,6 +174,11 @@ class _Keyed:
         self._now = _clock(clock)
         self.batch_time_ms = -1
         self.watermark_ms = 0
+        #: rows at or below it are late: the watermark as of the start of the epoch (Spark: of the
+        #: previous micro-batch, its eventTimeWatermarkForLateEvents); timers fire against
+        #: ``watermark_ms`` (Spark's eventTimeWatermarkForEviction), which a job-wide event time
+        #: moves within the epoch
+        self.late_ms = 0
 
     #: what error messages call the user code (the processor's class or the function's name)
     label: str
@@ -239,11 +244,13 @@ class _Keyed:
             self._advance_watermark()
 
     def _advance_watermark(self) -> None:
+        """At an epoch bound (and at open): the watermark moves, and late rows of the next
+        epoch are judged against it."""
         if self.tracker_time is not None:
             self._tracker_watermark()
-            return
-        if self._max_event is not None:
+        elif self._max_event is not None:
             self.watermark_ms = max(self.watermark_ms, self._max_event - self.watermark_delay_ms)
+        self.late_ms = self.watermark_ms
 
     def _tracker_watermark(self, firing: int | None = None) -> None:
         """Every record with an event time below the trAcker's bound W has been processed:
@@ -272,9 +279,11 @@ class _Keyed:
                 else:
                     g.append(r)
             return groups
+        if self.tracker_time is not None:
+            self._tracker_watermark()  # what TimerValues report (timers fire against it)
         # late against the watermark as of the start of the epoch (Spark: of the previous
         # micro-batch); it moves only at epoch bounds, whatever drives event time
-        col, wm = self.event_time, self.watermark_ms
+        col, wm = self.event_time, self.late_ms
         maxima: dict[Any, int] = {}
         for r, k in zip(rows, keys, strict=True):
             et = _event_time_ms(r[col])
@@ -354,9 +363,6 @@ class TransformWithState(_Keyed):
         #: state name -> (kind, handle), filled by the processor's init()
         self.variables: dict[str, tuple[str, Any]] = {}
         self.timers = Timers(self)
-        #: event-time timers the trAcker or aligned watermarks fired before the epoch's
-        #: watermark reached them: they fire at the epoch bound (docs/PYSPARK.md, "Late rows")
-        self._deferred: list[tuple[Any, int]] = []
         self.batch_time_ms = self._now(ctx) if self.time_mode != "none" else -1
         self.handle = EpochStatefulProcessorHandle(self)
         self.phase = "CREATED"
@@ -470,7 +476,6 @@ class TransformWithState(_Keyed):
         out: list[Any] = []
         if self.time_mode == "eventtime":
             self._advance_watermark()
-            self._fire_deferred(out)
         self._fire_timers(out)
         self._purge_expired()
         return self._records(out)
@@ -511,9 +516,7 @@ class TransformWithState(_Keyed):
         self.phase = "INITIALIZED"
 
     def on_timer(self, timestamp: float, ctx) -> list[dict]:
-        """Job-wide event time passed ``timestamp`` for the current key (timestamped sources).
-        The timer fires when the epoch's watermark reaches it: now if it already has (or
-        input ended), else at the epoch bound."""
+        """Job-wide event time passed ``timestamp`` for the current key (timestamped sources)."""
         return self._guard("handleExpiredTimer", self._on_timer, timestamp, ctx)
 
     def _on_timer(self, timestamp: float, ctx) -> list[dict]:
@@ -521,12 +524,7 @@ class TransformWithState(_Keyed):
         key = ctx.key
         if not self.timers.has(ts):
             return []
-        tracker = self.tracker_time
-        if tracker is not None and tracker.watermark == float("inf"):
-            self._tracker_watermark(ts)  # end of input: every timer fires
-        elif ts > self.watermark_ms:
-            self._deferred.append((key, ts))
-            return []
+        self._tracker_watermark(ts)
         self.batch_time_ms = self._now(ctx)
         out: list[Any] = []
         self._fire_one(key, ts, out)
@@ -545,23 +543,6 @@ class TransformWithState(_Keyed):
         self.phase = "INITIALIZED"
         ctx.set_current_key(key)
         self.timers.delete(key, ts)
-
-    def _fire_deferred(self, out: list[Any]) -> None:
-        """At an epoch bound, after the watermark moved: the deferred timers it reached fire
-        (in expiry order); the rest go back to the runtime's timer service, which fires them
-        again once event time passes them (none is lost to a snapshot in between)."""
-        if not self._deferred:
-            return
-        pending, self._deferred = sorted(self._deferred, key=lambda e: e[1]), []
-        ctx = self.ctx
-        for key, ts in pending:
-            ctx.set_current_key(key)
-            if not self.timers.has(ts):
-                continue
-            if ts <= self.watermark_ms:
-                self._fire_one(key, ts, out)
-            elif self.tracker_time is not None:
-                self.tracker_time.register_event_time_timer(ts)
 
     def _purge_expired(self) -> None:
         """Remove entries whose TTL ran out (reads already skip them)."""
@@ -631,7 +612,6 @@ class ApplyInPandasWithState(_Keyed):
         import heapq
 
         self._open_common(ctx)
-        self._deferred: list[tuple[Any, int]] = []
         self._state = ctx.state(ValueStateDescriptor(GROUP_STATE))
         self._heap: list[tuple[int, int, Any]] = []
         self._seq = 0
@@ -694,16 +674,6 @@ class ApplyInPandasWithState(_Keyed):
         out: list[Any] = []
         if self.event_time is not None:
             self._advance_watermark()
-            pending, self._deferred = self._deferred, []
-            for key, ts in sorted(pending, key=lambda e: e[1]):
-                ctx.set_current_key(key)
-                stored = self._state.value()
-                if stored is None or stored[1] != ts:
-                    continue  # the timeout moved or the state went meanwhile
-                if ts < self.watermark_ms:
-                    out.extend(self._call(key, iter([]), timed_out=True))
-                elif self.tracker_time is not None:
-                    self.tracker_time.register_event_time_timer(ts)
         self._time_out(out, skip={})
         return batches_to_records(out, self._arrow_out)
 
@@ -757,9 +727,7 @@ class ApplyInPandasWithState(_Keyed):
         return records
 
     def on_timer(self, timestamp: float, ctx) -> list[dict]:
-        """Job-wide event time passed the current key's timeout ``timestamp`` (timestamped
-        sources). It times out once the epoch's watermark is past it: now if it already is (or
-        input ended), else at the epoch bound."""
+        """Job-wide event time passed the current key's timeout ``timestamp`` (timestamped sources)."""
         return self._guard(self.label, self._on_timer, timestamp, ctx)
 
     def _on_timer(self, timestamp: float, ctx) -> list[dict]:
@@ -767,12 +735,7 @@ class ApplyInPandasWithState(_Keyed):
         stored = self._state.value()
         if stored is None or stored[1] != ts:
             return []
-        tracker = self.tracker_time
-        if tracker is not None and tracker.watermark == float("inf"):
-            self._tracker_watermark(ts)  # end of input: every timeout fires
-        elif not ts < self.watermark_ms:
-            self._deferred.append((ctx.key, ts))
-            return []
+        self._tracker_watermark(ts)
         self.batch_time_ms = self._now(ctx)
         return batches_to_records(self._call(ctx.key, iter([]), timed_out=True), self._arrow_out)
 
