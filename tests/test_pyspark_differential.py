@@ -534,22 +534,38 @@ class Exits(StatefulProcessor):
 # ---------------------------------------------------------------- Spark's state reader on epochstream checkpoints
 
 
-def test_the_epochstream_state_source_reads_a_checkpoint_as_spark_reads_its_own(spark, everything_spark, tmp_path):
-    """``format("epochstream-state")`` on epochstream's checkpoint gives what ``format("statestore")``
-    gives on Spark's, through the same reading code, and what ``epochstream state query`` prints."""
+@pytest.fixture(scope="module")
+def everything_checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("es-everything-state")
+    _rows, raw = run_epochstream(tmp, "sim", everything_input(), lambda s: s.transform_with_state(
+        Everything(), EVERYTHING_OUT, "ProcessingTime", key="k", clock=SteppingClock(), uid="op"))
+    return tmp / "es-chk", raw
+
+
+def test_the_epochstream_state_source_equals_epochstream_state_query(spark, everything_checkpoint):
+    """``format("epochstream-state")`` reads what ``epochstream state query`` prints and what
+    the oracle's reader sees, for every kind of state variable and the timers."""
     import subprocess
 
     from epochstream.pyspark.state_source import register
 
     register(spark)
-    _spark_rows, spark_st = everything_spark
-    _rows, raw = run_epochstream(tmp_path, "sim", everything_input(), lambda s: s.transform_with_state(
-        Everything(), EVERYTHING_OUT, "ProcessingTime", key="k", clock=SteppingClock(), uid="op"))
-    chk = tmp_path / "es-chk"
+    chk, raw = everything_checkpoint
     mine = spark_state(spark, chk, EVERYTHING_VARS, timers=True, fmt="epochstream-state", operatorUid="op")
-    assert mine == spark_st == epochstream_state(raw, EVERYTHING_VARS)
+    assert mine == epochstream_state(raw, EVERYTHING_VARS) and mine["count"] and mine["$timers"]
     cli = subprocess.run([sys.executable, "-m", "epochstream.cli", "state", "query", "--checkpoint-dir", str(chk),
                           "--operator", "op", "--state", "count", "--json"], capture_output=True, text=True,
                          check=True)
     counts = {tuple(r["key"]): tuple(r["value"][0]) for r in json.loads(cli.stdout)["rows"]}
     assert counts == mine["count"]
+
+
+def test_the_epochstream_state_source_reads_a_checkpoint_as_spark_reads_its_own(spark, everything_spark,
+                                                                                 everything_checkpoint):
+    """The same reading code on both engines' checkpoints gives the same state."""
+    from epochstream.pyspark.state_source import register
+
+    register(spark)
+    _spark_rows, spark_st = everything_spark
+    chk, _raw = everything_checkpoint
+    assert spark_state(spark, chk, EVERYTHING_VARS, timers=True, fmt="epochstream-state", operatorUid="op") == spark_st
