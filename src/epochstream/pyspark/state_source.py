@@ -67,22 +67,28 @@ def _bool(text: Any) -> bool:
     return str(text).lower() == "true"
 
 
+def _lower(options: Any) -> dict[str, str]:
+    """Spark hands a data source its options with lower-cased names (they are case-insensitive)."""
+    return {str(k).lower(): v for k, v in dict(options).items()}
+
+
 def state_rows(options: dict[str, str]) -> list[tuple]:
     """The rows ``options`` select, in Spark's statestore layout (Python values)."""
     from ..state import query
 
+    options = _lower(options)
     path = options.get("path")
-    uid = options.get("operatorUid") or options.get("operatorId")
+    uid = options.get("operatoruid") or options.get("operatorid")
     if not path:
         raise StateSourceError(f"{NAME}: load(path) needs a checkpoint dir")
     if not uid:
         raise StateSourceError(f"{NAME}: option operatorUid (the wrapper's uid) is required, reading {path}")
-    timers = _bool(options.get("readRegisteredTimers", "false"))
-    var = options.get("stateVarName")
+    timers = _bool(options.get("readregisteredtimers", "false"))
+    var = options.get("statevarname")
     if timers and var:
         raise StateSourceError(f"{NAME}: readRegisteredTimers and stateVarName exclude each other")
     name = TIMERS if timers else (var or GROUP_STATE)
-    epoch = options.get("epoch", options.get("batchId"))
+    epoch = options.get("epoch", options.get("batchid"))
     table = query(path, uid, epoch=int(epoch) if epoch is not None else None, state=name)
     keys = [pickle.loads(b) for b in table.column("key_pickle").to_pylist()]
     values = [pickle.loads(b) for b in table.column("value_pickle").to_pylist()]
@@ -138,14 +144,15 @@ def _type_of(v: Any) -> DataType:
 
 def infer_schema(options: dict[str, str], rows: list[tuple]) -> StructType:
     """Spark's statestore columns, typed from the first row (strings where nothing is stored)."""
-    timers = _bool(options.get("readRegisteredTimers", "false"))
+    options = _lower(options)
+    timers = _bool(options.get("readregisteredtimers", "false"))
     first = rows[0] if rows else None
     if timers:
         names = ["key", "expiration_timestamp_ms"]
     elif first is not None and len(first) == 4:
         names = ["key", "user_map_key", "user_map_value"]
     else:
-        kind = options.get("stateVarKind", "")
+        kind = options.get("statevarkind", "")
         names = ["key", "list_element"] if kind == "list" else ["key", "value"]
     fields = []
     for i, n in enumerate(names):
@@ -168,28 +175,28 @@ class EpochStreamStateSource(DataSource):
         return NAME
 
     def schema(self) -> StructType:
-        opts = dict(self.options)
+        opts = _lower(self.options)
         rows = state_rows(opts)
-        if rows and len(rows[0]) == 3 and not _bool(opts.get("readRegisteredTimers", "false")):
+        if rows and len(rows[0]) == 3 and not _bool(opts.get("readregisteredtimers", "false")):
             # a list state reads one row per element: name the column as Spark does
-            opts.setdefault("stateVarKind", "list" if self._is_list(opts) else "value")
+            opts.setdefault("statevarkind", "list" if self._is_list(opts) else "value")
         return infer_schema(opts, rows)
 
     @staticmethod
     def _is_list(options: dict[str, str]) -> bool:
         from ..state import query
 
-        name = options.get("stateVarName")
+        name = options.get("statevarname")
         if not name:
             return False
-        epoch = options.get("epoch", options.get("batchId"))
-        table = query(options["path"], options.get("operatorUid") or options.get("operatorId") or "",
+        epoch = options.get("epoch", options.get("batchid"))
+        table = query(options["path"], options.get("operatoruid") or options.get("operatorid") or "",
                       epoch=int(epoch) if epoch is not None else None, state=name)
         blobs = table.column("value_pickle").to_pylist()
         return bool(blobs) and isinstance(pickle.loads(blobs[0]), list)
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return _Reader(dict(self.options))
+        return _Reader(_lower(self.options))
 
 
 class _Reader(DataSourceReader):
