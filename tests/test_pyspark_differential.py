@@ -40,8 +40,10 @@ import datetime
 import itertools
 import json
 import os
+import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 import pytest
@@ -65,8 +67,6 @@ ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvi
 
 @pytest.fixture(scope="module")
 def spark():
-    import sys
-
     from pyspark import cloudpickle
     from pyspark.sql import SparkSession
 
@@ -77,6 +77,8 @@ def spark():
          .config("spark.ui.enabled", "false")
          .config("spark.sql.session.timeZone", "UTC")
          .config("spark.sql.streaming.stateStore.providerClass", ROCKSDB)
+         # a loaded machine (CI runs in parallel) can take more than the default 15 s to start a Python worker
+         .config("spark.python.authenticate.socketTimeout", "300s")
          .getOrCreate())
     yield s
     s.stop()
@@ -252,8 +254,10 @@ def run_spark(spark, tmp: Path, batches, schema: str, build, processing_time: bo
     return [r.asDict() for r in rows]
 
 
-def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool) -> dict[str, dict]:
-    """{variable: {key tuple: value}} from Spark's state data source; lists sorted, maps as dicts."""
+def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool, fmt: str = "statestore",
+                **options: str) -> dict[str, dict]:
+    """{variable: {key tuple: value}} from Spark's state data source (``fmt="epochstream-state"``:
+    epochstream's, with the same options); lists sorted, maps as dicts."""
     from pyspark.sql import Row
 
     def plain(v) -> tuple:
@@ -263,7 +267,7 @@ def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool) -> di
 
     out: dict[str, dict] = {}
     for name, kind in variables.items():
-        df = spark.read.format("statestore").option("stateVarName", name).load(str(chk))
+        df = spark.read.format(fmt).options(**options).option("stateVarName", name).load(str(chk))
         got: dict = {}
         for r in df.collect():
             key = tuple(r["key"])
@@ -275,7 +279,7 @@ def spark_state(spark, chk: Path, variables: dict[str, str], timers: bool) -> di
                 got.setdefault(key, {})[tuple(r["user_map_key"])] = plain(r["user_map_value"])
         out[name] = {k: sorted(v) if isinstance(v, list) else v for k, v in got.items()}
     if timers:
-        df = spark.read.format("statestore").option("readRegisteredTimers", "true").load(str(chk))
+        df = spark.read.format(fmt).options(**options).option("readRegisteredTimers", "true").load(str(chk))
         got = {}
         for r in df.collect():
             got.setdefault(tuple(r["key"]), []).append(r["expiration_timestamp_ms"])
@@ -427,3 +431,141 @@ def fives_spark(spark, tmp_path_factory):
         value = r["value"]
         state[tuple(r["key"])] = tuple(value["groupState"]) if "groupState" in value else tuple(value)
     return rows, state
+
+
+# ---------------------------------------------------------------- conversions and initial state (issue 19)
+
+
+class Shape(NamedTuple):
+    x: int
+    y: str
+
+
+class Profile(StatefulProcessor):
+    """Spark's conversions and initialState at once: a timestamp column (its pandas dtype and
+    ns value), a NamedTuple written into a struct field and read back as a Row
+    (``last.get()[1].x``), a map output column, and a seed per key from the initial state
+    that every output row carries (keys seeded without input keep only state)."""
+
+    def init(self, handle):
+        self.last = handle.getValueState("last", "n long, p struct<x long, y string>")
+        self.seed = handle.getValueState("seed", "s long")
+        self.seen = handle.getListState("seen", "q struct<id long, tag struct<z string>>")
+
+    def handleInitialState(self, key, initialState, timerValues):
+        for s in initialState["s"]:
+            self.seed.update((((self.seed.get() or (0,))[0]) + int(s),))
+
+    def handleInputRows(self, key, rows, timerValues):
+        out = []
+        for pdf in rows:
+            for t, i in zip(pdf["t"], pdf["id"], strict=True):
+                n = ((self.last.get() or (0, None))[0]) + 1
+                self.last.update((n, Shape(int(i), key[0])))
+                self.seen.appendValue(({"id": int(i), "tag": (f"z{n}",)},))
+                back = self.last.get()
+                tags = [r[0].tag.z for r in self.seen.get()]
+                out.append((key[0], int(i), back[1].x, back[1].y, (self.seed.get() or (-1,))[0], str(pdf["t"].dtype),
+                            int(t.value), {"n": n, "tags": len(tags)}))
+        yield pd.DataFrame(out, columns=["k", "id", "px", "py", "seed", "tdtype", "tns", "m"])
+
+
+PROFILE_OUT = "k string, id long, px long, py string, seed long, tdtype string, tns long, m map<string, bigint>"
+PROFILE_VARS = {"last": "value", "seed": "value", "seen": "list"}
+PROFILE_SEEDS = pd.DataFrame({"k": ["a", "a", "b", "e"], "s": [10, 5, 20, 40]})
+
+
+def profile_input() -> list[list[dict]]:
+    base = 1_700_000_000_000
+    ts = lambda ms: (pd.Timestamp(base + ms, unit="ms") + pd.Timedelta(microseconds=7)).isoformat()  # noqa: E731
+    return [[{"k": "abc"[i % 3], "t": ts(100 * i + 1000 * b), "id": b * 100 + i} for i in range(6)] for b in range(2)]
+
+
+@pytest.fixture(scope="module")
+def profile_spark(spark, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spark-profile")
+    seeds = spark.createDataFrame(PROFILE_SEEDS)
+    rows = run_spark(spark, tmp, profile_input(), "k string, t timestamp, id long",
+                     lambda df: df.groupBy("k").transformWithStateInPandas(
+                         Profile(), PROFILE_OUT, "Update", "None", initialState=seeds.groupBy("k")),
+                     processing_time=False)
+    return rows, spark_state(spark, tmp / "spark-chk", PROFILE_VARS, timers=False)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_conversions_structs_maps_and_initial_state_match_spark(spark, profile_spark, tmp_path, driver, source):
+    spark_rows, spark_st = profile_spark
+    assert {r["tdtype"] for r in spark_rows} == {"datetime64[ns]"} and spark_st["seed"][("e",)] == (40,)
+    # the spark driver takes the initial state as a Spark DataFrame, the others as pandas
+    seeds = spark.createDataFrame(PROFILE_SEEDS) if driver == "spark" else PROFILE_SEEDS
+    rows, raw = run_epochstream(tmp_path, driver, profile_input(), lambda s: s.transform_with_state(
+        Profile(), PROFILE_OUT, "None", key="k", input_schema="k string, t timestamp, id long", uid="op",
+        initial_state=seeds), convert=lambda r: {**r, "t": datetime.datetime.fromisoformat(r["t"])}, spark=spark,
+        source=source)
+    assert canon(rows) == canon(spark_rows)
+    mine = epochstream_state(raw, PROFILE_VARS)
+    mine.pop("$timers")
+    assert mine == spark_st
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_system_exit_in_user_code_fails_the_job_naming_the_operator(spark, tmp_path, driver):
+    from epochstream.runtime.errors import EpochStreamError
+
+    with pytest.raises(EpochStreamError) as info:
+        run_epochstream(tmp_path, driver, fives_input(), lambda s: s.transform_with_state(
+            Exits(), "k string", key="k", uid="exiting-op"), spark=spark)
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(repr(e))
+        e = e.__cause__
+    assert "exiting-op" in " ".join(chain) and "SystemExit" in " ".join(chain), chain
+
+
+class Exits(StatefulProcessor):
+    def init(self, handle):
+        pass
+
+    def handleInputRows(self, key, rows, timerValues):
+        sys.exit(3)
+
+
+# ---------------------------------------------------------------- Spark's state reader on epochstream checkpoints
+
+
+@pytest.fixture(scope="module")
+def everything_checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("es-everything-state")
+    _rows, raw = run_epochstream(tmp, "sim", everything_input(), lambda s: s.transform_with_state(
+        Everything(), EVERYTHING_OUT, "ProcessingTime", key="k", clock=SteppingClock(), uid="op"))
+    return tmp / "es-chk", raw
+
+
+def test_the_epochstream_state_source_equals_epochstream_state_query(spark, everything_checkpoint):
+    """``format("epochstream-state")`` reads what ``epochstream state query`` prints and what
+    the oracle's reader sees, for every kind of state variable and the timers."""
+    import subprocess
+
+    from epochstream.pyspark.state_source import register
+
+    register(spark)
+    chk, raw = everything_checkpoint
+    mine = spark_state(spark, chk, EVERYTHING_VARS, timers=True, fmt="epochstream-state", operatorUid="op")
+    assert mine == epochstream_state(raw, EVERYTHING_VARS) and mine["count"] and mine["$timers"]
+    cli = subprocess.run([sys.executable, "-m", "epochstream.cli", "state", "query", "--checkpoint-dir", str(chk),
+                          "--operator", "op", "--state", "count", "--json"], capture_output=True, text=True,
+                         check=True)
+    counts = {tuple(r["key"]): tuple(r["value"][0]) for r in json.loads(cli.stdout)["rows"]}
+    assert counts == mine["count"]
+
+
+def test_the_epochstream_state_source_reads_a_checkpoint_as_spark_reads_its_own(spark, everything_spark,
+                                                                                 everything_checkpoint):
+    """The same reading code on both engines' checkpoints gives the same state."""
+    from epochstream.pyspark.state_source import register
+
+    register(spark)
+    _spark_rows, spark_st = everything_spark
+    chk, _raw = everything_checkpoint
+    assert spark_state(spark, chk, EVERYTHING_VARS, timers=True, fmt="epochstream-state", operatorUid="op") == spark_st

@@ -76,6 +76,16 @@ class Tally(StatefulProcessor):
     def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
         raise AssertionError("a far-future timer fired")
 
+    def handleInitialState(self, key, initialState, timerValues):
+        # adds: seeding a key twice (after a restore) shows in its count and every later output
+        for seed in initialState["seed"]:
+            self.count.update(((self.count.get() or (0,))[0] + int(seed),))
+            self.ids.appendValue((-int(seed),))
+
+
+#: Spark's initialState for ``which="tws-init"``: keys with input and keys without
+SEEDS = pd.DataFrame({"k": ["k1", "k3", "k4", "k7", "k9"], "seed": [100, 300, 400, 700, 900]})
+
 
 def group_count(key, pdf_iter, state):
     """applyInPandasWithState: running count per key, one output row per input row."""
@@ -103,9 +113,9 @@ def tally_pipeline(*, n=200, parallelism=2, mode="aligned", interval=0.0005, bat
         s = p.from_arrow(pa.Table.from_pylist(records(n)), num_splits=splits, uid="input")
     else:
         s = p.from_collection(records(n), splits=splits, uid="input")
-    if which == "tws":
+    if which in ("tws", "tws-init"):
         s = s.transform_with_state(Tally(), "k string, n long", "processingtime", key="k", clock="pipeline",
-                                   uid="tally")
+                                   uid="tally", initial_state=SEEDS if which == "tws-init" else None)
     else:
         s = s.apply_in_pandas_with_state(group_count, "k string, n long", "n long", "Update",
                                          GroupStateTimeout.NoTimeout, key="k", clock="pipeline", uid="tally")
@@ -130,7 +140,7 @@ def assert_ok(report) -> None:
 
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("which", ["tws", "group_state"])
+@pytest.mark.parametrize("which", ["tws", "group_state", "tws-init"])
 @settings(max_examples=4, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(0, 3),
@@ -279,7 +289,7 @@ def test_event_time_timers_are_exactly_once(tmp_path_factory, which, mode, seed,
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("which", ["tws", "group_state"])
+@pytest.mark.parametrize("which", ["tws", "group_state", "tws-init"])
 def test_a_savepoint_taken_at_parallelism_2_restores_at_parallelism_3(tmp_path, mode, which):
     """Stop part-way at parallelism 2 with a savepoint (the simulator stops at ``duration``),
     restore the savepoint at parallelism 3 into a new checkpoint folder and finish: the
@@ -321,7 +331,7 @@ def test_a_savepoint_taken_at_parallelism_2_restores_at_parallelism_3(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["tws", "group_state"])
+@pytest.mark.parametrize("which", ["tws", "group_state", "tws-init"])
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("mode", MODES)
 def test_exactly_once_with_real_kills_on_the_local_driver(tmp_path, mode, source, which):

@@ -10,9 +10,12 @@ in ``test_pyspark_exactly_once.py``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pandas as pd
 import pyarrow as pa
 import pytest
+from pyspark.errors import PySparkRuntimeError
 from pyspark.sql import Row
 from pyspark.sql.streaming import StatefulProcessor
 from pyspark.sql.streaming.state import GroupStateTimeout
@@ -51,12 +54,12 @@ class Harness:
     def feed(self, *records) -> list[dict]:
         recs = list(records)
         if self.source == "arrow":
-            return self.op.process_batch(pa.RecordBatch.from_pylist(recs), None, self.ctx)
-        return self.op.process_batch(recs, [self.op.key_of(r) for r in recs], self.ctx)
+            return rows_of(self.op.process_batch(pa.RecordBatch.from_pylist(recs), None, self.ctx))
+        return rows_of(self.op.process_batch(recs, [self.op.key_of(r) for r in recs], self.ctx))
 
     def bound(self) -> list[dict]:
         self.epoch += 1
-        return self.op.on_epoch_end(self.epoch, self.ctx)
+        return rows_of(self.op.on_epoch_end(self.epoch, self.ctx))
 
     def restart(self) -> None:
         cap = self.state.capture(self.epoch, incremental=False)
@@ -68,6 +71,11 @@ class Harness:
 
     def value(self, name: str, key) -> object:
         return self.state.as_dict().get(name, {}).get(key)
+
+
+def rows_of(out) -> list[dict]:
+    """A wrapper's output as rows: pandas output leaves as one RecordBatch per input batch."""
+    return out if isinstance(out, list) else out.to_pylist(maps_as_pydicts="strict")
 
 
 #: batches as dict rows, or as Arrow RecordBatches (the wrappers' columnar path)
@@ -380,7 +388,8 @@ def test_timers_need_a_time_mode():
             return iter([])
 
     h = Harness(lambda c: TransformWithState(T(), "k string", "none", "k", clock=c))
-    with pytest.raises(ValueError, match="Timers with TimeMode.None"):
+    with pytest.raises(PySparkRuntimeError, match="STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_TIME_MODE"
+                       "] Failed to perform stateful processor operation=register_timer with invalid timeMode=NoTime"):
         h.feed({"k": "a"})
 
 
@@ -600,9 +609,9 @@ def test_group_state_errors_are_pysparks_own():
 # ---------------------------------------------------------------- errors and unsupported parts
 
 
-def test_initial_state_is_not_supported_and_says_so():
+def test_initial_state_of_another_type_is_refused():
     p = Pipeline("x")
-    with pytest.raises(NotImplementedError, match="initial_state.*handleInitialState"):
+    with pytest.raises(TypeError, match="initial_state of Everything must be a pandas DataFrame"):
         p.from_collection([{"k": "a"}]).transform_with_state(Everything(), "k string, n long", key="k",
                                                               initial_state=[("a", pd.DataFrame())])
 
@@ -692,3 +701,238 @@ def test_ddl_schemas_parse_without_a_jvm():
     )
     with pytest.raises(SchemaError, match="unknown type 'lung'"):
         parse_schema("a lung")
+
+
+# ---------------------------------------------------------------- Spark's conversions and handle lifecycle
+
+
+class Point(NamedTuple):
+    x: int
+    y: str
+
+
+class Nested(StatefulProcessor):
+    """Structs nested in Value, List and Map state; timestamps and maps in and out."""
+
+    def init(self, handle):
+        self.v = handle.getValueState("v", "p struct<x long, y string>, n long")
+        self.l = handle.getListState("l", "p struct<x long, y string>")
+        self.m = handle.getMapState("m", "k struct<a long>", "p struct<x long, q struct<z string>>")
+
+    def handleInputRows(self, key, rows, timerValues):
+        pdf = pd.concat(list(rows))
+        self.v.update((Point(int(pdf["id"].iloc[0]), "a"), 2))  # a NamedTuple in a struct field
+        self.l.appendValue(({"x": 3, "y": "b"},))  # a dict for a struct
+        self.m.updateValue(((1,),), (Row(x=4, q=("c",)),))
+        v, listed, (mk, mv) = self.v.get(), list(self.l.get()), next(self.m.iterator())
+        yield pd.DataFrame({"k": [key[0]], "px": [v[0].x], "ly": [listed[0][0].y], "ka": [mk[0].a],
+                            "qz": [mv[0].q.z], "tdtype": [str(pdf["t"].dtype)], "tns": [int(pdf["t"].iloc[0].value)],
+                            "m": [{"x": 1, "y": 2}]})
+
+
+NESTED_OUT = "k string, px long, ly string, ka long, qz string, tdtype string, tns long, m map<string, bigint>"
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_state_structs_come_back_as_rows_and_frames_convert_as_spark(source):
+    import datetime
+
+    h = Harness(lambda c: TransformWithState(Nested(), NESTED_OUT, "none", "k", clock=c,
+                                             input_schema="k string, id long, t timestamp"),
+                source)
+    t = datetime.datetime(2024, 1, 2, 3, 4, 5, 123456)
+    (out,) = h.feed({"k": "a", "id": 7, "t": t})
+    assert out == {"k": "a", "px": 7, "ly": "b", "ka": 1, "qz": "c", "tdtype": "datetime64[ns]",
+                   "tns": int(pd.Timestamp(t).value), "m": {"x": 1, "y": 2}}
+    # stored as plain tuples: checkpoints hold no pyspark classes
+    assert h.value("v", ("a",)) == (((7, "a"), 2), None)
+    assert type(h.value("v", ("a",))[0][0]) is tuple
+
+
+def test_group_state_nested_struct_is_a_row_and_a_namedtuple_is_accepted():
+    seen = []
+
+    def f(key, pdfs, state):
+        for _ in pdfs:
+            pass
+        if state.exists:
+            seen.append((state.get[0].x, state.get[0].y, state.get[1]))
+        state.update((Point(len(seen) + 1, "z"), 5))
+        yield pd.DataFrame({"k": [key[0]]})
+
+    h = Harness(lambda c: ApplyInPandasWithState(f, "k string", "p struct<x long, y string>, n long", "Update",
+                                                 GroupStateTimeout.NoTimeout, "k", clock=c))
+    h.feed({"k": "a"})
+    h.feed({"k": "a"})
+    assert seen == [(1, "z", 5)]
+
+
+def test_pandas_output_leaves_as_one_record_batch_per_input_batch():
+    class Echo(StatefulProcessor):
+        def init(self, handle):
+            pass
+
+        def handleInputRows(self, key, rows, timerValues):
+            for pdf in rows:
+                yield pd.DataFrame({"k": pdf["k"], "id": pdf["id"]})
+
+    h = Harness(lambda c: TransformWithState(Echo(), "k string, id long", "none", "k", clock=c))
+    recs = [{"k": "ab"[i % 2], "id": i} for i in range(6)]
+    out = h.op.process_batch(recs, [h.op.key_of(r) for r in recs], h.ctx)
+    assert isinstance(out, pa.RecordBatch) and out.num_rows == 6
+    assert sorted(out.to_pylist(), key=lambda r: r["id"]) == recs
+
+
+class Lifecycle(StatefulProcessor):
+    """Calls ``what`` (a function of the handle and self) in the phase ``where``."""
+
+    def __init__(self, where: str, what) -> None:
+        self.where, self.what = where, what
+
+    def init(self, handle):
+        self.h = handle
+        self.gone = handle.getValueState("gone", "n long")
+        handle.deleteIfExists("gone")
+        if self.where == "init":
+            self.what(self)
+
+    def handleInputRows(self, key, rows, timerValues):
+        if self.where == "rows":
+            self.what(self)
+        self.h.registerTimer(1)
+        return iter([])
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+        if self.where == "timer":
+            self.what(self)
+        return iter([])
+
+
+INVALID = "[STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_HANDLE_STATE] Failed to perform stateful " \
+          "processor operation={} with invalid handle state={}. SQLSTATE: 42802"
+
+
+@pytest.mark.parametrize("where,what,message", [
+    ("rows", lambda s: s.h.getValueState("late", "n long"), INVALID.format("get_value_state", "INITIALIZED")),
+    ("rows", lambda s: s.h.getListState("late", "n long"), INVALID.format("get_list_state", "INITIALIZED")),
+    ("timer", lambda s: s.h.getMapState("late", "n long", "n long"), INVALID.format("get_map_state",
+                                                                                     "DATA_PROCESSED")),
+    ("rows", lambda s: s.h.deleteIfExists("gone"), INVALID.format("delete_if_exists", "INITIALIZED")),
+    ("init", lambda s: s.h.registerTimer(5), INVALID.format("register_timer", "CREATED")),
+    ("init", lambda s: s.h.listTimers(), INVALID.format("list_timers", "CREATED")),
+    ("rows", lambda s: s.gone.get(), "state variable 'gone' was deleted"),
+    ("timer", lambda s: s.gone.update((1,)), "state variable 'gone' was deleted"),
+])
+def test_handle_operations_check_their_phase_as_spark(where, what, message):
+    h = Harness(lambda c: TransformWithState(Lifecycle(where, what), "k string", "processingtime", "k", clock=c)) \
+        if where != "init" else None
+    with pytest.raises(PySparkRuntimeError) as info:
+        if h is None:
+            Harness(lambda c: TransformWithState(Lifecycle(where, what), "k string", "processingtime", "k", clock=c))
+        else:
+            h.feed({"k": "a"})
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()])
+@pytest.mark.parametrize("which", ["tws", "group_state"])
+def test_base_exceptions_in_user_code_fail_the_job_naming_the_operator(tmp_path, exc, which):
+    from epochstream import CheckpointConfig, FileSink
+    from epochstream.runtime.errors import EpochStreamError
+
+    class Exits(StatefulProcessor):
+        def init(self, handle):
+            pass
+
+        def handleInputRows(self, key, rows, timerValues):
+            raise exc
+
+    def exits(key, pdfs, state):
+        raise exc
+
+    p = Pipeline("exits", parallelism=1, checkpoint=CheckpointConfig(interval=0.01), restart_attempts=0)
+    s = p.from_collection([{"k": "a", "id": 1}], uid="input")
+    if which == "tws":
+        s = s.transform_with_state(Exits(), "k string", key="k", uid="the-op")
+    else:
+        s = s.apply_in_pandas_with_state(exits, "k string", "n long", "Update", GroupStateTimeout.NoTimeout,
+                                         key="k", uid="the-op")
+    s.sink(FileSink(tmp_path / "out"), uid="out")
+    with pytest.raises(EpochStreamError) as info:
+        p.run(deployment="sim", checkpoint_dir=str(tmp_path / "chk"))
+    text = repr(info.value) + repr(info.value.__cause__) + repr(getattr(info.value.__cause__, "__cause__", None))
+    assert "the-op" in text and type(exc).__name__ in text, text
+
+
+def test_initial_state_seeds_each_key_once_before_its_rows():
+    from epochstream.runtime.state import OperatorStateBackend
+
+    class Seeded(StatefulProcessor):
+        def init(self, handle):
+            self.handle = handle
+            self.n = handle.getValueState("n", "n long")
+
+        def handleInitialState(self, key, initialState, timerValues):
+            self.n.update((int(initialState["n"].sum()),))
+            self.handle.registerTimer(10**13)  # allowed here, as in Spark
+
+        def handleInputRows(self, key, rows, timerValues):
+            for pdf in rows:
+                n = (self.n.get() or (0,))[0] + len(pdf)
+                self.n.update((n,))
+                yield pd.DataFrame({"k": [key[0]], "n": [n]})
+
+    seeds = pa.table({"k": ["a", "a", "b"], "n": [10, 5, 20]})
+    op = TransformWithState(Seeded(), "k string, n long", "processingtime", "k", clock=Clock(), initial_state=seeds)
+    state = HeapKeyedState("op", lambda k: 0, (0, 0))
+    backend = OperatorStateBackend("op", 0)
+    ctx = Context(state, 0, 1, "op", None, backend)
+    op.open(ctx)
+    assert rows_of(op.process_batch([{"k": "a"}], [("a",)], ctx)) == [{"k": "a", "n": 16}]
+    assert state.as_dict()["n"][("b",)] == ((20,), None) and state.as_dict()["$timers"][("b",)] == (10**13,)
+    # opened again with its operator state restored (a failover): not seeded again
+    again = TransformWithState(Seeded(), "k string, n long", "processingtime", "k", clock=Clock(), initial_state=seeds)
+    again.open(Context(state, 0, 1, "op", None, backend))
+    assert state.as_dict()["n"][("a",)] == ((16,), None)
+    with pytest.raises(SchemaError, match=r"lacks the grouping column\(s\) \['k'\]"):
+        TransformWithState(Seeded(), "k string, n long", "none", "k", initial_state=pd.DataFrame({"x": [1]}))
+
+
+def test_late_rows_are_judged_against_the_watermark_as_of_the_epoch_start():
+    """With job-wide event time (here a TimerService advanced by hand, as the trAcker or the
+    aligned watermarks advance it) a row is late against the watermark read at the last epoch
+    bound (Spark: the previous micro-batch's, eventTimeWatermarkForLateEvents); timers fire as
+    event time passes them (Spark: against the current one, eventTimeWatermarkForEviction)."""
+    from epochstream.runtime.state import OperatorStateBackend
+    from epochstream.runtime.timers import TimerService
+
+    class Sess(StatefulProcessor):
+        def init(self, handle):
+            self.h = handle
+
+        def handleInputRows(self, key, rows, timerValues):
+            for pdf in rows:
+                for t in pdf["t"]:
+                    self.h.registerTimer(int(t) + 100)
+                    yield pd.DataFrame({"k": [key[0]], "t": [int(t)], "wm": [timerValues.getCurrentWatermarkInMs()]})
+
+        def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+            yield pd.DataFrame({"k": [key[0]], "t": [-expiredTimerInfo.getExpiryTimeInMs()],
+                                "wm": [timerValues.getCurrentWatermarkInMs()]})
+
+    state = HeapKeyedState("op", lambda k: 0, (0, 0))
+    timers = TimerService(state)
+    ctx = Context(state, 0, 1, "op", timers, OperatorStateBackend("op", 0))
+    op = TransformWithState(Sess(), "k string, t long, wm long", "eventtime", "k", event_time="t", clock=Clock())
+    op.open(ctx)
+
+    def feed(k, t):
+        return rows_of(op.process_batch([{"k": k, "t": t}], [(k,)], ctx))
+
+    assert feed("a", 1_000) == [{"k": "a", "t": 1_000, "wm": 0}]
+    fired: list = []
+    timers.advance(1, 2_000.0, lambda ts: fired.extend(op.on_timer(ts, ctx)))
+    assert fired == [{"k": "a", "t": -1_100, "wm": 1_999}]
+    assert feed("b", 500) == [{"k": "b", "t": 500, "wm": 1_999}]  # late only against the newer watermark: kept
+    assert rows_of(op.on_epoch_end(1, ctx)) == []
+    assert feed("c", 1_500) == []  # at or below the epoch's watermark now: late

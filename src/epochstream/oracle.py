@@ -305,7 +305,9 @@ class Reference:
                 self._release(gate, kids)
                 return
             if hasattr(fn, "process_batch"):  # batch-at-a-time keyed functions (the PySpark wrappers)
-                out = list(fn.process_batch(records, [key_fn(r) for r in records], ctx) or ())
+                res = fn.process_batch(records, [key_fn(r) for r in records], ctx)
+                # a wrapper's pandas output is one RecordBatch: rows of it, as the chain makes them
+                out = [] if res is None else res if type(res) is list else to_rows(res)
                 records = ()
             else:
                 out = []

@@ -109,7 +109,14 @@ def _column(values: list[Any]) -> pa.Array:
     try:
         return pa.array(values)
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
-        return pa.array([json.dumps(v, default=repr, sort_keys=True) for v in values], pa.string())
+        return pa.array([_text(v) for v in values], pa.string())
+
+
+def _text(v: Any) -> str:
+    try:
+        return json.dumps(v, default=repr, sort_keys=True)
+    except TypeError:  # a dict with keys JSON cannot hold (a PySpark map state's tuple keys)
+        return repr(v)
 
 
 def query(checkpoint_dir: Any, operator_uid: str, key: Any = ALL, epoch: int | None = None,

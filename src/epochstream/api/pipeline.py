@@ -202,16 +202,14 @@ class Stream:
         """Run a ``pyspark.sql.streaming.StatefulProcessor`` unchanged, grouped by the
         ``key`` column(s), as ``df.groupBy(key).transformWithStateInPandas(...)`` would
         (``rows="row"``: ``transformWithState`` with Rows). Records in are dicts or Rows;
-        records out are dicts of ``output_schema``. See docs/PYSPARK.md."""
-        if initial_state is not None:
-            raise NotImplementedError(
-                "transform_with_state(initial_state=...): transformWithStateInPandas's initialState / "
-                "StatefulProcessor.handleInitialState is not supported yet (docs/PYSPARK.md)"
-            )
+        records out are dicts of ``output_schema``. ``initial_state`` (Spark's ``initialState``: a
+        pandas DataFrame, Arrow table or Spark DataFrame with the key columns) is handed to
+        ``handleInitialState`` once per key before its rows, in the job's first run only. See
+        docs/PYSPARK.md."""
         from ..pyspark.operators import TransformWithState
 
         op = TransformWithState(processor, output_schema, time_mode, _key_columns(key), output_mode, event_time,
-                                watermark_delay_ms, input_schema, rows, clock)
+                                watermark_delay_ms, input_schema, rows, clock, initial_state)
         name = type(processor).__name__
         return self.key_by(op.grouping_key()).process(op, uid=uid, name=name)
 

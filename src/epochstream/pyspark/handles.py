@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from pyspark.sql.streaming.stateful_processor import ListState, MapState, StatefulProcessorHandle, ValueState
 
 from ..runtime.state import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
-from .schema import DataType, SchemaError, state_tuple, struct_schema
+from .schema import DataType, SchemaError, state_tuple, state_value, struct_schema
 
 if TYPE_CHECKING:
     from .operators import TransformWithState
@@ -29,6 +29,42 @@ if TYPE_CHECKING:
 #: reserved state names (Spark state variable names cannot clash: they may not start with "$")
 TIMERS = "$timers"
 EVENT_TIME = "$eventTime"
+
+#: Spark's ``StatefulProcessorHandleState`` in order: ``init`` runs in CREATED,
+#: ``handleInputRows`` (and ``handleInitialState``) in INITIALIZED, ``handleExpiredTimer`` in
+#: DATA_PROCESSED, ``close`` in TIMER_PROCESSED; CLOSED after it
+PHASES = ("CREATED", "INITIALIZED", "DATA_PROCESSED", "TIMER_PROCESSED", "CLOSED")
+#: Spark's name of each time mode in its error messages (``TimeMode.toString``)
+_TIME_MODE_NAMES = {"none": "NoTime", "processingtime": "ProcessingTime", "eventtime": "EventTime"}
+
+
+def invalid_handle_state(operation: str, phase: str) -> Exception:
+    """Spark's error for a handle operation in the wrong phase (raised by its state server;
+    the Python client reports it as a ``PySparkRuntimeError``)."""
+    from pyspark.errors import PySparkRuntimeError
+
+    return PySparkRuntimeError(
+        "[STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_HANDLE_STATE] Failed to perform stateful "
+        f"processor operation={operation} with invalid handle state={phase}. SQLSTATE: 42802"
+    )
+
+
+def invalid_time_mode(operation: str, time_mode: str) -> Exception:
+    from pyspark.errors import PySparkRuntimeError
+
+    return PySparkRuntimeError(
+        "[STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_TIME_MODE] Failed to perform stateful "
+        f"processor operation={operation} with invalid timeMode={_TIME_MODE_NAMES[time_mode]} SQLSTATE: 42802"
+    )
+
+
+def deleted_variable(name: str, call: str) -> Exception:
+    from pyspark.errors import PySparkRuntimeError
+
+    return PySparkRuntimeError(
+        f"state variable {name!r} was deleted with deleteIfExists: {call} on it is not possible (in Spark "
+        "its state server no longer knows the variable)"
+    )
 
 
 def _check_ttl(ttl: int | None, name: str, time_mode: str) -> int | None:
@@ -50,6 +86,11 @@ class _Var:
 
     def __init__(self, op: "TransformWithState", name: str, ttl: int | None) -> None:
         self._op, self._name, self._ttl = op, name, ttl
+        self._deleted = False
+
+    def _check(self, call: str) -> None:
+        if self._deleted:
+            raise deleted_variable(self._name, call)
 
     def _expires(self) -> int | None:
         return None if self._ttl is None else self._op.batch_time_ms + self._ttl
@@ -67,19 +108,23 @@ class EpochValueState(_Var, ValueState):
         self._h = op.ctx.state(ValueStateDescriptor(name))
 
     def exists(self) -> bool:
+        self._check("exists")
         v = self._h.value()
         return v is not None and self._live(v[1])
 
     def get(self) -> tuple | None:
+        self._check("get")
         v = self._h.value()
         if v is None or not self._live(v[1]):
             return None
-        return v[0]
+        return state_value(v[0], self._schema)
 
     def update(self, newValue: tuple) -> None:
+        self._check("update")
         self._h.update((state_tuple(newValue, self._schema, f"value state {self._name!r}"), self._expires()))
 
     def clear(self) -> None:
+        self._check("clear")
         self._h.clear()
 
     def _purge_expired(self) -> None:
@@ -97,12 +142,16 @@ class EpochListState(_Var, ListState):
         self._h = op.ctx.state(ListStateDescriptor(name))
 
     def exists(self) -> bool:
+        self._check("exists")
         return any(self._live(e) for _v, e in self._h.get())
 
     def get(self) -> Iterator[tuple]:
-        return iter([v for v, e in self._h.get() if self._live(e)])
+        self._check("get")
+        schema = self._schema
+        return iter([state_value(v, schema) for v, e in self._h.get() if self._live(e)])
 
     def _rows(self, values: list[tuple], call: str) -> list[tuple]:
+        self._check(call)
         if values is None:
             raise SchemaError(f"list state {self._name!r}.{call}: None (Spark: ILLEGAL_STATE_STORE_VALUE.NULL_VALUE)")
         values = list(values)
@@ -117,6 +166,7 @@ class EpochListState(_Var, ListState):
         self._h.update(self._rows(newState, "put"))
 
     def appendValue(self, newState: tuple) -> None:
+        self._check("appendValue")
         exp = self._expires()
         self._h.add((state_tuple(newState, self._schema, f"list state {self._name!r}"), exp))
 
@@ -124,6 +174,7 @@ class EpochListState(_Var, ListState):
         self._h.add_all(self._rows(newState, "appendList"))
 
     def clear(self) -> None:
+        self._check("clear")
         self._h.clear()
 
     def _purge_expired(self) -> None:
@@ -149,34 +200,43 @@ class EpochMapState(_Var, MapState):
         return state_tuple(key, self._kschema, f"map state {self._name!r} user key")
 
     def exists(self) -> bool:
+        self._check("exists")
         return any(self._live(e) for _v, e in self._h.values())
 
     def getValue(self, key: tuple) -> tuple | None:
+        self._check("getValue")
         entry = self._h.get(self._key(key))
         if entry is None or not self._live(entry[1]):
             return None
-        return entry[0]
+        return state_value(entry[0], self._vschema)
 
     def containsKey(self, key: tuple) -> bool:
         return self.getValue(key) is not None
 
     def updateValue(self, key: tuple, value: tuple) -> None:
+        self._check("updateValue")
         stored = state_tuple(value, self._vschema, f"map state {self._name!r} value")
         self._h.put(self._key(key), (stored, self._expires()))
 
     def iterator(self) -> Iterator[tuple[tuple, tuple]]:
-        return iter([(k, v) for k, (v, e) in self._h.items() if self._live(e)])
+        self._check("iterator")
+        ks, vs = self._kschema, self._vschema
+        return iter([(state_value(k, ks), state_value(v, vs)) for k, (v, e) in self._h.items() if self._live(e)])
 
     def keys(self) -> Iterator[tuple]:
-        return iter([k for k, (_v, e) in self._h.items() if self._live(e)])
+        self._check("keys")
+        return iter([state_value(k, self._kschema) for k, (_v, e) in self._h.items() if self._live(e)])
 
     def values(self) -> Iterator[tuple]:
-        return iter([v for _k, (v, e) in self._h.items() if self._live(e)])
+        self._check("values")
+        return iter([state_value(v, self._vschema) for _k, (v, e) in self._h.items() if self._live(e)])
 
     def removeKey(self, key: tuple) -> None:
+        self._check("removeKey")
         self._h.remove(self._key(key))
 
     def clear(self) -> None:
+        self._check("clear")
         self._h.clear()
 
     def _purge_expired(self) -> None:
@@ -192,7 +252,13 @@ class EpochStatefulProcessorHandle(StatefulProcessorHandle):
     def __init__(self, op: "TransformWithState") -> None:
         self._op = op
 
+    def _in_init(self, operation: str) -> None:
+        """State variables are declared and deleted in ``init`` only (Spark: CREATED)."""
+        if self._op.phase != "CREATED":
+            raise invalid_handle_state(operation, self._op.phase)
+
     def _declare(self, name: str, kind: str, ttl: int | None):
+        self._in_init(f"get_{kind}_state")
         if not isinstance(name, str) or not name or name.startswith("$"):
             raise ValueError(f"state name must be a non-empty string not starting with '$', got {name!r}")
         ttl = _check_ttl(ttl, name, self._op.time_mode)
@@ -225,18 +291,32 @@ class EpochStatefulProcessorHandle(StatefulProcessorHandle):
         self._op.variables[stateName] = ("map", var)
         return var
 
+    def _timer_call(self, operation: str) -> None:
+        """Timers need a time mode and a current key: from ``handleInputRows`` (or
+        ``handleInitialState``) through ``handleExpiredTimer``, as Spark checks them."""
+        op = self._op
+        if op.time_mode == "none":
+            raise invalid_time_mode(operation, op.time_mode)
+        if op.phase not in ("INITIALIZED", "DATA_PROCESSED"):
+            raise invalid_handle_state(operation, op.phase)
+
     def registerTimer(self, expiryTimestampMs: int) -> None:
+        self._timer_call("register_timer")
         self._op.timers.register(self._op.ctx.key, int(expiryTimestampMs))
 
     def deleteTimer(self, expiryTimestampMs: int) -> None:
+        self._timer_call("delete_timer")
         self._op.timers.delete(self._op.ctx.key, int(expiryTimestampMs))
 
     def listTimers(self) -> Iterator[int]:
+        self._timer_call("list_timers")
         return iter(self._op.timers.list(self._op.ctx.key))
 
     def deleteIfExists(self, stateName: str) -> None:
         """Drop state variable ``stateName`` for every key of this subtask (Spark purges the
-        whole column family)."""
+        whole column family). Only in ``init``, as in Spark; the variable's object raises on
+        any later use."""
+        self._in_init("delete_if_exists")
         ctx = self._op.ctx
         current = ctx.key
         for key in ctx.keys(stateName):
@@ -250,7 +330,9 @@ class EpochStatefulProcessorHandle(StatefulProcessorHandle):
                 h.clear()
                 break
         ctx.set_current_key(current)
-        self._op.variables.pop(stateName, None)
+        known = self._op.variables.pop(stateName, None)
+        if known is not None:
+            known[1]._deleted = True
 
 
 class Timers:
@@ -280,13 +362,7 @@ class Timers:
         self._seq += 1
         return self._seq
 
-    def _check_mode(self, call: str) -> None:
-        if self._op.time_mode == "none":
-            raise ValueError(f"{call}: timers need time_mode 'processingtime' or 'eventtime' "
-                             f"(Spark: UNSUPPORTED_OPERATION 'Timers with TimeMode.None')")
-
     def register(self, key: Any, ts: int) -> None:
-        self._check_mode("registerTimer")
         current = tuple(self._h.value() or ())
         if ts in current:
             return
@@ -297,7 +373,6 @@ class Timers:
             self._push(self._heap, (ts, self._next(), key))
 
     def delete(self, key: Any, ts: int) -> None:
-        self._check_mode("deleteTimer")
         current = self._h.value()
         if current and ts in current:
             rest = tuple(t for t in current if t != ts)
@@ -313,7 +388,6 @@ class Timers:
         return ts in (self._h.value() or ())
 
     def list(self, key: Any) -> list[int]:
-        self._check_mode("listTimers")
         return list(self._h.value() or ())
 
     def expired(self, threshold: int) -> Iterator[tuple[Any, int]]:

@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 from ..graph.plan import ColumnKey
 from ..runtime.columns import to_rows
-from ..runtime.state import ValueStateDescriptor
+from ..runtime.errors import UserFunctionError
+from ..runtime.state import ListStateDescriptor, ValueStateDescriptor
 from ..runtime.timers import TimerService
 from .handles import EVENT_TIME, EpochStatefulProcessorHandle, Timers
 from .schema import (
@@ -43,10 +44,13 @@ from .schema import (
     arrow_schema,
     as_dicts,
     batches_to_records,
+    concat_output,
     frames_to_batches,
-    frames_to_records,
+    group_state_row,
+    has_map,
     pandas_groups,
     rows_to_records,
+    state_tuple,
     struct_schema,
     to_pandas,
     to_python,
@@ -55,6 +59,35 @@ from .schema import (
 TIME_MODES = ("none", "processingtime", "eventtime")
 OUTPUT_MODES = ("append", "update")
 GROUP_STATE = "$groupState"
+#: union operator state of a TransformWithState with an initial state: set once it was read
+INITIAL_STATE_DONE = "$initialStateDone"
+
+
+def initial_table(data: Any, key_columns: tuple[str, ...], label: str) -> Any:
+    """Spark's ``initialState`` as an Arrow table: a pandas DataFrame, an Arrow Table or
+    RecordBatch, or a Spark DataFrame (read once, on the driver, with ``toArrow``)."""
+    import pyarrow as pa
+
+    if data is None:
+        return None
+    if isinstance(data, pa.RecordBatch):
+        table = pa.Table.from_batches([data])
+    elif isinstance(data, pa.Table):
+        table = data
+    elif hasattr(data, "toArrow") and hasattr(data, "sparkSession"):  # a pyspark DataFrame
+        table = data.toArrow()
+    elif hasattr(data, "to_dict") and hasattr(data, "columns"):  # a pandas DataFrame
+        table = pa.Table.from_pandas(data, preserve_index=False)
+    else:
+        raise TypeError(f"initial_state of {label} must be a pandas DataFrame, an Arrow table or a Spark "
+                        f"DataFrame, got {type(data).__name__}")
+    missing = [c for c in key_columns if c not in table.column_names]
+    if missing:
+        from .schema import SchemaError
+
+        raise SchemaError(f"initial_state of {label} lacks the grouping column(s) {missing} "
+                          f"(its columns: {table.column_names})")
+    return table
 
 
 def _wall_clock_ms() -> int:
@@ -141,6 +174,29 @@ class _Keyed:
         self._now = _clock(clock)
         self.batch_time_ms = -1
         self.watermark_ms = 0
+        #: rows at or below it are late: the watermark as of the start of the epoch (Spark: of the
+        #: previous micro-batch, its eventTimeWatermarkForLateEvents); timers fire against
+        #: ``watermark_ms`` (Spark's eventTimeWatermarkForEviction), which a job-wide event time
+        #: moves within the epoch
+        self.late_ms = 0
+
+    #: what error messages call the user code (the processor's class or the function's name)
+    label: str
+
+    def _guard(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a step that calls user code. ``SystemExit``, ``KeyboardInterrupt`` and any other
+        ``BaseException`` it raises fail the job (the attempt, under the restart strategy) as an
+        ``Exception`` does, instead of escaping the driver: a ``UserFunctionError`` naming the
+        operator."""
+        try:
+            return fn(*args)
+        except Exception:
+            raise
+        except BaseException as exc:
+            uid = getattr(getattr(self, "ctx", None), "operator_uid", None)
+            where = f"operator {uid!r} ({self.label})" if uid else self.label
+            raise UserFunctionError(f"{where}: user code raised {exc!r} in {what}; a BaseException in user "
+                                    f"code fails the job as any error does") from exc
 
     def grouping_key(self) -> GroupingKey:
         """What the wrapper is keyed by (``Stream.key_by``): the grouping columns."""
@@ -188,11 +244,13 @@ class _Keyed:
             self._advance_watermark()
 
     def _advance_watermark(self) -> None:
+        """At an epoch bound (and at open): the watermark moves, and late rows of the next
+        epoch are judged against it."""
         if self.tracker_time is not None:
             self._tracker_watermark()
-            return
-        if self._max_event is not None:
+        elif self._max_event is not None:
             self.watermark_ms = max(self.watermark_ms, self._max_event - self.watermark_delay_ms)
+        self.late_ms = self.watermark_ms
 
     def _tracker_watermark(self, firing: int | None = None) -> None:
         """Every record with an event time below the trAcker's bound W has been processed:
@@ -222,8 +280,10 @@ class _Keyed:
                     g.append(r)
             return groups
         if self.tracker_time is not None:
-            self._tracker_watermark()
-        col, wm = self.event_time, self.watermark_ms
+            self._tracker_watermark()  # what TimerValues report (timers fire against it)
+        # late against the watermark as of the start of the epoch (Spark: of the previous
+        # micro-batch); it moves only at epoch bounds, whatever drives event time
+        col, wm = self.event_time, self.late_ms
         maxima: dict[Any, int] = {}
         for r, k in zip(rows, keys, strict=True):
             et = _event_time_ms(r[col])
@@ -263,6 +323,7 @@ class TransformWithState(_Keyed):
         input_schema=None,
         rows: str = "pandas",
         clock: Any = None,
+        initial_state: Any = None,
     ) -> None:
         from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 
@@ -280,24 +341,71 @@ class TransformWithState(_Keyed):
             raise ValueError("rows must be 'pandas' (transformWithStateInPandas) or 'row' (transformWithState), "
                              f"got {rows!r}")
         self.processor = processor
+        self.label = type(processor).__name__
+        #: Spark's ``initialState``: an Arrow table with the key columns, or None
+        self.initial_state = initial_table(initial_state, self.key_columns, self.label)
+        #: handle phase, as Spark's StatefulProcessorHandleState (handles.PHASES)
+        self.phase = "CREATED"
         self.time_mode = mode
         self.output_mode = str(output_mode).lower()
         self.rows = rows
+        #: pandas output leaves as one RecordBatch per input batch (records when a map is in it)
+        self._columnar_out = rows == "pandas" and not has_map(self.output_schema)
         #: event-time timers fire from the trAcker's time bounds where the pipeline has them
         self.uses_event_time = mode == "eventtime"
 
     # ------------------------------------------------------------ lifecycle
     def open(self, ctx) -> None:
+        self._guard("init", self._open, ctx)
+
+    def _open(self, ctx) -> None:
         self._open_common(ctx)
         #: state name -> (kind, handle), filled by the processor's init()
         self.variables: dict[str, tuple[str, Any]] = {}
         self.timers = Timers(self)
         self.batch_time_ms = self._now(ctx) if self.time_mode != "none" else -1
         self.handle = EpochStatefulProcessorHandle(self)
+        self.phase = "CREATED"
         self.processor.init(self.handle)
+        self.phase = "INITIALIZED"
+        if self.initial_state is not None:
+            self._seed(ctx)
+
+    def _seed(self, ctx) -> None:
+        """``handleInitialState`` for each key of the initial state this subtask owns (its key
+        groups), before any row, only in the job's first run. A union-mode operator state
+        records that it ran: a restore, at any parallelism, gives every subtask the mark, so
+        it never runs again (Spark reads the initial state only in the query's first batch).
+        A failure before the first checkpoint starts the job afresh, and seeds it again."""
+        done = ctx.operator_state(ListStateDescriptor(INITIAL_STATE_DONE), "union")
+        if done.get():
+            return
+        state = ctx._state  # the subtask's keyed state: its key-group function and range
+        lo, hi = state.key_group_range
+        owns = state._key_group_of
+        tv = self._timer_values()
+        seed = self.processor.handleInitialState
+        table = self.initial_state
+        for batch in table.to_batches():
+            groups = pandas_groups(batch, self.key_columns, None, f"{self.label} initial state")
+            for key, pdf in groups:
+                if not lo <= owns(key) <= hi:
+                    continue
+                ctx.set_current_key(key)
+                if self.rows == "pandas":
+                    seed(key, pdf, tv)
+                else:
+                    for r in pdf.to_dict("records"):
+                        seed(key, Row(**r), tv)
+        done.add(True)
 
     def close(self) -> None:
+        self._guard("close", self._close)
+
+    def _close(self) -> None:
+        self.phase = "TIMER_PROCESSED"
         self.processor.close()
+        self.phase = "CLOSED"
 
     def _timer_values(self):
         from pyspark.sql.streaming.stateful_processor import TimerValues
@@ -308,10 +416,15 @@ class TransformWithState(_Keyed):
         return TimerValues(self.batch_time_ms, self.watermark_ms)
 
     # ------------------------------------------------------------ data
-    def process(self, value: Any, ctx) -> list[dict]:
+    def process(self, value: Any, ctx) -> Any:
         return self.process_batch([value], [ctx.key], ctx)
 
-    def process_batch(self, records: Any, keys: list[Any] | None, ctx) -> list[dict]:
+    def process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
+        """One input batch: records, or one RecordBatch of the output schema in pandas mode
+        (the frames the user yielded, concatenated; records when the schema has a map)."""
+        return self._guard("handleInputRows", self._process_batch, records, keys, ctx)
+
+    def _process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
         if type(records) is not list:  # a RecordBatch
             if self.event_time is None and self.rows == "pandas":
                 return self._process_columns(records, ctx)
@@ -320,9 +433,10 @@ class TransformWithState(_Keyed):
         if self.time_mode != "none":
             self.batch_time_ms = self._now(ctx)
         groups = self._group(records, keys)
-        out: list[dict] = []
+        out: list[Any] = []
         tv = self._timer_values()
         handle_rows = self.processor.handleInputRows
+        self.phase = "INITIALIZED"
         for key, rows in groups.items():
             ctx.set_current_key(key)
             if self.rows == "pandas":
@@ -331,45 +445,58 @@ class TransformWithState(_Keyed):
                 data = iter([Row(**r) for r in rows])
             result = handle_rows(key, data, tv)
             if result is not None:
-                out.extend(self._records(result, "handleInputRows"))
+                out.extend(self._outputs(result, "handleInputRows"))
         self._fire_timers(out)
-        return out
+        return self._emit(out)
 
-    def _process_columns(self, batch: Any, ctx) -> list[dict]:
+    def _process_columns(self, batch: Any, ctx) -> Any:
         """``process_batch`` of a RecordBatch: one ``handleInputRows`` call per key, as for rows."""
         if self.time_mode != "none":
             self.batch_time_ms = self._now(ctx)
         batches: list[Any] = []
         tv = self._timer_values()
         handle_rows = self.processor.handleInputRows
-        label = f"{type(self.processor).__name__}.handleInputRows"
-        for key, pdf in self._pandas_groups(batch, type(self.processor).__name__):
+        label = f"{self.label}.handleInputRows"
+        self.phase = "INITIALIZED"
+        for key, pdf in self._pandas_groups(batch, self.label):
             ctx.set_current_key(key)
             result = handle_rows(key, iter([pdf]), tv)
             if result is not None:
                 batches.extend(frames_to_batches(result, self.output_schema, self._arrow_out, label))
-        out = batches_to_records(batches, self._arrow_out)
-        self._fire_timers(out)
-        return out
+        self._fire_timers(batches)
+        return self._emit(batches)
 
     def on_epoch_end(self, epoch: int, ctx) -> list[dict]:
+        return self._guard("handleExpiredTimer", self._on_epoch_end, epoch, ctx)
+
+    def _on_epoch_end(self, epoch: int, ctx) -> list[dict]:
         if self.time_mode == "none":
             return []
         self.batch_time_ms = self._now(ctx)
+        out: list[Any] = []
         if self.time_mode == "eventtime":
             self._advance_watermark()
-        out: list[dict] = []
         self._fire_timers(out)
         self._purge_expired()
-        return out
+        return self._records(out)
 
-    def _records(self, result: Iterable[Any], what: str) -> list[dict]:
-        label = f"{type(self.processor).__name__}.{what}"
+    def _outputs(self, result: Iterable[Any], what: str) -> list[Any]:
+        """What one user call yielded: RecordBatches (pandas mode) or records (Row mode)."""
+        label = f"{self.label}.{what}"
         if self.rows == "pandas":
-            return frames_to_records(result, self.output_schema, self._arrow_out, label)
+            return frames_to_batches(result, self.output_schema, self._arrow_out, label)
         return rows_to_records(result, self.output_schema, label)
 
-    def _fire_timers(self, out: list[dict]) -> None:
+    def _emit(self, out: list[Any]) -> Any:
+        """The output of one input batch as the chain gets it."""
+        if self.rows == "pandas":
+            return concat_output(out, self._arrow_out, self._columnar_out)
+        return out
+
+    def _records(self, out: list[Any]) -> list[dict]:
+        return batches_to_records(out, self._arrow_out) if self.rows == "pandas" else out
+
+    def _fire_timers(self, out: list[Any]) -> None:
         if self.time_mode == "none":
             return
         from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo
@@ -379,31 +506,43 @@ class TransformWithState(_Keyed):
         threshold = self.batch_time_ms if self.time_mode == "processingtime" else self.watermark_ms
         tv = self._timer_values()
         on_timer = self.processor.handleExpiredTimer
+        self.phase = "DATA_PROCESSED"
         for key, ts in self.timers.expired(threshold):
             result = on_timer(key=key, timerValues=tv, expiredTimerInfo=ExpiredTimerInfo(ts))
             if result is not None:
-                out.extend(self._records(result, "handleExpiredTimer"))
+                out.extend(self._outputs(result, "handleExpiredTimer"))
             self.ctx.set_current_key(key)
             self.timers.delete(key, ts)  # as Spark: the fired timer is deleted after its handler
+        self.phase = "INITIALIZED"
 
     def on_timer(self, timestamp: float, ctx) -> list[dict]:
         """Job-wide event time passed ``timestamp`` for the current key (timestamped sources)."""
-        from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo
+        return self._guard("handleExpiredTimer", self._on_timer, timestamp, ctx)
 
+    def _on_timer(self, timestamp: float, ctx) -> list[dict]:
         ts = int(timestamp)
         key = ctx.key
         if not self.timers.has(ts):
             return []
         self._tracker_watermark(ts)
         self.batch_time_ms = self._now(ctx)
-        out: list[dict] = []
+        out: list[Any] = []
+        self._fire_one(key, ts, out)
+        return self._records(out)
+
+    def _fire_one(self, key: Any, ts: int, out: list[Any]) -> None:
+        from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo
+
+        ctx = self.ctx
+        ctx.set_current_key(key)
+        self.phase = "DATA_PROCESSED"
         result = self.processor.handleExpiredTimer(key=key, timerValues=self._timer_values(),
                                                    expiredTimerInfo=ExpiredTimerInfo(ts))
         if result is not None:
-            out.extend(self._records(result, "handleExpiredTimer"))
+            out.extend(self._outputs(result, "handleExpiredTimer"))
+        self.phase = "INITIALIZED"
         ctx.set_current_key(key)
         self.timers.delete(key, ts)
-        return out
 
     def _purge_expired(self) -> None:
         """Remove entries whose TTL ran out (reads already skip them)."""
@@ -458,6 +597,8 @@ class ApplyInPandasWithState(_Keyed):
         if timeout_conf == GroupStateTimeout.EventTimeTimeout and event_time is None:
             raise ValueError("EventTimeTimeout needs event_time=<column> (Spark: withWatermark on the input)")
         self.func = func
+        self.label = getattr(func, "__name__", "func")
+        self._columnar_out = not has_map(self.output_schema)
         self.state_schema = struct_schema(state_schema, "state schema")
         self.output_mode = str(output_mode).lower()
         self.timeout_conf = timeout_conf
@@ -465,6 +606,9 @@ class ApplyInPandasWithState(_Keyed):
         self.uses_event_time = timeout_conf == GroupStateTimeout.EventTimeTimeout
 
     def open(self, ctx) -> None:
+        self._guard("open", self._open, ctx)
+
+    def _open(self, ctx) -> None:
         import heapq
 
         self._open_common(ctx)
@@ -487,10 +631,15 @@ class ApplyInPandasWithState(_Keyed):
         self._seq += 1
         self._hpush(self._heap, (ts, self._seq, key))
 
-    def process(self, value: Any, ctx) -> list[dict]:
+    def process(self, value: Any, ctx) -> Any:
         return self.process_batch([value], [ctx.key], ctx)
 
-    def process_batch(self, records: Any, keys: list[Any] | None, ctx) -> list[dict]:
+    def process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
+        """One input batch: one RecordBatch of the output schema (the frames the function
+        yielded, concatenated; records when the schema has a map)."""
+        return self._guard(self.label, self._process_batch, records, keys, ctx)
+
+    def _process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
         if type(records) is not list:  # a RecordBatch
             if self.event_time is None:
                 return self._process_columns(records, ctx)
@@ -498,38 +647,38 @@ class ApplyInPandasWithState(_Keyed):
         assert keys is not None, "rows come with their keys"
         self.batch_time_ms = self._now(ctx)
         groups = self._group(records, keys)
-        out: list[dict] = []
+        out: list[Any] = []
         for key, rows in groups.items():
             ctx.set_current_key(key)
             out.extend(self._call(key, iter([to_pandas(rows, self._arrow_in)]), timed_out=False))
         self._time_out(out, skip=groups)
-        return out
+        return concat_output(out, self._arrow_out, self._columnar_out)
 
-    def _process_columns(self, batch: Any, ctx) -> list[dict]:
+    def _process_columns(self, batch: Any, ctx) -> Any:
         """``process_batch`` of a RecordBatch: one call per key, then timeouts, as for rows."""
         self.batch_time_ms = self._now(ctx)
         batches: list[Any] = []
         seen = set()
-        for key, pdf in self._pandas_groups(batch, getattr(self.func, "__name__", "func")):
+        for key, pdf in self._pandas_groups(batch, self.label):
             ctx.set_current_key(key)
             seen.add(key)
-            batches.extend(self._call(key, iter([pdf]), timed_out=False, convert=frames_to_batches))
-        out = batches_to_records(batches, self._arrow_out)
-        self._time_out(out, skip=seen)
-        return out
+            batches.extend(self._call(key, iter([pdf]), timed_out=False))
+        self._time_out(batches, skip=seen)
+        return concat_output(batches, self._arrow_out, self._columnar_out)
 
     def on_epoch_end(self, epoch: int, ctx) -> list[dict]:
+        return self._guard(self.label, self._on_epoch_end, epoch, ctx)
+
+    def _on_epoch_end(self, epoch: int, ctx) -> list[dict]:
         self.batch_time_ms = self._now(ctx)
+        out: list[Any] = []
         if self.event_time is not None:
             self._advance_watermark()
-        out: list[dict] = []
         self._time_out(out, skip={})
-        return out
+        return batches_to_records(out, self._arrow_out)
 
-    def _call(self, key: Any, data, timed_out: bool,
-              convert: Callable[..., list[Any]] = frames_to_records) -> list[Any]:
-        """Call the function for ``key``, write its state back; its output as ``convert`` makes
-        it (records, or RecordBatches on the columnar path)."""
+    def _call(self, key: Any, data, timed_out: bool) -> list[Any]:
+        """Call the function for ``key``, write its state back; its output as RecordBatches."""
         from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 
         stored = self._state.value()
@@ -538,7 +687,8 @@ class ApplyInPandasWithState(_Keyed):
         gs = GroupState(
             # pyspark annotates Row, but an undefined state (defined=False) holds None, as Spark's
             # own serializer passes it (pyspark/sql/pandas/serializers.py, construct_state)
-            optionalValue=Row(*value) if value is not None else None,  # type: ignore[arg-type]
+            optionalValue=(group_state_row(value, self.state_schema)  # type: ignore[arg-type]
+                           if value is not None else None),
             batchProcessingTimeMs=self.batch_time_ms,
             eventTimeWatermarkMs=watermark,
             timeoutConf=self.timeout_conf,
@@ -552,9 +702,8 @@ class ApplyInPandasWithState(_Keyed):
             valueSchema=self.state_schema,
         )
         result = self.func(key, data, gs)
-        records = [] if result is None else convert(
-            result, self.output_schema, self._arrow_out, f"{getattr(self.func, '__name__', 'func')}"
-        )
+        records = [] if result is None else frames_to_batches(result, self.output_schema, self._arrow_out,
+                                                              self.label)
         # write back as FlatMapGroupsWithStateExec does
         new_timeout = int(gs._timeout_timestamp)
         if gs._removed and new_timeout == GroupState.NO_TIMESTAMP:
@@ -563,11 +712,8 @@ class ApplyInPandasWithState(_Keyed):
             if self.tracker_time is not None and old_timeout != GroupState.NO_TIMESTAMP:
                 self.tracker_time.delete_event_time_timer(old_timeout)  # removed: its timeout goes too
         elif gs._updated or gs._removed or new_timeout != old_timeout:
-            new_value = tuple(to_python(v) for v in gs._value) if gs.exists else None
-            if new_value is not None and len(new_value) != len(self.state_schema.fields):
-                raise ValueError(
-                    f"state value {new_value!r} does not fit state schema {self.state_schema.simpleString()}"
-                )
+            new_value = (state_tuple(gs._value, self.state_schema, f"{self.label}: GroupState value")
+                         if gs.exists else None)
             self._state.update((new_value, new_timeout))
             tracker = self.tracker_time
             if tracker is not None and old_timeout != new_timeout:
@@ -582,14 +728,18 @@ class ApplyInPandasWithState(_Keyed):
 
     def on_timer(self, timestamp: float, ctx) -> list[dict]:
         """Job-wide event time passed the current key's timeout ``timestamp`` (timestamped sources)."""
-        stored = self._state.value()
-        if stored is None or stored[1] != int(timestamp):
-            return []
-        self._tracker_watermark(int(timestamp))
-        self.batch_time_ms = self._now(ctx)
-        return self._call(ctx.key, iter([]), timed_out=True)
+        return self._guard(self.label, self._on_timer, timestamp, ctx)
 
-    def _time_out(self, out: list[dict], skip) -> None:
+    def _on_timer(self, timestamp: float, ctx) -> list[dict]:
+        ts = int(timestamp)
+        stored = self._state.value()
+        if stored is None or stored[1] != ts:
+            return []
+        self._tracker_watermark(ts)
+        self.batch_time_ms = self._now(ctx)
+        return batches_to_records(self._call(ctx.key, iter([]), timed_out=True), self._arrow_out)
+
+    def _time_out(self, out: list[Any], skip) -> None:
         from pyspark.sql.streaming.state import GroupStateTimeout
 
         if self.timeout_conf == GroupStateTimeout.NoTimeout or self.tracker_time is not None:

@@ -185,6 +185,8 @@ def to_python(v: Any) -> Any:
         if hasattr(v, "__fields__"):
             return Row(**{k: to_python(x) for k, x in v.asDict().items()})
         return Row(*[to_python(x) for x in v])
+    if isinstance(v, tuple) and hasattr(v, "_fields"):  # a NamedTuple takes its fields positionally
+        return type(v)(*[to_python(x) for x in v])
     if isinstance(v, (list, tuple)):
         return type(v)(to_python(x) for x in v)
     if isinstance(v, dict):
@@ -192,21 +194,86 @@ def to_python(v: Any) -> Any:
     return v
 
 
+def _plain(v: Any, dtype: DataType, what: str) -> Any:
+    """A value of ``dtype`` in the form state stores it: structs as tuples in field order
+    (accepted as tuples, lists, Rows, NamedTuples, dicts or objects with attributes, as
+    ``StructType.toInternal`` accepts them), arrays as lists, maps as dicts, scalars as plain
+    Python (numpy and pandas scalars converted, as PySpark's ``normalize_value``)."""
+    if v is None:
+        return None
+    if isinstance(dtype, StructType):
+        fields = dtype.fields
+        if isinstance(v, dict):
+            items = [v.get(f.name) for f in fields]
+        elif isinstance(v, Row) and hasattr(v, "__fields__"):
+            d = v.asDict()
+            items = [d.get(f.name) for f in fields]
+        elif isinstance(v, (tuple, list)):  # tuples, NamedTuples, unnamed Rows: by position
+            if len(v) != len(fields):
+                raise SchemaError(f"{what}: value {tuple(v)!r} has {len(v)} item(s), schema "
+                                  f"{dtype.simpleString()} has {len(fields)}")
+            items = list(v)
+        elif hasattr(v, "__dict__"):
+            items = [getattr(v, f.name, None) for f in fields]
+        else:
+            raise SchemaError(f"{what}: a {type(v).__name__} does not fit struct {dtype.simpleString()}")
+        return tuple(_plain(x, f.dataType, f"{what}.{f.name}") for x, f in zip(items, fields, strict=True))
+    if isinstance(dtype, ArrayType):
+        return [_plain(x, dtype.elementType, what) for x in v]
+    if isinstance(dtype, MapType):
+        items_ = v.items() if isinstance(v, dict) else v
+        return {_plain(k, dtype.keyType, what): _plain(x, dtype.valueType, what) for k, x in items_}
+    return to_python(v)
+
+
+def _spark(v: Any, dtype: DataType) -> Any:
+    """A stored value as PySpark hands it out: structs as ``Row``s with their field names at
+    every depth (Spark unpickles the JVM's rows so), arrays as lists, maps as dicts."""
+    if v is None:
+        return None
+    if isinstance(dtype, StructType):
+        return Row(**{f.name: _spark(x, f.dataType) for x, f in zip(v, dtype.fields, strict=True)})
+    if isinstance(dtype, ArrayType):
+        return [_spark(x, dtype.elementType) for x in v]
+    if isinstance(dtype, MapType):
+        return {_spark(k, dtype.keyType): _spark(x, dtype.valueType) for k, x in v.items()}
+    return v
+
+
+def _needs_rows(dtype: DataType) -> bool:
+    if isinstance(dtype, StructType):
+        return True
+    if isinstance(dtype, ArrayType):
+        return _needs_rows(dtype.elementType)
+    if isinstance(dtype, MapType):
+        return _needs_rows(dtype.keyType) or _needs_rows(dtype.valueType)
+    return False
+
+
 def state_tuple(value: Any, schema: StructType, what: str) -> tuple:
-    """A state value as Spark stores it: a tuple with one item per schema field."""
+    """A state value as stored: a tuple with one item per schema field, nested structs as
+    tuples too (so checkpoints hold plain Python), normalised through the schema."""
     if value is None:
         raise SchemaError(f"{what}: a state value cannot be None (Spark: ILLEGAL_STATE_STORE_VALUE.NULL_VALUE)")
-    if isinstance(value, Row) and hasattr(value, "__fields__"):
-        value = tuple(value)
-    if not isinstance(value, (tuple, list)):
+    if not isinstance(value, (tuple, list, dict, Row)) and not hasattr(value, "__dict__"):
         raise SchemaError(f"{what}: state values are tuples matching {schema.simpleString()}, "
                           f"got {type(value).__name__}")
-    if len(value) != len(schema.fields):
-        raise SchemaError(
-            f"{what}: value {tuple(value)!r} has {len(value)} item(s), schema {schema.simpleString()} has "
-            f"{len(schema.fields)}"
-        )
-    return tuple(to_python(v) for v in value)
+    plain: tuple = _plain(value, schema, what)
+    return plain
+
+
+def state_value(stored: tuple, schema: StructType) -> tuple:
+    """A stored state tuple as Spark's state variables return it: a tuple at the top, a
+    ``Row`` for every nested struct (``value[0].x`` works as in Spark)."""
+    if not any(_needs_rows(f.dataType) for f in schema.fields):
+        return stored
+    return tuple(_spark(x, f.dataType) for x, f in zip(stored, schema.fields, strict=True))
+
+
+def group_state_row(stored: tuple, schema: StructType) -> Any:
+    """A stored ``GroupState`` value as Spark's ``state.get`` returns it: a ``Row`` of the
+    state schema with named fields, nested structs as ``Row``s too."""
+    return _spark(stored, schema)
 
 
 # ---------------------------------------------------------------- batches
@@ -255,13 +322,19 @@ def to_pandas(rows: list[dict], schema) -> Any:
 
 
 def spark_pandas(data: Any) -> Any:
-    """An Arrow Table or RecordBatch -> the pandas DataFrame a user function gets, as Spark
-    converts it: ``to_pandas``, timestamps tz-naive in the session time zone (UTC here)."""
-    df = data.to_pandas()
-    for name, dtype in df.dtypes.items():
-        if getattr(dtype, "tz", None) is not None:
-            df[name] = df[name].dt.tz_convert("UTC").dt.tz_localize(None)
-    return df
+    """An Arrow Table or RecordBatch -> the pandas DataFrame a user function gets, through
+    PySpark's own conversion (``ArrowBatchTransformer.to_pandas``, as its
+    ``TransformWithStateInPandasSerializer`` calls it): timestamps ``datetime64[ns]``
+    (``coerce_temporal_nanoseconds``) tz-naive in the session time zone (UTC here), dates as
+    ``datetime.date``, decimals as ``Decimal``, structs and maps as dicts, integer columns
+    with nulls as Spark makes them."""
+    import pandas as pd
+    from pyspark.sql.conversion import ArrowBatchTransformer
+
+    if data.num_columns == 0:
+        return pd.DataFrame(index=range(data.num_rows))
+    series = ArrowBatchTransformer.to_pandas(data, timezone="UTC", struct_in_pandas="dict")
+    return pd.concat(series, axis=1)
 
 
 def conform(batch: Any, schema: Any, what: str) -> Any:
@@ -358,7 +431,7 @@ def frames_to_records(frames: Iterable[Any], schema: StructType, arrow_out, what
             table = pa.Table.from_pandas(df[names], schema=arrow_out, preserve_index=False)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
             raise SchemaError(f"{what}: output does not fit schema {schema.simpleString()}: {exc}") from exc
-        out.extend(table.to_pylist())
+        out.extend(table.to_pylist(maps_as_pydicts="strict"))
     return out
 
 
@@ -405,13 +478,38 @@ def frames_to_batches(frames: Iterable[Any], schema: StructType, arrow_out, what
 
 
 def batches_to_records(batches: list[Any], arrow_out) -> list[dict]:
-    """RecordBatches of ``arrow_out`` -> records (dicts in schema order), in order."""
+    """RecordBatches of ``arrow_out`` -> records (dicts in schema order), in order; map
+    columns as dicts (``maps_as_pydicts``), as Spark hands a row sink its map values."""
     import pyarrow as pa
 
     if not batches:
         return []
-    records: list[dict] = pa.Table.from_batches(batches, schema=arrow_out).to_pylist()
+    records: list[dict] = pa.Table.from_batches(batches, schema=arrow_out).to_pylist(maps_as_pydicts="strict")
     return records
+
+
+def has_map(dtype: DataType) -> bool:
+    """``dtype`` holds a map at some depth."""
+    if isinstance(dtype, MapType):
+        return True
+    if isinstance(dtype, ArrayType):
+        return has_map(dtype.elementType)
+    if isinstance(dtype, StructType):
+        return any(has_map(f.dataType) for f in dtype.fields)
+    return False
+
+
+def concat_output(batches: list[Any], arrow_out, columnar: bool) -> Any:
+    """The output of one input batch: one RecordBatch of ``arrow_out`` (``columnar``), or
+    records when the output schema has a map (rows made downstream of a RecordBatch would
+    carry maps as key-value pairs, not the dicts Spark gives)."""
+    import pyarrow as pa
+
+    if not columnar:
+        return batches_to_records(batches, arrow_out)
+    if not batches:
+        return []
+    return batches[0] if len(batches) == 1 else pa.concat_batches(batches)
 
 
 def rows_to_records(rows: Iterable[Any], schema: StructType, what: str) -> list[dict]:
