@@ -28,6 +28,7 @@ crash cannot observe it.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import re
@@ -464,9 +465,9 @@ def run_fingerprint(builder_name: str, c: Chaos, work: Path, mode: str = "aligne
     p.checkpoint.num_retained = 1_000
     result = sim_run(p, work / "chk", seed=c.seed, failures=c.schedule(), source_rate=RATE)
     files = {
-        f"{uid}/{f.name}": f.read_text()
+        f"{uid}/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest()
         for uid in p.sinks
-        for f in sorted((work / "out" / uid).glob("part-*.jsonl"))
+        for f in sorted((work / "out" / uid).glob("part-*"))  # JSON lines or Parquet (``Chaos.sink_format``)
     }
     storage = LocalCheckpointStorage(work / "chk")
     checkpoints = {}
@@ -475,7 +476,7 @@ def run_fingerprint(builder_name: str, c: Chaos, work: Path, mode: str = "aligne
         checkpoints[epoch] = {
             "sources": m["sources"],
             # attempt ids in file names are random by design; everything else must agree
-            "staged": {u: sorted(re.sub(r"-a[^/]*\.jsonl$", "", s) for s in e["staged"])
+            "staged": {u: sorted(re.sub(r"-a[^/]*\.(jsonl|parquet)$", "", s) for s in e["staged"])
                        for u, e in m["sinks"].items()},
             "state_files": sorted((f["operator"], f["subtask"], f["epoch"], f["rows"], f["full"])
                                   for op in m["operators"].values() for f in op["files"]),
