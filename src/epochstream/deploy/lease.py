@@ -233,10 +233,12 @@ class Lease:
             self._etag = self.store.put_if(self.loc, info.to_bytes(), None)
             return
         old = LeaseInfo.parse(data)
-        if old is not None and not old.expired(now):
+        # a holder on this host whose process is gone is dead: no need to wait out its ttl
+        dead = old is not None and old.host == info.host and not _alive(old.pid)
+        if old is not None and not old.expired(now) and not dead:
             raise _held_error(self.storage, old, what, now)
-        log.warning("taking over the expired lease on %s from %s", self.store.root,
-                    old.describe(now) if old else "an unreadable lease")
+        log.warning("taking over the %s lease on %s from %s", "dead holder's" if dead else "expired",
+                    self.store.root, old.describe(now) if old else "an unreadable lease")
         try:
             self._etag = self.store.put_if(self.loc, info.to_bytes(), etag)
         except ObjectExistsError:  # another run took it over first
