@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .lease import process_alive as _alive
+
 
 class JobNotFoundError(LookupError):
     """No running job matches what the user named."""
@@ -53,14 +55,6 @@ def unregister(job_id: str) -> None:
     (_jobs_dir() / f"{job_id}.json").unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def listed() -> list[dict[str, Any]]:

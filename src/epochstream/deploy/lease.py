@@ -97,7 +97,8 @@ class LeaseInfo:
             return None  # a half-written or foreign file: treated as no lease
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process of this host with ``pid`` exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -135,7 +136,7 @@ def lease_status(storage: Any, now: float | None = None) -> tuple[str, LeaseInfo
     info = read_lease(storage)
     if info is None:
         return "free", None
-    if info.host == socket.gethostname() and not _alive(info.pid):
+    if info.host == socket.gethostname() and not process_alive(info.pid):
         return "dead", info
     return ("expired" if info.expired(now) else "held"), info
 
@@ -234,7 +235,7 @@ class Lease:
             return
         old = LeaseInfo.parse(data)
         # a holder on this host whose process is gone is dead: no need to wait out its ttl
-        dead = old is not None and old.host == info.host and not _alive(old.pid)
+        dead = old is not None and old.host == info.host and not process_alive(old.pid)
         if old is not None and not old.expired(now) and not dead:
             raise _held_error(self.storage, old, what, now)
         log.warning("taking over the %s lease on %s from %s", "dead holder's" if dead else "expired",
