@@ -108,6 +108,9 @@ def test_credit_window_stops_data_not_control():
     link.grant(5)
     got = [b.recv() for _ in range(5)]
     assert [env[0][1] for env in got] == list(range(WINDOW, WINDOW + 5))
+    deadline = time.monotonic() + 10  # the sender thread counts a message after the peer may have read it
+    while (link.backlog, link.credit) != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert link.backlog == 0 and link.credit == 0
     link.close()
     link.thread.join(5)
