@@ -134,24 +134,25 @@ def get_spark() -> Any:
                 )
             return active
         s3a = s3a_wanted()
-        if s3a:
-            _drop_jvm_without_s3a()
+        _drop_jvm_without("delta-spark_", *(["hadoop-aws-"] if s3a else []))
         spark = builder(s3a=s3a).getOrCreate()
         spark.sparkContext.setLogLevel("ERROR")
         _own_session_s3a = s3a
         return spark
 
 
-def _drop_jvm_without_s3a() -> None:
-    """End this process's idle Spark JVM if it was launched without the S3A jars, whoever
-    started it (``stop()`` ends only those of sessions started here; the spark driver's session
-    may have launched it): the jars of a later session never reach a running JVM's classpath."""
+def _drop_jvm_without(*jars: str) -> None:
+    """End this process's idle Spark JVM if it was launched without one of ``jars`` (file name
+    prefixes), whoever started it (``stop()`` ends only those of sessions started here; a spark
+    driver's or another library's session may have launched it): the jars of a later session
+    never reach a running JVM's classpath, so Delta's catalog or S3A would be missing."""
     from pyspark import SparkContext
 
     gateway = SparkContext._gateway
     if gateway is None or SparkContext._active_spark_context is not None:
         return
-    if "hadoop-aws-" not in (gateway.jvm.java.lang.System.getProperty("spark.jars") or ""):
+    launched = gateway.jvm.java.lang.System.getProperty("spark.jars") or ""
+    if any(jar not in launched for jar in jars):
         _end_jvm()
 
 
