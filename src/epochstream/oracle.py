@@ -415,6 +415,28 @@ def _sink_lines(sink: Any, sink_root: Any) -> collections.Counter:
     return total
 
 
+class _SinkProgress:
+    """One sink's committed output of epochs <= n against the reference's output so far, as
+    encoded lines; both grow epoch by epoch (strict and recorded-order checks share it)."""
+
+    def __init__(self, sink: Any, folder: Any) -> None:
+        self.by_epoch = _sink_lines_by_epoch(sink, folder)
+        self.encoder = sink.encoder
+        self.got: collections.Counter[str] = collections.Counter()
+        self.want: collections.Counter[str] = collections.Counter()
+        self.seen_epoch = 0
+        self.seen_out = 0
+
+    def advance(self, epoch: int, reference: list[Any]) -> tuple[collections.Counter[str], collections.Counter[str]]:
+        """(committed, expected) up to ``epoch``, given the reference's records so far."""
+        for e in sorted(e for e in self.by_epoch if self.seen_epoch < e <= epoch):
+            self.got.update(self.by_epoch[e])
+        self.seen_epoch = max(self.seen_epoch, epoch)
+        self.want.update(_encoded(reference[self.seen_out:], self.encoder))
+        self.seen_out = len(reference)
+        return self.got, self.want
+
+
 def _lines_by_epoch(sink_root: Any) -> dict[int, collections.Counter]:
     reader = _committed(sink_root)
     out: dict[int, collections.Counter] = {}
@@ -556,15 +578,9 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
                 report.note(f"sink {uid}: lost {rec}")
             for rec in list(dup)[:3]:
                 report.note(f"sink {uid}: duplicated or unexpected {rec}")
-    by_epoch = {uid: _sink_lines_by_epoch(pipeline.sinks[uid], folder) for uid, folder in sinks.items()}
+    progress = {uid: _SinkProgress(pipeline.sinks[uid], folder) for uid, folder in sinks.items()}
     loops = pipeline.plan().loops
     ref = Reference(pipeline)
-    # reference output so far, as JSON lines
-    want_out: dict[str, collections.Counter[str]] = {uid: collections.Counter() for uid in sinks}
-    seen_out = {uid: 0 for uid in sinks}
-    # committed output of epochs <= n
-    got_out: dict[str, collections.Counter[str]] = {uid: collections.Counter() for uid in sinks}
-    seen_epoch = {uid: 0 for uid in sinks}
     for epoch in storage.list_checkpoints():
         manifest, root = storage.load_manifest(epoch)
         offsets = {uid: {int(k): int(v) for k, v in s["offsets"].items()} for uid, s in manifest["sources"].items()}
@@ -586,14 +602,7 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
                                         f"reference {w.get(key)!r}")
         if exactly_once:
             for uid in sinks:
-                got = got_out[uid]
-                for e in sorted(e for e in by_epoch[uid] if seen_epoch[uid] < e <= epoch):
-                    got.update(by_epoch[uid][e])
-                seen_epoch[uid] = max(seen_epoch[uid], epoch)
-                recs = ref.sinks.get(uid, [])
-                want_out[uid].update(_encoded(recs[seen_out[uid]:], pipeline.sinks[uid].encoder))
-                seen_out[uid] = len(recs)
-                want = want_out[uid]
+                got, want = progress[uid].advance(epoch, ref.sinks.get(uid, []))
                 if completion_out.get(uid):  # what the records in transit at the cut go on to emit
                     got = got + _encoded(completion_out[uid], pipeline.sinks[uid].encoder)
                 if got != want:
@@ -730,16 +739,12 @@ def check_run_recorded(pipeline, logs: dict[str, str], storage, sink_root: Any,
     """
     sinks = {uid: sink_root / uid for uid in pipeline.sinks}
     orders = read_orders(sink_root, logs)
-    by_epoch = {uid: _sink_lines_by_epoch(pipeline.sinks[uid], folder) for uid, folder in sinks.items()}
+    progress = {uid: _SinkProgress(pipeline.sinks[uid], folder) for uid, folder in sinks.items()}
     loops = pipeline.plan().loops
     loop_uids = {lp.uid for lp in loops}
     ref = Reference(pipeline)
     for uid in orders:
         ref.follow(uid, [])  # gate from the start: nothing runs before the log says so
-    got_out: dict[str, collections.Counter[str]] = {uid: collections.Counter() for uid in sinks}
-    want_out: dict[str, collections.Counter[str]] = {uid: collections.Counter() for uid in sinks}
-    seen_out = {uid: 0 for uid in sinks}
-    seen_epoch = {uid: 0 for uid in sinks}
     previous, logged = 0, 0
     for epoch in storage.list_checkpoints():
         manifest, root = storage.load_manifest(epoch)
@@ -770,14 +775,7 @@ def check_run_recorded(pipeline, logs: dict[str, str], storage, sink_root: Any,
                         report.note(f"epoch {epoch} {uid}.{name}[{key!r}]: committed {g.get(key)!r}, reference "
                                     f"in recorded order {w.get(key)!r}")
         for uid in sinks:
-            got = got_out[uid]
-            for e in sorted(e for e in by_epoch[uid] if seen_epoch[uid] < e <= epoch):
-                got.update(by_epoch[uid][e])
-            seen_epoch[uid] = max(seen_epoch[uid], epoch)
-            recs = ref.sinks.get(uid, [])
-            want_out[uid].update(_encoded(recs[seen_out[uid]:], pipeline.sinks[uid].encoder))
-            seen_out[uid] = len(recs)
-            want = want_out[uid]
+            got, want = progress[uid].advance(epoch, ref.sinks.get(uid, []))
             if got != want:
                 report.mismatched_epoch_output += 1
                 missing, extra = sum((want - got).values()), sum((got - want).values())

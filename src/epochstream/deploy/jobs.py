@@ -62,6 +62,16 @@ def listed() -> list[dict[str, Any]]:
     and, where it names a checkpoint dir, holds the lease there), ``dead`` (its process is
     gone, e.g. killed: the file was never removed) or ``orphaned`` (a live process that no
     longer holds its checkpoint dir's lease), and ``file``: the registry file."""
+    out = []
+    for info in _registered(unreadable=True):
+        info["status"] = _status(info)
+        out.append(info)
+    return out
+
+
+def _registered(unreadable: bool) -> list[dict[str, Any]]:
+    """Every registry file's content with its ``file``, oldest first; an unreadable file is
+    listed as a dead stub when ``unreadable``, else left out."""
     out: list[dict[str, Any]] = []
     folder = _jobs_dir()
     if not folder.is_dir():
@@ -70,9 +80,10 @@ def listed() -> list[dict[str, Any]]:
         try:
             info = json.loads(path.read_text())
         except (OSError, ValueError):
+            if not unreadable:
+                continue
             info = {"id": path.stem, "name": "?", "pid": -1}
         info["file"] = str(path)
-        info["status"] = _status(info)
         out.append(info)
     return sorted(out, key=lambda i: i.get("started_at", 0))
 
@@ -104,18 +115,7 @@ def prune() -> list[dict[str, Any]]:
 
 def running() -> list[dict[str, Any]]:
     """Jobs whose driver process is alive, oldest first."""
-    out: list[dict[str, Any]] = []
-    folder = _jobs_dir()
-    if not folder.is_dir():
-        return out
-    for path in folder.glob("*.json"):
-        try:
-            info = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if _alive(int(info.get("pid", -1))):
-            out.append(info)
-    return sorted(out, key=lambda i: i.get("started_at", 0))
+    return [info for info in _registered(unreadable=False) if _alive(int(info.get("pid", -1)))]
 
 
 def resolve(job_or_endpoint: str) -> tuple[str, str | None]:
