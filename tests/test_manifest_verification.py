@@ -142,7 +142,7 @@ damages = st.one_of(
 )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(damage=damages)
 def test_a_damaged_manifest_restores_exactly_or_is_refused(failed_job, tmp_path_factory, damage):
     outcome, value = restore_copy(failed_job, tmp_path_factory.mktemp("case") / "job", damage)

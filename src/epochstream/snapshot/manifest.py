@@ -217,12 +217,16 @@ def validate_manifest(m: Any, where: str) -> dict[str, Any]:
         raise CheckpointError(f"{where}: not an epochstream checkpoint manifest")
     version = m.get("format_version")
     if not isinstance(version, int) or not OLDEST_READABLE_VERSION <= version <= FORMAT_VERSION:
-        if isinstance(version, int) and version > FORMAT_VERSION:
+        if CHECKSUM in m and m[CHECKSUM] != content_checksum(m):
+            why = "its checksum does not match its content, so the file is damaged"
+        elif isinstance(version, int) and version > FORMAT_VERSION:
             why = "it was written by a newer epochstream"
         elif isinstance(version, int):
             why = "it is older than the oldest format this epochstream can migrate"
+        elif version is None:
+            why = "the file lacks format_version, so it is damaged"
         else:
-            why = "the version is not an integer"
+            why = "the version is not an integer, so the file is damaged"
         raise CheckpointError(
             f"{where}: manifest format version {version!r} is not supported ({why}; this epochstream reads "
             f"versions {OLDEST_READABLE_VERSION} to {FORMAT_VERSION}); nothing was restored or changed"
