@@ -719,3 +719,41 @@ class PacedSource(CollectionSource):
     def read(self, split: int, offset: int, count: int):
         time.sleep(self.pause)
         return super().read(split, offset, count)
+
+
+def _paced_record(keys: int, delay: float):
+    """``_gen_record`` that sleeps ``delay`` seconds per record (a source slower than its consumers)."""
+    gen = _gen_record(keys, 0)
+
+    def paced(i: int) -> tuple[str, int]:
+        if delay:
+            time.sleep(delay)
+        return gen(i)
+
+    return paced
+
+
+def _sleeping(delay: float):
+    """map: the record unchanged after ``delay`` seconds (a deliberately slow stage)."""
+
+    def slow(record: Any) -> Any:
+        if delay:
+            time.sleep(delay)
+        return record
+
+    return slow
+
+
+def paced(*, n: int = 10**9, keys: int = 7, out=None, source_delay: float = 0.0, sink_delay: float = 0.0,
+          **knobs: Any) -> Pipeline:
+    """generate (``source_delay`` s per record) -> key_by -> map "slow" (``sink_delay`` s per record)
+    -> sink "paced": with ``sink_delay`` the last chain is the bottleneck and its upstream is
+    backpressured; with ``source_delay`` the source is, and nothing downstream waits on output."""
+    p = make_pipeline("paced", **knobs)
+    (
+        p.generate(_paced_record(keys, source_delay), count=n, uid="gen")
+        .key_by(_key)
+        .map(_sleeping(sink_delay), name="slow")
+        .sink(_sink(out, "paced"), uid="paced-out")
+    )
+    return p

@@ -107,6 +107,7 @@ def _new_driver(pipeline, deployment: str, storage, seed: int, parallelism: int 
 
 
 def _result(pipeline, deployment: str, storage, driver, seconds: float):
+    from ..ui.model import task_metrics
     from .result import JobResult
 
     latest = storage.list_checkpoints()
@@ -128,6 +129,8 @@ def _result(pipeline, deployment: str, storage, driver, seconds: float):
             # seconds from the start of the first attempt (after driver set-up such as Spark warm-up)
             "run_seconds": driver.clock(),
             "service_traffic": driver.traffic.as_dict(),
+            # per task: rows in and out, rates, busy / backpressured / idle ms/s (multi-process drivers)
+            "tasks": task_metrics(driver.meters.as_dict()) if hasattr(driver, "meters") else {},
             "deployment": deployment,
             "parallelism": driver.plan.parallelism,
             "mode": pipeline.mode,

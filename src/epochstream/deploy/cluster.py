@@ -24,11 +24,12 @@ import time
 from multiprocessing.connection import wait
 from typing import Any, Iterator
 
+from ..runtime.meters import RunMeters
 from ..snapshot.manifest import CheckpointError
 from ..tracker.traffic import ServiceTraffic
 from ..ui.app import Dashboard
 from ..ui.graph import job_graph
-from ..ui.model import dashboard
+from ..ui.model import dashboard, task_metrics
 from ..ui.offline import checkpoint_rows
 from . import jobs as _jobs
 from .attempt import AttemptController, CaptureFull
@@ -113,6 +114,8 @@ class ClusterDriver(Driver):
         self._armed: tuple[float, int, str, str] | None = None
         self._attempt_killed = False
         self._liveness = HeartbeatMonitor(self.pipeline.heartbeat)
+        #: every task's counters from its worker's heartbeats (``runtime.meters``)
+        self.meters = RunMeters()
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -184,6 +187,7 @@ class ClusterDriver(Driver):
             "aborted-epochs": sum(1 for e in self.epoch_log if e.get("state") == "aborted"),
             "failovers": self.failover_log[-50:], "recovery-seconds": self.recovery_seconds[-50:],
             "kills": self.kill_log[-50:], "traffic": traffic.as_dict()["by_kind"],
+            "task-metrics": task_metrics(self.meters.as_dict()),
         }
 
     def _dashboard(self) -> Dashboard:
@@ -293,14 +297,15 @@ class ClusterDriver(Driver):
         c = self._controller = self.new_attempt(restored, attempt, time.monotonic(), self.deployment, traffic,
                                                 workers=len(group.conns), stop_at=self.deadline)
         self._liveness = HeartbeatMonitor(self.pipeline.heartbeat)
+        self.meters.new_attempt()  # the last attempt's counts stay in the run's totals
         launched = time.monotonic()
         for w in range(len(group.conns)):
             self._liveness.launched(w, launched)
         #: worker -> driver messages by type (each handler returns the controller's actions)
         on = {Ready: functools.partial(self._on_ready, c), Ack: functools.partial(self._on_ack, c),
               Decline: c.on_decline, Exhausted: c.on_exhausted, TrackerReport: c.on_tracker_report,
-              Stopped: c.on_stopped, Heartbeat: self._on_heartbeat, WorkerError: self._on_worker_error,
-              Fatal: self._on_fatal}
+              Stopped: functools.partial(self._on_stopped, c), Heartbeat: self._on_heartbeat,
+              WorkerError: self._on_worker_error, Fatal: self._on_fatal}
         try:
             while True:
                 now = time.monotonic()
@@ -382,7 +387,12 @@ class ClusterDriver(Driver):
 
     # -- worker -> driver messages the driver handles itself (the rest go to the controller)
     def _on_heartbeat(self, msg: Heartbeat, now: float) -> list[Any]:
+        self.meters.sample(msg.worker, msg.meters)
         return []
+
+    def _on_stopped(self, c: AttemptController, msg: Stopped, now: float) -> list[Any]:
+        self.meters.sample(msg.worker, msg.meters)  # the final counts, exact at the job's end
+        return c.on_stopped(msg, now)
 
     def _on_ready(self, c: AttemptController, msg: Ready, now: float) -> list[Any]:
         out = c.on_ready(msg, now)

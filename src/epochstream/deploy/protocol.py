@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..runtime.messages import TaskId
+from ..runtime.meters import WorkerSample
 from ..snapshot.manifest import AckInfo
 
 #: protocol moments a ``Die`` may wait for in the worker ("commit" is the driver's own)
@@ -90,20 +91,24 @@ class TrackerReport(_Message):
 
 @dataclass(frozen=True, slots=True)
 class Stopped(_Message):
-    """Worker ``worker`` left its loop after ``Stop``: the records its sources read and the
-    markers and watermarks it sent (service traffic)."""
+    """Worker ``worker`` left its loop after ``Stop``: the records its sources read, the
+    markers and watermarks it sent (service traffic) and its tasks' final counters."""
 
     worker: int
     records: int
     markers: int
     watermarks: int
+    meters: WorkerSample | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(_Message):
-    """Worker ``worker`` is alive and its loop turns (sent every heartbeat interval; ``liveness.py``)."""
+    """Worker ``worker`` is alive and its loop turns (sent every heartbeat interval; ``liveness.py``).
+    It carries the worker's task counters (``runtime.meters``): a periodic message that does
+    not wait for epochs, so rates and backpressure stay live while an epoch is stuck."""
 
     worker: int
+    meters: WorkerSample | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ from typing import Any, Callable
 
 from ..runtime.columns import from_ipc, to_ipc
 from ..runtime.messages import Batch, Marker, Send, Snapshot, SourceExhausted, Watermark
+from ..runtime.meters import LoopTimes, WorkerSample, task_key
 from ..snapshot.manifest import CheckpointError
 from .assembly import build_tasks
 from .liveness import DEFAULT_INTERVAL, HeartbeatSender
@@ -160,6 +161,11 @@ class PeerLink:
     def backlog(self) -> int:
         return self.queued - self.sent
 
+    @property
+    def stalled(self) -> bool:
+        """Data waits for credit (read without the lock: a measurement, not a decision)."""
+        return self.credit <= 0 and bool(self._data)
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -211,6 +217,17 @@ class WorkerLoop:
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = False
         self.records_in = 0
+        #: busy / backpressured / idle time per task (``runtime.meters``), sent with every heartbeat
+        self.keys = {tid: task_key(tid) for tid in self.tasks}
+        #: task -> the peer workers its output channels lead to (its output can wait for their credit)
+        self.out_peers = {tid: frozenset(self.channel_dst[c][1] for c in t.out_channels) - {index}
+                          for tid, t in self.tasks.items()}
+        local_down = {tid: frozenset(d for c in t.out_channels if (d := self.channel_dst[c]) in self.tasks)
+                      for tid, t in self.tasks.items()}
+        self.times = LoopTimes(self.tasks, time.monotonic(), local_down)
+        #: tasks that could not put out their output / that had work left, in the current round
+        self.blocked: frozenset[Any] = frozenset()
+        self.pending: frozenset[Any] = frozenset()
         #: chaos: (moment, pid to SIGKILL) asked for by the driver
         self.die_at: tuple[str, int] | None = None
         #: driver -> worker messages by type
@@ -260,7 +277,16 @@ class WorkerLoop:
             for t in threads + [link.thread for link in self.links.values()]:
                 t.join(timeout=5)
         self._results()
-        self.control.send(Stopped(self.index, self.records_in, self.markers_sent, self.watermarks_sent))
+        self.control.send(Stopped(self.index, self.records_in, self.markers_sent, self.watermarks_sent,
+                                  self.sample(time.monotonic())))
+
+    def sample(self, now: float) -> WorkerSample:
+        """Every task's counters now (``runtime.meters``): rows in and out, seconds busy,
+        backpressured and idle."""
+        times = self.times
+        return WorkerSample(now, {self.keys[tid]: (t.records_in, t.records_out, times.busy[tid],
+                                                   times.backpressured[tid], times.idle[tid])
+                                  for tid, t in self.tasks.items()})
 
     def _loop(self) -> None:
         self.control.send(Ready(self.index))
@@ -270,9 +296,12 @@ class WorkerLoop:
         lingering = self.pipeline.batch_linger > 0
         config = getattr(self.pipeline, "heartbeat", None)
         beat = HeartbeatSender(config.interval if config is not None else DEFAULT_INTERVAL, time.monotonic())
+        times, clock = self.times, time.monotonic
         while not self.stopping:
-            if beat.due(time.monotonic()):  # from the loop itself: a loop that stops turning goes silent
-                self.control.send(Heartbeat(self.index))
+            now = clock()
+            times.round_end(now, self.blocked, self.pending)  # the last round: its steps and its wait
+            if beat.due(now):  # from the loop itself: a loop that stops turning goes silent
+                self.control.send(Heartbeat(self.index, self.sample(now)))
             did = self._control()
             ready: list[Any] = wait(inbound, timeout=0) if inbound else []  # Connections: inbound holds no socket
             for conn in ready:
@@ -290,14 +319,18 @@ class WorkerLoop:
             for task in self.others:
                 # mailbox, NEOSS, triggers (loop heads), a restored loop log; or output whose linger is up
                 if task.has_input() or (lingering and (due := task.flush_deadline()) is not None and due <= now):
-                    self._handle(task.step(time.monotonic(), STEP_BUDGET))
+                    began = clock()
+                    self._handle(task.step(began, STEP_BUDGET))
+                    times.worked(task.id, clock() - began)
                     did = True
             throttled = self.pressured or bool(self.peer_pressure)
             for task in self.sources:
                 if task.triggers or not task.exhausted_reported:
                     had_triggers = bool(task.triggers)
                     before = task.records_in
-                    self._handle(task.step(time.monotonic(), batch, read_source=not throttled))
+                    began = clock()
+                    self._handle(task.step(began, batch, read_source=not throttled))
+                    times.worked(task.id, clock() - began)
                     got = task.records_in - before
                     self.records_in += got
                     did = did or got > 0 or had_triggers
@@ -305,6 +338,9 @@ class WorkerLoop:
             self._results()
             self._pressure()
             self._credit()
+            self.blocked = self._blocked(throttled)
+            self.pending = frozenset(tid for tid, t in self.tasks.items()
+                                     if t.mailbox or (t.reader is not None and t.reader.has_more()))
             timeout = 0.002
             if self.tracker is not None:
                 now = time.monotonic()
@@ -394,6 +430,17 @@ class WorkerLoop:
             except queue.Empty:
                 return
             self.control.send(res)
+
+    def _blocked(self, throttled: bool) -> frozenset[Any]:
+        """Tasks whose output cannot leave now: sources with input left while the loop throttles
+        them, and tasks with an output channel to a peer whose link waits for credit. Flow
+        control itself is unchanged: this only reads its state."""
+        stalled = {p for p, link in self.links.items() if link.stalled}
+        if not (throttled or stalled):
+            return frozenset()
+        return frozenset(tid for tid, t in self.tasks.items()
+                         if (throttled and t.reader is not None and t.reader.has_more())
+                         or not stalled.isdisjoint(self.out_peers[tid]))
 
     def _credit(self) -> None:
         """Hand back credits (in halves of the window, so not one message per envelope),

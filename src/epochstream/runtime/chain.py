@@ -54,7 +54,7 @@ class OutputBuffers:
     channel's FIFO order: rows buffered before a RecordBatch move into ``columns`` ahead of it.
     """
 
-    __slots__ = ("records", "keys", "columns")
+    __slots__ = ("records", "keys", "columns", "rows_out")
 
     def __init__(self, channels: list[int], keyed: set[int]) -> None:
         self.records: dict[int, list[Any]] = {c: [] for c in channels}
@@ -63,6 +63,8 @@ class OutputBuffers:
         #: buffered before each as ``(rows, keys)``; only channels with such output are present
         #: (rows appended to ``records`` afterwards follow all of it)
         self.columns: dict[int, list[Any]] = {}
+        #: rows drained into batches so far (a task's numRecordsOut to its channels; ``runtime.meters``)
+        self.rows_out = 0
 
     def add_columns(self, channel: int, batch: Any) -> None:
         segments = self.columns.get(channel)
@@ -86,9 +88,11 @@ class OutputBuffers:
             if columns and ch in columns:
                 for records, keys in _merged(columns.pop(ch)):
                     out.append((ch, Batch(epoch, records, keys, 0, time)))
+                    self.rows_out += len(records)
             if recs:
                 keys = self.keys[ch]
                 out.append((ch, Batch(epoch, recs, keys, 0, time)))
+                self.rows_out += len(recs)
                 self.records[ch] = []
                 if keys is not None:
                     self.keys[ch] = []
@@ -144,6 +148,8 @@ class ChainRuntime:
         self.operator_states: dict[str, OperatorStateBackend] = {}
         #: per sink uid: the writer collecting this subtask's output of the current epoch
         self.sink_writers: dict[str, Any] = {}
+        #: rows this subtask's sinks took (with ``out.rows_out``, its numRecordsOut; ``runtime.meters``)
+        self.records_sunk = 0
         self.functions: list[tuple[Any, Any]] = []  # (user fn, ctx) to open/close
         self.contexts: list[Any] = []
         #: keyed functions with an ``on_epoch_end`` hook: (fn, ctx, downstream push, label)
@@ -354,6 +360,7 @@ class ChainRuntime:
             write_batch = getattr(writer, "write_batch", None)
 
             def op_sink(records: Any, keys: list[Any] | None) -> None:
+                self.records_sunk += len(records)
                 try:
                     if type(records) is list:
                         write(records)
@@ -512,6 +519,11 @@ class ChainRuntime:
                 fn.close()
             except Exception:
                 pass
+
+    @property
+    def records_out(self) -> int:
+        """Rows put out: drained onto output channels or taken by this chain's sinks."""
+        return self.out.rows_out + self.records_sunk
 
     def set_epoch(self, epoch: int) -> None:
         for ctx in self.contexts:

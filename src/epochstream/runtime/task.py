@@ -157,6 +157,11 @@ class Task:
         return self.reader.offsets if self.reader is not None else {}
 
     @property
+    def records_out(self) -> int:
+        """Rows this task put out so far (channels and sinks; ``runtime.meters``)."""
+        return self.chain.records_out
+
+    @property
     def time_log(self) -> deque[tuple[int, float]]:
         return self.clock.time_log
 

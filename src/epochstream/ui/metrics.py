@@ -16,6 +16,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..tracker.traffic import NEOSS_KIND, PROMISE, REPORT
+from .model import BACKPRESSURE_LEVELS
+
+#: backpressure levels in the order of their gauge's values
+LEVELS = [level for _bound, level in BACKPRESSURE_LEVELS]
 
 P = "epochstream_"
 #: the content type Prometheus expects for the text format
@@ -82,12 +86,7 @@ class JobCollector(Collector):
             for task, t in sorted((last or {}).get("tasks", {}).items()):
                 fam.add_metric([task], conv(t.get(key, 0)))
             yield fam
-        rates = GaugeMetricFamily(P + "task_numRecordsInPerSecond",
-                                  "Records/s a source task read between the last two completed epochs", labels=["task"])
-        for task, series in sorted(d["task_rates"].items()):
-            if series and series[-1] is not None:
-                rates.add_metric([task], series[-1])
-        yield rates
+        yield from self._task_io(d)
         traffic = d["traffic"]
         msgs = CounterMetricFamily(P + "serviceMessages", "Service messages by kind (markers, reports, NEOSS, ...)",
                                    labels=["kind"])
@@ -100,6 +99,42 @@ class JobCollector(Collector):
         for kind, name in ((REPORT, "reports"), (PROMISE, "promises"), (NEOSS_KIND, "neoss")):
             yield CounterMetricFamily(P + "tracker_" + name, f"trAcker {kind} messages of this run",
                                       value=traffic.get(kind, {}).get("messages", 0))
+
+
+    @staticmethod
+    def _task_io(d: dict[str, Any]) -> Iterator[Metric]:
+        """Flink's task IO metrics (its reporter's ``task`` scope), from the workers' counters;
+        a job without them (offline) gives the source tasks' input rates between epochs."""
+        live = d.get("task_metrics") or {}
+        families: list[tuple[str, str, str]] = [
+            ("numRecordsIn", "Rows the task took in (read from its source or received) over the run", "records_in"),
+            ("numRecordsOut", "Rows the task put out (to its output channels and its sinks) over the run",
+             "records_out"),
+            ("numRecordsInPerSecond", "Rows/s the task took in over the last window", "records_in_per_second"),
+            ("numRecordsOutPerSecond", "Rows/s the task put out over the last window", "records_out_per_second"),
+            ("busyTimeMsPerSecond", "Milliseconds per second the task was working", "busy_ms_per_second"),
+            ("backPressuredTimeMsPerSecond", "Milliseconds per second the task could not put out its output "
+             "(throttled, or waiting for a link's credit)", "backpressured_ms_per_second"),
+            ("idleTimeMsPerSecond", "Milliseconds per second the task had nothing to do", "idle_ms_per_second"),
+        ]
+        for name, doc, key in families:
+            fam = GaugeMetricFamily(P + "task_" + name, doc, labels=["task"])
+            if live:
+                for task, m in live.items():
+                    if m.get(key) is not None:
+                        fam.add_metric([task], float(m[key]))
+            elif name == "numRecordsInPerSecond":
+                for task, series in sorted(d["task_rates"].items()):
+                    if series and series[-1] is not None:
+                        fam.add_metric([task], series[-1])
+            yield fam
+        level = GaugeMetricFamily(P + "task_backPressureLevel",
+                                  "Flink's backpressure level of the task: 0 OK (<= 10% of the time backpressured), "
+                                  "1 LOW (<= 50%), 2 HIGH", labels=["task"])
+        for task, m in live.items():
+            if m.get("backpressure") is not None:
+                level.add_metric([task], float(LEVELS.index(m["backpressure"])))
+        yield level
 
 
 def registry_for(doc: Callable[[], dict[str, Any]]) -> CollectorRegistry:

@@ -3,7 +3,9 @@
 ``dashboard(status, graph, checkpoints)`` turns a job's published status (live: the
 driver's ``JobControl``; offline: ``offline.status_from_manifests``) into rows the page
 plots: one per epoch (phases, per-task alignment or hold, bytes, input), per-task input
-rates, service traffic by kind and the restarts. Pure: no I/O, no clock.
+rates, service traffic by kind and the restarts. Live jobs add every task's throughput and
+backpressure (``task_metrics``, from the workers' counters: ``runtime.meters``). Pure: no
+I/O, no clock.
 """
 
 from __future__ import annotations
@@ -73,6 +75,44 @@ def task_rates(rows: list[dict[str, Any]]) -> dict[str, list[float | None]]:
     return out
 
 
+#: Flink's backpressure levels by the share of time blocked on output: up to 10% OK, up to 50% LOW
+BACKPRESSURE_LEVELS = ((0.10, "OK"), (0.50, "LOW"), (1.0, "HIGH"))
+
+
+def backpressure_level(ratio: float) -> str:
+    """``OK``, ``LOW`` or ``HIGH`` for the share of time (0..1) a task was backpressured."""
+    for bound, level in BACKPRESSURE_LEVELS:
+        if ratio <= bound:
+            return level
+    return "HIGH"
+
+
+def task_metrics(meters: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Task -> Flink's IO metrics from ``RunMeters.as_dict()``: ``records_in``/``records_out``
+    (rows over the run), their rates and the busy / backpressured / idle milliseconds per second
+    over the last window, and the backpressure level (rates and shares None before a task's
+    worker reported twice). The shares add up to 1000 ms/s: each is taken over the time the
+    worker accounted, not over its clock, so a late round never makes them exceed a second."""
+    out: dict[str, dict[str, Any]] = {}
+    for task, m in meters.items():
+        row: dict[str, Any] = {"records_in": m["records_in"], "records_out": m["records_out"],
+                               "records_in_per_second": None, "records_out_per_second": None,
+                               "busy_ms_per_second": None, "backpressured_ms_per_second": None,
+                               "idle_ms_per_second": None, "backpressure": None, "window_seconds": None}
+        w = m.get("window")
+        if w:
+            row["window_seconds"] = w["seconds"]
+            row["records_in_per_second"] = w["records_in"] / w["seconds"]
+            row["records_out_per_second"] = w["records_out"] / w["seconds"]
+            accounted = w["busy_seconds"] + w["backpressured_seconds"] + w["idle_seconds"]
+            if accounted > 0:
+                for key in ("busy", "backpressured", "idle"):
+                    row[f"{key}_ms_per_second"] = 1000.0 * w[f"{key}_seconds"] / accounted
+                row["backpressure"] = backpressure_level(w["backpressured_seconds"] / accounted)
+        out[task] = row
+    return out
+
+
 def dashboard(status: dict[str, Any], graph: dict[str, Any] | None, checkpoints: list[dict[str, Any]],
               live: bool = True) -> dict[str, Any]:
     """The page's data: job summary, graph, epochs, checkpoints, rates, traffic, restarts."""
@@ -108,6 +148,7 @@ def dashboard(status: dict[str, Any], graph: dict[str, Any] | None, checkpoints:
         "epochs": rows,
         "checkpoints": checkpoints,
         "task_rates": rates,
+        "task_metrics": status.get("task-metrics", {}),
         "traffic": status.get("traffic", {}),
         "restarts": restarts,
     }
