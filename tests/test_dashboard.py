@@ -2,6 +2,9 @@
 (fast: simulator runs, the HTTP server on 127.0.0.1 in-process).
 
 - ``ui.model``: per-task input rates from source offsets and manifest times;
+- ``runtime.meters``: a loop's wall time split into busy / backpressured / idle per task, the
+  driver's run totals and window, and ``task_metrics`` (rates, ms/s, Flink's OK/LOW/HIGH), on
+  ``/metrics`` with Flink's task IO names; rows (not batches) counted in and out, in the simulator;
 - offline (``epochstream ui``): the data the page plots equals what the manifests hold, in
   both modes; the page and its vendored uPlot are served, nothing outside the asset list is;
 - ``/metrics`` parses as Prometheus text and its counters equal the manifests';
@@ -22,8 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.rest import offline_server
-from epochstream.ui.model import dashboard, task_rates
-from pipelines import running_count, sim_run, without_fsync
+from epochstream.runtime.meters import LoopTimes, RunMeters, WorkerSample
+from epochstream.ui.app import Dashboard
+from epochstream.ui.model import backpressure_level, dashboard, task_metrics, task_rates
+from pipelines import histogram, running_count, sim_run, without_fsync
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,6 +77,80 @@ def test_dashboard_document_of_a_status():
     assert d["job"]["last_epoch"] == 2 and d["job"]["last_epoch_seconds"] == 0.9 and d["job"]["committed_records"] == 7
     assert d["epochs"][1]["manifest_seconds"] == 0.25
     assert d["restarts"] == [{"time": 1.5, "reason": "worker 0 died", "recovery_seconds": 0.25}]
+
+
+def test_loop_time_is_split_into_busy_backpressured_and_idle():
+    src, down, other = (0, 0), (1, 0), (2, 0)
+    t = LoopTimes([src, down, other], now=10.0, downstream={src: frozenset({down})})
+    # round 1: the source works 1 s, its consumer 3 s, while the source still has input: the
+    # consumer's 3 s are the source's backpressure, the unrelated task is idle the whole round
+    t.worked(src, 1.0)
+    t.worked(down, 3.0)
+    t.round_end(14.0, blocked=frozenset(), pending={src})
+    assert (t.busy[src], t.backpressured[src], t.idle[src]) == (1.0, 3.0, 0.0)
+    assert (t.busy[down], t.backpressured[down], t.idle[down]) == (3.0, 0.0, 1.0)
+    assert (t.busy[other], t.backpressured[other], t.idle[other]) == (0.0, 0.0, 4.0)
+    # round 2: throttled (blocked) for a whole 2 s round; no input left for the consumer: idle
+    t.round_end(16.0, blocked={src})
+    assert (t.backpressured[src], t.idle[down]) == (5.0, 3.0)
+    # round 3: pending but the consumer did not run: the wait is idle, not backpressure
+    t.worked(src, 0.5)
+    t.round_end(17.0, blocked=frozenset(), pending={src})
+    assert (t.busy[src], t.backpressured[src], t.idle[src]) == (1.5, 5.0, 0.5)
+    for task in (src, down, other):  # the invariant: the shares add up to the wall time
+        assert t.busy[task] + t.backpressured[task] + t.idle[task] == pytest.approx(7.0)
+
+
+def test_run_meters_keep_run_totals_and_a_window_and_rate_it_like_flink():
+    m = RunMeters(window=5.0)
+    m.sample(0, WorkerSample(100.0, {"0.0": (0, 0, 0.0, 0.0, 0.0)}))
+    assert task_metrics(m.as_dict())["0.0"]["records_in_per_second"] is None  # one report: no window yet
+    for i in range(1, 11):  # 100 rows/s in, 50 out; 0.2 s busy, 0.7 s backpressured, 0.1 s idle per second
+        m.sample(0, WorkerSample(100.0 + i, {"0.0": (100 * i, 50 * i, 0.2 * i, 0.7 * i, 0.1 * i)}))
+    row = task_metrics(m.as_dict())["0.0"]
+    assert (row["records_in"], row["records_out"]) == (1000, 500)
+    assert 5.0 <= row["window_seconds"] <= 6.0 and row["records_in_per_second"] == pytest.approx(100.0)
+    assert row["records_out_per_second"] == pytest.approx(50.0)
+    assert (row["busy_ms_per_second"], row["backpressured_ms_per_second"], row["idle_ms_per_second"]) == \
+        pytest.approx((200.0, 700.0, 100.0))
+    assert row["backpressure"] == "HIGH"
+    m.new_attempt()  # a failover: the next attempt's workers count from 0, the run's totals do not go back
+    m.sample(0, WorkerSample(3.0, {"0.0": (7, 7, 0.0, 0.0, 1.0)}))
+    assert m.as_dict()["0.0"]["records_in"] == 1007 and "window" not in m.as_dict()["0.0"]
+    assert [backpressure_level(r) for r in (0.0, 0.1, 0.11, 0.5, 0.51, 1.0)] == ["OK", "OK", "LOW", "LOW", "HIGH",
+                                                                                  "HIGH"]
+
+
+def test_task_io_metrics_have_flinks_names():
+    meters = RunMeters()
+    meters.sample(1, WorkerSample(0.0, {"1.1": (0, 0, 0.0, 0.0, 0.0)}))
+    meters.sample(1, WorkerSample(2.0, {"1.1": (40, 20, 1.9, 0.0, 0.1)}))
+    status = {"state": "RUNNING", "mode": "aligned", "epochs": [], "task-metrics": task_metrics(meters.as_dict())}
+    doc = dashboard(status, None, [])
+    assert doc["task_metrics"]["1.1"]["busy_ms_per_second"] == pytest.approx(950.0)
+    m = metrics(Dashboard(lambda: doc).page(["metrics"])[2].decode())
+    task = (("task", "1.1"),)
+    assert m[("epochstream_task_numRecordsIn", task)] == 40 and m[("epochstream_task_numRecordsOut", task)] == 20
+    assert m[("epochstream_task_numRecordsInPerSecond", task)] == 20.0
+    assert m[("epochstream_task_numRecordsOutPerSecond", task)] == 10.0
+    assert m[("epochstream_task_busyTimeMsPerSecond", task)] == pytest.approx(950.0)
+    assert m[("epochstream_task_backPressuredTimeMsPerSecond", task)] == 0.0
+    assert m[("epochstream_task_idleTimeMsPerSecond", task)] == pytest.approx(50.0)
+    assert m[("epochstream_task_backPressureLevel", task)] == 0.0  # OK
+
+
+def test_rows_not_batches_are_counted_in_the_simulator(tmp_path):
+    # columnar: blocks of 16 rows go out as Arrow batches; each row counts, in and out, per task
+    p = histogram(n=400, keys=5, out=tmp_path / "out", parallelism=2, columnar=True)
+    r = sim_run(p, tmp_path / "chk", seed=1)
+    tasks = r.metrics["tasks"]
+    sources = {k: v for k, v in tasks.items() if k.startswith("0.")}
+    rest = {k: v for k, v in tasks.items() if not k.startswith("0.")}
+    assert len(sources) == len(rest) == 2
+    assert sum(v["records_in"] for v in sources.values()) == sum(v["records_out"] for v in sources.values()) \
+        == r.records_in == 400
+    # the histogram emits one row per row into its sink (numRecordsOut of a sink task: rows it took)
+    assert sum(v["records_in"] for v in rest.values()) == sum(v["records_out"] for v in rest.values()) == 400
 
 
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])

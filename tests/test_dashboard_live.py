@@ -2,7 +2,10 @@
 
 - ``/metrics`` scraped while the job runs only grows, and once the job stopped (over REST,
   with the token the CLI reads from the job registry) its counters equal the ``JobResult``
-  (local driver in both modes, spark driver in tracker mode);
+  (local driver in both modes, spark driver in tracker mode), the per-task rows in and out
+  of every task too (sources, and the keyed stage and sink: the committed output's rows);
+- a deliberately slow stage (a map that sleeps) shows its upstream backpressured (HIGH) and
+  itself busy, and the same pipeline with a slow source instead shows every task OK;
 - a real headless Chromium (Debian's ``chromium`` through its ``chromedriver``; scripts/setup.sh)
   opens the dashboard of a running job in each mode, waits for epochs, checks the numbers on
   the page against the REST JSON fetched around the page's own refresh, switches between the
@@ -26,17 +29,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epochstream.deploy import jobs
 from epochstream.deploy.rest import RestClient, offline_server
-from pipelines import histogram
+from pipelines import committed_output, histogram, paced
 
 pytestmark = pytest.mark.slow
 
 
 @contextlib.contextmanager
-def live_job(tmp_path, mode: str, deployment: str = "local", **options):
+def live_job(tmp_path, mode: str, deployment: str = "local", pipeline=None, **options):
     """A job (local driver unless told) in a thread; yields (endpoint, job id, outcome dict with "result").
     Its generated input never ends first (10^9 records, made as read): the test stops it over REST."""
-    p = histogram(n=10**9, keys=7, out=tmp_path / "out", parallelism=2, max_parallelism=16, mode=mode,
-                  interval=0.15)
+    p = pipeline or histogram(n=10**9, keys=7, out=tmp_path / "out", parallelism=2, max_parallelism=16, mode=mode,
+                              interval=0.15)
     started = threading.Event()
     info: dict = {}
     outcome: dict = {}
@@ -105,6 +108,13 @@ def test_metrics_during_a_run_match_the_job_result(tmp_path, monkeypatch, deploy
             assert values == sorted(values), (key, values)  # scraped while running: never goes back
         assert seen[-1]["epochstream_numRecordsIn"] > 0
         assert any(k.startswith("epochstream_task_numRecordsInPerSecond{") for k in seen[-1])
+        # every task's rows, live from the workers' heartbeats: the keyed stage's as well as the sources'
+        wait_for(lambda: (seen.append(scrape(endpoint)) or seen[-1].get("epochstream_task_numRecordsIn{task=1.0}", 0)
+                          > 0), "the keyed stage's rows in /metrics", every=0.2)
+        for key in [k for k in seen[-1] if k.startswith(("epochstream_task_numRecordsIn{",
+                                                          "epochstream_task_numRecordsOut{"))]:
+            values = [s[key] for s in seen if key in s]
+            assert values == sorted(values), (key, values)
         final, stop = stop_and_scrape(endpoint, job_id)
         assert stop["status"]["id"] == "COMPLETED"
     assert "error" not in outcome, outcome.get("error")
@@ -122,6 +132,21 @@ def test_metrics_during_a_run_match_the_job_result(tmp_path, monkeypatch, deploy
     last = [e for e in r.metrics["epochs"] if e["state"] == "completed"][-1]
     assert final["epochstream_lastCheckpointSize"] == last["bytes"]
     assert final["epochstream_lastCheckpointDuration"] == pytest.approx(1000 * last["trigger_to_commit_seconds"])
+    # per task: the workers' final counts (sent with Stopped), against the JobResult and the output
+    per_task = {name: {k.split("=")[1][:-1]: v for k, v in final.items() if k.startswith(f"epochstream_task_{name}{{")}
+                for name in ("numRecordsIn", "numRecordsOut")}
+    assert set(per_task["numRecordsIn"]) == set(r.metrics["tasks"]) == {"0.0", "0.1", "1.0", "1.1"}
+    for name, key in (("numRecordsIn", "records_in"), ("numRecordsOut", "records_out")):
+        assert per_task[name] == {t: m[key] for t, m in r.metrics["tasks"].items()}
+    sources, stage = ("0.0", "0.1"), ("1.0", "1.1")
+    assert sum(per_task["numRecordsIn"][t] for t in sources) == r.records_in
+    assert sum(per_task["numRecordsOut"][t] for t in sources) == r.records_in  # generate -> key_by: one row each
+    # the keyed stage took every row the completed epochs cover, and at most what was read (rows read after
+    # the final epoch's trigger may still be on their way when the workers stop); one histogram row per row
+    # into the sink, of which the completed epochs' are committed
+    stage_in = sum(per_task["numRecordsIn"][t] for t in stage)
+    assert len(committed_output(tmp_path / "out" / "hist")) == committed <= stage_in <= r.records_in
+    assert sum(per_task["numRecordsOut"][t] for t in stage) == stage_in
     by_kind = r.metrics["service_traffic"]["by_kind"]
     assert {k.split("=")[1][:-1]: v for k, v in final.items() if k.startswith("epochstream_serviceMessages_total{")} \
         == {k: t["messages"] for k, t in by_kind.items()}
@@ -131,6 +156,48 @@ def test_metrics_during_a_run_match_the_job_result(tmp_path, monkeypatch, deploy
         assert any(k.startswith("epochstream_tracker_holdTime{") for k in final)
     else:
         assert any(k.startswith("epochstream_checkpointAlignmentTime{") for k in final)
+
+
+@pytest.mark.parametrize("slow", ["sink", "source"])
+def test_a_slow_stage_backpressures_its_upstream(tmp_path, monkeypatch, slow):
+    """generate -> key_by -> map "slow" -> sink at p=2. A map sleeping 2 ms per record holds
+    the sources back: they show HIGH backpressure and the map's chain is busy; with the sleep in
+    the source instead, nothing waits on output and every task is OK. Judged by the shares of
+    time and Flink's levels (never by time values), from the REST JSON and /metrics."""
+    monkeypatch.setenv("EPOCHSTREAM_HOME", str(tmp_path / "home"))
+    p = paced(out=tmp_path / "out", parallelism=2, interval=0.5, sink_delay=0.002 if slow == "sink" else 0.0,
+              source_delay=0.001 if slow == "source" else 0.0)
+    with live_job(tmp_path, "aligned", pipeline=p) as (endpoint, job_id, outcome):
+        client = RestClient(endpoint)
+
+        def windows():  # every task's metrics once each has a window of 3 s or more
+            tasks = client.call("GET", f"/jobs/{job_id}")["task-metrics"]
+            ok = len(tasks) == 4 and all((m["window_seconds"] or 0) >= 3.0 for m in tasks.values())
+            return tasks if ok else None
+
+        tasks = wait_for(windows, "three seconds of every task's counters", every=0.5)
+        scraped = scrape(endpoint)
+        RestClient(endpoint, token=jobs.token_for(endpoint)).call("POST", f"/jobs/{job_id}/stop",
+                                                                   {"savepoint": False})
+    assert "error" not in outcome, outcome.get("error")
+    sources, stage = ("0.0", "0.1"), ("1.0", "1.1")
+    for t, m in tasks.items():  # Flink's shares: they add up to a second
+        shares = (m["busy_ms_per_second"], m["backpressured_ms_per_second"], m["idle_ms_per_second"])
+        assert sum(shares) == pytest.approx(1000.0) and min(shares) >= 0, (t, m)
+        level = scraped[f"epochstream_task_backPressureLevel{{task={t}}}"]
+        assert level == ["OK", "LOW", "HIGH"].index(m["backpressure"])
+    if slow == "sink":
+        assert [tasks[t]["backpressure"] for t in sources] == ["HIGH", "HIGH"], tasks
+        assert [tasks[t]["backpressure"] for t in stage] == ["OK", "OK"], tasks  # a sink waits on nobody
+        assert all(tasks[t]["busy_ms_per_second"] > tasks[t]["backpressured_ms_per_second"] for t in stage)
+        assert max(tasks[t]["busy_ms_per_second"] for t in stage) > 500, tasks  # the bottleneck works
+        assert all(tasks[t]["backpressured_ms_per_second"] > tasks[t]["busy_ms_per_second"] for t in sources)
+    else:
+        assert {m["backpressure"] for m in tasks.values()} == {"OK"}, tasks
+        assert all(tasks[t]["busy_ms_per_second"] > tasks[t]["idle_ms_per_second"] for t in sources), tasks
+        assert all(tasks[t]["idle_ms_per_second"] > tasks[t]["busy_ms_per_second"] for t in stage), tasks
+    for t in sources + stage:
+        assert scraped[f"epochstream_task_numRecordsOutPerSecond{{task={t}}}"] > 0
 
 
 # ---------------------------------------------------------------- the browser

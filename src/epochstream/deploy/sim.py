@@ -32,6 +32,7 @@ from ..runtime.messages import (
     TaskId,
     Watermark,
 )
+from ..runtime.meters import RunMeters, WorkerSample, task_key
 from ..runtime.task import Task
 from ..tracker.traffic import ServiceTraffic
 from .assembly import build_tasks
@@ -100,6 +101,8 @@ class SimDriver(Driver):
         self.tracking: Tracking | None = None
         self.controller: AttemptController | None = None
         self.tasks: dict[TaskId, Task] = {}
+        #: every task's rows in and out over the run (``runtime.meters``; no time shares: time is virtual)
+        self.meters = RunMeters()
 
     def clock(self) -> float:
         return self.now
@@ -117,6 +120,9 @@ class SimDriver(Driver):
         finally:  # a failed attempt's service messages were sent all the same
             self.traffic.merge(self.attempt_traffic)
             if run is not None:
+                self.meters.new_attempt()
+                self.meters.sample(0, WorkerSample(self.now, {task_key(tid): (t.records_in, t.records_out, 0.0, 0.0,
+                                                                              0.0) for tid, t in run.tasks.items()}))
                 self.bound_latency.extend(run.controller.bound_latency)
                 self.controller = run.controller
 
