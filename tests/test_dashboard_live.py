@@ -265,16 +265,28 @@ def test_dashboard_in_a_real_browser(tmp_path, monkeypatch, browser, mode):
         n = fetches(d)
         wait_for(lambda: fetches(d) >= n + 2, "the page to refresh twice")
         on_page = {k: page_number(d, k) for k in ("completed_epochs", "restarts", "parallelism")}
+        per_task = d.execute_script(  # task -> [records in, records out, backpressure], read in one script
+            "return Object.fromEntries([...document.querySelectorAll('#tasks tr')].slice(1).map((r) => "
+            "[r.cells[0].textContent, [Number(r.cells[2].textContent), Number(r.cells[3].textContent), "
+            "r.cells[9].textContent]]))")
         after = client.call("GET", f"/jobs/{job_id}")
         assert before["completed-epochs"] <= on_page["completed_epochs"] <= after["completed-epochs"]
         assert on_page["restarts"] == before["restarts"] == after["restarts"] == 0
         assert on_page["parallelism"] == after["parallelism"] == 2
+        # every task's rows on the page lie between the REST JSON's before and after (counters only grow)
+        assert set(per_task) == set(after["task-metrics"]) == {"0.0", "0.1", "1.0", "1.1"}
+        for t, (rows_in, rows_out, level) in per_task.items():
+            was, now = before["task-metrics"].get(t, {}), after["task-metrics"][t]
+            assert was.get("records_in", 0) <= rows_in <= now["records_in"], (t, rows_in, was, now)
+            assert was.get("records_out", 0) <= rows_out <= now["records_out"], (t, rows_out, was, now)
+            assert level in ("OK", "LOW", "HIGH")
+        assert per_task["1.0"][0] > 0  # the keyed stage's throughput, not only the sources'
         committed = client.call("GET", f"/jobs/{job_id}/checkpoints")["checkpoints"]
         shown = first_column(d, "checkpoints")  # tables are rebuilt every refresh: read them in one script
         assert shown and {int(e) for e in shown} <= \
             {c["epoch"] for c in committed} | set(range(1, after["completed-epochs"] + 1))
         assert len(d.find_elements("css selector", "#graph .chain")) == 2
-        assert len(d.find_elements("css selector", ".uplot")) == 6  # every chart drawn
+        assert len(d.find_elements("css selector", ".uplot")) == 8  # every chart drawn
         # the view of the job's own mode first, then the other, then back
         title = d.find_element("id", "t-per-task")
         own, other = ("tracker", "aligned") if mode == "tracker" else ("aligned", "tracker")

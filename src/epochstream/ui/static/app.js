@@ -4,6 +4,7 @@ const COLORS = ["#2b6cb0", "#dd6b20", "#2f855a", "#b83280", "#805ad5", "#c53030"
 const charts = {};
 const TRACKER_KINDS = ["report", "promise", "neoss", "tracker"];
 let view = null, last = null;
+const live = [];  // the live per-task samples this page has seen: {t, m: task_metrics}
 
 const $ = (id) => document.getElementById(id);
 const fmt = (v, d = 2) => v == null ? "-" : (typeof v === "number" ? (Number.isInteger(v) ? String(v) : v.toFixed(d)) : String(v));
@@ -16,13 +17,13 @@ function chart(id, labels, xs, ys, opts = {}) {
   if (charts[id] && charts[id].key === key) { charts[id].plot.setData(data); return; }
   if (charts[id]) charts[id].plot.destroy();
   const bars = opts.bars ? uPlot.paths.bars({size: [0.7, 40]}) : undefined;
-  const series = [{label: "epoch"}, ...labels.map((l, i) => ({
+  const series = [{label: opts.x || "epoch"}, ...labels.map((l, i) => ({
     label: l, stroke: COLORS[i % COLORS.length], width: bars ? 0 : 1.5,
     fill: bars ? COLORS[i % COLORS.length] : undefined, paths: bars, points: {show: !bars},
     value: opts.value ? ((u, v, si, idx) => opts.value(si - 1, idx)) : undefined,
   }))];
   const plot = new uPlot({width: Math.max(el.clientWidth || 560, 360), height: 220, series,
-    scales: {x: {time: false}}, axes: [{label: "epoch", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]}, {size: 60}], legend: {live: true}}, data, el);
+    scales: {x: {time: false}}, axes: [{label: opts.x || "epoch", incrs: opts.x ? undefined : [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]}, {size: 60}], legend: {live: true}}, data, el);
   charts[id] = {key, plot};
 }
 
@@ -85,6 +86,7 @@ function render(d) {
   chart("c-traffic", kinds, xs, kinds.map((k) => done.map((e) => (e.service_messages || {})[k] || 0)));
   chart("c-bytes", ["bytes"], xs, [done.map((e) => e.bytes)], {bars: true});
 
+  taskTable(d);
   const tk = Object.entries(d.traffic).filter(([k]) => tracker || !TRACKER_KINDS.includes(k));
   table("traffic", [["kind", "l"], ["messages"], ["bytes"]], tk.map(([k, t]) => [[k, "l"], [t.messages], [t.bytes]]));
   table("restarts", [["at (s)"], ["reason", "l"], ["recovery (s)"]],
@@ -98,6 +100,22 @@ function render(d) {
       [fmt(e.duration_seconds, 3)], [fmt(e.alignment_seconds_max, 4)], [fmt(e.bytes)], [e.reason || "", "err"]]));
   $("updated").textContent = (d.live ? "live, updated " : "finished job, read from its manifests at ") + new Date().toLocaleTimeString();
   document.body.dataset.epochs = String(done.length);
+}
+
+function taskTable(d) {
+  // throughput and backpressure per task (ui.model.task_metrics), a row per task, and its live charts
+  const names = {};
+  ((d.graph || {}).chains || []).forEach((c) => { names[c.id] = c.operators.map((o) => o.name).join(" → "); });
+  const tm = d.task_metrics || {}, ids = Object.keys(tm).sort();
+  table("tasks", [["task", "l"], ["operators", "l"], ["records in"], ["records out"], ["in/s"], ["out/s"],
+    ["busy ms/s"], ["backpressured ms/s"], ["idle ms/s"], ["backpressure", "l"]],
+    ids.map((t) => { const m = tm[t]; return [[t, "l"], [names[t.split(".")[0]] || "", "l"], [m.records_in], [m.records_out],
+      [fmt(m.records_in_per_second, 0)], [fmt(m.records_out_per_second, 0)], [fmt(m.busy_ms_per_second, 0)],
+      [fmt(m.backpressured_ms_per_second, 0)], [fmt(m.idle_ms_per_second, 0)], [m.backpressure || "-", "l bp-" + m.backpressure]]; }));
+  if (d.live && ids.length) { live.push({t: Date.now() / 1000, m: tm}); if (live.length > 300) live.shift(); }
+  const t0 = live.length ? live[0].t : 0, xs = live.map((s) => s.t - t0);
+  chart("c-task-out", ids, xs, ids.map((t) => live.map((s) => (s.m[t] || {}).records_out_per_second ?? null)), {x: "seconds"});
+  chart("c-task-bp", ids, xs, ids.map((t) => live.map((s) => (s.m[t] || {}).backpressured_ms_per_second ?? null)), {x: "seconds"});
 }
 
 function setView(v, redraw = true) {
