@@ -28,6 +28,13 @@ limit while it waits for credit), only sources are throttled, a loop head is not
 and the phantom channel (loop tail -> head) is a hand-over inside the worker. So a loop's
 feedback keeps moving while the sources pause, and it drains (ARCHITECTURE.md §6a).
 
+Metering (``runtime.meters``) only reads this: each turn of the loop is a round of
+``LoopTimes`` (the clock read around every task step), a task is backpressured for the rest
+of a round while it is throttled with input left, while a link its output goes to has data
+and no credit (``PeerLink.stalled``), or, with work left, while the loop runs its consumers
+in this worker. Rows in and out and the three times go to the driver on every heartbeat and
+with ``Stopped``.
+
 Columnar batches cross the wire as Arrow IPC (``ArrowFrame``), encoded in the link's sender
 thread and decoded on delivery; row batches are pickled as they are.
 
