@@ -112,6 +112,8 @@ function taskTable(d) {
     ids.map((t) => { const m = tm[t]; return [[t, "l"], [names[t.split(".")[0]] || "", "l"], [m.records_in], [m.records_out],
       [fmt(m.records_in_per_second, 0)], [fmt(m.records_out_per_second, 0)], [fmt(m.busy_ms_per_second, 0)],
       [fmt(m.backpressured_ms_per_second, 0)], [fmt(m.idle_ms_per_second, 0)], [m.backpressure || "-", "l bp-" + m.backpressure]]; }));
+  if (!ids.length) $("tasks").insertAdjacentHTML("beforeend", `<tr><td class="l" colspan="10">${d.live ?
+    "(waiting for the workers' first heartbeat)" : "(per-task counters come from a live job's workers)"}</td></tr>`);
   if (d.live && ids.length) { live.push({t: Date.now() / 1000, m: tm}); if (live.length > 300) live.shift(); }
   const t0 = live.length ? live[0].t : 0, xs = live.map((s) => s.t - t0);
   chart("c-task-out", ids, xs, ids.map((t) => live.map((s) => (s.m[t] || {}).records_out_per_second ?? null)), {x: "seconds"});
