@@ -104,7 +104,8 @@ class JobCollector(Collector):
     @staticmethod
     def _task_io(d: dict[str, Any]) -> Iterator[Metric]:
         """Flink's task IO metrics (its reporter's ``task`` scope), from the workers' counters;
-        a job without them (offline) gives the source tasks' input rates between epochs."""
+        where they have no rate yet (offline, or before a task's second heartbeat), a source
+        task's ``numRecordsInPerSecond`` is its input rate between the last two epochs."""
         live = d.get("task_metrics") or {}
         families: list[tuple[str, str, str]] = [
             ("numRecordsIn", "Rows the task took in (read from its source or received) over the run", "records_in"),
@@ -117,16 +118,15 @@ class JobCollector(Collector):
              "(throttled, or waiting for a link's credit)", "backpressured_ms_per_second"),
             ("idleTimeMsPerSecond", "Milliseconds per second the task had nothing to do", "idle_ms_per_second"),
         ]
+        between_epochs = {task: series[-1] for task, series in d["task_rates"].items()
+                          if series and series[-1] is not None}
         for name, doc, key in families:
             fam = GaugeMetricFamily(P + "task_" + name, doc, labels=["task"])
-            if live:
-                for task, m in live.items():
-                    if m.get(key) is not None:
-                        fam.add_metric([task], float(m[key]))
-            elif name == "numRecordsInPerSecond":
-                for task, series in sorted(d["task_rates"].items()):
-                    if series and series[-1] is not None:
-                        fam.add_metric([task], series[-1])
+            values = {task: m[key] for task, m in live.items() if m.get(key) is not None}
+            if name == "numRecordsInPerSecond":  # before a task's second heartbeat: its source's rate, if any
+                values = {**between_epochs, **values}
+            for task, value in sorted(values.items()):
+                fam.add_metric([task], float(value))
             yield fam
         level = GaugeMetricFamily(P + "task_backPressureLevel",
                                   "Flink's backpressure level of the task: 0 OK (<= 10% of the time backpressured), "
