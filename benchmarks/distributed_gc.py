@@ -313,6 +313,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({**common, "policy": "gc", "budget_keys": "", "ttl_s": "", "misses": gc["misses"],
                      "miss_ratio": gc["misses"] / len(reads), "mean_resident": round(gc["mean_resident"], 1),
                      "peak_resident": gc["peak_resident"]})
+        distinct = len({k for _t, k in reads})
+        rows.append({**common, "policy": "lru-unbounded", "budget_keys": distinct, "ttl_s": "", "misses": distinct,
+                     "miss_ratio": distinct / len(reads), "mean_resident": "", "peak_resident": distinct})
+        same = max(1, round(gc["mean_resident"]))
+        r = replay_lru(reads, same, None)
+        rows.append({**common, "policy": "lru-at-gc-mean-memory", "budget_keys": same, "ttl_s": "",
+                     "misses": r["misses"], "miss_ratio": r["misses"] / len(reads), "mean_resident": "",
+                     "peak_resident": same})
         for b in budgets:
             for ttl in [None, *ttls]:
                 r = replay_lru(reads, b, ttl)
@@ -333,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{reads_n:,} reads")
         print(f"  gc (trAcker key substreams): {gc['misses'] / reads_n:.4f}   memory: mean "
               f"{gc['mean_resident']:.0f} users, peak {gc['peak_resident']:,}")
+        eq = next(r for r in sel_c if r["policy"] == "lru-at-gc-mean-memory")
+        unb = next(r for r in sel_c if r["policy"] == "lru-unbounded")
+        print(f"  lru with gc's mean memory ({eq['budget_keys']:,} users): {eq['miss_ratio']:.4f} "
+              f"({eq['misses'] / max(1, gc['misses']):.2f}x gc's misses); unbounded memory (every user ever read "
+              f"misses once): {unb['miss_ratio']:.4f}")
         print(f"  {'budget (users)':>14} {'lru':>8} "
               + " ".join(f"{'ttl ' + format(t, 'g') + 's':>10}" for t in ttls) + f" {'lru / gc':>9}")
         for b in budgets:
