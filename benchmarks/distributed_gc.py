@@ -214,7 +214,12 @@ def _is_hit(v):
 def run_search(args, subscribers: list[np.ndarray], record_cost: float) -> Hub:
     hub = Hub(args)
     rng = np.random.default_rng(args.seed + 1)
-    roots = rng.integers(0, len(subscribers), size=int(args.rate * args.seconds)).tolist()
+    n = int(args.rate * args.seconds)
+    if args.roots == "uniform":
+        roots = rng.integers(0, len(subscribers), size=n).tolist()
+    else:  # in proportion to the follower count: the neighbourhoods people ask about are the big ones
+        deg = np.array([len(s) for s in subscribers], dtype=float) + 1.0
+        roots = rng.choice(len(subscribers), size=n, p=deg / deg.sum()).tolist()
     p = Pipeline("distributed-gc", parallelism=args.workers, mode="tracker", batch_size=64,
                  checkpoint=CheckpointConfig(interval=1.0, max_concurrent=1, num_retained=1))
     q = p.generate(lambda i: (i, roots[i]), count=len(roots), uid="queries", splits=1)
@@ -274,12 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gamma", type=float, default=2.2, help="power-law exponent of both degree weights")
     ap.add_argument("--max-degree", type=int, default=2000)
     ap.add_argument("--depth", type=int, default=2, help="hops of a neighbourhood query")
+    ap.add_argument("--roots", choices=("uniform", "popular"), default="uniform",
+                    help="query roots: uniform over users, or in proportion to their follower count + 1")
     ap.add_argument("--workers", type=int, default=4, help="paper: 4 nodes")
     ap.add_argument("--rate", type=float, default=20.0, help="queries/s (paper: 20)")
     ap.add_argument("--seconds", type=float, default=30.0, help="virtual seconds of queries")
     ap.add_argument("--flush-ms", type=float, default=5.0, help="local key trackers' flush interval")
     ap.add_argument("--agent-delay-ms", type=float, default=0.5, help="one-way delay to and from the agent")
-    ap.add_argument("--budgets", default="0.001,0.002,0.005,0.01,0.02,0.05,0.1",
+    ap.add_argument("--budgets", default="0.001,0.002,0.005,0.01,0.02,0.05,0.1,0.25,0.5",
                     help="LRU budgets as fractions of the users")
     ap.add_argument("--ttls", default="0.01,0.1,1", help="TTLs (seconds) for lru+ttl")
     ap.add_argument("--record-costs-us", default="2,200,1000",
@@ -301,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     gcs: dict[float, dict] = {}
     for cost_us in [float(c) for c in args.record_costs_us.split(",")]:
-        print(f"depth-{args.depth} neighbourhood queries, {args.rate:g}/s for {args.seconds:g} virtual s, "
+        print(f"depth-{args.depth} neighbourhood queries ({args.roots} roots), {args.rate:g}/s for "
+              f"{args.seconds:g} virtual s, "
               f"{args.workers} workers, {cost_us:g} us per record, simulator; load {os.getloadavg()[0]:.2f}")
         hub = run_search(args, subscribers, cost_us / 1e6)
         reads, frees = hub.reads, hub.frees
@@ -309,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({hub.agent.reports:,} key reports) [{time.perf_counter() - t0:.0f}s]")
         assert hub.agent.live_keys == 0, "every key's substream must end once the job has drained"
         gc = gcs[cost_us] = replay_gc(reads, frees)
-        common = {"record_cost_us": cost_us, "users": args.users, "depth": args.depth, "reads": len(reads)}
+        common = {"record_cost_us": cost_us, "users": args.users, "depth": args.depth, "roots": args.roots,
+                  "reads": len(reads)}
         rows.append({**common, "policy": "gc", "budget_keys": "", "ttl_s": "", "misses": gc["misses"],
                      "miss_ratio": gc["misses"] / len(reads), "mean_resident": round(gc["mean_resident"], 1),
                      "peak_resident": gc["peak_resident"]})
@@ -329,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                              "miss_ratio": r["misses"] / len(reads), "mean_resident": "", "peak_resident": b})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "distributed_gc_quick" if args.quick else "distributed_gc"
+    name = ("distributed_gc_quick" if args.quick else "distributed_gc") + ("" if args.roots == "uniform" else
+                                                                             f"_{args.roots}")
     with open(out / f"{name}.csv", "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()

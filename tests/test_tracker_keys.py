@@ -96,12 +96,12 @@ def _keys(data: st.DataObject) -> tuple[int, ...]:
     return tuple(sorted(data.draw(st.sets(st.integers(0, KEYS - 1), min_size=1, max_size=2))))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_a_key_is_free_exactly_when_no_message_of_it_is_in_flight(data: st.DataObject) -> None:
     w = World([LocalKeyTracker(p, flush_interval=None, flush_count=10**9) for p in range(PROCS)])
     frees = 0
-    for _ in range(data.draw(st.integers(5, 60))):
+    for _ in range(data.draw(st.integers(5, 40))):
         action = data.draw(st.sampled_from(["create", "process", "process", "flush", "deliver", "deliver"]))
         if action == "create":
             w.emit(data.draw(st.integers(0, PROCS - 1)), _keys(data), data.draw(st.integers(0, PROCS - 1)), None)
