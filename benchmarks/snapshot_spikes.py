@@ -19,9 +19,17 @@ For each, aligned (markers) and tracker (NEOSS) at each save duration. Paper (Fl
 blocking saves): the trAcker's spikes are 50-120 ms smaller than punctuations'. Costs: the
 simulator's defaults (5 us per step, 2 us per record), worker cores shared (``--cores``).
 
-Writes benchmarks/results/snapshot_spikes.csv and .png and prints the spikes. Not a test.
+``--driver local`` runs the same on the local driver: real worker processes (``--workers``,
+default 2 there), a paced source stamping each record with the host's monotonic clock, 1 s
+epochs of wall time, and the save delay injected into the storage layer
+(``LocalCheckpointStorage(save_delay=...)``: every state pre-commit sleeps that long in the
+worker's writer thread). Only epochstream's own (asynchronous) saves exist there. The probe's
+records go to a FileSink, so only committed epochs are counted.
 
-    python benchmarks/snapshot_spikes.py [--quick]
+Writes benchmarks/results/snapshot_spikes.csv and .png (``snapshot_spikes_local.*`` with
+``--driver local``) and prints the spikes. Not a test.
+
+    python benchmarks/snapshot_spikes.py [--quick] [--driver local]
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import csv
+import os
 import statistics
 import sys
 import tempfile
@@ -43,12 +52,15 @@ from sustainable_throughput import Clock, Stamp  # noqa: E402
 from epochstream import (  # noqa: E402
     CheckpointConfig,
     DiscardingSink,
+    FileSink,
     KeyedProcessFunction,
     Pipeline,
+    Source,
     TrackerConfig,
     ValueStateDescriptor,
 )
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
+from epochstream.deploy.local import LocalDriver  # noqa: E402
 from epochstream.deploy.sim import SimConfig, SimDriver  # noqa: E402
 
 MODES = ("aligned", "tracker")
@@ -105,40 +117,192 @@ def run(args, mode: str, save: float, discipline: str) -> dict:
     windows = sorted((e["triggered_at"], e["triggered_at"] + e["complete_seconds"])
                      for e in driver.controller.master.coordinator.stats()
                      if e["complete_seconds"] is not None and e["kind"] != "final")
+    return {"discipline": discipline, "mode": mode, "save_ms": save * 1000, "graph_size": args.graph_size,
+            "workers": args.workers, "rate": args.rate, "epochs": len(windows),
+            **_spikes(windows, log, warm=args.interval), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def _spikes(windows: list[tuple[float, float]], log: list[tuple[float, float]], warm: float) -> dict:
+    """p99 / max latency of records read inside a snapshot window, minus the median of the rest.
+
+    ``warm``: records read before it are skipped (start-up; the first epoch starts after one
+    interval)."""
     starts = [w[0] for w in windows]
 
     def inside(t: float) -> bool:
         i = bisect.bisect_right(starts, t) - 1
         return i >= 0 and t <= windows[i][1]
 
-    warm = args.interval  # the first epoch starts after one interval: skip the start-up
     inn = sorted(lat for t, lat in log if t > warm and inside(t))
     out = sorted(lat for t, lat in log if t > warm and not inside(t))
     steady = statistics.median(out) if out else float("nan")
     p99 = inn[min(len(inn) - 1, int(len(inn) * 0.99))] if inn else float("nan")
-    return {"discipline": discipline, "mode": mode, "save_ms": save * 1000, "graph_size": args.graph_size,
+    # the worst record of each epoch's window: its median over epochs is the typical epoch's spike
+    worst: dict[int, float] = {}
+    for t, lat in log:
+        i = bisect.bisect_right(starts, t) - 1
+        if t > warm and i >= 0 and t <= windows[i][1]:
+            worst[i] = max(worst.get(i, 0.0), lat)
+    typical = statistics.median(worst.values()) - steady if worst else float("nan")
+    return {"records_in_windows": len(inn), "records_outside": len(out), "steady_p50_ms": steady * 1000,
+            "spike_epoch_median_ms": typical * 1000,
+            "window_p99_ms": p99 * 1000, "window_max_ms": (inn[-1] if inn else float("nan")) * 1000,
+            "spike_p99_ms": (p99 - steady) * 1000, "spike_max_ms": ((inn[-1] if inn else steady) - steady) * 1000}
+
+
+# ---------------------------------------------------------------------------- the local driver
+class StampedPaced(Source):
+    """Unbounded records ``(i, monotonic time read)``, ``rate`` per second per split (wall clock)."""
+
+    def __init__(self, rate: float, num_splits: int) -> None:
+        self.rate = rate
+        self.num_splits = num_splits
+        self._t0: float | None = None
+
+    def split_length(self, split: int) -> None:
+        return None
+
+    def read(self, split: int, offset: int, count: int) -> list[tuple[int, float]]:
+        now = time.monotonic()
+        if self._t0 is None:
+            self._t0 = now
+        due = min(count, max(int((now - self._t0) * self.rate) - offset, 0))
+        return [((offset + j) * self.num_splits + split, now) for j in range(due)]
+
+
+class LocalProbe(KeyedProcessFunction):
+    """A running count per key (the saved state); emits (time read, source-to-here latency)."""
+
+    def open(self, ctx):
+        self.count = ctx.state(ValueStateDescriptor("count", default=0))
+
+    def process(self, r, ctx):
+        self.count.update(self.count.value() + 1)
+        return ((r[1], time.monotonic() - r[1]),)
+
+
+def run_local(args, mode: str, save: float) -> dict:
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="es-spikes-local-") as tmp:
+        sink = FileSink(os.path.join(tmp, "out"))
+        p = Pipeline(f"spikes-local-{mode}", parallelism=args.workers, mode=mode, batch_size=64,
+                     checkpoint=CheckpointConfig(interval=args.interval, max_concurrent=1, num_retained=1),
+                     tracker=TrackerConfig(aggregate=True, flush_interval=0.005, flush_count=1000))
+        s = p.from_source(StampedPaced(args.rate / args.workers, args.workers), uid="src")
+        for k in range(args.graph_size - 1):
+            s = s.key_by(_key).map(_identity, name=f"map{k}")
+        s.key_by(_key).process(LocalProbe(), uid="count").sink(sink, uid="sink")
+        driver = LocalDriver(p, LocalCheckpointStorage(os.path.join(tmp, "chk"), save_delay=save), seed=1,
+                             rest=False)
+        driver.run(None, False, args.seconds)
+        log = [(t, lat) for t, lat in sink.read()]  # both on the host's monotonic clock
+        assert driver.master is not None
+        windows = sorted((e["triggered_at"], e["triggered_at"] + e["complete_seconds"])
+                         for e in driver.master.coordinator.stats()
+                         if e["complete_seconds"] is not None and e["kind"] != "final")
+    # the first epoch is the warm-up (workers import their writers' libraries on its first save): skip
+    # everything read before it completed
+    warm, windows = (windows[0][1], windows[1:]) if windows else (float("inf"), windows)
+    return {"discipline": "async", "mode": mode, "save_ms": save * 1000, "graph_size": args.graph_size,
             "workers": args.workers, "rate": args.rate, "epochs": len(windows),
-            "records_in_windows": len(inn), "steady_p50_ms": steady * 1000, "window_p99_ms": p99 * 1000,
-            "window_max_ms": (inn[-1] if inn else float("nan")) * 1000,
-            "spike_p99_ms": (p99 - steady) * 1000, "spike_max_ms": ((inn[-1] if inn else steady) - steady) * 1000,
-            "wall_s": round(time.perf_counter() - t0, 1)}
+            **_spikes(windows, log, warm=warm), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def main_local(args, saves: list[float]) -> int:
+    runs = []
+    total, k = args.repeats * len(saves) * len(MODES), 0
+    for rep in range(args.repeats):  # repeats interleaved, so a burst of load hits every setting alike
+        for save in saves:
+            for mode in MODES:
+                k += 1
+                print(f"[{k}/{total}] local driver, saves of {save * 1000:g} ms, {mode} ({args.seconds:g} s) ...",
+                      end=" ", flush=True)
+                row = {**run_local(args, mode, save), "repeat": rep, "load_1min": round(os.getloadavg()[0], 1)}
+                runs.append(row)
+                print(f"steady p50 {row['steady_p50_ms']:.2f} ms, spike p99 {row['spike_p99_ms']:.1f} ms, "
+                      f"max {row['spike_max_ms']:.1f} ms, typical epoch {row['spike_epoch_median_ms']:.1f} ms over "
+                      f"{row['epochs']} epochs [{row['wall_s']}s, load {row['load_1min']}]")
+    # one row per setting: the median over repeats of every measure
+    measures = ("steady_p50_ms", "spike_p99_ms", "spike_max_ms", "spike_epoch_median_ms")
+    rows = []
+    for save in saves:
+        for mode in MODES:
+            sel = [r for r in runs if (r["save_ms"], r["mode"]) == (save * 1000, mode)]
+            rows.append({**sel[0], "repeat": "median", "epochs": sum(r["epochs"] for r in sel),
+                         "load_1min": statistics.median(r["load_1min"] for r in sel),
+                         **{m: statistics.median(r[m] for r in sel) for m in measures}})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "snapshot_spikes_local.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(runs + rows)
+    print(f"\nlatency spike inside snapshot windows (p99 / max minus steady p50, ms), RR-{args.graph_size}, "
+          f"local driver, {args.workers} workers, {args.rate:g} records/s, {args.interval:g} s epochs")
+    print(f"  median of {args.repeats} run(s) per setting; 'epoch' = the median over epochs of each window's worst "
+          f"record, minus the steady p50")
+    print(f"  {'save ms':>7}  {'aligned p50':>11} {'tracker p50':>11}  {'aligned p99':>11} {'tracker p99':>11}  "
+          f"{'aligned max':>11} {'tracker max':>11}  {'aligned epoch':>13} {'tracker epoch':>13}")
+    for save in saves:
+        a, t = (next(r for r in rows if (r["save_ms"], r["mode"]) == (save * 1000, m)) for m in MODES)
+        print(f"  {save * 1000:>7g}  {a['steady_p50_ms']:>11.2f} {t['steady_p50_ms']:>11.2f}  "
+              f"{a['spike_p99_ms']:>11.1f} {t['spike_p99_ms']:>11.1f}  {a['spike_max_ms']:>11.1f} "
+              f"{t['spike_max_ms']:>11.1f}  {a['spike_epoch_median_ms']:>13.1f} {t['spike_epoch_median_ms']:>13.1f}")
+    print("  paper (blocking saves, FlameStream): the trAcker's spikes are 50-120 ms smaller")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in MODES:
+        sel = [next(r for r in rows if (r["save_ms"], r["mode"]) == (s * 1000, mode)) for s in saves]
+        ax.plot([s * 1000 for s in saves], [r["spike_p99_ms"] for r in sel], marker="x", linestyle="--",
+                label=f"{mode} p99")
+        ax.plot([s * 1000 for s in saves], [r["spike_epoch_median_ms"] for r in sel], marker="o",
+                label=f"{mode} typical epoch")
+    ax.set_xlabel("persistent save duration (ms, injected in the storage layer)")
+    ax.set_ylabel("latency spike over steady p50 (ms)")
+    ax.set_title(f"RR-{args.graph_size}, local driver, {args.workers} workers, {args.rate:g} records/s, median of "
+                 f"{args.repeats}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "snapshot_spikes_local.png", dpi=120)
+    print(f"\nwrote {out / 'snapshot_spikes_local.csv'} and {out / 'snapshot_spikes_local.png'}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--driver", choices=("sim", "local"), default="sim",
+                    help="sim: the simulator; local: real worker processes")
     ap.add_argument("--graph-size", type=int, default=10, help="N of RR-N")
-    ap.add_argument("--workers", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=None, help="default 5 on the simulator, 2 locally")
     ap.add_argument("--cores", type=int, default=2)
-    ap.add_argument("--rate", type=float, default=5000.0, help="records/s, whole job")
+    ap.add_argument("--rate", type=float, default=None, help="records/s, whole job (default 5000 sim, 1000 local)")
     ap.add_argument("--interval", type=float, default=1.0, help="epoch interval, virtual seconds (paper: 1 s)")
-    ap.add_argument("--seconds", type=float, default=6.0, help="virtual seconds of input")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="seconds of input (virtual on the simulator; default 6, local 15)")
     ap.add_argument("--saves", default="0,0.05,0.1,0.2,0.5", help="save durations, seconds (paper: 0-500 ms)")
-    ap.add_argument("--quick", action="store_true", help="RR-5, 3 virtual seconds, saves 0, 0.1, 0.5")
+    ap.add_argument("--quick", action="store_true",
+                    help="RR-5; simulator: 3 virtual seconds, saves 0, 0.1, 0.5; local: 12 s per run, all saves")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="local driver: runs per setting, interleaved; the table shows medians (default 3)")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     saves = [float(x) for x in args.saves.split(",")]
+    local = args.driver == "local"
+    args.workers = args.workers or (2 if local else 5)
+    args.rate = args.rate or (1000.0 if local else 5000.0)
+    args.seconds = args.seconds or (15.0 if local else 6.0)
+    args.repeats = args.repeats or 3
     if args.quick:
-        args.graph_size, args.seconds, saves = 5, 3.0, [0.0, 0.1, 0.5]
+        args.graph_size = 5
+        args.seconds = 12.0 if local else 3.0
+        saves = saves if local else [0.0, 0.1, 0.5]
+    if local:
+        print(f"load {os.getloadavg()[0]:.2f} (1 min average) on {os.cpu_count()} cores")
+        return main_local(args, saves)
     rows = []
     total, k = len(DISCIPLINES) * len(MODES) * len(saves), 0
     for discipline in DISCIPLINES:

@@ -71,6 +71,18 @@ def test_state_file_round_trip(storage):
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left
 
 
+def test_a_save_delay_still_writes_the_same_state_file(tmp_path, monkeypatch):
+    slept: list[float] = []
+    monkeypatch.setattr("epochstream.backends.local.time.sleep", slept.append)
+    delayed = LocalCheckpointStorage(tmp_path / "chk", save_delay=0.25)
+    ref = write(delayed, epoch=3, attempt="x7")
+    assert slept == [0.25]  # one sleep per state save, of the configured length
+    assert rows_of(delayed.read_state(ref)) == ROWS
+    assert LocalCheckpointStorage(tmp_path / "chk2").save_delay == 0.0
+    with pytest.raises(ValueError, match="save_delay"):
+        LocalCheckpointStorage(tmp_path / "chk3", save_delay=-1)
+
+
 def test_empty_state_file_round_trip(storage):
     ref = write(storage, rows=[])
     assert ref.rows == 0

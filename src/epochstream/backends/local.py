@@ -13,10 +13,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Iterator
 
-from ..snapshot.manifest import CheckpointError
+from ..snapshot.manifest import CheckpointError, StateFileRef
+from .base import Row
 from .objects import (  # noqa: F401  (METADATA, STATE_SCHEMA: imported from here by callers)
     METADATA,
     STATE_SCHEMA,
@@ -163,13 +165,28 @@ class LocalObjects(ObjectStore):
 
 
 class LocalCheckpointStorage(ObjectCheckpointStorage):
-    """Checkpoint storage under one directory: begin/pre-commit/commit/abort/recover."""
+    """Checkpoint storage under one directory: begin/pre-commit/commit/abort/recover.
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    ``save_delay`` (seconds, default 0) makes every persistent save of a task's state (its
+    pre-commit) take that much longer, as a slower store would: the benchmark of paper 000's
+    Figure 12 varies it. The delay is a sleep in the thread that writes, so it costs the
+    writer time, not CPU.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], save_delay: float = 0.0) -> None:
         store = LocalObjects(root)
         if store.root.exists() and not store.root.is_dir():
             raise CheckpointError(f"checkpoint dir {store.root} exists and is not a directory")
+        if not save_delay >= 0:
+            raise ValueError(f"LocalCheckpointStorage: save_delay must be >= 0 seconds, got {save_delay!r}")
         super().__init__(store)
+        self.save_delay = float(save_delay)
+
+    def pre_commit(self, operator: str, subtask: int, epoch: int, attempt: str, rows: list[Row],
+                   key_group_range: tuple[int, int], full: bool) -> StateFileRef:
+        if self.save_delay:
+            time.sleep(self.save_delay)
+        return super().pre_commit(operator, subtask, epoch, attempt, rows, key_group_range, full)
 
     def __repr__(self) -> str:
         return f"LocalCheckpointStorage({str(self.root)!r})"

@@ -7,7 +7,9 @@ Pieces, each a plain state machine or pure function (no clocks, threads, I/O, ra
 - ``agent.TrackingAgent``: central; turns reports and source promises into NEOSS;
 - ``gate.FirmBoundGate``: one per task; holds records of later epochs until NEOSS;
 - ``traffic.ServiceTraffic``: service-message accounting shared with aligned mode;
-- ``messages``: the values exchanged (``Report``, ``Promise``, ``TrackerMessage``, ``NEOSS``).
+- ``messages``: the values exchanged (``Report``, ``Promise``, ``TrackerMessage``, ``NEOSS``);
+- ``keys``: per-key substreams (``LocalKeyTracker``, ``KeyTrackingAgent``, ``KeyFree``): when no in-flight
+  message references a key, for distributed garbage collection of keyed state.
 
 Data flow: task --snd/rcv--> LocalTracker --TrackerMessage (FIFO link)--> TrackingAgent
 --NEOSS (FIFO link per process)--> task's FirmBoundGate. Sources add ``promise``.
@@ -25,6 +27,7 @@ are dropped from the message.
 
 from .agent import TrackingAgent
 from .gate import FirmBoundGate
+from .keys import KeyFree, KeyMessage, KeyReport, KeyTrackingAgent, LocalKeyTracker
 from .local import BatchIds, LocalTracker
 from .messages import NEOSS, Promise, Report, TrackerMessage
 from .segments import Segmentation, SegmentError, build_segments, chain_graph, strongly_connected_components
@@ -34,6 +37,11 @@ __all__ = [
     "NEOSS",
     "BatchIds",
     "FirmBoundGate",
+    "KeyFree",
+    "KeyMessage",
+    "KeyReport",
+    "KeyTrackingAgent",
+    "LocalKeyTracker",
     "LocalTracker",
     "Promise",
     "Report",
