@@ -15,6 +15,8 @@ from typing import NamedTuple
 import pandas as pd
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyspark.errors import PySparkRuntimeError
 from pyspark.sql import Row
 from pyspark.sql.streaming import StatefulProcessor
@@ -691,6 +693,46 @@ def test_the_columnar_output_conversion_gives_what_the_row_path_gives(frame):
     want = convert(frames_to_records)
     got = convert(lambda *a: batches_to_records(frames_to_batches(*a), arrow_out))
     assert got == want
+
+
+_FRAMES = [
+    lambda: pd.DataFrame({"k": ["a"], "n": [1]}),
+    lambda: pd.DataFrame({"n": [2, 3], "k": ["b", None], "extra": [0.5, 1.5]}),  # other order, an extra column
+    lambda: pd.DataFrame({"k": ["c"], "n": [float("nan")]}),  # float: NaN is null
+    lambda: pd.DataFrame({"k": ["d"], "n": [2 ** 60 + 1]}),  # exact only if never made a float
+    lambda: pd.DataFrame({"k": ["e"], "n": [True]}),  # bool beside ints: object dtype when concatenated
+    lambda: pd.DataFrame([["f", 7]]),  # by position
+    lambda: pd.DataFrame({"k": pd.Series([], dtype=object), "n": pd.Series([], dtype="int64")}),  # empty
+    lambda: pd.DataFrame({"k": ["g"], "n": ["seven"]}),  # does not fit
+]
+
+
+@given(st.lists(st.integers(0, len(_FRAMES) - 1), max_size=8))
+@settings(max_examples=150, deadline=None)
+def test_frames_of_many_calls_convert_together_as_each_alone(picks):
+    """One input batch's output frames (one call per key) are converted together, as Spark's
+    serializer concatenates them; the records, and any error, are those of converting each
+    frame on its own."""
+    from epochstream.pyspark.schema import arrow_schema, batches_to_records, frames_to_batches, take_frames
+
+    schema = parse_schema("k string, n long")
+    arrow_out = arrow_schema(schema)
+
+    def outcome(fn):
+        try:
+            return fn()
+        except SchemaError as exc:
+            return str(exc)
+
+    def alone():
+        return batches_to_records([b for i in picks for b in frames_to_batches([_FRAMES[i]()], schema, arrow_out,
+                                                                               f"call {i}")], arrow_out)
+
+    def together():
+        pending = [x for i in picks for x in take_frames([_FRAMES[i]()], schema, arrow_out, f"call {i}")]
+        return batches_to_records(pending, arrow_out)
+
+    assert outcome(together) == outcome(alone)
 
 
 def test_ddl_schemas_parse_without_a_jvm():

@@ -45,13 +45,14 @@ from .schema import (
     as_dicts,
     batches_to_records,
     concat_output,
-    frames_to_batches,
     group_state_row,
     has_map,
+    named_row,
     pandas_groups,
     rows_to_records,
     state_tuple,
     struct_schema,
+    take_frames,
     to_pandas,
     to_python,
 )
@@ -214,7 +215,7 @@ class _Keyed:
     def key_of(self, record: Any) -> tuple:
         if isinstance(record, dict):
             return tuple(record[c] for c in self.key_columns)
-        if isinstance(record, Row) and hasattr(record, "__fields__"):
+        if named_row(record):
             return tuple(record[c] for c in self.key_columns)
         if self.input_schema is not None:
             names = self.input_schema.names
@@ -462,7 +463,7 @@ class TransformWithState(_Keyed):
             ctx.set_current_key(key)
             result = handle_rows(key, iter([pdf]), tv)
             if result is not None:
-                batches.extend(frames_to_batches(result, self.output_schema, self._arrow_out, label))
+                batches.extend(take_frames(result, self.output_schema, self._arrow_out, label))
         self._fire_timers(batches)
         return self._emit(batches)
 
@@ -484,7 +485,7 @@ class TransformWithState(_Keyed):
         """What one user call yielded: RecordBatches (pandas mode) or records (Row mode)."""
         label = f"{self.label}.{what}"
         if self.rows == "pandas":
-            return frames_to_batches(result, self.output_schema, self._arrow_out, label)
+            return take_frames(result, self.output_schema, self._arrow_out, label)
         return rows_to_records(result, self.output_schema, label)
 
     def _emit(self, out: list[Any]) -> Any:
@@ -702,8 +703,8 @@ class ApplyInPandasWithState(_Keyed):
             valueSchema=self.state_schema,
         )
         result = self.func(key, data, gs)
-        records = [] if result is None else frames_to_batches(result, self.output_schema, self._arrow_out,
-                                                              self.label)
+        records = [] if result is None else take_frames(result, self.output_schema, self._arrow_out,
+                                                        self.label)
         # write back as FlatMapGroupsWithStateExec does
         new_timeout = int(gs._timeout_timestamp)
         if gs._removed and new_timeout == GroupState.NO_TIMESTAMP:

@@ -9,7 +9,7 @@ pandas through Arrow, as PySpark's Arrow serializers move them between the JVM a
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 from pyspark.sql.types import (
     ArrayType,
@@ -182,7 +182,7 @@ def to_python(v: Any) -> Any:
     if hasattr(v, "to_pytimedelta"):
         return v.to_pytimedelta()
     if isinstance(v, Row):
-        if hasattr(v, "__fields__"):
+        if named_row(v):
             return Row(**{k: to_python(x) for k, x in v.asDict().items()})
         return Row(*[to_python(x) for x in v])
     if isinstance(v, tuple) and hasattr(v, "_fields"):  # a NamedTuple takes its fields positionally
@@ -192,6 +192,14 @@ def to_python(v: Any) -> Any:
     if isinstance(v, dict):
         return {to_python(k): to_python(x) for k, x in v.items()}
     return v
+
+
+def named_row(v: Any) -> bool:
+    """Whether ``v`` is a Row with field names (``Row(a=1)``, not ``Row(1)``). Not by
+    ``hasattr``: an unnamed Row's ``__getattr__`` raises a PySparkAttributeError whose message
+    is formatted from Spark's error catalogue, which made every ``GroupState.update`` (it
+    stores ``Row(*value)``) cost tens of microseconds."""
+    return isinstance(v, Row) and "__fields__" in getattr(v, "__dict__", ())
 
 
 def _plain(v: Any, dtype: DataType, what: str) -> Any:
@@ -205,7 +213,7 @@ def _plain(v: Any, dtype: DataType, what: str) -> Any:
         fields = dtype.fields
         if isinstance(v, dict):
             items = [v.get(f.name) for f in fields]
-        elif isinstance(v, Row) and hasattr(v, "__fields__"):
+        elif named_row(v):
             d = v.asDict()
             items = [d.get(f.name) for f in fields]
         elif isinstance(v, (tuple, list)):  # tuples, NamedTuples, unnamed Rows: by position
@@ -289,7 +297,7 @@ def column_getter(record: Any, input_schema: StructType | None):
     """How to read named columns from a record: dicts and Rows by name, tuples by position."""
     if isinstance(record, dict):
         return lambda r, c: r[c]
-    if isinstance(record, Row) and hasattr(record, "__fields__"):
+    if named_row(record):
         return lambda r, c: r[c]
     if isinstance(record, (tuple, list)) and input_schema is not None:
         index = {f.name: i for i, f in enumerate(input_schema.fields)}
@@ -303,7 +311,7 @@ def as_dicts(records: Sequence[Any], input_schema: StructType | None) -> list[di
     first = records[0]
     if isinstance(first, dict):
         return records  # type: ignore[return-value]
-    if isinstance(first, Row) and hasattr(first, "__fields__"):
+    if named_row(first):
         return [r.asDict() for r in records]
     if input_schema is None:
         raise SchemaError("tuple records need input_schema=... to name their columns")
@@ -435,6 +443,107 @@ def frames_to_records(frames: Iterable[Any], schema: StructType, arrow_out, what
     return out
 
 
+class Frame(NamedTuple):
+    """A frame a user call yielded, checked (named columns, each label once, the schema's
+    columns present) but not yet converted. ``batches_of`` converts the frames of one input
+    batch together, as Spark's serializer does: it concatenates a batch's output frames
+    (``pd.concat``) and converts them once, instead of paying the per-frame cost of an Arrow
+    conversion for every key's one-row frame."""
+
+    df: Any
+    schema: StructType
+    what: str
+    #: column labels and dtypes: only frames that agree are concatenated (pandas would make
+    #: an int column beside a float one float, and 2**60 + 1 would not survive)
+    layout: tuple
+
+
+def take_frames(frames: Iterable[Any], schema: StructType, arrow_out, what: str) -> list[Any]:
+    """Consume what a user call yielded (its code runs now, in its own phase): ``Frame``s
+    for frames whose columns match by name, RecordBatches for the rest (matched by position,
+    or a label twice), converted at once as ``frames_to_batches`` does. Errors name ``what``."""
+    import pandas as pd
+
+    out: list[Any] = []
+    names = schema.names
+    for df in frames:
+        if not isinstance(df, pd.DataFrame):
+            raise SchemaError(f"{what} must yield pandas DataFrames, got {type(df).__name__}")
+        if len(df) == 0:
+            continue
+        labels = df.columns
+        if all(isinstance(c, str) for c in labels) and labels.is_unique:
+            missing = [n for n in names if n not in labels]
+            if missing:
+                raise SchemaError(f"{what}: output frame lacks column(s) {missing} of schema {schema.simpleString()}")
+            out.append(Frame(df, schema, what, _layout(df)))
+        else:
+            out.extend(frames_to_batches([df], schema, arrow_out, what))
+    return out
+
+
+def _layout(df: Any) -> tuple:
+    """A frame's column labels and dtypes. From pandas' block manager where it has one:
+    ``df[name].dtype`` makes a Series per column, which for a one-row frame costs about as
+    much as the user's own ``pd.DataFrame(...)`` call."""
+    get_dtypes = getattr(getattr(df, "_mgr", None), "get_dtypes", None)
+    if get_dtypes is not None:
+        return tuple(df.columns.tolist()), tuple(get_dtypes().tolist())
+    return tuple(df.columns.tolist()), tuple(df.dtypes.tolist())
+
+
+def batches_of(items: list[Any], arrow_out) -> list[Any]:
+    """``take_frames`` output -> RecordBatches of ``arrow_out``, in order: each run of
+    ``Frame``s of the same dtypes concatenated and converted once. A run that does not convert
+    as a whole is converted frame by frame, so the result and any error are those of
+    ``frames_to_batches``."""
+    import warnings
+
+    import pandas as pd
+
+    if not any(type(it) is Frame for it in items):
+        return items
+    out: list[Any] = []
+    run: list[Frame] = []
+
+    def flush() -> None:
+        if len(run) > 1:
+            with warnings.catch_warnings():  # all-NA columns: the dtype is the schema's anyway
+                warnings.simplefilter("ignore", FutureWarning)
+                merged = pd.concat([f.df for f in run], ignore_index=True, copy=False)
+            try:
+                out.append(_frame_batch(merged, run[0].schema, arrow_out, run[0].what))
+            except SchemaError:
+                out.extend(_frame_batch(f.df, f.schema, arrow_out, f.what) for f in run)
+        elif run:
+            out.append(_frame_batch(run[0].df, run[0].schema, arrow_out, run[0].what))
+        run.clear()
+
+    for it in items:
+        if type(it) is Frame:
+            if run and it.layout != run[0].layout:
+                flush()
+            run.append(it)
+        else:
+            flush()
+            out.append(it)
+    flush()
+    return out
+
+
+def _frame_batch(df: Any, schema: StructType, arrow_out, what: str) -> Any:
+    """A frame with the schema's columns by name -> one RecordBatch, column by column with
+    the conversion ``Table.from_pandas(df, schema=arrow_out)`` applies to each column."""
+    import pyarrow as pa
+
+    try:
+        arrays = [pa.array(df[n], type=f.type, from_pandas=True, safe=True)
+                  for n, f in zip(schema.names, arrow_out, strict=True)]
+        return pa.RecordBatch.from_arrays(arrays, schema=arrow_out)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as exc:
+        raise SchemaError(f"{what}: output does not fit schema {schema.simpleString()}: {exc}") from exc
+
+
 def frames_to_batches(frames: Iterable[Any], schema: StructType, arrow_out, what: str) -> list[Any]:
     """``frames_to_records`` for the columnar path: the frames as RecordBatches of ``arrow_out``
     (one per non-empty frame), made column by column with the conversion
@@ -467,7 +576,8 @@ def frames_to_batches(frames: Iterable[Any], schema: StructType, arrow_out, what
                 out.extend(pa.Table.from_pylist(frames_to_records([df], schema, arrow_out, what),
                                                 schema=arrow_out).to_batches())
                 continue
-            columns = [df[n] for n in names]
+            out.append(_frame_batch(df, schema, arrow_out, what))
+            continue
         try:
             arrays = [pa.array(c, type=f.type, from_pandas=True, safe=True) for c, f in zip(columns, fields,
                                                                                            strict=True)]
@@ -484,7 +594,8 @@ def batches_to_records(batches: list[Any], arrow_out) -> list[dict]:
 
     if not batches:
         return []
-    records: list[dict] = pa.Table.from_batches(batches, schema=arrow_out).to_pylist(maps_as_pydicts="strict")
+    table = pa.Table.from_batches(batches_of(batches, arrow_out), schema=arrow_out)
+    records: list[dict] = table.to_pylist(maps_as_pydicts="strict")
     return records
 
 
@@ -509,6 +620,7 @@ def concat_output(batches: list[Any], arrow_out, columnar: bool) -> Any:
         return batches_to_records(batches, arrow_out)
     if not batches:
         return []
+    batches = batches_of(batches, arrow_out)
     return batches[0] if len(batches) == 1 else pa.concat_batches(batches)
 
 
@@ -517,7 +629,7 @@ def rows_to_records(rows: Iterable[Any], schema: StructType, what: str) -> list[
     out: list[dict] = []
     names = schema.names
     for r in rows:
-        if isinstance(r, Row) and hasattr(r, "__fields__"):
+        if named_row(r):
             d = r.asDict()
         elif isinstance(r, dict):
             d = r
