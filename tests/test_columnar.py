@@ -302,6 +302,20 @@ def test_columnar_records_in_a_loop_go_round_as_rows(tmp_path):
     assert got == sorted(v - 7 * (v // 7 + 1) for v in range(50))
 
 
+def test_map_columns_reach_row_operators_as_dicts(tmp_path):
+    """A map column of a columnar source reaches a row function as a dict (as Spark and pandas
+    give it), not as Arrow's list of key-value pairs."""
+    tags = pa.array([[("a", i), ("b", -i)] for i in range(20)], pa.map_(pa.string(), pa.int64()))
+    data = pa.table({"id": list(range(20)), "tags": tags})
+    p = make_pipeline("maps", parallelism=2)
+    (p.from_arrow(data, uid="src")
+     .map(lambda r: {"id": r["id"], "a": r["tags"]["a"], "kind": type(r["tags"]).__name__})
+     .sink(FileSink(tmp_path / "out"), uid="out"))
+    sim_run(p, tmp_path / "chk", seed=5)
+    got = sorted((r["id"], r["a"], r["kind"]) for r in committed_output(tmp_path / "out"))
+    assert got == [(i, i, "dict") for i in range(20)]
+
+
 @pytest.mark.parametrize("where", ["map_batches", "process_batches"])
 def test_a_columnar_function_returning_something_else_names_the_operator(tmp_path, where):
     p = make_pipeline("bad-return", parallelism=1, restart_attempts=0)

@@ -46,7 +46,6 @@ from .schema import (
     batches_to_records,
     concat_output,
     group_state_row,
-    has_map,
     named_row,
     pandas_groups,
     rows_to_records,
@@ -350,8 +349,9 @@ class TransformWithState(_Keyed):
         self.time_mode = mode
         self.output_mode = str(output_mode).lower()
         self.rows = rows
-        #: pandas output leaves as one RecordBatch per input batch (records when a map is in it)
-        self._columnar_out = rows == "pandas" and not has_map(self.output_schema)
+        #: pandas output leaves as one RecordBatch per input batch (rows made of it downstream
+        #: carry maps as dicts, ``runtime.columns.to_rows``)
+        self._columnar_out = rows == "pandas"
         #: event-time timers fire from the trAcker's time bounds where the pipeline has them
         self.uses_event_time = mode == "eventtime"
 
@@ -599,7 +599,7 @@ class ApplyInPandasWithState(_Keyed):
             raise ValueError("EventTimeTimeout needs event_time=<column> (Spark: withWatermark on the input)")
         self.func = func
         self.label = getattr(func, "__name__", "func")
-        self._columnar_out = not has_map(self.output_schema)
+        self._columnar_out = True
         self.state_schema = struct_schema(state_schema, "state schema")
         self.output_mode = str(output_mode).lower()
         self.timeout_conf = timeout_conf

@@ -612,8 +612,7 @@ def has_map(dtype: DataType) -> bool:
 
 def concat_output(batches: list[Any], arrow_out, columnar: bool) -> Any:
     """The output of one input batch: one RecordBatch of ``arrow_out`` (``columnar``), or
-    records when the output schema has a map (rows made downstream of a RecordBatch would
-    carry maps as key-value pairs, not the dicts Spark gives)."""
+    records (Row mode)."""
     import pyarrow as pa
 
     if not columnar:

@@ -29,7 +29,7 @@ from ..graph.keygroups import (
 )
 from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, Chain, ColumnKey, Node, PhysicalPlan
-from .columns import as_record_batch, concat, even_slices, from_rows, key_columns, keys_of, split_by_code
+from .columns import as_record_batch, concat, even_slices, from_rows, key_columns, keys_of, split_by_code, to_rows
 from .context import Context
 from .errors import SchemaError, UserFunctionError
 from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
@@ -217,7 +217,7 @@ class ChainRuntime:
                     if by_columns is not None:
                         by_columns(records)
                         return
-                    records = records.to_pylist()  # a key function takes rows: make them once per batch
+                    records = to_rows(records)  # a key function takes rows: make them once per batch
                 ks: list[Any] = []
                 add_key = ks.append
                 try:
@@ -290,7 +290,7 @@ class ChainRuntime:
         if kind == OpKind.LOOP_TAIL:
             def loop_tail(records: Any, keys: list[Any] | None) -> None:
                 # what goes round a loop travels as rows: the loop head logs records one by one
-                push(records if type(records) is list else records.to_pylist(), keys)
+                push(records if type(records) is list else to_rows(records), keys)
 
             return loop_tail
         if kind == OpKind.LOOP_HEAD:
@@ -306,7 +306,7 @@ class ChainRuntime:
 
             def op_map(records: Any, keys: list[Any] | None) -> None:
                 if type(records) is not list:
-                    records = records.to_pylist()
+                    records = to_rows(records)
                 out: list[Any] = []
                 add = out.append
                 try:
@@ -321,7 +321,7 @@ class ChainRuntime:
 
             def op_filter(records: Any, keys: list[Any] | None) -> None:
                 if type(records) is not list:
-                    records = records.to_pylist()
+                    records = to_rows(records)
                 out: list[Any] = []
                 r: Any = None
                 try:
@@ -338,7 +338,7 @@ class ChainRuntime:
 
             def op_flat_map(records: Any, keys: list[Any] | None) -> None:
                 if type(records) is not list:
-                    records = records.to_pylist()
+                    records = to_rows(records)
                 out: list[Any] = []
                 extend = out.extend
                 r: Any = None
@@ -367,7 +367,7 @@ class ChainRuntime:
                     elif write_batch is not None:
                         write_batch(records)
                     else:
-                        write(records.to_pylist())
+                        write(to_rows(records))
                 except SchemaError as exc:
                     raise SchemaError(f"sink {label!r}: {exc}") from None
                 except Exception as exc:
@@ -433,7 +433,7 @@ class ChainRuntime:
         def op_process(records: Any, keys: list[Any] | None) -> None:
             if type(records) is not list:  # columnar: keys from the key columns, rows once per batch
                 keys = keys_of(records, key_fn, where) if isinstance(key_fn, ColumnKey) else None
-                records = records.to_pylist()
+                records = to_rows(records)
             if keys is None:  # fed directly by a source in tests, or columnar with a key function
                 keys = [key_of(r) for r in records]
             out: list[Any] = []
@@ -471,7 +471,7 @@ class ChainRuntime:
                 if whole:
                     keys = None
                 else:
-                    records = records.to_pylist()
+                    records = to_rows(records)
                     keys = [key_of(r) for r in records]
             elif keys is None:
                 keys = [key_of(r) for r in records]

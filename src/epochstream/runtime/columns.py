@@ -26,8 +26,10 @@ def is_columnar(records: Any) -> bool:
 
 
 def to_rows(batch: Any) -> list[Any]:
-    """The rows of a RecordBatch as dicts (column name -> Python value)."""
-    rows: list[Any] = batch.to_pylist()
+    """The rows of a RecordBatch as dicts (column name -> Python value), map values as dicts
+    as Spark and pandas users get them (Arrow's default is a list of key-value pairs); a map
+    with a key twice is an error, as Spark's default ``mapKeyDedupPolicy`` makes it."""
+    rows: list[Any] = batch.to_pylist(maps_as_pydicts="strict")
     return rows
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from .columns import to_rows
 from .errors import SchemaError, UserFunctionError
 
 
@@ -156,14 +157,14 @@ class ColumnarSource(Source):
                 f"source {self.uid!r} split {split} offset {offset}: {schema_difference(expected, batch.schema)} "
                 f"(every batch must have the schema of the source's first batch: {expected})"
             )
-        return batch.to_pylist() if self.timestamp is not None else batch
+        return to_rows(batch) if self.timestamp is not None else batch
 
     def records_before(self, offsets: dict[int, int]) -> list[Any]:
         out: list[Any] = []
         for split in range(self.num_splits):
             if offsets.get(split, 0):
                 part = self.read(split, 0, offsets[split])
-                out.extend(part if type(part) is list else part.to_pylist())
+                out.extend(part if type(part) is list else to_rows(part))
         return out
 
 
