@@ -8,8 +8,8 @@ proxy's faults:
 
 * ``delay``: every chunk waits this long before it goes on (order kept), all the time;
 * the n-th forwarder opened (one per attempt with two tasks) gets ``plan[n]``, if any:
-  ``("reset", after)``: after ``after`` s both sockets are closed with an RST (``SO_LINGER``
-  0): each task sees its peer connection reset; ``("drop", after)``: from then on bytes are
+  ``("reset", after)``: after ``after`` s both sockets are torn down (``shutdown``, then
+  ``close`` with ``SO_LINGER`` 0: an RST): each task sees its peer connection end; ``("drop", after)``: from then on bytes are
   read and thrown away in both directions, the connection stays open (a black hole: a cut
   link TCP has not noticed yet).
 """
@@ -26,8 +26,14 @@ from typing import Any
 
 
 def _rst_close(sock: socket.socket) -> None:
+    """Abort a connection with an RST. ``close`` alone would wait for the relay threads blocked in
+    ``recv`` on it (the kernel keeps the file open until they return): ``shutdown`` wakes them."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
         sock.close()
     except OSError:
         pass
