@@ -9,9 +9,9 @@ proxy's faults:
 * ``delay``: every chunk waits this long before it goes on (order kept), all the time;
 * the n-th forwarder opened (one per attempt with two tasks) gets ``plan[n]``, if any:
   ``("reset", after)``: after ``after`` s both sockets are torn down (``shutdown``, then
-  ``close`` with ``SO_LINGER`` 0: an RST): each task sees its peer connection end; ``("drop", after)``: from then on bytes are
-  read and thrown away in both directions, the connection stays open (a black hole: a cut
-  link TCP has not noticed yet).
+  ``close`` with ``SO_LINGER`` 0: an RST): each task sees its peer connection end;
+  ``("drop", after)``: from then on bytes are read and thrown away in both directions, the
+  connection stays open (a black hole: a cut link TCP has not noticed yet).
 """
 
 from __future__ import annotations
