@@ -19,7 +19,13 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from epochstream.backends.delta import DeltaCheckpointStorage, DeltaSink, history
+from epochstream.backends.delta import (
+    DeltaCheckpointStorage,
+    DeltaConflictError,
+    DeltaSink,
+    history,
+    version_of_epoch,
+)
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
 from pipelines import RunningCount, _key, input_records, make_pipeline, sim_run, without_fsync
@@ -34,9 +40,9 @@ def _no_fsync():
         yield
 
 
-def delta_count(mode: str):
+def delta_count(mode: str, state_backend: str = "delta"):
     p = make_pipeline("delta-rollback", parallelism=2, mode=mode, interval=0.0006)
-    p.checkpoint.state_backend = "delta"
+    p.checkpoint.state_backend = state_backend
     (
         p.from_collection(input_records(N, KEYS), uid="src")
         .key_by(_key)
@@ -83,17 +89,19 @@ def fallback_run(seen: dict):
     return run
 
 
-@pytest.mark.parametrize("mode", ["aligned", "tracker"])
-def test_fallback_restore_rolls_delta_sink_and_state_back_without_reusing_a_txn_version(mode, tmp_path):
+@pytest.mark.parametrize(("mode", "state_backend"), [("aligned", "delta"), ("tracker", "delta"),
+                                                     ("aligned", "files")])
+def test_fallback_restore_rolls_delta_sink_and_state_back_without_reusing_a_txn_version(mode, state_backend,
+                                                                                          tmp_path):
     seen: dict = {}
-    report = check_exactly_once(lambda: delta_count(mode), fallback_run(seen), tmp_path)
+    report = check_exactly_once(lambda: delta_count(mode, state_backend), fallback_run(seen), tmp_path)
     assert report.ok, report.to_json()
     assert report.lost == report.duplicated == 0 and report.records_committed == N
     assert report.restarts >= 1  # the crash before the first new manifest
     restored = min(seen["damaged"]) - 1
     sink_table = tmp_path / "chaos" / "out" / "counts"
     state_table = Path(DeltaCheckpointStorage(tmp_path / "chaos" / "chk").table_path("count"))
-    for table in (sink_table, state_table):
+    for table in (sink_table, state_table) if state_backend == "delta" else (sink_table,):
         rollbacks = [h for h in history(str(table)) if h["operation"] == "RESTORE"]
         assert len(rollbacks) == 1, (table, rollbacks)  # the second recovery found it done
         meta = rollbacks[0]["meta"]
@@ -107,3 +115,20 @@ def test_fallback_restore_rolls_delta_sink_and_state_back_without_reusing_a_txn_
     # the sink table's live epochs are exactly the completed checkpoints (the rolled-back ones are gone)
     completed = DeltaCheckpointStorage(tmp_path / "chaos" / "chk").list_checkpoints()
     assert [e for e, _v in DeltaSink(sink_table, SCHEMA).epochs()] == completed
+
+
+def test_a_foreign_commit_after_the_restored_version_is_not_undone(tmp_path):
+    """Rollback takes back only epochstream's own commits: another writer's is named, not undone."""
+    from deltalake import write_deltalake
+
+    sink = DeltaSink(tmp_path / "t", SCHEMA)
+    sink.start("counts", "job", None)
+    app = sink.manifest_entry("counts")["app_id"]
+    for epoch in (1, 2):
+        staged = sink.pre_commit("counts", 0, epoch, "a", [("k", epoch)])
+        sink.commit_epoch("counts", epoch, [staged])
+    v1 = version_of_epoch(str(tmp_path / "t"), app, 1)
+    write_deltalake(str(tmp_path / "t"), pa.table({"key": ["x"], "n": [9]}), mode="append")  # someone else
+    with pytest.raises(DeltaConflictError, match=rf"version {v1 + 2} \(WRITE\) was written by another writer"):
+        sink.recover("counts", [], epoch=1)
+    assert sorted(r["n"] for r in sink.read()) == [1, 2, 9]  # nothing was undone
