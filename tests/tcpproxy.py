@@ -8,7 +8,8 @@ proxy's faults:
 
 * ``delay``: every chunk waits this long before it goes on (order kept), all the time;
 * the n-th forwarder opened (one per attempt with two tasks) gets ``plan[n]``, if any:
-  ``("reset", after)``: after ``after`` s both sockets are torn down (``shutdown``, then
+  ``("reset", after)``: once the link has relayed ``after`` bytes (a point in the job's
+  progress, whatever the machine's speed) both sockets are torn down (``shutdown``, then
   ``close`` with ``SO_LINGER`` 0: an RST): each task sees its peer connection end;
   ``("drop", after)``: from then on bytes are read and thrown away in both directions, the
   connection stays open (a black hole: a cut link TCP has not noticed yet).
@@ -42,8 +43,10 @@ def _rst_close(sock: socket.socket) -> None:
 class _Forwarder:
     """One relayed link: listens once, dials the target, pumps both ways with the faults."""
 
-    def __init__(self, proxy: TcpFaultProxy, target: tuple[str, int], fault: tuple[str, float] | None) -> None:
+    def __init__(self, proxy: TcpFaultProxy, target: tuple[str, int], fault: tuple[str, int] | None) -> None:
         self.proxy, self.target, self.fault = proxy, target, fault
+        self.relayed = 0
+        self.ended = 0  # directions whose source has closed
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()[:2]
         self.dropping = False
@@ -64,14 +67,16 @@ class _Forwarder:
             s.settimeout(None)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.socks = [client, upstream]
-        started = time.monotonic()
         for src, dst in ((client, upstream), (upstream, client)):
             q: queue.Queue = queue.Queue()
             threading.Thread(target=self._read, args=(src, q), daemon=True).start()
             threading.Thread(target=self._write, args=(dst, q), daemon=True).start()
         if self.fault is not None:
-            kind, after = self.fault
-            time.sleep(max(0.0, after - (time.monotonic() - started)))
+            kind, after = self.fault  # the link may end first (the attempt failed otherwise): no fault then
+            while self.relayed < after and self.ended < 2:
+                time.sleep(0.01)
+            if self.ended >= 2:
+                return
             self.proxy.events.append((kind, time.monotonic()))
             if kind == "reset":
                 self.closed = True
@@ -96,6 +101,7 @@ class _Forwarder:
         while True:
             item = q.get()
             if item is None:
+                self.ended += 1
                 if not self.closed:
                     try:
                         dst.shutdown(socket.SHUT_WR)
@@ -110,6 +116,7 @@ class _Forwarder:
                 continue
             try:
                 dst.sendall(data)
+                self.relayed += len(data)
                 self.proxy.relayed += len(data)
             except OSError:
                 return
@@ -118,7 +125,7 @@ class _Forwarder:
 class TcpFaultProxy:
     """The control server (in the test process) that opens a forwarder per mesh link."""
 
-    def __init__(self, delay: float = 0.0, plan: list[tuple[str, float] | None] | None = None) -> None:
+    def __init__(self, delay: float = 0.0, plan: list[tuple[str, int] | None] | None = None) -> None:
         self.delay = delay
         self.plan = list(plan or [])
         self.opened: list[tuple[int, int, tuple[str, int]]] = []

@@ -84,7 +84,9 @@ def test_mesh_link_delayed_reset_and_dropped_fails_over_exactly_once(tmp_path, s
     def run(p, chk, failing):
         p.restart_strategy = FixedDelayRestart(attempts=4, delay=0.0)
         p.checkpoint.timeout = 6.0  # a black-holed link stalls the epoch: this is what finds it
-        proxy = TcpFaultProxy(delay=0.02, plan=[("reset", 1.5), ("drop", 1.5)] if failing else [])
+        # each fault a fifth of the way through the failure-free run's traffic on the link
+        at = runs["reference"][2].relayed // 5 if failing else 0
+        proxy = TcpFaultProxy(delay=0.02, plan=[("reset", at), ("drop", at)] if failing else [])
         t0 = time.perf_counter()
         try:
             result = p.run(deployment="spark", checkpoint_dir=chk, seed=3, spark=spark, mesh_route=proxy.route())
@@ -106,4 +108,5 @@ def test_mesh_link_delayed_reset_and_dropped_fails_over_exactly_once(tmp_path, s
     assert report.ok, why
     assert report.lost == report.duplicated == report.inputs_lost == report.inputs_duplicated == 0, why
     print(f"\nspark {mode} mesh proxy: reference (delay only) {ref_s:.1f} s, chaos {chaos_s:.1f} s; failovers "
-          f"{reasons}; lost {report.lost}, duplicated {report.duplicated}, ok {report.ok}")
+          f"{reasons}; link bytes {ref_proxy.relayed}; lost {report.lost}, duplicated {report.duplicated}, "
+          f"ok {report.ok}")
