@@ -128,7 +128,10 @@ class Fault:
     URL path, e.g. ``/bucket/prefix/chk-3/_metadata.json``).
 
     ``action``: ``"error"`` (answer ``status`` with S3 error ``code``), ``"reset"`` (close
-    the connection without answering), ``"delay"`` (sleep ``seconds`` before forwarding),
+    the connection without answering), ``"outage"`` (this request and every request after it,
+    of any method and path, have their connection closed without an answer: S3 is down,
+    for ``seconds`` or, with ``seconds=0``, until ``FaultProxy.end_outage``), ``"delay"`` (sleep
+    ``seconds`` before forwarding),
     ``"delay_response"`` (forward, then sleep ``seconds`` before answering), ``"kill_sender"``
     (SIGKILL the pid in the user agent, then close the connection). ``times``: how many
     matching requests it applies to (None: all), after skipping the first ``skip``."""
@@ -163,6 +166,10 @@ class FaultProxy:
         self.faults: list[Fault] = []
         self.log: list[tuple[str, str, int, str]] = []  # method, path, status (0: none), action
         self.lock = threading.Lock()
+        #: while an outage lasts: when it ends (monotonic; inf: until ``end_outage``); None: no outage
+        self.down_until: float | None = None
+        #: (start, end) of every outage, monotonic seconds
+        self.outages: list[tuple[float, float | None]] = []
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -192,6 +199,19 @@ class FaultProxy:
         with self.lock:
             self.faults.clear()
 
+    def down(self) -> bool:
+        """Whether S3 is in an outage now (ends a timed one that is over)."""
+        with self.lock:
+            if self.down_until is not None and time.monotonic() >= self.down_until:
+                self.end_outage()
+            return self.down_until is not None
+
+    def end_outage(self) -> None:
+        """S3 is back: requests are forwarded again (the lock may be held by the caller)."""
+        if self.down_until is not None:
+            self.outages[-1] = (self.outages[-1][0], time.monotonic())
+        self.down_until = None
+
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
@@ -205,7 +225,20 @@ class FaultProxy:
         body = h.rfile.read(length) if length else b""
         path = h.path.split("?", 1)[0]
         with self.lock:
-            fault = next((f for f in self.faults if f.matches(h.command, path)), None)
+            fault = None if self.down_until is not None else next(
+                (f for f in self.faults if f.matches(h.command, path)), None)
+            if fault is not None and fault.action == "outage":
+                now = time.monotonic()
+                self.down_until = now + fault.seconds if fault.seconds > 0 else float("inf")
+                self.outages.append((now, None))
+        if self.down():
+            self.log.append((h.command, path, 0, "outage"))
+            h.close_connection = True
+            try:
+                h.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
         action = fault.action if fault else "forward"
         if fault and fault.action == "error":
             self.log.append((h.command, path, fault.status, action))

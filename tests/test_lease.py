@@ -303,3 +303,24 @@ def test_two_cli_runs_local_driver_second_refused(tmp_path, mode):
             first.wait()
     records = committed_output(tmp_path / "out")
     assert check_running_counts(records, range(400)) == []
+
+
+def test_s3_lease_left_by_an_ended_run_of_this_process_is_taken_over_at_once(s3_url, monkeypatch):
+    """A run that failed while S3 was down could not delete its lease; the restart in the same
+    process takes it over at once (its pid is alive: it is us), a lease this process still holds not."""
+    storage = open_storage(s3_url)
+    held = Lease(storage, "job", "e" * 32).acquire()
+    with pytest.raises(LeaseHeldError):  # held by a live run of this very process
+        Lease(open_storage(s3_url), "job", "f" * 32).acquire()
+
+    def down(*_a, **_k):
+        raise OSError("S3 is down")
+
+    monkeypatch.setattr(held.store, "delete", down)
+    held.release()  # the delete fails: the lease file stays
+    assert lease_status(storage)[1].pid == os.getpid()
+    again = Lease(open_storage(s3_url), "job", "f" * 32).acquire()
+    try:
+        assert lease_status(storage)[1].job_id == "f" * 32
+    finally:
+        again.release()

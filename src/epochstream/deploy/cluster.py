@@ -44,6 +44,7 @@ from .protocol import (
     Exhausted,
     Fatal,
     Heartbeat,
+    LinkLost,
     Ready,
     Stopped,
     TrackerReport,
@@ -305,7 +306,8 @@ class ClusterDriver(Driver):
         on = {Ready: functools.partial(self._on_ready, c), Ack: functools.partial(self._on_ack, c),
               Decline: c.on_decline, Exhausted: c.on_exhausted, TrackerReport: c.on_tracker_report,
               Stopped: functools.partial(self._on_stopped, c), Heartbeat: self._on_heartbeat,
-              WorkerError: self._on_worker_error, Fatal: self._on_fatal}
+              WorkerError: self._on_worker_error, Fatal: self._on_fatal,
+              LinkLost: functools.partial(self._on_link_lost, c, group)}
         try:
             while True:
                 now = time.monotonic()
@@ -403,6 +405,31 @@ class ClusterDriver(Driver):
     def _on_ack(self, c: AttemptController, msg: Ack, now: float) -> list[Any]:
         c.bound(msg.info.epoch, msg.info.task, msg.info.captured_at)  # notification latency: trigger -> bound
         return c.on_ack(msg, now)
+
+    #: how long a lost link waits for its peer's own connection to show a death (a killed worker's
+    #: sockets all close at once; its peer's notice comes after)
+    LINK_LOST_GRACE = 1.0
+
+    def _on_link_lost(self, c: AttemptController, group: WorkerGroup, msg: LinkLost, now: float) -> list[Any]:
+        """A worker's link to a peer ended. After ``Stop`` peers leave: expected. Before it, a
+        peer that died is reported as its death; a peer still alive means the network between
+        two live workers failed (a reset or cut connection): fail over, naming both."""
+        if c.stop_sent or msg.peer in c.stopped:
+            return []
+        conn = group.conns[msg.peer]
+        end = time.monotonic() + self.LINK_LOST_GRACE
+        try:
+            while time.monotonic() < end:
+                if conn.poll(0.05):
+                    got = conn.recv()
+                    if type(got) in (WorkerError, Fatal):
+                        raise Failover(got.text)
+        except (EOFError, OSError) as exc:
+            raise Failover(f"worker {msg.peer} died ({type(exc).__name__})") from None
+        reason = (f"worker {msg.worker} lost its connection to worker {msg.peer} ({msg.reason}) while both are "
+                  f"alive: the network between them failed")
+        log.error("job %s: %s", self.pipeline.name, reason)
+        raise Failover(reason)
 
     def _on_worker_error(self, msg: WorkerError, now: float) -> list[Any]:
         raise Failover(msg.text)

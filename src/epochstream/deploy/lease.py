@@ -52,6 +52,9 @@ LEASE = "_lease.json"
 LOCK = ".lock"
 #: seconds without a heartbeat after which a lease has expired (renewed every ttl / 3)
 DEFAULT_TTL = 30.0
+#: tokens of the leases this process holds now; a lease file naming this pid with another token
+#: was left by a run of this process that ended without deleting it (its store was down)
+_HELD_HERE: set[str] = set()
 
 
 class LeaseHeldError(CheckpointError):
@@ -188,6 +191,7 @@ class Lease:
         else:
             self._acquire_conditional(info, what, now)
         self.info = info
+        _HELD_HERE.add(info.token)
         return self
 
     def _acquire_local(self, info: LeaseInfo, what: str, now: float) -> None:
@@ -234,8 +238,10 @@ class Lease:
             self._etag = self.store.put_if(self.loc, info.to_bytes(), None)
             return
         old = LeaseInfo.parse(data)
-        # a holder on this host whose process is gone is dead: no need to wait out its ttl
-        dead = old is not None and old.host == info.host and not process_alive(old.pid)
+        # a holder on this host whose process is gone is dead: no need to wait out its ttl; so is one
+        # of this process that ended (it could not delete its lease: e.g. S3 was down when it failed)
+        dead = old is not None and old.host == info.host and (
+            not process_alive(old.pid) or (old.pid == info.pid and old.token not in _HELD_HERE))
         if old is not None and not old.expired(now) and not dead:
             raise _held_error(self.storage, old, what, now)
         log.warning("taking over the %s lease on %s from %s", "dead holder's" if dead else "expired",
@@ -284,6 +290,7 @@ class Lease:
         with self._lock:
             if self.info is None:
                 return
+            _HELD_HERE.discard(self.info.token)
             try:
                 current = read_lease(self.storage)
                 if current is not None and current.token == self.info.token:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import select
 import socket
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 
@@ -73,14 +74,19 @@ def connect(address: tuple[str, int], authkey: bytes, timeout: float = 60.0) -> 
     return conn
 
 
+#: where member ``i`` dials member ``j`` that listens at ``address``: ``route(i, j, address)``
+#: (None: the address itself). A test puts a fault proxy on a link this way.
+MeshRoute = Callable[[int, int, tuple[str, int]], tuple[str, int]]
+
+
 def mesh(index: int, addresses: list[tuple[str, int]], server: Server, authkey: bytes,
-         timeout: float = 60.0) -> dict[int, Connection]:
+         timeout: float = 60.0, route: MeshRoute | None = None) -> dict[int, Connection]:
     """One connection to every other member: member ``index`` connects to every lower
     member and accepts every higher one (member 0 only accepts, so the set-up never waits in
     a cycle). Each connecting side first sends its index."""
     peers: dict[int, Connection] = {}
     for j in range(index):
-        conn = connect(addresses[j], authkey, timeout)
+        conn = connect(route(index, j, addresses[j]) if route is not None else addresses[j], authkey, timeout)
         conn.send(index)
         peers[j] = conn
     deadline = time.monotonic() + timeout

@@ -112,6 +112,16 @@ class Heartbeat(_Message):
 
 
 @dataclass(frozen=True, slots=True)
+class LinkLost(_Message):
+    """Worker ``worker``'s connection to worker ``peer`` ended before ``Stop`` (``reason``): the
+    peer died, or the network between them failed while both are alive; the job fails over."""
+
+    worker: int
+    peer: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerError(_Message):
     """The worker failed (``text``: what and where); the job fails over."""
 
@@ -161,6 +171,7 @@ class Stop(_Message):
 
 
 #: messages a worker sends, for a driver's dispatch table
-FROM_WORKER = (Hello, Ready, Ack, Decline, Exhausted, TrackerReport, Stopped, Heartbeat, WorkerError, Fatal)
+FROM_WORKER = (Hello, Ready, Ack, Decline, Exhausted, TrackerReport, Stopped, Heartbeat, LinkLost, WorkerError,
+               Fatal)
 #: messages a driver sends
 TO_WORKER = (Trigger, Neoss, Die, Stop)

@@ -49,7 +49,7 @@ from ..backends.spark_session import delta_conf, has_delta, uses_delta
 from ..runtime.errors import ConfigurationError
 from .cluster import ClusterDriver, WorkerGroup
 from .failures import Failover
-from .net import Server, connect, mesh
+from .net import MeshRoute, Server, connect, mesh
 from .protocol import Hello, WorkerError
 from .worker import run_worker
 
@@ -128,12 +128,12 @@ def task_main(blob: bytes, driver: tuple[str, int], authkey: bytes) -> list[int]
     peers: dict[int, Any] = {}
     try:
         control.send(Hello(w, os.getpid(), _executor_jvm_pid()))
-        pipeline, plan, storage, restored, attempt = cloudpickle.loads(blob)
+        pipeline, plan, storage, restored, attempt, route = cloudpickle.loads(blob)
         host = ctx.getTaskInfos()[w].address.rsplit(":", 1)[0]
         server = Server(host, authkey)
         try:
             gathered = ctx.allGather(json.dumps([host, server.address[1]]))
-            peers = mesh(w, [tuple(json.loads(a)) for a in gathered], server, authkey)
+            peers = mesh(w, [tuple(json.loads(a)) for a in gathered], server, authkey, route=route)
         finally:
             server.close()
     except BaseException as exc:
@@ -287,7 +287,8 @@ class SparkDriver(ClusterDriver):
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  spark=None, master: str | None = None, spark_conf: dict[str, str] | None = None,
                  connect_timeout: float = 300.0, savepoint_dir: str | None = None, stop_with_savepoint: bool = False,
-                 rest: bool = True, rest_port: int = 0, on_start=None, **options: Any) -> None:
+                 rest: bool = True, rest_port: int = 0, on_start=None, mesh_route: MeshRoute | None = None,
+                 **options: Any) -> None:
         if options:
             raise TypeError(f"unknown option(s) for the spark driver: {sorted(options)}")
         super().__init__(pipeline, storage, seed, failures, parallelism, savepoint_dir=savepoint_dir,
@@ -302,6 +303,8 @@ class SparkDriver(ClusterDriver):
             log.warning("a SparkSession on %s is already active; master %s is ignored", self.spark_master, master)
         self.local_mode = self.spark_master == "local" or self.spark_master.startswith("local[")
         self.connect_timeout = connect_timeout
+        #: where task i dials task j of the mesh (``net.mesh``; None: directly): a test's fault proxy
+        self.mesh_route = mesh_route
         p = self.plan.parallelism
         slots = barrier_slots(self.spark_master)
         if slots is not None and slots < p:
@@ -332,7 +335,7 @@ class SparkDriver(ClusterDriver):
         p = self.plan.parallelism
         authkey = secrets.token_bytes(16)
         server = Server(self.host, authkey)
-        blob = cloudpickle.dumps((self.pipeline, self.plan, self.storage, restored, attempt))
+        blob = cloudpickle.dumps((self.pipeline, self.plan, self.storage, restored, attempt, self.mesh_route))
         paths = [os.path.abspath(x) for x in sys.path if x]
         job = _SparkJob(self.sc, p, _barrier_task(blob, paths, server.address, authkey), f"epochstream-{attempt}")
         group = SparkGroup(self, job, server)

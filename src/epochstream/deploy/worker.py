@@ -76,6 +76,7 @@ from .protocol import (
     Exhausted,
     Fatal,
     Heartbeat,
+    LinkLost,
     Neoss,
     Ready,
     Stop,
@@ -316,10 +317,13 @@ class WorkerLoop:
                 try:
                     while conn.poll():
                         self._deliver(peer_of[id(conn)], conn.recv())
-                except (EOFError, OSError):
-                    # the peer exited: after a clean stop that is expected, after a crash the
-                    # driver sees the death on its own connection and fails the job over
+                except (EOFError, OSError) as exc:
+                    # the peer exited (after a clean stop that is expected, after a crash the driver
+                    # sees the death on its own connection), or the link between two live workers
+                    # failed (reset, cut): the driver tells which and fails the job over
                     inbound.remove(conn)
+                    self.control.send(LinkLost(self.index, peer_of[id(conn)], f"{type(exc).__name__}: {exc}"
+                                               if str(exc) else type(exc).__name__))
             if self.die_at is not None and self.die_at[0] == "alignment" and any(t.held for t in self.others):
                 self._maybe_die("alignment")
             now = time.monotonic()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import secrets
 from collections.abc import Iterable
@@ -37,6 +38,8 @@ from ..base import TransactionalSink
 from ..objects import safe_name
 from . import tables
 from .tables import SINK_FORMAT, STAGING, DeltaTables, is_delta_table, version_of_epoch
+
+log = logging.getLogger(__name__)
 
 
 class DeltaSink(TransactionalSink):
@@ -234,10 +237,28 @@ class DeltaSink(TransactionalSink):
         """Re-issue the restored epoch's commit (a no-op if it happened), drop later staged output."""
         keep = list(committed)
         if epoch is not None:
-            self.commit_epoch(uid, epoch, keep)
+            version = self.commit_epoch(uid, epoch, keep)
+            if version is not None:
+                self._roll_back(uid, epoch, version)
         folder = self.store.root / STAGING / safe_name(uid)
         for key in list(self.store.keys(folder)):
             self.store.delete(folder / key)
+
+    def _roll_back(self, uid: str, epoch: int, version: int) -> None:
+        """After a fallback restore (the restored epoch is older than the table's newest):
+        RESTORE the table to the restored epoch's version, and go on under a new app id if
+        the old one ever committed a later epoch (Delta would skip the replay as done, and
+        one transaction version would name two contents). See ``tables.roll_back``."""
+        app_id = self._app_ids[uid]
+        if tables.committed_txn(self.path, app_id) <= epoch:
+            return  # nothing newer was ever committed under this lineage: the usual recovery
+        new_app_id = f"{app_id.rsplit('/', 1)[0]}/{secrets.token_hex(4)}"
+        epochs, self._app_ids[uid] = tables.roll_back(self.path, version, app_id, new_app_id, epoch,
+                                                      f"Delta sink {self.path}")
+        log.warning("Delta sink %s (%s): restored epoch %d is older than the table's epochs %s; %s; later epochs "
+                    "commit as transaction %s", self.path, uid, epoch, epochs if epochs is not None else
+                    "(taken back already)", f"restored the table to version {version}" if epochs is not None
+                    else "its content already is that version's", self._app_ids[uid])
 
     # ------------------------------------------------------------ reading committed output
     def read(self, version: int | None = None) -> list[dict[str, Any]]:
@@ -261,13 +282,10 @@ class DeltaSink(TransactionalSink):
         """(epoch, Delta version) of every committed epoch, oldest first."""
         if not is_delta_table(self.path):
             return []
-        out = []
-        for h in tables.history(self.path):
-            m = h["meta"]
-            # epoch 0 is the table's creation (CREATE and its properties), no epoch's output
-            if isinstance(m, dict) and "/sink/" in str(m.get("epochstream")) and int(m.get("epoch", 0)) > 0:
-                out.append((int(m["epoch"]), int(h["version"])))
-        return sorted(out, key=lambda ev: ev[1])
+        # epoch 0 is the table's creation (CREATE and its properties), no epoch's output; epochs
+        # a rollback took back (a fallback restore) are not in the table's content
+        return tables.live_epochs(tables.history(self.path),
+                                  lambda m: isinstance(m, dict) and "/sink/" in str(m.get("epochstream")))
 
 
 class _ArrowWriter:

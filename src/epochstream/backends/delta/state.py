@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -85,6 +86,9 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         super().__init__(open_objects(where))
         #: the tables this storage checked and their typed columns
         self.tables = DeltaTables()
+        #: operator uid -> the app id its commits carry, when not ``app_id(job, uid)``: continued
+        #: from the restored manifest, or a new one after a rollback (``recover_epoch``)
+        self._lineage: dict[str, str] = {}
         if tables.is_remote(self.root):
             spark_session.need_s3a()  # Spark reads its tables (SQL, time travel): its session needs S3A
 
@@ -118,7 +122,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
     def _owed_transaction(self, manifest: dict[str, Any], uid: str) -> dict[str, Any]:
         """The manifest entry of the Delta transaction operator ``uid`` is owed for the epoch."""
         epoch, job = int(manifest["epoch"]), manifest["job"]
-        table, app_id = self.table_path(uid), self.app_id(job, uid)
+        table, app_id = self.table_path(uid), self._lineage.get(uid) or self.app_id(job, uid)
         try:
             declared = declared_columns(manifest["operators"][uid])
         except ValueError as exc:
@@ -211,6 +215,9 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
             raise CheckpointError(f"{_what(uid)}: the Delta table {table} is gone; the checkpoint of epoch {epoch} "
                                   f"cannot be committed to it")
         hist = tables.history(table)
+        done = next((int(h["version"]) for h in hist if tables.is_transaction(h["meta"], app_id, epoch)), None)
+        if done is not None:  # re-issued (after a crash, or a rollback since): the transaction is there
+            return done
         last = self._last_epoch(hist, app_id, table, _what(uid))
         if last >= epoch:  # re-issued after a crash: the transaction is there already
             return self._reissued_version(hist, app_id, epoch, last, table, uid, manifest["job"])
@@ -346,7 +353,33 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
             log.warning("checkpoint chk-%s: the Delta table of operator %r is not at %s; restoring it from the "
                         "checkpoint's state files", manifest["epoch"], uid, root / entries[uid]["table"])
         self.commit_epoch(manifest, fail_point, root, only=present)
+        self._lineage = {}
+        if str(root) == str(self.root):  # another dir's tables are not ours to roll back: ours start afresh
+            self._lineage = {uid: entries[uid]["app_id"] for uid in present}
+            for uid in sorted(present):
+                self._roll_back(manifest, uid, entries[uid], root)
         self._fill_restore_cache(root, [entries[uid] for uid in present])
+
+    def _roll_back(self, manifest: dict[str, Any], uid: str, entry: dict[str, Any], root: Any) -> None:
+        """After a fallback restore (a newer checkpoint's manifest damaged, or an older one
+        restored into the same dir): the table holds epochs after the restored one. RESTORE it
+        to the restored epoch's version, and commit later epochs under a new app id, since
+        Delta would skip the replayed epochs as done under the old one (``tables.roll_back``)."""
+        epoch, table, app_id = int(manifest["epoch"]), str(root / entry["table"]), entry["app_id"]
+        if tables.committed_txn(table, app_id) <= epoch:
+            return  # nothing after the restored epoch was ever committed under this app id
+        new_app_id = f"{self.app_id(manifest['job'], uid)}/r{secrets.token_hex(4)}"
+        epochs, self._lineage[uid] = tables.roll_back(table, int(entry["version"]), app_id, new_app_id, epoch,
+                                                      _what(uid))
+        log.warning("%s: restored epoch %d is older than the Delta table's epochs %s; %s; later epochs commit "
+                    "as transaction %s", _what(uid), epoch, epochs if epochs is not None else "(taken back already)",
+                    f"restored {table} to version {entry['version']}" if epochs is not None else
+                    "its content already is that version's", self._lineage[uid])
+
+    def recover(self, restored_epoch: int | None) -> None:
+        if restored_epoch is None:
+            self._lineage = {}  # a fresh start: every operator's commits carry app_id(job, uid)
+        super().recover(restored_epoch)
 
     def _fill_restore_cache(self, root: Any, entries: list[dict[str, Any]]) -> None:
         """Read each table back at its recorded version into ``delta/_restore``; drop older reads."""

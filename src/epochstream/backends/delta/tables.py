@@ -235,6 +235,86 @@ def version_of_epoch(table: str, app_id: str, epoch: int) -> int | None:
     return None
 
 
+def content_version(hist: list[dict[str, Any]], version: int) -> int:
+    """The version whose content the table has at ``version``: a rollback commit (RESTORE,
+    ``restored_to`` in its metadata) has the content of the version it restored."""
+    metas = {int(h["version"]): h["meta"] for h in hist}
+    seen = set()
+    while isinstance(metas.get(version), dict) and "restored_to" in metas[version] and version not in seen:
+        seen.add(version)
+        version = int(metas[version]["restored_to"])
+    return version
+
+
+def live_epochs(hist: list[dict[str, Any]], owns: Callable[[Any], bool]) -> list[tuple[int, int]]:
+    """(epoch, version) of the transactions ``owns`` accepts whose output is in the table's
+    current content, oldest first: commits a rollback took back are left out."""
+    kept: list[tuple[int, int]] = []
+    for h in sorted(hist, key=lambda h: h["version"]):
+        m = h["meta"]
+        if not owns(m):
+            continue
+        if "restored_to" in m:
+            kept = [(e, v) for e, v in kept if v <= int(m["restored_to"])]
+        elif int(m.get("epoch", 0)) > 0:
+            kept.append((int(m["epoch"]), int(h["version"])))
+    return kept
+
+
+def roll_back(table: str, version: int, app_id: str, new_app_id: str, epoch: int, what: str
+              ) -> tuple[list[int] | None, str]:
+    """Make a table's content its content at ``version`` again, after a fallback restore.
+
+    Recovery restored epoch ``epoch`` (transaction ``app_id``, committed at ``version``) while
+    the table holds newer epochs of ``app_id``: the replay would write them again. Delta
+    RESTORE (delta-rs, one commit) takes their output back; the commit is labelled as
+    transaction (``new_app_id``, ``epoch``) with ``restored_to``, so ``history`` tells what
+    happened and ``live_epochs``/``content_version`` skip what it took back. Returns the
+    epochs rolled back and the app id later epochs carry. When the newest commit already is
+    such a rollback to ``version`` (recovery failed again before a new epoch committed), its
+    app id is taken over and nothing is written (epochs: None). A commit after ``version``
+    that epochstream did not make is not taken back: ``DeltaConflictError``.
+
+    Why a new app id: Delta keeps an app's ``txn`` version across RESTORE (measured on
+    delta-rs 1.6.6), so the replayed epochs under the old id would be skipped as done; and
+    an app transaction version must never name two contents. Epoch numbers stay (barriers,
+    NEOSS and gates count epochs one by one), the app id moves on.
+    """
+    from deltalake import CommitProperties, Transaction
+
+    hist = history(table)
+    newest = hist[0]
+    m = newest["meta"]
+    if (isinstance(m, dict) and "restored_to" in m and content_version(hist, int(newest["version"])) == version
+            and int(m.get("epoch", -1)) == epoch and committed_txn(table, str(m["epochstream"])) <= epoch):
+        return None, str(m["epochstream"])
+    later = [h for h in hist if int(h["version"]) > version]
+    foreign = [h for h in later if not (isinstance(h["meta"], dict) and "epochstream" in h["meta"])]
+    if foreign:
+        raise DeltaConflictError(
+            f"{what}: restoring epoch {epoch} (Delta version {version} of {table}) needs the commits after it "
+            f"taken back, but version {foreign[0]['version']} ({foreign[0]['operation']}) was written by another "
+            f"writer; epochstream does not undo it. Restore the table yourself (RESTORE TABLE ... TO VERSION AS "
+            f"OF {version}) or restore into a new location"
+        )
+    epochs = sorted({int(h["meta"].get("epoch", 0)) for h in later
+                     if "restored_to" not in h["meta"] and int(h["meta"].get("epoch", 0)) > epoch})
+    meta = json.dumps({"epochstream": new_app_id, "epoch": epoch, "restored_to": version,
+                       "rolled_back": epochs, "from_app": app_id}, sort_keys=True)
+    props = CommitProperties(custom_metadata={"userMetadata": meta}, app_transactions=[Transaction(new_app_id, epoch)])
+
+    def run() -> None:
+        if committed_txn(table, new_app_id) < epoch:  # a retry after a lost answer finds it done
+            open_table(table).restore(version, commit_properties=props)
+
+    try:
+        _retry_commit(run)()
+    except Exception as exc:
+        raise DeltaCommitError(f"{what}: rolling {table} back to version {version} (epoch {epoch}) failed "
+                               f"({type(exc).__name__}: {str(exc)[:300]}); recovery tries again") from exc
+    return epochs, new_app_id
+
+
 # ---------------------------------------------------------------- transactions
 
 
