@@ -113,6 +113,8 @@ class ClusterDriver(Driver):
         self._armed: tuple[float, int, str, str] | None = None
         self._attempt_killed = False
         self._liveness = HeartbeatMonitor(self.pipeline.heartbeat)
+        #: why the run failed (the REST status's ``error`` once it ended FAILED)
+        self.final_error: str | None = None
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -143,6 +145,9 @@ class ClusterDriver(Driver):
         try:
             self.run_prepared(restored, duration)
             state = "FINISHED"
+        except BaseException as exc:
+            self.final_error = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             self.control.fail_pending(f"the job is {state.lower()}")
             self._publish(state, force=True)
@@ -170,8 +175,16 @@ class ClusterDriver(Driver):
             # the failover reasons, the same text as in the logs and JobResult (operator, subtask, key, record,
             # source split and offset of a user-function failure)
             failures=[{"time": f["time"], "reason": f["reason"].splitlines()[0]} for f in self.failover_log[-10:]],
-            duration=self.clock(), **self._progress(),
+            duration=self.clock(), error=self.final_error, **self._progress(), **self._status_extra(),
         )
+
+    def _status_extra(self) -> dict[str, Any]:
+        """Status fields of one kind of driver (spark: the slots a starting attempt waits for)."""
+        return {}
+
+    def on_failover(self) -> None:
+        # the restart count as it happens: RESTARTING with the failure just counted
+        self._publish("RESTARTING", force=True)
 
     def _progress(self) -> dict[str, Any]:
         """What the dashboard, ``/metrics`` and the status line read beyond the summary (``ui``)."""

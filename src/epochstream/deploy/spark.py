@@ -51,15 +51,17 @@ from .cluster import ClusterDriver, WorkerGroup
 from .failures import Failover
 from .net import Server, connect, mesh
 from .protocol import Hello, WorkerError
+from .slots import SlotWait, spark_slot_message
 from .worker import run_worker
 
 log = logging.getLogger("epochstream")
 
 #: Spark settings a barrier job needs (applied when the driver builds the session itself)
 SESSION_DEFAULTS = {
-    # after an executor died, wait for its replacement instead of failing the resubmitted job
+    # a stage short of slots fails its check with Spark's [SPARK-24819] message within ~2 s; the
+    # driver then waits for the slots itself, visibly, up to Pipeline.slot_wait_timeout (deploy.slots)
     "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
-    "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "120",
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "1",
     "spark.dynamicAllocation.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.python.worker.reuse": "true",
@@ -225,10 +227,11 @@ class _SparkJob(threading.Thread):
 
 
 def _spark_reason(exc: BaseException) -> str:
-    """The first informative line of a (Py4J-wrapped) Spark job failure."""
+    """The first informative line of a (Py4J-wrapped) Spark job failure: Spark's own message,
+    with its tag (``[SPARK-24819]: ...``, ``[TASK_WRITE_FAILED] ...``) when it has one."""
     text = str(exc)
     for pattern in (r"(Could not recover from a failed barrier ResultStage[^\n]*)", r"(Job aborted[^\n]*)",
-                    r"(Executor[^\n]*exited[^\n]*)", r"(\[[A-Z_]+\][^\n]*)"):
+                    r"(Executor[^\n]*exited[^\n]*)", r"(\[[A-Z][A-Z0-9_-]*\][^\n]*)"):
         m = re.search(pattern, text)
         if m:
             return m.group(1)[:500]
@@ -283,6 +286,10 @@ class SparkGroup(WorkerGroup):
 class SparkDriver(ClusterDriver):
     deployment = "spark"
     KILL_AFTER_READY = True
+    #: seconds between reads of the cluster's slot count while an attempt starts
+    SLOT_POLL = 0.5
+    #: seconds a new session's executors get to register before the first attempt is submitted
+    STARTUP_SLOTS_WAIT = 30.0
 
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  spark=None, master: str | None = None, spark_conf: dict[str, str] | None = None,
@@ -326,24 +333,116 @@ class SparkDriver(ClusterDriver):
             raise ConfigurationError("barrier stages do not work with dynamic allocation: set "
                                      "spark.dynamicAllocation.enabled=false")
         self.host = self.sc.getConf().get("spark.driver.host", "127.0.0.1")
-        warm_up(self.sc, p)
+        #: the running attempt's wait for barrier slots (deploy.slots); every shortage of the run
+        self._slot_wait: SlotWait | None = None
+        self.slot_waits: list[dict[str, Any]] = []
+        self._await_executors(p)
+        # every slot there is, not only p: a spare executor's Python worker is warm when a lost
+        # task's replacement lands on it (recovery after a Worker loss)
+        try:
+            warm_up(self.sc, max(1, self.slots() or p))
+        except Exception as exc:  # an executor lost meanwhile: the attempt's launch reports and waits
+            log.warning("spark: could not warm up Python workers: %s", _spark_reason(exc))
+
+    def _await_executors(self, p: int) -> None:
+        """A new session's executors register over a few seconds: give them ``STARTUP_SLOTS_WAIT``
+        seconds to offer ``p`` slots before the first attempt (whose launch then reports a shortage)."""
+        deadline = time.monotonic() + self.STARTUP_SLOTS_WAIT
+        while time.monotonic() < deadline:
+            slots = self.slots()
+            if slots is None or slots >= p:
+                return
+            time.sleep(0.2)
+
+    # -- task slots (deploy.slots)
+    def slots(self) -> int | None:
+        """Barrier task slots the cluster has now: the number Spark's own check compares with the
+        stage's task count (``SparkContext.maxNumConcurrentTasks`` of the default resource
+        profile); None if it cannot be read."""
+        try:
+            jsc = self.sc._jsc.sc()
+            return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+        except Exception:  # a py4j or Spark change: Spark's check still reports, only later
+            return None
+
+    def _status_extra(self) -> dict[str, Any]:
+        wait = self._slot_wait
+        return {"slots": wait.status(time.monotonic()) if wait is not None and wait.waiting else None}
+
+    def _slot_note(self, wait: SlotWait, line: str | None) -> None:
+        """Log a change of the shortage and publish it (state WAITING_FOR_SLOTS while it lasts)."""
+        if line is not None:
+            log.warning("job %s: %s", self.pipeline.name, line)
+        if wait.waiting:
+            self._publish("WAITING_FOR_SLOTS", force=line is not None)
+
+    def _poll_slots(self, wait: SlotWait, now: float) -> int | None:
+        """Read the slot count, note a shortage (or its end), and give up when the wait is over."""
+        available = self.slots()
+        if available is not None and available >= wait.needed:
+            self._slot_note(wait, wait.slots_back(now))
+        else:
+            self._slot_note(wait, wait.observe(available, now))
+        if wait.expired(now):
+            raise wait.error(now)
+        return available
 
     def launch(self, restored, attempt: str) -> SparkGroup:
+        """Submit the attempt's barrier stage and wait for its tasks' Hellos. A stage short of
+        slots is reported at once and waited for (``Pipeline.slot_wait_timeout``), then submitted
+        again when Spark's check gave up; the connect timeout counts from when the slots exist."""
+        wait = SlotWait(self.plan.parallelism, self.pipeline.slot_wait_timeout, self.spark_master)
+        self._slot_wait = wait
+        try:
+            while True:
+                group = self._submit(restored, attempt, wait)
+                if group is not None:
+                    return group
+                while True:  # Spark gave up its check: wait for the slots here, then submit again
+                    now = time.monotonic()
+                    available = self._poll_slots(wait, now)
+                    if available is None or not wait.waiting:
+                        break
+                    time.sleep(self.SLOT_POLL)
+        finally:
+            if wait.waiting:  # the run ends waiting: its record still shows the shortage
+                wait.slots_back(time.monotonic())
+            self.slot_waits.extend(wait.history)
+            self._slot_wait = None
+
+    def _submit(self, restored, attempt: str, wait: SlotWait) -> SparkGroup | None:
+        """One barrier job; None if Spark refused it for want of slots."""
         p = self.plan.parallelism
         authkey = secrets.token_bytes(16)
         server = Server(self.host, authkey)
         blob = cloudpickle.dumps((self.pipeline, self.plan, self.storage, restored, attempt))
         paths = [os.path.abspath(x) for x in sys.path if x]
-        job = _SparkJob(self.sc, p, _barrier_task(blob, paths, server.address, authkey), f"epochstream-{attempt}")
+        job = _SparkJob(self.sc, p, _barrier_task(blob, paths, server.address, authkey),
+                        f"epochstream-{attempt}-{secrets.token_hex(2)}")
         group = SparkGroup(self, job, server)
         job.start()
+        conns: dict[int, Any] = {}
         try:
-            conns: dict[int, Any] = {}
-            deadline = time.monotonic() + self.connect_timeout
+            started = time.monotonic()
+            deadline = started + self.connect_timeout
+            next_poll = started
             while len(conns) < p:
+                now = time.monotonic()
+                if now >= next_poll:
+                    next_poll = now + self.SLOT_POLL
+                    self._poll_slots(wait, now)
+                    if wait.waiting:
+                        deadline = now + self.connect_timeout
                 if job.done.is_set():
-                    raise Failover(f"spark job failed before its {p} tasks connected: {job.error}")
-                if time.monotonic() > deadline:
+                    message = spark_slot_message(job.error or "")
+                    if message is None:
+                        raise Failover(f"spark job failed before its {p} tasks connected: {job.error}")
+                    self._slot_note(wait, wait.spark_failed(message, now))
+                    if wait.expired(now):
+                        raise wait.error(now)
+                    group.abort()
+                    return None
+                if now > deadline:
                     raise Failover(f"only {len(conns)} of {p} tasks connected within {self.connect_timeout}s "
                                    f"(are {p} task slots free on {self.spark_master}?)")
                 conn = server.accept(0.2)
@@ -355,8 +454,8 @@ class SparkDriver(ClusterDriver):
                 conns[msg.worker] = conn
                 group.pids[msg.worker] = (msg.pid, msg.executor_pid)
             group.conns = [conns[w] for w in range(p)]
-            log.info("spark job %s: %d tasks connected after %.2fs", job.group, p,
-                     time.monotonic() - deadline + self.connect_timeout)
+            self._slot_note(wait, wait.slots_back(time.monotonic()))
+            log.info("spark job %s: %d tasks connected after %.2fs", job.group, p, time.monotonic() - started)
         except BaseException:
             group.conns = list(conns.values())
             group.abort()
