@@ -10,6 +10,7 @@ disk and on moto's real S3 server, in both exactly-once modes.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -303,3 +304,52 @@ def test_two_cli_runs_local_driver_second_refused(tmp_path, mode):
             first.wait()
     records = committed_output(tmp_path / "out")
     assert check_running_counts(records, range(400)) == []
+
+
+@pytest.mark.slow
+def test_two_cli_runs_spark_driver_second_refused(tmp_path):
+    """The same on the spark driver (``local[2]``): the running driver process holds the lease
+    (its pid, this host, its attempt); a second spark-driver run and a ``--restore latest`` are
+    refused naming it and change nothing; the first's output is exact. The lease is
+    mode-independent (the local-driver test covers both modes)."""
+    job = tmp_path / "job.py"
+    gate = tmp_path / "release"
+    job.write_text(JOB.format(tests=str(Path(__file__).parent), out=str(tmp_path / "out"), gate=str(gate)))
+    chk = tmp_path / "chk"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), EPOCHSTREAM_HOME=str(tmp_path / "home"))
+    cmd = [sys.executable, "-m", "epochstream.cli", "run", f"{job}:build", "--checkpoint-dir", str(chk),
+           "--deployment", "spark", "--master", "local[2]", "--spark-conf", "spark.ui.enabled=false"]
+    first = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stderr is not None
+        line = ""
+        while "is running as" not in line:  # Spark's own start-up lines come first
+            line = first.stderr.readline()
+            assert line, "the first run ended before it started"
+        deadline = time.monotonic() + 120
+        while not open_storage(str(chk)).list_checkpoints():  # it holds at record 300, after an epoch
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.1)
+        holder = LeaseInfo(**json.loads((chk / LEASE).read_text()))
+        assert holder.pid == first.pid and holder.host == socket.gethostname(), holder  # the driver process
+        assert holder.job == "cli-lease" and holder.attempt.endswith(".0"), holder
+        before = unchanged(snapshot(str(chk)))
+        for extra in ([], ["--restore", "latest"]):
+            second = subprocess.run(cmd + extra, env=env, capture_output=True, text=True, timeout=300)
+            refusal = [ln for ln in second.stderr.splitlines() if ln.startswith("epochstream:")]
+            print(refusal)
+            assert second.returncode == 2, second.stderr[-2000:]
+            assert any("is in use by job 'cli-lease'" in ln and f"pid {first.pid}" in ln and "nothing was changed"
+                       in ln for ln in refusal), refusal
+            assert unchanged(snapshot(str(chk))) == before, "the refused spark run changed the checkpoint folder"
+        gate.touch()
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == 0, err[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    records = committed_output(tmp_path / "out")
+    assert check_running_counts(records, range(400)) == []
+    assert sorted(r[2] for r in records) == list(range(400))
+    assert lease_status(open_storage(str(chk)))[0] == "free"

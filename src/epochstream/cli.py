@@ -484,8 +484,8 @@ def cmd_chaos(args) -> int:
         if m not in MOMENTS + ("commit",):
             raise UsageError(f"--kill-moments: unknown moment {m!r} (one of {', '.join(MOMENTS + ('commit',))})")
     for t in targets:
-        if t not in ("worker", "executor", "freeze"):
-            raise UsageError(f"--kill-targets: unknown target {t!r} (worker, executor, freeze)")
+        if t not in ("worker", "executor", "machine", "freeze"):
+            raise UsageError(f"--kill-targets: unknown target {t!r} (worker, executor, machine, freeze)")
     options = _spark_options(args)
     rng = random.Random(args.seed)
     horizon: dict[str, float] = {}

@@ -178,6 +178,16 @@ class ClusterDriver(Driver):
             duration=self.clock(), error=self.final_error, **self._progress(), **self._status_extra(),
         )
 
+    def collect(self, master) -> None:
+        """As ``Driver.collect``; a completed epoch is stamped with the driver's clock (``time``,
+        seconds since the run began, as kill and failover times), at most one loop step late."""
+        fresh = len(master.epoch_log)
+        super().collect(master)
+        if fresh:
+            now = self.clock()
+            for entry in self.epoch_log[-fresh:]:
+                entry.setdefault("time", now)
+
     def _status_extra(self) -> dict[str, Any]:
         """Status fields of one kind of driver (spark: the slots a starting attempt waits for)."""
         return {}
@@ -271,7 +281,7 @@ class ClusterDriver(Driver):
         moment = moments[i] if i < len(moments) else "now"
         target = targets[i] if i < len(targets) else "worker"
         victim = self.rng.randrange(len(group.conns))
-        if moment == "now" or target == "freeze":  # a frozen process cannot wait for a moment
+        if moment == "now" or target in ("freeze", "machine"):  # kills the driver does itself, now
             moment = "now"
             self._kill(group, victim, target, moment)
             return
@@ -290,6 +300,10 @@ class ClusterDriver(Driver):
         try:
             if target == "freeze":  # alive but silent: a hung or cut-off host (liveness.py)
                 os.kill(group.pid(victim, "worker"), signal.SIGSTOP)
+            elif target == "machine":  # a lost machine: its cluster daemon and the executor at once
+                daemon, executor = group.pid(victim, "machine"), group.pid(victim, "executor")
+                os.kill(daemon, signal.SIGKILL)
+                os.kill(executor, signal.SIGKILL)
             else:
                 os.kill(group.pid(victim, target), signal.SIGKILL)
         except ProcessLookupError:

@@ -120,6 +120,14 @@ def _executor_jvm_pid() -> int | None:
     return None
 
 
+def _parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def task_main(blob: bytes, driver: tuple[str, int], authkey: bytes) -> list[int]:
     """Worker ``partitionId`` of one attempt: hello, mesh, worker loop."""
     from pyspark import BarrierTaskContext
@@ -191,6 +199,24 @@ def _warm_task(paths: list[str]):
 _WARM: set[str] = set()
 
 
+def warm_spare_slots(sc, spares: int) -> threading.Thread:
+    """Start (and import epochstream in) the Python worker of every slot the running barrier
+    stage does not hold: a plain job of ``spares`` tasks, which Spark can only place on the free
+    slots (a new executor that joined while the job runs), in the background."""
+    paths = [os.path.abspath(x) for x in sys.path if x]
+
+    def run() -> None:
+        try:
+            sc.setJobGroup("epochstream-warm-spares", "epochstream: start Python workers on spare slots")
+            sc.parallelize(range(spares), spares).mapPartitions(_warm_task(paths)).collect()
+        except Exception as exc:  # a spare lost meanwhile: it is only a warm-up
+            log.info("spark: warming spare slots failed: %s", _spark_reason(exc))
+
+    t = threading.Thread(target=run, name="epochstream-warm-spares", daemon=True)
+    t.start()
+    return t
+
+
 def warm_up(sc, slots: int) -> None:
     """Start a Python worker per slot and import epochstream in it, once per SparkContext, so
     the first attempt's start (and a benchmark's first run) does not pay for cold workers."""
@@ -249,18 +275,28 @@ class SparkGroup(WorkerGroup):
     def check(self, stopped: dict[int, int], stop_sent: bool) -> None:
         if self.job.done.is_set() and self.job.error and len(stopped) < len(self.conns):
             raise Failover(f"spark job failed: {self.job.error}")
+        self.driver.warm_spares()
 
     def pid(self, worker: int, target: str) -> int:
         py, jvm = self.pids[worker]
         if target == "worker":
             return py
-        if target == "executor":
+        if target in ("executor", "machine"):
             if self.driver.local_mode or jvm is None:
                 raise ConfigurationError(
-                    f"cannot kill the executor of worker {worker} on master {self.driver.spark_master!r}: "
-                    f"in local mode the executor is the driver's own JVM; use local-cluster[W,C,M] to kill executors")
-            return jvm
-        raise ConfigurationError(f"unknown kill target {target!r} (worker, executor)")
+                    f"cannot kill the {target} of worker {worker} on master {self.driver.spark_master!r}: "
+                    f"in local mode the executor is the driver's own JVM; use local-cluster[W,C,M] or a standalone "
+                    f"cluster to kill executors")
+            if target == "executor":
+                return jvm
+            if self.driver.spark_master.startswith("local-cluster"):  # its Workers are threads of the driver's JVM
+                raise ConfigurationError("kill target 'machine' needs a standalone cluster (spark://host:port); on "
+                                         "local-cluster[W,C,M] the Workers live in the driver's own JVM")
+            daemon = _parent_pid(jvm)  # the standalone Worker that started the executor
+            if daemon is None:
+                raise ConfigurationError(f"cannot find the process that started executor {jvm} of worker {worker}")
+            return daemon
+        raise ConfigurationError(f"unknown kill target {target!r} (worker, executor, machine)")
 
     def abort(self) -> None:
         t0 = time.monotonic()
@@ -290,6 +326,8 @@ class SparkDriver(ClusterDriver):
     SLOT_POLL = 0.5
     #: seconds a new session's executors get to register before the first attempt is submitted
     STARTUP_SLOTS_WAIT = 30.0
+    #: seconds between checks for new spare slots to warm while an attempt runs
+    SPARE_CHECK = 2.0
 
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  spark=None, master: str | None = None, spark_conf: dict[str, str] | None = None,
@@ -337,22 +375,51 @@ class SparkDriver(ClusterDriver):
         self._slot_wait: SlotWait | None = None
         self.slot_waits: list[dict[str, Any]] = []
         self._await_executors(p)
+        #: slots whose Python workers were warmed (``warm_spares``)
+        self._warmed_slots = max(1, self.slots() or p)
+        self._next_spare_check = 0.0
+        self._spare_warmer: threading.Thread | None = None
         # every slot there is, not only p: a spare executor's Python worker is warm when a lost
         # task's replacement lands on it (recovery after a Worker loss)
         try:
-            warm_up(self.sc, max(1, self.slots() or p))
+            warm_up(self.sc, self._warmed_slots)
         except Exception as exc:  # an executor lost meanwhile: the attempt's launch reports and waits
             log.warning("spark: could not warm up Python workers: %s", _spark_reason(exc))
 
+    def warm_spares(self) -> None:
+        """While an attempt runs: when the cluster has gained slots beyond the barrier stage's
+        (a Worker came back, a spare was added), warm their Python workers, so the next lost task
+        is placed on a ready one (checked every ``SPARE_CHECK`` seconds)."""
+        now = time.monotonic()
+        if now < self._next_spare_check or (self._spare_warmer is not None and self._spare_warmer.is_alive()):
+            return
+        self._next_spare_check = now + self.SPARE_CHECK
+        slots = self.slots()
+        if slots is None:
+            return
+        if slots > self._warmed_slots and slots > self.plan.parallelism:
+            log.info("spark: %d slots (was %d): warming %d spare slot(s)", slots, self._warmed_slots,
+                     slots - self.plan.parallelism)
+            self._spare_warmer = warm_spare_slots(self.sc, slots - self.plan.parallelism)
+        self._warmed_slots = slots
+
     def _await_executors(self, p: int) -> None:
-        """A new session's executors register over a few seconds: give them ``STARTUP_SLOTS_WAIT``
-        seconds to offer ``p`` slots before the first attempt (whose launch then reports a shortage)."""
-        deadline = time.monotonic() + self.STARTUP_SLOTS_WAIT
-        while time.monotonic() < deadline:
+        """A new session's executors register over a few seconds: wait (at most
+        ``STARTUP_SLOTS_WAIT`` seconds) while none has or their number still grows, so the first
+        attempt is not reported short of slots that are coming; a cluster that stays short is
+        the launch's to report (``slot_wait_timeout``)."""
+        now = time.monotonic()
+        deadline, last, changed_at = now + self.STARTUP_SLOTS_WAIT, -1, now
+        while now < deadline:
             slots = self.slots()
             if slots is None or slots >= p:
                 return
+            if slots != last:
+                last, changed_at = slots, now
+            elif slots > 0 and now - changed_at >= 2.0:
+                return
             time.sleep(0.2)
+            now = time.monotonic()
 
     # -- task slots (deploy.slots)
     def slots(self) -> int | None:
