@@ -326,6 +326,9 @@ def test_two_cli_runs_spark_driver_second_refused(tmp_path):
         while "is running as" not in line:  # Spark's own start-up lines come first
             line = first.stderr.readline()
             assert line, "the first run ended before it started"
+        err_lines: list[str] = []  # keep reading: Spark's log lines would fill the pipe and block the driver
+        drain = threading.Thread(target=lambda: err_lines.extend(first.stderr), daemon=True)  # type: ignore[arg-type]
+        drain.start()
         deadline = time.monotonic() + 120
         while not open_storage(str(chk)).list_checkpoints():  # it holds at record 300, after an epoch
             assert time.monotonic() < deadline and first.poll() is None
@@ -343,8 +346,7 @@ def test_two_cli_runs_spark_driver_second_refused(tmp_path):
                        in ln for ln in refusal), refusal
             assert unchanged(snapshot(str(chk))) == before, "the refused spark run changed the checkpoint folder"
         gate.touch()
-        out, err = first.communicate(timeout=300)
-        assert first.returncode == 0, err[-2000:]
+        assert first.wait(timeout=300) == 0, "".join(err_lines)[-2000:]
     finally:
         if first.poll() is None:
             first.kill()

@@ -70,7 +70,7 @@ def _restore_workers(c: StandaloneCluster, session, want: int = WORKERS, timeout
 def test_exactly_once_when_a_worker_machine_is_lost(tmp_path, cluster, mode):
     c, session = cluster
     _restore_workers(c, session)
-    build = partial(running_count, n=40_000, parallelism=2, mode=mode, interval=0.05, batch_size=64)
+    build = partial(running_count, n=20_000, parallelism=2, mode=mode, interval=0.05, batch_size=64)
     try:
         report, runs = spark_oracle(build, tmp_path, session, targets=["machine"], moments=["now"], seed=5)
     finally:

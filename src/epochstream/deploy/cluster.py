@@ -193,7 +193,7 @@ class ClusterDriver(Driver):
         return {}
 
     def on_failover(self) -> None:
-        # the restart count as it happens: RESTARTING with the failure just counted
+        # RESTARTING with the failure just counted, until the next attempt runs (or the run ends)
         self._publish("RESTARTING", force=True)
 
     def _progress(self) -> dict[str, Any]:
@@ -341,7 +341,6 @@ class ClusterDriver(Driver):
             self.traffic.merge(traffic)  # a failed attempt's service messages were sent all the same
             c.fail(time.monotonic())
             self.collect(c.master)
-            self._publish("RESTARTING", force=True)  # until the next attempt runs (or the run ends)
             self._group = None
             group.abort()
             raise
