@@ -13,11 +13,11 @@ once per attempt, spaced ``--gap`` seconds. Two set-ups:
   imported by the driver); the lost task is placed on the spare at once, and a new Worker is
   started to be the next spare (the driver warms it while the job runs).
 
-Measured per kill, on the driver's clock: kill -> next completed epoch, and failure ->
-every task ready again (``recovery_seconds``). Writes benchmarks/results/worker_loss.csv and
-worker_loss.png; prints p50 and max per set-up. Not a test: timings vary with the load.
+Measured per kill, on the driver's clock: kill -> failover, failure -> every task of the next
+attempt ready (``recovery_seconds``), and kill -> the first epoch that attempt completed.
+Writes benchmarks/results/worker_loss.csv and worker_loss.png; prints p50 and max per set-up. Not a test: timings vary with the load.
 
-    python benchmarks/worker_loss.py [--kills 5] [--gap 25] [--setups restarted,spare]
+    python benchmarks/worker_loss.py [--kills 5] [--gap 25] [--setups restarted,spare] [--spares 1]
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def _keep_workers(cluster: StandaloneCluster, want: int, stop: threading.Event) 
         time.sleep(0.1)
 
 
-def run_setup(setup: str, kills: int, gap: float, work: Path) -> list[dict]:
-    workers = 3 if setup == "spare" else 2
+def run_setup(setup: str, kills: int, gap: float, work: Path, spares: int = 1) -> list[dict]:
+    workers = 2 + spares if setup == "spare" else 2
     cluster = StandaloneCluster(work / setup, workers=workers)
     stop = threading.Event()
     keeper = threading.Thread(target=_keep_workers, args=(cluster, workers, stop), daemon=True)
@@ -87,15 +87,23 @@ def run_setup(setup: str, kills: int, gap: float, work: Path) -> list[dict]:
         if session is not None:
             session.stop()
         cluster.stop()
-    epochs = [e for e in result.metrics["epochs"] if e.get("state") == "completed" and "time" in e]
+    epochs = [e["time"] for e in result.metrics["epochs"] if e.get("state") == "completed" and "time" in e]
+    failovers = [f["time"] for f in result.metrics["failovers"]]
+    ready = result.metrics["recovery_seconds"]  # failure -> every task ready, one per failover that recovered
     rows = []
     for i, k in enumerate(result.metrics["kills"]):
-        after = [e["time"] for e in epochs if e["time"] > k["time"]]
-        rec = result.metrics["recovery_seconds"]
-        rows.append({"setup": setup, "kill": i + 1, "killed_at": round(k["time"], 3),
-                     "kill_to_next_epoch_s": round(after[0] - k["time"], 3) if after else "",
-                     "failure_to_ready_s": round(rec[i], 3) if i < len(rec) else "",
-                     "restarts": result.restarts})
+        j = next((j for j, t in enumerate(failovers) if t >= k["time"]), None)
+        row = {"setup": setup, "kill": i + 1, "killed_at": round(k["time"], 3), "kill_to_failover_s": "",
+               "failure_to_ready_s": "", "kill_to_next_epoch_s": "", "restarts": result.restarts}
+        if j is not None:
+            row["kill_to_failover_s"] = round(failovers[j] - k["time"], 3)
+            if j < len(ready):
+                row["failure_to_ready_s"] = round(ready[j], 3)
+                up = failovers[j] + ready[j]
+                after = [t for t in epochs if t > up]  # the first epoch of the attempt that replaced the lost one
+                if after:
+                    row["kill_to_next_epoch_s"] = round(after[0] - k["time"], 3)
+        rows.append(row)
     return rows
 
 
@@ -104,24 +112,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--gap", type=float, default=25.0, help="seconds between kills (and before the first)")
     ap.add_argument("--setups", default="restarted,spare")
+    ap.add_argument("--spares", type=int, default=1,
+                    help="spare Workers of the spare set-up (more than one when a Worker takes longer than --gap to "
+                         "come back and be warmed)")
     ap.add_argument("--out", default=str(HERE / "results" / "worker_loss"))
     args = ap.parse_args(argv)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="worker-loss-") as work:
         for setup in args.setups.split(","):
-            rows += run_setup(setup, args.kills, args.gap, Path(work))
+            rows += run_setup(setup, args.kills, args.gap, Path(work), args.spares)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        r["spares"] = args.spares if r["setup"] == "spare" else 0
+        r["gap_s"] = args.gap
+    if out.with_suffix(".csv").exists():  # keep the other set-ups' rows of an earlier run
+        with open(out.with_suffix(".csv"), newline="") as fh:
+            rows = [r for r in csv.DictReader(fh) if r["setup"] not in args.setups.split(",")] + rows
+    setups = list(dict.fromkeys(r["setup"] for r in rows))
     with open(out.with_suffix(".csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), restval="")
         w.writeheader()
         w.writerows(rows)
     print(f"{'setup':>10} {'kills':>5} {'measured':>8} {'p50 s':>7} {'max s':>7} {'ready p50 s':>11}")
     series = {}
-    for setup in args.setups.split(","):
+    for setup in setups:
         mine = [r for r in rows if r["setup"] == setup]
-        lat = [r["kill_to_next_epoch_s"] for r in mine if r["kill_to_next_epoch_s"] != ""]
-        ready = [r["failure_to_ready_s"] for r in mine if r["failure_to_ready_s"] != ""]
+        lat = [float(r["kill_to_next_epoch_s"]) for r in mine if r["kill_to_next_epoch_s"] != ""]
+        ready = [float(r["failure_to_ready_s"]) for r in mine if r["failure_to_ready_s"] != ""]
         series[setup] = lat
         print(f"{setup:>10} {len(mine):>5} {len(lat):>8} {statistics.median(lat) if lat else float('nan'):>7.2f} "
               f"{max(lat) if lat else float('nan'):>7.2f} {statistics.median(ready) if ready else float('nan'):>11.2f}")

@@ -306,6 +306,31 @@ def test_two_cli_runs_local_driver_second_refused(tmp_path, mode):
     assert check_running_counts(records, range(400)) == []
 
 
+SPARK_JOB = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from pipelines import RunningCount, _key, input_records, make_pipeline
+from epochstream import FileSink
+from epochstream.backends import open_storage
+
+
+def gate(record):  # paced; from id 300 on, once an epoch is committed, hold until the test has tried its second runs
+    time.sleep(0.02)
+    if record[1] >= 300 and not os.path.exists({gate!r}) and open_storage({chk!r}).list_checkpoints():
+        open({held!r}, "a").close()  # a held source task takes no more epoch triggers: the folder stays as it is
+        while not os.path.exists({gate!r}):
+            time.sleep(0.05)
+    return record
+
+
+def build():
+    p = make_pipeline("cli-lease", parallelism=2, interval=0.05)
+    p.from_collection(input_records(400, 5), uid="src").map(gate, name="gate").key_by(_key) \\
+        .process(RunningCount(emit_ids=True), uid="count").sink(FileSink({out!r}), uid="counts")
+    return p
+"""
+
+
 @pytest.mark.slow
 def test_two_cli_runs_spark_driver_second_refused(tmp_path):
     """The same on the spark driver (``local[2]``): the running driver process holds the lease
@@ -314,8 +339,10 @@ def test_two_cli_runs_spark_driver_second_refused(tmp_path):
     mode-independent (the local-driver test covers both modes)."""
     job = tmp_path / "job.py"
     gate = tmp_path / "release"
-    job.write_text(JOB.format(tests=str(Path(__file__).parent), out=str(tmp_path / "out"), gate=str(gate)))
     chk = tmp_path / "chk"
+    held = tmp_path / "held"
+    job.write_text(SPARK_JOB.format(tests=str(Path(__file__).parent), out=str(tmp_path / "out"), gate=str(gate),
+                                    chk=str(chk), held=str(held)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), EPOCHSTREAM_HOME=str(tmp_path / "home"))
     cmd = [sys.executable, "-m", "epochstream.cli", "run", f"{job}:build", "--checkpoint-dir", str(chk),
            "--deployment", "spark", "--master", "local[2]", "--spark-conf", "spark.ui.enabled=false"]
@@ -329,10 +356,11 @@ def test_two_cli_runs_spark_driver_second_refused(tmp_path):
         err_lines: list[str] = []  # keep reading: Spark's log lines would fill the pipe and block the driver
         drain = threading.Thread(target=lambda: err_lines.extend(first.stderr), daemon=True)  # type: ignore[arg-type]
         drain.start()
-        deadline = time.monotonic() + 120
-        while not open_storage(str(chk)).list_checkpoints():  # it holds at record 300, after an epoch
-            assert time.monotonic() < deadline and first.poll() is None
+        deadline = time.monotonic() + 180
+        while not held.exists():  # it holds from record 300 on, after an epoch
+            assert time.monotonic() < deadline and first.poll() is None, "".join(err_lines)[-2000:]
             time.sleep(0.1)
+        time.sleep(1.0)  # an epoch the other source task had started completes (or times out) first
         holder = LeaseInfo(**json.loads((chk / LEASE).read_text()))
         assert holder.pid == first.pid and holder.host == socket.gethostname(), holder  # the driver process
         assert holder.job == "cli-lease" and holder.attempt.endswith(".0"), holder

@@ -65,6 +65,9 @@ SESSION_DEFAULTS = {
     "spark.dynamicAllocation.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.python.worker.reuse": "true",
+    # Python workers are forked from a daemon that has imported epochstream (deploy.spark_daemon):
+    # the replacement of a killed task's worker starts warm
+    "spark.python.daemon.module": "epochstream.deploy.spark_daemon",
 }
 
 
