@@ -15,7 +15,8 @@ once per attempt, spaced ``--gap`` seconds. Two set-ups:
 
 Measured per kill, on the driver's clock: kill -> failover, failure -> every task of the next
 attempt ready (``recovery_seconds``), and kill -> the first epoch that attempt completed.
-Writes benchmarks/results/worker_loss.csv and worker_loss.png; prints p50 and max per set-up. Not a test: timings vary with the load.
+Writes benchmarks/results/worker_loss.csv and worker_loss.png; prints p50 and max per set-up.
+Not a test: timings vary with the load.
 
     python benchmarks/worker_loss.py [--kills 5] [--gap 25] [--setups restarted,spare] [--spares 1]
 """
