@@ -345,7 +345,8 @@ def test_two_cli_runs_spark_driver_second_refused(tmp_path):
                                     chk=str(chk), held=str(held)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), EPOCHSTREAM_HOME=str(tmp_path / "home"))
     cmd = [sys.executable, "-m", "epochstream.cli", "run", f"{job}:build", "--checkpoint-dir", str(chk),
-           "--deployment", "spark", "--master", "local[2]", "--spark-conf", "spark.ui.enabled=false"]
+           "--deployment", "spark", "--master", "local[2]", "--spark-conf", "spark.ui.enabled=false",
+           "--heartbeat-timeout", "600"]  # the held worker is not declared failed (no failover while held)
     first = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert first.stderr is not None
@@ -360,7 +361,7 @@ def test_two_cli_runs_spark_driver_second_refused(tmp_path):
         while not held.exists():  # it holds from record 300 on, after an epoch
             assert time.monotonic() < deadline and first.poll() is None, "".join(err_lines)[-2000:]
             time.sleep(0.1)
-        time.sleep(1.0)  # an epoch the other source task had started completes (or times out) first
+        time.sleep(1.0)  # an epoch whose markers passed the held task before it held completes first
         holder = LeaseInfo(**json.loads((chk / LEASE).read_text()))
         assert holder.pid == first.pid and holder.host == socket.gethostname(), holder  # the driver process
         assert holder.job == "cli-lease" and holder.attempt.endswith(".0"), holder
