@@ -17,7 +17,7 @@ try:
 except ImportError:  # not installed on this executor: the tasks import it themselves
     pass
 
-from pyspark.daemon import manager
+if __name__ == "__main__":  # run by the executor as ``python -m epochstream.deploy.spark_daemon``
+    from pyspark.daemon import manager
 
-if __name__ == "__main__":
     manager()
