@@ -72,7 +72,7 @@ def test_protocol_packages_do_no_io(package):
 
 
 #: sans-IO modules inside deploy/ (a driver package): the attempt policy, the control messages, liveness
-SANS_IO_DEPLOY = ("attempt.py", "protocol.py", "liveness.py")
+SANS_IO_DEPLOY = ("attempt.py", "protocol.py", "liveness.py", "slots.py")
 
 
 @pytest.mark.parametrize("module", SANS_IO_DEPLOY)

@@ -10,6 +10,7 @@ disk and on moto's real S3 server, in both exactly-once modes.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -324,3 +325,83 @@ def test_s3_lease_left_by_an_ended_run_of_this_process_is_taken_over_at_once(s3_
         assert lease_status(storage)[1].job_id == "f" * 32
     finally:
         again.release()
+
+
+SPARK_JOB = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from pipelines import RunningCount, _key, input_records, make_pipeline
+from epochstream import FileSink
+from epochstream.backends import open_storage
+
+
+def gate(record):  # paced; from id 300 on, once an epoch is committed, hold until the test has tried its second runs
+    time.sleep(0.02)
+    if record[1] >= 300 and not os.path.exists({gate!r}) and open_storage({chk!r}).list_checkpoints():
+        open({held!r}, "a").close()  # a held source task takes no more epoch triggers: the folder stays as it is
+        while not os.path.exists({gate!r}):
+            time.sleep(0.05)
+    return record
+
+
+def build():
+    p = make_pipeline("cli-lease", parallelism=2, interval=0.05)
+    p.from_collection(input_records(400, 5), uid="src").map(gate, name="gate").key_by(_key) \\
+        .process(RunningCount(emit_ids=True), uid="count").sink(FileSink({out!r}), uid="counts")
+    return p
+"""
+
+
+@pytest.mark.slow
+def test_two_cli_runs_spark_driver_second_refused(tmp_path):
+    """The same on the spark driver (``local[2]``): the running driver process holds the lease
+    (its pid, this host, its attempt); a second spark-driver run and a ``--restore latest`` are
+    refused naming it and change nothing; the first's output is exact. The lease is
+    mode-independent (the local-driver test covers both modes)."""
+    job = tmp_path / "job.py"
+    gate = tmp_path / "release"
+    chk = tmp_path / "chk"
+    held = tmp_path / "held"
+    job.write_text(SPARK_JOB.format(tests=str(Path(__file__).parent), out=str(tmp_path / "out"), gate=str(gate),
+                                    chk=str(chk), held=str(held)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), EPOCHSTREAM_HOME=str(tmp_path / "home"))
+    cmd = [sys.executable, "-m", "epochstream.cli", "run", f"{job}:build", "--checkpoint-dir", str(chk),
+           "--deployment", "spark", "--master", "local[2]", "--spark-conf", "spark.ui.enabled=false",
+           "--heartbeat-timeout", "600"]  # the held worker is not declared failed (no failover while held)
+    first = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stderr is not None
+        line = ""
+        while "is running as" not in line:  # Spark's own start-up lines come first
+            line = first.stderr.readline()
+            assert line, "the first run ended before it started"
+        err_lines: list[str] = []  # keep reading: Spark's log lines would fill the pipe and block the driver
+        drain = threading.Thread(target=lambda: err_lines.extend(first.stderr), daemon=True)  # type: ignore[arg-type]
+        drain.start()
+        deadline = time.monotonic() + 180
+        while not held.exists():  # it holds from record 300 on, after an epoch
+            assert time.monotonic() < deadline and first.poll() is None, "".join(err_lines)[-2000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # an epoch whose markers passed the held task before it held completes first
+        holder = LeaseInfo(**json.loads((chk / LEASE).read_text()))
+        assert holder.pid == first.pid and holder.host == socket.gethostname(), holder  # the driver process
+        assert holder.job == "cli-lease" and holder.attempt.endswith(".0"), holder
+        before = unchanged(snapshot(str(chk)))
+        for extra in ([], ["--restore", "latest"]):
+            second = subprocess.run(cmd + extra, env=env, capture_output=True, text=True, timeout=300)
+            refusal = [ln for ln in second.stderr.splitlines() if ln.startswith("epochstream:")]
+            print(refusal)
+            assert second.returncode == 2, second.stderr[-2000:]
+            assert any("is in use by job 'cli-lease'" in ln and f"pid {first.pid}" in ln and "nothing was changed"
+                       in ln for ln in refusal), refusal
+            assert unchanged(snapshot(str(chk))) == before, "the refused spark run changed the checkpoint folder"
+        gate.touch()
+        assert first.wait(timeout=300) == 0, "".join(err_lines)[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    records = committed_output(tmp_path / "out")
+    assert check_running_counts(records, range(400)) == []
+    assert sorted(r[2] for r in records) == list(range(400))
+    assert lease_status(open_storage(str(chk)))[0] == "free"

@@ -9,6 +9,10 @@ failure-rate strategy lets a job with spread-out failures finish.
 from __future__ import annotations
 
 import doctest
+import json
+import threading
+import time
+import urllib.request
 
 import pytest
 
@@ -131,3 +135,42 @@ def test_strategies_that_allow_the_failures_finish_exactly_once(tmp_path, strate
     assert sum(counts.values()) == 400, counts
     k0_counts = sorted(r[1] for r in committed_output(tmp_path / "out" / "counts") if r[0] == "k0")
     assert k0_counts == list(range(1, len(range(0, 400, 7)) + 1))
+
+
+@pytest.mark.slow
+def test_the_restart_count_is_published_while_restarting(tmp_path):
+    """Issue 18 finding 8: REST said RESTARTING with restarts 0. The count is published with the
+    failure, before the restart delay (3 s here) and the next attempt (local driver)."""
+    from epochstream.deploy.failures import FailureSchedule
+    from pipelines import running_count
+
+    p = running_count(n=3000, parallelism=1, interval=0.05, out=tmp_path / "out")
+    p.restart_strategy = FixedDelayRestart(attempts=2, delay=3.0)
+    info: dict = {}
+    started = threading.Event()
+
+    def on_start(doc):
+        info.update(doc)
+        started.set()
+
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(result=p.run(
+        deployment="local", checkpoint_dir=str(tmp_path / "chk"), on_start=on_start,
+        failures=FailureSchedule(fail_points={"after_commit": {2}}))))
+    t.start()
+    seen = []
+    try:
+        assert started.wait(60)
+        while t.is_alive():
+            try:
+                with urllib.request.urlopen(f"{info['endpoint']}/jobs/{info['id']}", timeout=5) as r:
+                    doc = json.loads(r.read())
+            except OSError:
+                break  # the job ended and its server closed
+            seen.append((doc["state"], doc["restarts"]))
+            time.sleep(0.05)
+    finally:
+        t.join(120)
+    assert box["result"].restarts == 1
+    restarting = {n for state, n in seen if state == "RESTARTING"}
+    assert restarting == {1}, seen  # never RESTARTING with 0

@@ -104,6 +104,8 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             p.batch_rows = args.batch_rows
         if getattr(args, "batch_linger", None) is not None:
             p.batch_linger = args.batch_linger
+        if getattr(args, "slot_wait_timeout", None) is not None:
+            p.slot_wait_timeout = args.slot_wait_timeout
         if getattr(args, "heartbeat_interval", None) or getattr(args, "heartbeat_timeout", None):
             from .deploy.liveness import HeartbeatConfig
             from .runtime.errors import ConfigurationError
@@ -153,6 +155,10 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
                                      "spark://host:7077 (default local[*])")
     ap.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
                     help="spark: a Spark setting for the session (repeatable)")
+    ap.add_argument("--slot-wait-timeout", type=_number(float, 0), metavar="SECONDS",
+                    help="spark: seconds an attempt waits, with the status WAITING_FOR_SLOTS, for the cluster to "
+                         "offer its parallelism in barrier task slots before the job fails (0: fail at once; "
+                         "like Flink's slot.request.timeout; default 300)")
     ap.add_argument("--mode", metavar="MODE",
                     help="one of: aligned, tracker, at-least-once (aligned: barrier alignment, the default; "
                          "tracker: trAcker firm bounds; both exactly-once)")
@@ -178,8 +184,8 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
 def _spark_options(args) -> dict[str, Any]:
     """Driver options of --deployment spark (nothing for the other deployments)."""
     if args.deployment != "spark":
-        if args.master or args.spark_conf:
-            raise UsageError("--master and --spark-conf need --deployment spark")
+        if args.master or args.spark_conf or getattr(args, "slot_wait_timeout", None) is not None:
+            raise UsageError("--master, --spark-conf and --slot-wait-timeout need --deployment spark")
         return {}
     conf = {}
     for item in args.spark_conf:
@@ -478,8 +484,8 @@ def cmd_chaos(args) -> int:
         if m not in MOMENTS + ("commit",):
             raise UsageError(f"--kill-moments: unknown moment {m!r} (one of {', '.join(MOMENTS + ('commit',))})")
     for t in targets:
-        if t not in ("worker", "executor", "freeze"):
-            raise UsageError(f"--kill-targets: unknown target {t!r} (worker, executor, freeze)")
+        if t not in ("worker", "executor", "machine", "freeze"):
+            raise UsageError(f"--kill-targets: unknown target {t!r} (worker, executor, machine, freeze)")
     options = _spark_options(args)
     rng = random.Random(args.seed)
     horizon: dict[str, float] = {}

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, Sequence
 from ..deploy.liveness import HeartbeatConfig
 from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, RestartStrategy
 from ..deploy.result import JobResult
+from ..deploy.slots import DEFAULT_SLOT_WAIT_TIMEOUT
 from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, REBALANCE, ColumnKey, Edge, Node, PhysicalPlan, build_plan, uid_of
 from ..runtime.batching import DEFAULT_BATCH_ROWS, BatchPolicy
@@ -386,6 +387,7 @@ class Pipeline:
         batch_rows: int | None = None,
         batch_linger: float = 0.0,
         heartbeat: HeartbeatConfig | None = None,
+        slot_wait_timeout: float = DEFAULT_SLOT_WAIT_TIMEOUT,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -418,7 +420,22 @@ class Pipeline:
         self.batching = BatchPolicy(DEFAULT_BATCH_ROWS if rows is None else rows, batch_linger)
         #: worker liveness on the local and spark drivers (Flink's heartbeat.interval / heartbeat.timeout)
         self.heartbeat = heartbeat or HeartbeatConfig()
+        #: spark: seconds an attempt waits for its barrier task slots on a cluster that has too
+        #: few, with the status WAITING_FOR_SLOTS, before the job fails (0: fail at once; Flink's
+        #: slot.request.timeout; ``deploy.slots``)
+        self.slot_wait_timeout = slot_wait_timeout
         self._nodes: dict[int, Node] = {}
+
+    @property
+    def slot_wait_timeout(self) -> float:
+        """spark: seconds to wait for barrier task slots before failing (0: at once)."""
+        return self._slot_wait_timeout
+
+    @slot_wait_timeout.setter
+    def slot_wait_timeout(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+            raise ValueError(f"slot_wait_timeout must be finite seconds >= 0 (0: fail at once), got {seconds!r}")
+        self._slot_wait_timeout = float(seconds)
 
     # -- the batching policy's knobs, like Spark's micro-batch size and Flink's buffer timeout
     @property

@@ -137,6 +137,8 @@ def _result(pipeline, deployment: str, storage, driver, seconds: float):
             "batch_rows": pipeline.batch_rows,
             "batch_linger": pipeline.batch_linger,
             "job_id": driver.job_id,
+            # spark: every wait of an attempt for its barrier slots (deploy.slots)
+            "slot_waits": getattr(driver, "slot_waits", []),
         },
         savepoints=list(driver.savepoints_written),
     )

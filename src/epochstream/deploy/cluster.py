@@ -117,6 +117,8 @@ class ClusterDriver(Driver):
         self._liveness = HeartbeatMonitor(self.pipeline.heartbeat)
         #: every task's counters from its worker's heartbeats (``runtime.meters``)
         self.meters = RunMeters()
+        #: why the run failed (the REST status's ``error`` once it ended FAILED)
+        self.final_error: str | None = None
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -147,6 +149,9 @@ class ClusterDriver(Driver):
         try:
             self.run_prepared(restored, duration)
             state = "FINISHED"
+        except BaseException as exc:
+            self.final_error = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             self.control.fail_pending(f"the job is {state.lower()}")
             self._publish(state, force=True)
@@ -174,8 +179,26 @@ class ClusterDriver(Driver):
             # the failover reasons, the same text as in the logs and JobResult (operator, subtask, key, record,
             # source split and offset of a user-function failure)
             failures=[{"time": f["time"], "reason": f["reason"].splitlines()[0]} for f in self.failover_log[-10:]],
-            duration=self.clock(), **self._progress(),
+            duration=self.clock(), error=self.final_error, **self._progress(), **self._status_extra(),
         )
+
+    def collect(self, master) -> None:
+        """As ``Driver.collect``; a completed epoch is stamped with the driver's clock (``time``,
+        seconds since the run began, as kill and failover times), at most one loop step late."""
+        fresh = len(master.epoch_log)
+        super().collect(master)
+        if fresh:
+            now = self.clock()
+            for entry in self.epoch_log[-fresh:]:
+                entry.setdefault("time", now)
+
+    def _status_extra(self) -> dict[str, Any]:
+        """Status fields of one kind of driver (spark: the slots a starting attempt waits for)."""
+        return {}
+
+    def on_failover(self) -> None:
+        # RESTARTING with the failure just counted, until the next attempt runs (or the run ends)
+        self._publish("RESTARTING", force=True)
 
     def _progress(self) -> dict[str, Any]:
         """What the dashboard, ``/metrics`` and the status line read beyond the summary (``ui``)."""
@@ -263,7 +286,7 @@ class ClusterDriver(Driver):
         moment = moments[i] if i < len(moments) else "now"
         target = targets[i] if i < len(targets) else "worker"
         victim = self.rng.randrange(len(group.conns))
-        if moment == "now" or target == "freeze":  # a frozen process cannot wait for a moment
+        if moment == "now" or target in ("freeze", "machine"):  # kills the driver does itself, now
             moment = "now"
             self._kill(group, victim, target, moment)
             return
@@ -282,6 +305,10 @@ class ClusterDriver(Driver):
         try:
             if target == "freeze":  # alive but silent: a hung or cut-off host (liveness.py)
                 os.kill(group.pid(victim, "worker"), signal.SIGSTOP)
+            elif target == "machine":  # a lost machine: its cluster daemon and the executor at once
+                daemon, executor = group.pid(victim, "machine"), group.pid(victim, "executor")
+                os.kill(daemon, signal.SIGKILL)
+                os.kill(executor, signal.SIGKILL)
             else:
                 os.kill(group.pid(victim, target), signal.SIGKILL)
         except ProcessLookupError:
@@ -321,7 +348,6 @@ class ClusterDriver(Driver):
             self.traffic.merge(traffic)  # a failed attempt's service messages were sent all the same
             c.fail(time.monotonic())
             self.collect(c.master)
-            self._publish("RESTARTING", force=True)  # until the next attempt runs (or the run ends)
             self._group = None
             group.abort()
             raise

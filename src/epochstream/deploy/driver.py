@@ -28,6 +28,7 @@ from .lease import FencedError, Lease, check_fence
 from .master import JobMaster
 from .persist import SinkStagingError
 from .restore import Restored, check_compatible, find_restore, recover, resolve_sources
+from .slots import SlotsUnavailableError
 from .tracking import make_tracking, uses_event_time
 
 log = logging.getLogger("epochstream")
@@ -35,7 +36,7 @@ log = logging.getLogger("epochstream")
 
 def _retryable(exc: BaseException) -> bool:
     """Failures a restart can cure; a damaged checkpoint or an impossible set-up cannot."""
-    if isinstance(exc, (CheckpointError, ConfigurationError, FencedError)):
+    if isinstance(exc, (CheckpointError, ConfigurationError, FencedError, SlotsUnavailableError)):
         return False
     return isinstance(exc, (Failover, InjectedFailure, SinkStagingError, EpochStreamError))
 
@@ -111,6 +112,9 @@ class Driver:
     def attempt(self, restored: Restored | None, attempt_id: str, duration: float | None) -> None:
         raise NotImplementedError
 
+    def on_failover(self) -> None:
+        """Called after every counted failure (``restarts`` is up to date): publish it."""
+
     def prepare(self, restore: str | None, allow_non_restored_state: bool) -> Restored | None:
         """Find and check what the run starts from (before anything is started or written)."""
         restored = find_restore(self.storage, restore)
@@ -153,6 +157,7 @@ class Driver:
             log.warning("job %s failing over: %s", self.pipeline.name, reason.splitlines()[0])
             self.restarts += 1
             self._next_delay = strategy.decide(failure_times, self.last_failure)
+            self.on_failover()
 
         def give_up(state: tenacity.RetryCallState) -> bool:
             return self._next_delay is None

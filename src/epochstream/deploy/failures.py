@@ -41,6 +41,7 @@ class FailureSchedule:
     #: local and spark drivers, per kill in ``kill_times`` order (missing: "now", "worker"): the
     #: protocol moment the kill waits for ("now", "alignment", "snapshot_write", "commit") and
     #: what it kills ("worker": the worker's process; "executor": the Spark executor JVM;
+    #: "machine": the executor JVM and the standalone Worker that started it, a lost machine;
     #: "freeze": SIGSTOP of the worker's process, alive but silent until heartbeats time out)
     kill_moments: list[str] = field(default_factory=list)
     kill_targets: list[str] = field(default_factory=list)

@@ -116,7 +116,7 @@ class RestServer:
     def post(self, parts: list[str], body: SavepointBody) -> tuple[int, dict[str, Any]]:
         """A validated POST (``post_model`` gave its model, the body passed it)."""
         status = self.control.status()
-        if status.get("state") not in ("RUNNING", "RESTARTING", "CREATED"):
+        if status.get("state") not in ("RUNNING", "RESTARTING", "WAITING_FOR_SLOTS", "CREATED"):
             return 409, {"errors": [f"job {self.job_id} is {status.get('state')}, not running"]}
         stop = isinstance(body, StopBody)
         wants_savepoint = body.savepoint if isinstance(body, StopBody) else True

@@ -51,18 +51,23 @@ from .cluster import ClusterDriver, WorkerGroup
 from .failures import Failover
 from .net import MeshRoute, Server, connect, mesh
 from .protocol import Hello, WorkerError
+from .slots import SlotWait, spark_slot_message
 from .worker import run_worker
 
 log = logging.getLogger("epochstream")
 
 #: Spark settings a barrier job needs (applied when the driver builds the session itself)
 SESSION_DEFAULTS = {
-    # after an executor died, wait for its replacement instead of failing the resubmitted job
+    # a stage short of slots fails its check with Spark's [SPARK-24819] message within ~2 s; the
+    # driver then waits for the slots itself, visibly, up to Pipeline.slot_wait_timeout (deploy.slots)
     "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
-    "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "120",
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "1",
     "spark.dynamicAllocation.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.python.worker.reuse": "true",
+    # Python workers are forked from a daemon that has imported epochstream (deploy.spark_daemon):
+    # the replacement of a killed task's worker starts warm
+    "spark.python.daemon.module": "epochstream.deploy.spark_daemon",
 }
 
 
@@ -116,6 +121,14 @@ def _executor_jvm_pid() -> int | None:
         except (OSError, ValueError, IndexError):
             return None
     return None
+
+
+def _parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def task_main(blob: bytes, driver: tuple[str, int], authkey: bytes) -> list[int]:
@@ -189,6 +202,24 @@ def _warm_task(paths: list[str]):
 _WARM: set[str] = set()
 
 
+def warm_spare_slots(sc, spares: int) -> threading.Thread:
+    """Start (and import epochstream in) the Python worker of every slot the running barrier
+    stage does not hold: a plain job of ``spares`` tasks, which Spark can only place on the free
+    slots (a new executor that joined while the job runs), in the background."""
+    paths = [os.path.abspath(x) for x in sys.path if x]
+
+    def run() -> None:
+        try:
+            sc.setJobGroup("epochstream-warm-spares", "epochstream: start Python workers on spare slots")
+            sc.parallelize(range(spares), spares).mapPartitions(_warm_task(paths)).collect()
+        except Exception as exc:  # a spare lost meanwhile: it is only a warm-up
+            log.info("spark: warming spare slots failed: %s", _spark_reason(exc))
+
+    t = threading.Thread(target=run, name="epochstream-warm-spares", daemon=True)
+    t.start()
+    return t
+
+
 def warm_up(sc, slots: int) -> None:
     """Start a Python worker per slot and import epochstream in it, once per SparkContext, so
     the first attempt's start (and a benchmark's first run) does not pay for cold workers."""
@@ -225,10 +256,11 @@ class _SparkJob(threading.Thread):
 
 
 def _spark_reason(exc: BaseException) -> str:
-    """The first informative line of a (Py4J-wrapped) Spark job failure."""
+    """The first informative line of a (Py4J-wrapped) Spark job failure: Spark's own message,
+    with its tag (``[SPARK-24819]: ...``, ``[TASK_WRITE_FAILED] ...``) when it has one."""
     text = str(exc)
     for pattern in (r"(Could not recover from a failed barrier ResultStage[^\n]*)", r"(Job aborted[^\n]*)",
-                    r"(Executor[^\n]*exited[^\n]*)", r"(\[[A-Z_]+\][^\n]*)"):
+                    r"(Executor[^\n]*exited[^\n]*)", r"(\[[A-Z][A-Z0-9_-]*\][^\n]*)"):
         m = re.search(pattern, text)
         if m:
             return m.group(1)[:500]
@@ -246,18 +278,28 @@ class SparkGroup(WorkerGroup):
     def check(self, stopped: dict[int, int], stop_sent: bool) -> None:
         if self.job.done.is_set() and self.job.error and len(stopped) < len(self.conns):
             raise Failover(f"spark job failed: {self.job.error}")
+        self.driver.warm_spares()
 
     def pid(self, worker: int, target: str) -> int:
         py, jvm = self.pids[worker]
         if target == "worker":
             return py
-        if target == "executor":
+        if target in ("executor", "machine"):
             if self.driver.local_mode or jvm is None:
                 raise ConfigurationError(
-                    f"cannot kill the executor of worker {worker} on master {self.driver.spark_master!r}: "
-                    f"in local mode the executor is the driver's own JVM; use local-cluster[W,C,M] to kill executors")
-            return jvm
-        raise ConfigurationError(f"unknown kill target {target!r} (worker, executor)")
+                    f"cannot kill the {target} of worker {worker} on master {self.driver.spark_master!r}: "
+                    f"in local mode the executor is the driver's own JVM; use local-cluster[W,C,M] or a standalone "
+                    f"cluster to kill executors")
+            if target == "executor":
+                return jvm
+            if self.driver.spark_master.startswith("local-cluster"):  # its Workers are threads of the driver's JVM
+                raise ConfigurationError("kill target 'machine' needs a standalone cluster (spark://host:port); on "
+                                         "local-cluster[W,C,M] the Workers live in the driver's own JVM")
+            daemon = _parent_pid(jvm)  # the standalone Worker that started the executor
+            if daemon is None:
+                raise ConfigurationError(f"cannot find the process that started executor {jvm} of worker {worker}")
+            return daemon
+        raise ConfigurationError(f"unknown kill target {target!r} (worker, executor, machine)")
 
     def abort(self) -> None:
         t0 = time.monotonic()
@@ -283,6 +325,12 @@ class SparkGroup(WorkerGroup):
 class SparkDriver(ClusterDriver):
     deployment = "spark"
     KILL_AFTER_READY = True
+    #: seconds between reads of the cluster's slot count while an attempt starts
+    SLOT_POLL = 0.5
+    #: seconds a new session's executors get to register before the first attempt is submitted
+    STARTUP_SLOTS_WAIT = 30.0
+    #: seconds between checks for new spare slots to warm while an attempt runs
+    SPARE_CHECK = 2.0
 
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  spark=None, master: str | None = None, spark_conf: dict[str, str] | None = None,
@@ -329,24 +377,145 @@ class SparkDriver(ClusterDriver):
             raise ConfigurationError("barrier stages do not work with dynamic allocation: set "
                                      "spark.dynamicAllocation.enabled=false")
         self.host = self.sc.getConf().get("spark.driver.host", "127.0.0.1")
-        warm_up(self.sc, p)
+        #: the running attempt's wait for barrier slots (deploy.slots); every shortage of the run
+        self._slot_wait: SlotWait | None = None
+        self.slot_waits: list[dict[str, Any]] = []
+        self._await_executors(p)
+        #: slots whose Python workers were warmed (``warm_spares``)
+        self._warmed_slots = max(1, self.slots() or p)
+        self._next_spare_check = 0.0
+        self._spare_warmer: threading.Thread | None = None
+        # every slot there is, not only p: a spare executor's Python worker is warm when a lost
+        # task's replacement lands on it (recovery after a Worker loss)
+        try:
+            warm_up(self.sc, self._warmed_slots)
+        except Exception as exc:  # an executor lost meanwhile: the attempt's launch reports and waits
+            log.warning("spark: could not warm up Python workers: %s", _spark_reason(exc))
+
+    def warm_spares(self) -> None:
+        """While an attempt runs: when the cluster has gained slots beyond the barrier stage's
+        (a Worker came back, a spare was added), warm their Python workers, so the next lost task
+        is placed on a ready one (checked every ``SPARE_CHECK`` seconds)."""
+        now = time.monotonic()
+        if now < self._next_spare_check or (self._spare_warmer is not None and self._spare_warmer.is_alive()):
+            return
+        self._next_spare_check = now + self.SPARE_CHECK
+        slots = self.slots()
+        if slots is None:
+            return
+        if slots > self._warmed_slots and slots > self.plan.parallelism:
+            log.info("spark: %d slots (was %d): warming %d spare slot(s)", slots, self._warmed_slots,
+                     slots - self.plan.parallelism)
+            self._spare_warmer = warm_spare_slots(self.sc, slots - self.plan.parallelism)
+        self._warmed_slots = slots
+
+    def _await_executors(self, p: int) -> None:
+        """A new session's executors register over a few seconds: wait (at most
+        ``STARTUP_SLOTS_WAIT`` seconds) while none has or their number still grows, so the first
+        attempt is not reported short of slots that are coming; a cluster that stays short is
+        the launch's to report (``slot_wait_timeout``)."""
+        now = time.monotonic()
+        deadline, last, changed_at = now + self.STARTUP_SLOTS_WAIT, -1, now
+        while now < deadline:
+            slots = self.slots()
+            if slots is None or slots >= p:
+                return
+            if slots != last:
+                last, changed_at = slots, now
+            elif slots > 0 and now - changed_at >= 2.0:
+                return
+            time.sleep(0.2)
+            now = time.monotonic()
+
+    # -- task slots (deploy.slots)
+    def slots(self) -> int | None:
+        """Barrier task slots the cluster has now: the number Spark's own check compares with the
+        stage's task count (``SparkContext.maxNumConcurrentTasks`` of the default resource
+        profile); None if it cannot be read."""
+        try:
+            jsc = self.sc._jsc.sc()
+            return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+        except Exception:  # a py4j or Spark change: Spark's check still reports, only later
+            return None
+
+    def _status_extra(self) -> dict[str, Any]:
+        wait = self._slot_wait
+        return {"slots": wait.status(time.monotonic()) if wait is not None and wait.waiting else None}
+
+    def _slot_note(self, wait: SlotWait, line: str | None) -> None:
+        """Log a change of the shortage and publish it (state WAITING_FOR_SLOTS while it lasts)."""
+        if line is not None:
+            log.warning("job %s: %s", self.pipeline.name, line)
+        if wait.waiting:
+            self._publish("WAITING_FOR_SLOTS", force=line is not None)
+
+    def _poll_slots(self, wait: SlotWait, now: float) -> int | None:
+        """Read the slot count, note a shortage (or its end), and give up when the wait is over."""
+        available = self.slots()
+        if available is not None and available >= wait.needed:
+            self._slot_note(wait, wait.slots_back(now))
+        else:
+            self._slot_note(wait, wait.observe(available, now))
+        if wait.expired(now):
+            raise wait.error(now)
+        return available
 
     def launch(self, restored, attempt: str) -> SparkGroup:
+        """Submit the attempt's barrier stage and wait for its tasks' Hellos. A stage short of
+        slots is reported at once and waited for (``Pipeline.slot_wait_timeout``), then submitted
+        again when Spark's check gave up; the connect timeout counts from when the slots exist."""
+        wait = SlotWait(self.plan.parallelism, self.pipeline.slot_wait_timeout, self.spark_master)
+        self._slot_wait = wait
+        try:
+            while True:
+                group = self._submit(restored, attempt, wait)
+                if group is not None:
+                    return group
+                while True:  # Spark gave up its check: wait for the slots here, then submit again
+                    now = time.monotonic()
+                    available = self._poll_slots(wait, now)
+                    if available is None or not wait.waiting:
+                        break
+                    time.sleep(self.SLOT_POLL)
+        finally:
+            if wait.waiting:  # the run ends waiting: its record still shows the shortage
+                wait.slots_back(time.monotonic())
+            self.slot_waits.extend(wait.history)
+            self._slot_wait = None
+
+    def _submit(self, restored, attempt: str, wait: SlotWait) -> SparkGroup | None:
+        """One barrier job; None if Spark refused it for want of slots."""
         p = self.plan.parallelism
         authkey = secrets.token_bytes(16)
         server = Server(self.host, authkey)
         blob = cloudpickle.dumps((self.pipeline, self.plan, self.storage, restored, attempt, self.mesh_route))
         paths = [os.path.abspath(x) for x in sys.path if x]
-        job = _SparkJob(self.sc, p, _barrier_task(blob, paths, server.address, authkey), f"epochstream-{attempt}")
+        job = _SparkJob(self.sc, p, _barrier_task(blob, paths, server.address, authkey),
+                        f"epochstream-{attempt}-{secrets.token_hex(2)}")
         group = SparkGroup(self, job, server)
         job.start()
+        conns: dict[int, Any] = {}
         try:
-            conns: dict[int, Any] = {}
-            deadline = time.monotonic() + self.connect_timeout
+            started = time.monotonic()
+            deadline = started + self.connect_timeout
+            next_poll = started
             while len(conns) < p:
+                now = time.monotonic()
+                if now >= next_poll:
+                    next_poll = now + self.SLOT_POLL
+                    self._poll_slots(wait, now)
+                    if wait.waiting:
+                        deadline = now + self.connect_timeout
                 if job.done.is_set():
-                    raise Failover(f"spark job failed before its {p} tasks connected: {job.error}")
-                if time.monotonic() > deadline:
+                    message = spark_slot_message(job.error or "")
+                    if message is None:
+                        raise Failover(f"spark job failed before its {p} tasks connected: {job.error}")
+                    self._slot_note(wait, wait.spark_failed(message, now))
+                    if wait.expired(now):
+                        raise wait.error(now)
+                    group.abort()
+                    return None
+                if now > deadline:
                     raise Failover(f"only {len(conns)} of {p} tasks connected within {self.connect_timeout}s "
                                    f"(are {p} task slots free on {self.spark_master}?)")
                 conn = server.accept(0.2)
@@ -358,8 +527,8 @@ class SparkDriver(ClusterDriver):
                 conns[msg.worker] = conn
                 group.pids[msg.worker] = (msg.pid, msg.executor_pid)
             group.conns = [conns[w] for w in range(p)]
-            log.info("spark job %s: %d tasks connected after %.2fs", job.group, p,
-                     time.monotonic() - deadline + self.connect_timeout)
+            self._slot_note(wait, wait.slots_back(time.monotonic()))
+            log.info("spark job %s: %d tasks connected after %.2fs", job.group, p, time.monotonic() - started)
         except BaseException:
             group.conns = list(conns.values())
             group.abort()
