@@ -30,7 +30,9 @@ Making the runs comparable:
   and both fire every timer at or below the final watermark (max event time - delay).
   With a timestamped source epochstream's event time is job-wide (trAcker bounds or aligned
   watermarks); without one it is per subtask and that variant runs at parallelism 1.
-  No input row is late under either engine's batching (late rows: test_pyspark_stateful).
+  No input row is late there; late rows are compared batch for batch in
+  test_late_rows_and_event_time_timers_match_spark_batch_for_batch (one epochstream run,
+  so one epoch, per Spark micro-batch).
 """
 
 from __future__ import annotations
@@ -569,3 +571,94 @@ def test_the_epochstream_state_source_reads_a_checkpoint_as_spark_reads_its_own(
     _spark_rows, spark_st = everything_spark
     chk, _raw = everything_checkpoint
     assert spark_state(spark, chk, EVERYTHING_VARS, timers=True, fmt="epochstream-state", operatorUid="op") == spark_st
+
+
+# ---------------------------------------------------------------- late rows, batch for batch (issue 19, item 6)
+
+
+class Lateness(StatefulProcessor):
+    """Every row it is handed (with the watermark it is told), a count per key, and an
+    event-time timer 3 s after each row; a timer reports its expiry and the watermark."""
+
+    def init(self, handle):
+        self.handle = handle
+        self.count = handle.getValueState("count", "n long")
+        self.fired = handle.getListState("fired", "t long")
+
+    def handleInputRows(self, key, rows, timerValues):
+        out = []
+        for pdf in rows:
+            for t, i in zip(pdf["t"], pdf["id"], strict=True):
+                ms = int(pd.Timestamp(t).value // 1_000_000)
+                self.count.update(((self.count.get() or (0,))[0] + 1,))
+                self.handle.registerTimer(ms + 3_000)
+                out.append((key[0], int(i), ms, timerValues.getCurrentWatermarkInMs(), "row"))
+        yield pd.DataFrame(out, columns=["k", "id", "t", "wm", "kind"])
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+        ts = expiredTimerInfo.getExpiryTimeInMs()
+        self.fired.appendValue((ts,))
+        yield pd.DataFrame([(key[0], -1, ts, timerValues.getCurrentWatermarkInMs(), "timer")],
+                           columns=["k", "id", "t", "wm", "kind"])
+
+
+LATENESS_OUT = "k string, id long, t long, wm long, kind string"
+LATENESS_VARS = {"count": "value", "fired": "list"}
+
+
+def lateness_input() -> list[list[dict]]:
+    """Five micro-batches; (key, id, event second). With a 0 s delay Spark drops a row of
+    batch N at or below the max event time of batches <= N-2: id 7 (9 s <= 12 s) and id 12
+    (19 s <= 20 s). Rows 4, 5, 8, 10, 11 are at or below the *current* watermark and kept.
+    No key gets rows in the batch right after one of its timers became due, so where a
+    timer fires relative to that batch's rows (docs/PYSPARK.md) does not show."""
+    base = 1_700_000_000_000
+    ts = lambda s: pd.Timestamp(base + s * 1_000, unit="ms").isoformat()  # noqa: E731
+    files = [[("a", 1, 10), ("b", 2, 12)],
+             [("a", 3, 20), ("b", 4, 5), ("a", 5, 11)],
+             [("c", 6, 30), ("c", 7, 9), ("c", 8, 19), ("d", 9, 21)],
+             [("e", 10, 25), ("e", 11, 28), ("e", 12, 19)],
+             [("f", 13, 31)]]
+    return [[{"k": k, "id": i, "t": ts(s)} for k, i, s in f] for f in files]
+
+
+@pytest.fixture(scope="module")
+def lateness_spark(spark, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spark-lateness")
+    rows = run_spark(spark, tmp, lateness_input(), "k string, t timestamp, id long",
+                     lambda df: df.withWatermark("t", "0 seconds").groupBy("k").transformWithStateInPandas(
+                         Lateness(), LATENESS_OUT, "Append", "EventTime"),
+                     processing_time=False)
+    return rows, spark_state(spark, tmp / "spark-chk", LATENESS_VARS, timers=True)
+
+
+def run_epochstream_per_batch(tmp: Path, driver: str, batches, attach, spark=None) -> tuple[list[dict], dict]:
+    """One epochstream run per micro-batch: run k reads the source (the rows of batches
+    0..k) from where run k-1's checkpoint left it, as its one epoch (no periodic epochs:
+    the final epoch only), restoring its state. So each epoch holds exactly one Spark
+    micro-batch, and every run after the first goes through a restore."""
+    for k in range(len(batches)):
+        rows = [{**r, "t": datetime.datetime.fromisoformat(r["t"])} for b in batches[:k + 1] for r in b]
+        p = Pipeline("differential-per-batch", parallelism=1, max_parallelism=128,
+                     checkpoint=CheckpointConfig(interval=None), batch_size=64, restart_attempts=0)
+        attach(p.from_collection(rows, splits=1, uid="input")).sink(FileSink(tmp / "es-out"), uid="out")
+        options: dict = {"spark": spark} if driver == "spark" else {}
+        p.run(deployment=driver, checkpoint_dir=str(tmp / "es-chk"), restore="latest" if k else None, **options)
+    storage = LocalCheckpointStorage(tmp / "es-chk")
+    manifest, root = storage.latest()
+    return committed_output(tmp / "es-out"), committed_state(storage, manifest, root)["op"]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_late_rows_and_event_time_timers_match_spark_batch_for_batch(spark, lateness_spark, tmp_path, driver):
+    """The rows the processor is handed (so the rows dropped as late), the watermark it is
+    told, the timers that fire and the final state, with one epoch per Spark micro-batch
+    (epoch-bound watermark, parallelism 1: docs/PYSPARK.md, "Event time")."""
+    spark_rows, spark_st = lateness_spark
+    seen = sorted(r["id"] for r in spark_rows if r["kind"] == "row")
+    assert seen == [1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 13], seen  # Spark dropped 7 and 12
+    rows, raw = run_epochstream_per_batch(tmp_path, driver, lateness_input(), lambda s: s.transform_with_state(
+        Lateness(), LATENESS_OUT, "EventTime", key="k", event_time="t", input_schema="k string, t timestamp, id long",
+        uid="op"), spark=spark)
+    assert canon(rows) == canon(spark_rows)
+    assert epochstream_state(raw, LATENESS_VARS) == spark_st
