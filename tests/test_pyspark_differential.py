@@ -662,3 +662,250 @@ def test_late_rows_and_event_time_timers_match_spark_batch_for_batch(spark, late
         uid="op"), spark=spark)
     assert canon(rows) == canon(spark_rows)
     assert epochstream_state(raw, LATENESS_VARS) == spark_st
+
+
+# ---------------------------------------------------------------- handle lifecycle errors (issue 19, item 5)
+#
+# Spark 4.2's state server raises a wrong-phase operation, answers the Python client with the
+# error and then stops serving that task (its loop ends and the handle is CLOSED): the client
+# raises a PySparkRuntimeError the user code can catch, and the next call to the state server
+# waits forever, so the query hangs. The processors therefore catch each error and record
+# what they saw: through the output for the errors after which Spark goes on (a deleted
+# state variable's object, answered "... is not initialized." without ending the server),
+# and through a log file for the ones after which Spark hangs (then the query is stopped).
+
+
+def caught(op: str, exc: BaseException) -> tuple:
+    """(operation, exception class, Spark error class, message) as the user code sees them."""
+    import re
+
+    msg = str(exc)
+    bracket = re.search(r"\[([A-Z_]+(?:\.[A-Z_]+)?)\]", msg)
+    cond = exc.getCondition() if hasattr(exc, "getCondition") else None
+    return op, type(exc).__name__, cond or (bracket.group(1) if bracket else ""), msg
+
+
+class Deleted(StatefulProcessor):
+    """Declares value, list and map state, deletes each in ``init`` and then uses every call
+    of the deleted objects; also declares a variable twice."""
+
+    CALLS = (
+        ("v.exists", lambda s: s.v.exists()), ("v.get", lambda s: s.v.get()),
+        ("v.update", lambda s: s.v.update((1,))), ("v.clear", lambda s: s.v.clear()),
+        ("l.exists", lambda s: s.l.exists()), ("l.get", lambda s: list(s.l.get())),
+        ("l.put", lambda s: s.l.put([(1,)])), ("l.appendValue", lambda s: s.l.appendValue((1,))),
+        ("l.appendList", lambda s: s.l.appendList([(1,)])), ("l.clear", lambda s: s.l.clear()),
+        ("m.exists", lambda s: s.m.exists()), ("m.getValue", lambda s: s.m.getValue((1,))),
+        ("m.containsKey", lambda s: s.m.containsKey((1,))), ("m.updateValue", lambda s: s.m.updateValue((1,), (2,))),
+        ("m.iterator", lambda s: list(s.m.iterator())), ("m.keys", lambda s: list(s.m.keys())),
+        ("m.values", lambda s: list(s.m.values())), ("m.removeKey", lambda s: s.m.removeKey((1,))),
+        ("m.clear", lambda s: s.m.clear()),
+        ("kept.update", lambda s: s.kept.update((7,))), ("kept.get", lambda s: s.kept.get()),
+    )
+
+    def init(self, handle):
+        self.seen = []
+        self.v = handle.getValueState("v", "n long")
+        self.l = handle.getListState("l", "n long")
+        self.m = handle.getMapState("m", "u long", "n long")
+        self.seen.append(attempt("init: getValueState twice", lambda: handle.getValueState("v", "n long")))
+        for name in ("v", "l", "m"):
+            handle.deleteIfExists(name)
+        self.kept = handle.getValueState("kept", "n long")
+
+    def handleInputRows(self, key, rows, timerValues):
+        for _ in rows:
+            pass
+        out = self.seen + [attempt(op, lambda fn=fn: fn(self)) for op, fn in self.CALLS]
+        self.seen = []
+        yield pd.DataFrame([(key[0],) + o for o in out], columns=["k", "op", "cls", "cond", "msg"])
+
+
+DELETED_OUT = "k string, op string, cls string, cond string, msg string"
+
+
+def attempt(op: str, fn) -> tuple:
+    """``caught`` for a raising call, else what it returned (a state variable object by the
+    PySpark class it is an instance of: epochstream's are subclasses of them)."""
+    from pyspark.sql.streaming.stateful_processor import ListState, MapState, ValueState
+
+    try:
+        r = fn()
+    except Exception as exc:
+        return caught(op, exc)
+    kinds = [c.__name__ for c in (ValueState, ListState, MapState) if isinstance(r, c)]
+    return op, "returned", "", kinds[0] if kinds else repr(r)
+
+
+class WrongPhase(StatefulProcessor):
+    """One wrong-phase handle operation (``case``), caught and logged to ``log`` (a folder)
+    with whether the handle was Spark's driver-side one (PRE_INIT: Spark runs ``init`` and
+    ``close`` once on the driver to learn the state schemas)."""
+
+    def __init__(self, case: str, log: str) -> None:
+        self.case, self.log = case, log
+
+    def _try(self, op, fn) -> None:
+        client = getattr(self.h, "_statefulProcessorApiClient", None)
+        driver = getattr(getattr(client, "handle_state", None), "name", "") == "PRE_INIT"
+        with open(os.path.join(self.log, f"{os.getpid()}-{id(self)}.jsonl"), "a") as f:
+            f.write(json.dumps([driver, *attempt(op, fn)]) + "\n")
+
+    def init(self, handle):
+        self.h = handle
+        if self.case == "init: registerTimer":
+            self._try(self.case, lambda: handle.registerTimer(1))
+
+    def handleInputRows(self, key, rows, timerValues):
+        for _ in rows:
+            pass
+        if self.case == "handleInputRows: getValueState":
+            self._try(self.case, lambda: self.h.getValueState("x", "n long"))
+        elif self.case == "handleInputRows: registerTimer (time mode None)":
+            self._try(self.case, lambda: self.h.registerTimer(1))
+        elif self.case == "handleExpiredTimer: deleteIfExists":
+            self.h.registerTimer(1)  # in the past: fires after this batch
+        return iter([])
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo):
+        if self.case == "handleExpiredTimer: deleteIfExists":
+            self._try(self.case, lambda: self.h.deleteIfExists("x"))
+        return iter([])
+
+    def close(self):
+        if self.case == "close: getListState":
+            self._try(self.case, lambda: self.h.getListState("x", "n long"))
+
+
+#: case -> time mode; each hangs Spark's task that meets it, so each gets a query of its own
+WRONG_PHASE = {
+    "init: registerTimer": "ProcessingTime",
+    "handleInputRows: getValueState": "None",
+    "handleInputRows: registerTimer (time mode None)": "None",
+    "handleExpiredTimer: deleteIfExists": "ProcessingTime",
+    "close: getListState": "None",
+}
+ONE_ROW = [[{"k": "a", "id": 1}]]
+
+
+def logged(folder: Path) -> list[tuple]:
+    return [tuple(json.loads(line)) for f in sorted(folder.glob("*.jsonl")) for line in f.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def handle_errors_spark(spark, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spark-deleted")
+    deleted = run_spark(spark, tmp, ONE_ROW, "k string, id long",
+                        lambda df: df.groupBy("k").transformWithStateInPandas(Deleted(), DELETED_OUT, "Append",
+                                                                              "None"),
+                        processing_time=False)
+    phases = {}
+    for case, mode in WRONG_PHASE.items():
+        tmp = tmp_path_factory.mktemp("spark-phase")
+        (tmp / "in").mkdir()
+        (tmp / "log").mkdir()
+        (tmp / "in" / "b0.json").write_text(json.dumps(ONE_ROW[0][0]) + "\n")
+        df = spark.readStream.schema("k string, id long").json(str(tmp / "in"))
+        q = (df.groupBy("k").transformWithStateInPandas(WrongPhase(case, str(tmp / "log")), "k string", "Append", mode)
+             .writeStream.format("noop").option("checkpointLocation", str(tmp / "chk")).start())
+        deadline = time.monotonic() + 240
+        try:
+            while not any(not r[0] for r in logged(tmp / "log")):  # the executor's record
+                assert time.monotonic() < deadline and q.isActive, (case, q.exception())
+                time.sleep(0.2)
+            time.sleep(1)  # the other partition's task may log the same
+            assert q.isActive, (case, q.exception())  # hung, not failed: the state server is gone
+        finally:
+            q.stop()
+        phases[case] = logged(tmp / "log")
+    return deleted, phases
+
+
+def run_wrong_phase(tmp: Path, driver: str, case: str) -> list[tuple]:
+    (tmp / "log").mkdir()
+    run_epochstream(tmp, driver, ONE_ROW, lambda s: s.transform_with_state(
+        WrongPhase(case, str(tmp / "log")), "k string", WRONG_PHASE[case], key="k", clock=SteppingClock(), uid="op"))
+    return logged(tmp / "log")
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_deleted_state_variables_raise_what_spark_raises(spark, handle_errors_spark, tmp_path, driver):
+    """Every call on a state variable deleted with ``deleteIfExists``: the same exception
+    class and message, or the same return (Spark's client ends list and map iterators
+    empty on the server's error); re-declaring a variable is accepted in both."""
+    spark_rows, _phases = handle_errors_spark
+    assert len(spark_rows) == len(Deleted.CALLS) + 1
+    rows, _raw = run_epochstream(tmp_path, driver, ONE_ROW, lambda s: s.transform_with_state(
+        Deleted(), DELETED_OUT, "None", key="k", uid="op"), spark=spark)
+    assert canon(rows) == canon(spark_rows)
+
+
+@pytest.mark.parametrize("driver", ["sim", "local"])
+def test_wrong_phase_handle_operations_raise_what_spark_raises(handle_errors_spark, tmp_path_factory, driver):
+    """Each operation in a phase Spark refuses: the user code catches the same class and
+    message (PySpark's client prefix, Spark's error class, the phase). Spark then hangs (its
+    state server is gone); epochstream goes on. Spark also runs ``init``/``close`` once on the
+    driver in phase PRE_INIT, where it refuses timers (recorded, not compared: epochstream
+    has no driver-side call, docs/PYSPARK.md)."""
+    _deleted, phases = handle_errors_spark
+    for case in WRONG_PHASE:
+        spark_seen = {r[1:] for r in phases[case] if not r[0]}
+        assert spark_seen and all(r[2] == "PySparkRuntimeError" for r in spark_seen), (case, spark_seen)
+        mine = {r[1:] for r in run_wrong_phase(tmp_path_factory.mktemp(f"es-{driver}"), driver, case)}
+        assert mine == spark_seen, case
+    driver_side = {r[1:] for case in WRONG_PHASE for r in phases[case] if r[0]}
+    assert ("init: registerTimer", "PySparkRuntimeError", "STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_"
+            "HANDLE_STATE", "Error register timer: [STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_HANDLE_"
+            "STATE] Failed to perform stateful processor operation=register_timer with invalid handle state=PRE_INIT. "
+            "SQLSTATE: 42802") in driver_side, driver_side
+
+
+# ---------------------------------------------------------------- Row-mode initial state (issue 19, item 7)
+
+
+class RowSeeds(StatefulProcessor):
+    """``transformWithState`` (Row mode) with an ``initialState``: ``handleInitialState`` gets
+    one ``Row`` per seed row, which it records (class, fields, values) and adds up."""
+
+    def init(self, handle):
+        self.seed = handle.getValueState("seed", "s long")
+        self.got = handle.getListState("got", "r string")
+
+    def handleInitialState(self, key, initialState, timerValues):
+        self.got.appendValue((f"{type(initialState).__name__}{sorted(initialState.asDict().items())}",))
+        self.seed.update((((self.seed.get() or (0,))[0]) + int(initialState.s),))
+
+    def handleInputRows(self, key, rows, timerValues):
+        from pyspark.sql import Row
+
+        got = "|".join(sorted(r[0] for r in self.got.get()))
+        for r in rows:
+            yield Row(k=key[0], id=r.id, seed=(self.seed.get() or (-1,))[0], got=got, rowtype=type(r).__name__)
+
+
+ROW_SEEDS_OUT = "k string, id long, seed long, got string, rowtype string"
+ROW_SEEDS_VARS = {"seed": "value", "got": "list"}
+
+
+@pytest.fixture(scope="module")
+def row_seeds_spark(spark, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spark-row-seeds")
+    seeds = spark.createDataFrame(PROFILE_SEEDS)
+    rows = run_spark(spark, tmp, fives_input(), "k string, id long",
+                     lambda df: df.groupBy("k").transformWithState(
+                         RowSeeds(), ROW_SEEDS_OUT, "Update", "None", initialState=seeds.groupBy("k")),
+                     processing_time=False)
+    return rows, spark_state(spark, tmp / "spark-chk", ROW_SEEDS_VARS, timers=False)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_row_mode_initial_state_matches_spark(spark, row_seeds_spark, tmp_path, driver):
+    spark_rows, spark_st = row_seeds_spark
+    assert spark_st["seed"] == {("a",): (15,), ("b",): (20,), ("e",): (40,)}, spark_st
+    rows, raw = run_epochstream(tmp_path, driver, fives_input(), lambda s: s.transform_with_state(
+        RowSeeds(), ROW_SEEDS_OUT, "None", key="k", rows="row", uid="op",
+        initial_state=spark.createDataFrame(PROFILE_SEEDS) if driver == "spark" else PROFILE_SEEDS), spark=spark)
+    assert canon(rows) == canon(spark_rows)
+    mine = epochstream_state(raw, ROW_SEEDS_VARS)
+    mine.pop("$timers")
+    assert mine == spark_st

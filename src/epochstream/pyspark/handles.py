@@ -127,7 +127,12 @@ class _Var:
 
     def __init__(self, op: "TransformWithState", name: str, ttl: int | None) -> None:
         self._op, self._name, self._ttl = op, name, ttl
-        self._deleted = False
+
+    @property
+    def _deleted(self) -> bool:
+        """Spark's client objects are bound by name: one works while the state server knows
+        the name (declared in ``init`` and not deleted since), whichever object declared it."""
+        return self._name not in self._op.variables
 
     def _check(self, call: str) -> None:
         if self._deleted:
@@ -382,9 +387,7 @@ class EpochStatefulProcessorHandle(StatefulProcessorHandle):
                 h.clear()
                 break
         ctx.set_current_key(current)
-        known = self._op.variables.pop(stateName, None)
-        if known is not None:
-            known[1]._deleted = True
+        self._op.variables.pop(stateName, None)  # its objects raise on use from now on (_Var._deleted)
 
 
 class Timers:
