@@ -636,7 +636,9 @@ def run_epochstream_per_batch(tmp: Path, driver: str, batches, attach, spark=Non
     """One epochstream run per micro-batch: run k reads the source (the rows of batches
     0..k) from where run k-1's checkpoint left it, as its one epoch (no periodic epochs:
     the final epoch only), restoring its state. So each epoch holds exactly one Spark
-    micro-batch, and every run after the first goes through a restore."""
+    micro-batch, and every run after the first goes through a restore. (Within one run
+    epochs are cut by the checkpoint interval, a time, and nothing ties a bound to a source
+    offset, so a single run cannot be cut at the files' boundaries on every driver.)"""
     for k in range(len(batches)):
         rows = [{**r, "t": datetime.datetime.fromisoformat(r["t"])} for b in batches[:k + 1] for r in b]
         p = Pipeline("differential-per-batch", parallelism=1, max_parallelism=128,
