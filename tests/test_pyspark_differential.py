@@ -919,3 +919,42 @@ def test_row_mode_initial_state_matches_spark(spark, row_seeds_spark, tmp_path, 
     mine = epochstream_state(raw, ROW_SEEDS_VARS)
     mine.pop("$timers")
     assert mine == spark_st
+
+
+def late_counts(key, pdf_iter, state):
+    """applyInPandasWithState with a watermark: every row it is handed, the watermark its
+    GroupState reports, and a count per key."""
+    n = state.get[0] if state.exists else 0
+    out = []
+    for pdf in pdf_iter:
+        for t, i in zip(pdf["t"], pdf["id"], strict=True):
+            n += 1
+            out.append((key[0], int(i), int(pd.Timestamp(t).value // 1_000_000), state.getCurrentWatermarkMs(), "row"))
+    state.update((n,))
+    yield pd.DataFrame(out, columns=["k", "id", "t", "wm", "kind"])
+
+
+@pytest.fixture(scope="module")
+def late_counts_spark(spark, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spark-late-counts")
+    rows = run_spark(spark, tmp, lateness_input(), "k string, t timestamp, id long",
+                     lambda df: df.withWatermark("t", "0 seconds").groupBy("k").applyInPandasWithState(
+                         late_counts, LATENESS_OUT, "n long", "Append", GroupStateTimeout.NoTimeout),
+                     processing_time=False)
+    state = {}
+    for r in spark.read.format("statestore").load(str(tmp / "spark-chk")).collect():
+        value = r["value"]
+        state[tuple(r["key"])] = tuple(value["groupState"]) if "groupState" in value else tuple(value)
+    return rows, state
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_late_rows_of_apply_in_pandas_with_state_match_spark_batch_for_batch(spark, late_counts_spark, tmp_path,
+                                                                             driver):
+    spark_rows, spark_st = late_counts_spark
+    assert sorted(r["id"] for r in spark_rows) == [1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 13]
+    rows, raw = run_epochstream_per_batch(tmp_path, driver, lateness_input(), lambda s: s.apply_in_pandas_with_state(
+        late_counts, LATENESS_OUT, "n long", "Append", GroupStateTimeout.NoTimeout, key="k", event_time="t",
+        input_schema="k string, t timestamp, id long", uid="op"), spark=spark)
+    assert canon(rows) == canon(spark_rows)
+    assert {k: v[0] for k, v in raw.get("$groupState", {}).items()} == spark_st
