@@ -860,7 +860,7 @@ def test_wrong_phase_handle_operations_raise_what_spark_raises(handle_errors_spa
     _deleted, phases = handle_errors_spark
     for case in WRONG_PHASE:
         spark_seen = {r[1:] for r in phases[case] if not r[0]}
-        assert spark_seen and all(r[2] == "PySparkRuntimeError" for r in spark_seen), (case, spark_seen)
+        assert spark_seen and all(r[1] == "PySparkRuntimeError" for r in spark_seen), (case, spark_seen)
         mine = {r[1:] for r in run_wrong_phase(tmp_path_factory.mktemp(f"es-{driver}"), driver, case)}
         assert mine == spark_seen, case
     driver_side = {r[1:] for case in WRONG_PHASE for r in phases[case] if r[0]}
