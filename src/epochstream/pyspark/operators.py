@@ -316,10 +316,13 @@ class _Keyed:
         # late against the watermark as of the start of the previous epoch (Spark: of the
         # previous micro-batch); it moves only at epoch bounds, whatever drives event time
         col, wm = self.event_time, self.late_ms
+        # Spark drops late rows only where event time drives the operator: transformWithState in
+        # EventTime mode, applyInPandasWithState with EventTimeTimeout (measured on Spark 4.2)
+        drops = self.uses_event_time
         maxima: dict[Any, int] = {}
         for r, k in zip(rows, keys, strict=True):
             et = _event_time_ms(r[col])
-            if et <= wm:
+            if et <= wm and drops:
                 continue  # late: at or below the watermark (Spark drops it before the operator)
             if et > maxima.get(k, -(2**63)):
                 maxima[k] = et
@@ -502,7 +505,7 @@ class TransformWithState(_Keyed):
         return self._guard("handleExpiredTimer", self._on_epoch_end, epoch, ctx)
 
     def _on_epoch_end(self, epoch: int, ctx) -> list[dict]:
-        if self.event_time is not None:  # late rows are dropped in every time mode (Spark: withWatermark)
+        if self.event_time is not None:  # the watermark moves in every time mode (Spark: withWatermark)
             self._advance_watermark()
         if self.time_mode == "none":
             return []
