@@ -222,14 +222,30 @@ def fives_input() -> list[list[dict]]:
 # ---------------------------------------------------------------- Spark side
 
 
-def run_spark(spark, tmp: Path, batches, schema: str, build, processing_time: bool) -> list[dict]:
-    """Write one JSON file per micro-batch, run ``build(df)`` to a json sink, return its rows."""
+def run_spark(spark, tmp: Path, batches, schema: str, build, processing_time: bool, tries: int = 2) -> list[dict]:
+    """Write one JSON file per micro-batch, run ``build(df)`` to a json sink, return its rows.
+    A query that fails because a Python worker did not connect back in time (a loaded
+    machine) runs again from nothing, once."""
+    import shutil
+
     src = tmp / "spark-in"
-    src.mkdir()
-    for b, rows in enumerate(batches):
-        f = src / f"b{b:03d}.json"
-        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.utime(f, (1_700_000_000 + b, 1_700_000_000 + b))  # the file source takes oldest first
+    if not src.exists():
+        src.mkdir()
+        for b, rows in enumerate(batches):
+            f = src / f"b{b:03d}.json"
+            f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.utime(f, (1_700_000_000 + b, 1_700_000_000 + b))  # the file source takes oldest first
+    try:
+        return _run_spark_query(spark, tmp, src, batches, schema, build, processing_time)
+    except Exception as exc:
+        if tries <= 1 or "failed to connect back" not in str(exc):
+            raise
+        shutil.rmtree(tmp / "spark-out", ignore_errors=True)
+        shutil.rmtree(tmp / "spark-chk", ignore_errors=True)
+        return run_spark(spark, tmp, batches, schema, build, processing_time, tries - 1)
+
+
+def _run_spark_query(spark, tmp: Path, src: Path, batches, schema: str, build, processing_time: bool) -> list[dict]:
     df = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).json(str(src))
     out_df = build(df)
     writer = (out_df.writeStream.format("json").option("path", str(tmp / "spark-out"))
