@@ -38,14 +38,30 @@ PHASES = ("CREATED", "INITIALIZED", "DATA_PROCESSED", "TIMER_PROCESSED", "CLOSED
 _TIME_MODE_NAMES = {"none": "NoTime", "processingtime": "ProcessingTime", "eventtime": "EventTime"}
 
 
+#: what PySpark's state client puts before the state server's error for each handle
+#: operation (``stateful_processor_api_client.py``): the user sees this text, not the bare one
+_CLIENT_PREFIX = {
+    "get_value_state": "Error initializing value state: ",
+    "get_list_state": "Error initializing list state: ",
+    "get_map_state": "Error initializing map state: ",
+    "delete_if_exists": "Error deleting state: ",
+    "register_timer": "Error register timer: ",
+    "delete_timer": "Error deleting timer: ",
+    # Spark's client turns any error of list_timers into an empty iterator; here it raises
+    "list_timers": "",
+}
+
+
 def invalid_handle_state(operation: str, phase: str) -> Exception:
-    """Spark's error for a handle operation in the wrong phase (raised by its state server;
-    the Python client reports it as a ``PySparkRuntimeError``)."""
+    """Spark's error for a handle operation in the wrong phase: its state server raises it,
+    PySpark's client reports it as a ``PySparkRuntimeError`` with its own prefix (measured
+    on Spark 4.2, tests/test_pyspark_differential.py)."""
     from pyspark.errors import PySparkRuntimeError
 
     return PySparkRuntimeError(
-        "[STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_HANDLE_STATE] Failed to perform stateful "
-        f"processor operation={operation} with invalid handle state={phase}. SQLSTATE: 42802"
+        f"{_CLIENT_PREFIX[operation]}[STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_HANDLE_STATE] "
+        f"Failed to perform stateful processor operation={operation} with invalid handle state={phase}. "
+        "SQLSTATE: 42802"
     )
 
 
@@ -53,18 +69,40 @@ def invalid_time_mode(operation: str, time_mode: str) -> Exception:
     from pyspark.errors import PySparkRuntimeError
 
     return PySparkRuntimeError(
-        "[STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_TIME_MODE] Failed to perform stateful "
-        f"processor operation={operation} with invalid timeMode={_TIME_MODE_NAMES[time_mode]} SQLSTATE: 42802"
+        f"{_CLIENT_PREFIX[operation]}[STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_TIME_MODE] "
+        f"Failed to perform stateful processor operation={operation} with invalid timeMode="
+        f"{_TIME_MODE_NAMES[time_mode]} SQLSTATE: 42802"
     )
 
 
-def deleted_variable(name: str, call: str) -> Exception:
+#: PySpark's client text for each call on a state variable whose server side is gone
+#: (``value_state_client.py``, ``list_state_client.py``, ``map_state_client.py``); the list
+#: client says "value state" for list calls, as Spark does
+_DELETED_PREFIX = {
+    ("value", "exists"): "Error checking value state exists",
+    ("value", "get"): "Error getting value state",
+    ("value", "update"): "Error updating value state",
+    ("value", "clear"): "Error clearing value state",
+    ("list", "exists"): "Error checking value state exists",
+    ("list", "put"): "Error updating value state",
+    ("list", "appendValue"): "Error updating value state",
+    ("list", "appendList"): "Error updating value state",
+    ("list", "clear"): "Error clearing value state",
+    ("map", "exists"): "Error checking map state exists",
+    ("map", "getValue"): "Error getting value",
+    ("map", "containsKey"): "Error checking if map state contains key",
+    ("map", "updateValue"): "Error updating map state value",
+    ("map", "removeKey"): "Error removing key from map state",
+    ("map", "clear"): "Error clearing map state",
+}
+
+
+def deleted_variable(kind: str, name: str, call: str) -> Exception:
+    """What Spark raises on a state variable after ``deleteIfExists``: its state server no
+    longer knows the name and answers "<Kind> state <name> is not initialized."."""
     from pyspark.errors import PySparkRuntimeError
 
-    return PySparkRuntimeError(
-        f"state variable {name!r} was deleted with deleteIfExists: {call} on it is not possible (in Spark "
-        "its state server no longer knows the variable)"
-    )
+    return PySparkRuntimeError(f"{_DELETED_PREFIX[kind, call]}: {kind.capitalize()} state {name} is not initialized.")
 
 
 def _check_ttl(ttl: int | None, name: str, time_mode: str) -> int | None:
@@ -84,13 +122,21 @@ def _check_ttl(ttl: int | None, name: str, time_mode: str) -> int | None:
 class _Var:
     """What every state variable shares: its operator, name, schema and TTL."""
 
+    #: "value", "list" or "map" (Spark's error texts name it)
+    kind: str
+
     def __init__(self, op: "TransformWithState", name: str, ttl: int | None) -> None:
         self._op, self._name, self._ttl = op, name, ttl
-        self._deleted = False
+
+    @property
+    def _deleted(self) -> bool:
+        """Spark's client objects are bound by name: one works while the state server knows
+        the name (declared in ``init`` and not deleted since), whichever object declared it."""
+        return self._name not in self._op.variables
 
     def _check(self, call: str) -> None:
         if self._deleted:
-            raise deleted_variable(self._name, call)
+            raise deleted_variable(self.kind, self._name, call)
 
     def _expires(self) -> int | None:
         return None if self._ttl is None else self._op.batch_time_ms + self._ttl
@@ -101,6 +147,8 @@ class _Var:
 
 class EpochValueState(_Var, ValueState):
     """``ValueState``: one row per grouping key."""
+
+    kind = "value"
 
     def __init__(self, op, name: str, schema, ttl: int | None) -> None:
         _Var.__init__(self, op, name, ttl)
@@ -136,6 +184,8 @@ class EpochValueState(_Var, ValueState):
 class EpochListState(_Var, ListState):
     """``ListState``: a list of rows per grouping key; with TTL each element expires alone."""
 
+    kind = "list"
+
     def __init__(self, op, name: str, schema, ttl: int | None) -> None:
         _Var.__init__(self, op, name, ttl)
         self._schema = struct_schema(schema, f"list state {name!r} schema")
@@ -146,7 +196,8 @@ class EpochListState(_Var, ListState):
         return any(self._live(e) for _v, e in self._h.get())
 
     def get(self) -> Iterator[tuple]:
-        self._check("get")
+        if self._deleted:  # Spark's client ends the iterator on the server's error
+            return iter([])
         schema = self._schema
         return iter([state_value(v, schema) for v, e in self._h.get() if self._live(e)])
 
@@ -190,6 +241,8 @@ class EpochListState(_Var, ListState):
 class EpochMapState(_Var, MapState):
     """``MapState``: a map of user-key rows to value rows per grouping key."""
 
+    kind = "map"
+
     def __init__(self, op, name: str, key_schema, value_schema, ttl: int | None) -> None:
         _Var.__init__(self, op, name, ttl)
         self._kschema = struct_schema(key_schema, f"map state {name!r} user key schema")
@@ -211,6 +264,7 @@ class EpochMapState(_Var, MapState):
         return state_value(entry[0], self._vschema)
 
     def containsKey(self, key: tuple) -> bool:
+        self._check("containsKey")
         return self.getValue(key) is not None
 
     def updateValue(self, key: tuple, value: tuple) -> None:
@@ -219,16 +273,19 @@ class EpochMapState(_Var, MapState):
         self._h.put(self._key(key), (stored, self._expires()))
 
     def iterator(self) -> Iterator[tuple[tuple, tuple]]:
-        self._check("iterator")
+        if self._deleted:  # Spark's client ends the iterator on the server's error
+            return iter([])
         ks, vs = self._kschema, self._vschema
         return iter([(state_value(k, ks), state_value(v, vs)) for k, (v, e) in self._h.items() if self._live(e)])
 
     def keys(self) -> Iterator[tuple]:
-        self._check("keys")
+        if self._deleted:  # Spark's client ends the iterator on the server's error
+            return iter([])
         return iter([state_value(k, self._kschema) for k, (_v, e) in self._h.items() if self._live(e)])
 
     def values(self) -> Iterator[tuple]:
-        self._check("values")
+        if self._deleted:  # Spark's client ends the iterator on the server's error
+            return iter([])
         return iter([state_value(v, self._vschema) for _k, (v, e) in self._h.items() if self._live(e)])
 
     def removeKey(self, key: tuple) -> None:
@@ -265,6 +322,12 @@ class EpochStatefulProcessorHandle(StatefulProcessorHandle):
         known = self._op.variables.get(name)
         if known is not None and known[0] != kind:
             raise ValueError(f"state {name!r} is already declared as {known[0]} state, not {kind} state")
+        if known is not None:  # Spark's state server refuses it and goes on (measured on Spark 4.2)
+            from pyspark.errors import PySparkRuntimeError
+
+            raise PySparkRuntimeError(
+                f"Error initializing {kind} state: {kind.capitalize()} state {name} already exists"
+            )
         return ttl
 
     def getValueState(self, stateName: str, schema: DataType | str, ttlDurationMs: int | None = None) -> ValueState:
@@ -330,9 +393,7 @@ class EpochStatefulProcessorHandle(StatefulProcessorHandle):
                 h.clear()
                 break
         ctx.set_current_key(current)
-        known = self._op.variables.pop(stateName, None)
-        if known is not None:
-            known[1]._deleted = True
+        self._op.variables.pop(stateName, None)  # its objects raise on use from now on (_Var._deleted)
 
 
 class Timers:

@@ -59,6 +59,10 @@ from .schema import (
 TIME_MODES = ("none", "processingtime", "eventtime")
 OUTPUT_MODES = ("append", "update")
 GROUP_STATE = "$groupState"
+#: union operator state of a wrapper with an event-time column: per subtask, the late-row
+#: threshold of the next epoch (the watermark as of the start of the epoch before it), which
+#: a restore cannot derive from the keys' event times
+LATE_WATERMARK = "$lateWatermark"
 #: union operator state of a TransformWithState with an initial state: set once it was read
 INITIAL_STATE_DONE = "$initialStateDone"
 
@@ -174,11 +178,15 @@ class _Keyed:
         self._now = _clock(clock)
         self.batch_time_ms = -1
         self.watermark_ms = 0
-        #: rows at or below it are late: the watermark as of the start of the epoch (Spark: of the
-        #: previous micro-batch, its eventTimeWatermarkForLateEvents); timers fire against
-        #: ``watermark_ms`` (Spark's eventTimeWatermarkForEviction), which a job-wide event time
-        #: moves within the epoch
+        #: rows at or below it are late: Spark's eventTimeWatermarkForLateEvents, the watermark
+        #: of the *previous* micro-batch, which is the watermark as of the start of the previous
+        #: epoch here (measured on Spark 4.2: a row of batch N is late at or below
+        #: ``max event time of batches <= N-2 - delay``). Timers fire against ``watermark_ms``
+        #: (Spark's eventTimeWatermarkForEviction, the current batch's), which a job-wide event
+        #: time moves within the epoch
         self.late_ms = 0
+        #: the watermark as of the start of the current epoch (the late threshold of the next)
+        self._epoch_start_ms = 0
 
     #: what error messages call the user code (the processor's class or the function's name)
     label: str
@@ -241,16 +249,40 @@ class _Keyed:
                     self._max_event = v
             ctx.set_current_key(current)
             self.watermark_ms = 0
-            self._advance_watermark()
+            self._late = ctx.operator_state(ListStateDescriptor(LATE_WATERMARK), "union")
+            if self.tracker_time is not None:
+                self._tracker_watermark()
+            elif self._max_event is not None:
+                self.watermark_ms = max(0, self._max_event - self.watermark_delay_ms)
+            self.late_ms, start = self._restored_late(ctx)
+            self.watermark_ms = self._epoch_start_ms = max(self.watermark_ms, start)
+
+    def _restored_late(self, ctx) -> tuple[int, int]:
+        """The late threshold and epoch-start watermark of the first epoch after a restore, as
+        the failure-free run had them: this subtask's stored ones, or after a rescale the
+        smallest stored (no row the old subtasks kept is dropped); zeros on a fresh start.
+        A job-wide event time (the trAcker, aligned watermarks) starts again from nothing
+        after a restore, so the epoch-start watermark is kept too."""
+        stored = self._late.get()
+        if not stored:
+            return 0, 0
+        own = [(late, start) for sub, par, late, start in stored
+               if par == ctx.parallelism and sub == ctx.subtask_index]
+        if own:
+            return own[0]
+        return min(e[2] for e in stored), min(e[3] for e in stored)
 
     def _advance_watermark(self) -> None:
-        """At an epoch bound (and at open): the watermark moves, and late rows of the next
-        epoch are judged against it."""
+        """At an epoch bound: the rows of the next epoch are late against the watermark as of
+        the start of the epoch that ends (Spark: the previous micro-batch's), then the
+        watermark moves (timers fire against it)."""
+        self.late_ms = self._epoch_start_ms
         if self.tracker_time is not None:
             self._tracker_watermark()
         elif self._max_event is not None:
             self.watermark_ms = max(self.watermark_ms, self._max_event - self.watermark_delay_ms)
-        self.late_ms = self.watermark_ms
+        self._epoch_start_ms = self.watermark_ms
+        self._late.update([(self.ctx.subtask_index, self.ctx.parallelism, self.late_ms, self._epoch_start_ms)])
 
     def _tracker_watermark(self, firing: int | None = None) -> None:
         """Every record with an event time below the trAcker's bound W has been processed:
@@ -281,13 +313,16 @@ class _Keyed:
             return groups
         if self.tracker_time is not None:
             self._tracker_watermark()  # what TimerValues report (timers fire against it)
-        # late against the watermark as of the start of the epoch (Spark: of the previous
-        # micro-batch); it moves only at epoch bounds, whatever drives event time
+        # late against the watermark as of the start of the previous epoch (Spark: of the
+        # previous micro-batch); it moves only at epoch bounds, whatever drives event time
         col, wm = self.event_time, self.late_ms
+        # Spark drops late rows only where event time drives the operator: transformWithState in
+        # EventTime mode, applyInPandasWithState with EventTimeTimeout (measured on Spark 4.2)
+        drops = self.uses_event_time
         maxima: dict[Any, int] = {}
         for r, k in zip(rows, keys, strict=True):
             et = _event_time_ms(r[col])
-            if et <= wm:
+            if et <= wm and drops:
                 continue  # late: at or below the watermark (Spark drops it before the operator)
             if et > maxima.get(k, -(2**63)):
                 maxima[k] = et
@@ -471,12 +506,12 @@ class TransformWithState(_Keyed):
         return self._guard("handleExpiredTimer", self._on_epoch_end, epoch, ctx)
 
     def _on_epoch_end(self, epoch: int, ctx) -> list[dict]:
+        if self.event_time is not None:  # the watermark moves in every time mode (Spark: withWatermark)
+            self._advance_watermark()
         if self.time_mode == "none":
             return []
         self.batch_time_ms = self._now(ctx)
         out: list[Any] = []
-        if self.time_mode == "eventtime":
-            self._advance_watermark()
         self._fire_timers(out)
         self._purge_expired()
         return self._records(out)
