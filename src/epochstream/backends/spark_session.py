@@ -134,11 +134,30 @@ def get_spark() -> Any:
                 )
             return active
         s3a = s3a_wanted()
+        _refuse_running_context_without("delta-spark_")
         _drop_jvm_without("delta-spark_", *(["hadoop-aws-"] if s3a else []))
         spark = builder(s3a=s3a).getOrCreate()
         spark.sparkContext.setLogLevel("ERROR")
         _own_session_s3a = s3a
         return spark
+
+
+def _refuse_running_context_without(jar: str) -> None:
+    """A SparkContext that runs in this process without ``jar`` (active in another thread: a
+    spark-driver job's, or one the user started) would be reused by ``getOrCreate`` with
+    Delta's settings but not its classes, and fail later with a missing catalog class: say so
+    now, with the way out."""
+    from pyspark import SparkContext
+
+    sc = SparkContext._active_spark_context
+    if sc is None:
+        return
+    if jar not in (sc.getConf().get("spark.jars") or ""):
+        raise ConfigurationError(
+            f"a Spark context without the Delta jars runs in this process (master {sc.master}): a running JVM "
+            "cannot gain Delta's classes, so stop that session first (SparkSession.stop()), or start it with "
+            "epochstream.backends.spark_session.builder()"
+        )
 
 
 def _drop_jvm_without(*jars: str) -> None:
