@@ -847,10 +847,11 @@ def spark_wrong_phase(spark, tmp_path_factory, case: str, tries: int = 2) -> lis
     return logged(tmp / "log")
 
 
-def run_wrong_phase(tmp: Path, driver: str, case: str) -> list[tuple]:
+def run_wrong_phase(tmp: Path, driver: str, case: str, spark=None) -> list[tuple]:
     (tmp / "log").mkdir()
     run_epochstream(tmp, driver, ONE_ROW, lambda s: s.transform_with_state(
-        WrongPhase(case, str(tmp / "log")), "k string", WRONG_PHASE[case], key="k", clock=SteppingClock(), uid="op"))
+        WrongPhase(case, str(tmp / "log")), "k string", WRONG_PHASE[case], key="k", clock=SteppingClock(), uid="op"),
+        spark=spark)
     return logged(tmp / "log")
 
 
@@ -866,8 +867,8 @@ def test_deleted_state_variables_raise_what_spark_raises(spark, handle_errors_sp
     assert canon(rows) == canon(spark_rows)
 
 
-@pytest.mark.parametrize("driver", ["sim", "local"])
-def test_wrong_phase_handle_operations_raise_what_spark_raises(handle_errors_spark, tmp_path_factory, driver):
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_wrong_phase_handle_operations_raise_what_spark_raises(spark, handle_errors_spark, tmp_path_factory, driver):
     """Each operation in a phase Spark refuses: the user code catches the same class and
     message (PySpark's client prefix, Spark's error class, the phase). Spark then hangs (its
     state server is gone); epochstream goes on. Spark also runs ``init``/``close`` once on the
@@ -877,7 +878,7 @@ def test_wrong_phase_handle_operations_raise_what_spark_raises(handle_errors_spa
     for case in WRONG_PHASE:
         spark_seen = {r[1:] for r in phases[case] if not r[0]}
         assert spark_seen and all(r[1] == "PySparkRuntimeError" for r in spark_seen), (case, spark_seen)
-        mine = {r[1:] for r in run_wrong_phase(tmp_path_factory.mktemp(f"es-{driver}"), driver, case)}
+        mine = {r[1:] for r in run_wrong_phase(tmp_path_factory.mktemp(f"es-{driver}"), driver, case, spark)}
         assert mine == spark_seen, case
     driver_side = {r[1:] for case in WRONG_PHASE for r in phases[case] if r[0]}
     assert ("init: registerTimer", "PySparkRuntimeError", "STATEFUL_PROCESSOR_CANNOT_PERFORM_OPERATION_WITH_INVALID_"
