@@ -384,3 +384,47 @@ def test_distinct_keys_number_keys_in_order_of_first_appearance():
         assign_to_key_group((1,), 128)]
     with pytest.raises(ValueError, match="at least one"):
         distinct_keys([])
+
+
+# ---------------------------------------------------------------- routing records by key (runtime.chain)
+
+_KEYS = st.one_of(
+    st.sampled_from([1, 1.0, True, 0, 0.0, -0.0, False, float("nan"), "1", b"1", 2 ** 70, -3, (1, "a"), (1.0, "a"),
+                     None]),
+    st.text(max_size=3), st.integers(-5, 5), st.floats(allow_nan=True), st.binary(max_size=2),
+    st.tuples(st.integers(0, 2), st.text(max_size=1)),
+)
+
+
+@given(st.lists(_KEYS, min_size=1, max_size=60), st.integers(1, 5))
+@settings(max_examples=60, deadline=None)
+def test_records_reach_the_subtask_of_their_key_group_whatever_the_route_cache_holds(keys, cache):
+    """The hash router caches routes of value keys (equal values, one key group); with a cache
+    that fills and starts again every few keys, every record still lands on the subtask that
+    owns ``assign_to_key_group(key)`` (1, 1.0 and True alike; NaNs; tuples and None uncached)."""
+    import tempfile
+
+    from epochstream import FileSink, KeyedProcessFunction
+    from epochstream.runtime import chain
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
+    from pipelines import committed_output, make_pipeline, sim_run
+
+    class Where(KeyedProcessFunction):
+        def process(self, value, ctx):
+            return ({"i": value["i"], "subtask": ctx.subtask_index},)
+
+    saved, chain.ROUTE_CACHE = chain.ROUTE_CACHE, cache
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            p = make_pipeline("route", parallelism=3, max_parallelism=16)
+            (p.from_collection([{"i": i, "k": k} for i, k in enumerate(keys)], uid="src")
+             .key_by(lambda r: r["k"])
+             .process(Where(), uid="where")
+             .sink(FileSink(os.path.join(tmp, "out")), uid="out"))
+            sim_run(p, os.path.join(tmp, "chk"), seed=1)
+            got = {r["i"]: r["subtask"] for r in committed_output(os.path.join(tmp, "out"))}
+    finally:
+        chain.ROUTE_CACHE = saved
+    table = key_group_table(16, 3)
+    assert got == {i: table[assign_to_key_group(k, 16)] for i, k in enumerate(keys)}

@@ -46,6 +46,13 @@ ContextFactory = Callable[[HeapKeyedState, int, int, str, "TimerService | None",
 KEY_GROUP_MEMO = 1 << 16
 
 
+#: key types whose key group is a function of the value alone, equal values alike (``key_bytes``
+#: encodes 1, 1.0 and True, and -0.0 and 0.0, the same): a dict keyed by them may cache routes
+VALUE_KEYS = frozenset({str, int, float, bool, bytes})
+#: routes cached per router at most (then the cache starts again)
+ROUTE_CACHE = 1 << 16
+
+
 class OutputBuffers:
     """Per-channel record buffers of one task.
 
@@ -227,10 +234,21 @@ class ChainRuntime:
                     raise UserFunctionError(f"key_by function after {name!r} failed", exc,
                                             record=records[len(ks)]) from exc
                 for r, k in zip(records, ks, strict=True):
-                    ch = channels[table[mix(crc(kb(k))) % m]]
+                    if type(k) in VALUE_KEYS:
+                        ch = route.get(k)
+                        if ch is None:
+                            ch = channels[table[mix(crc(kb(k))) % m]]
+                            if len(route) >= ROUTE_CACHE:
+                                route.clear()
+                            route[k] = ch
+                    else:
+                        ch = channels[table[mix(crc(kb(k))) % m]]
                     buffers[ch].append(r)
                     keybufs[ch].append(k)
 
+            #: key -> output channel of the keys seen lately (murmur in Python was a third of a
+            #: keyed record's cost); only keys whose key group follows from their value
+            route: dict[Any, int] = {}
             return by_key
 
         n = len(channels)
