@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable
 
 from ..runtime.errors import ProtocolError
+from .local import FlushSchedule
 from .messages import HEADER_WIRE, MAX_ID
 
 #: key hash (u64), xor (u64), snd count (u32), rcv count (u32)
@@ -81,7 +82,7 @@ class KeyFree:
     substream: int
 
 
-class LocalKeyTracker:
+class LocalKeyTracker(FlushSchedule[KeyMessage]):
     """Folds per-key SND/RCV events of one process (or worker); flushes them as ``KeyMessage``s.
 
     Flushes when ``flush_count`` events were recorded or ``flush_interval`` passed since the
@@ -118,24 +119,6 @@ class LocalKeyTracker:
 
     def has_pending(self) -> bool:
         return bool(self._slots)
-
-    def due(self, now: float) -> bool:
-        if not self._slots:
-            return False
-        if self.flush_count is not None and self.pending_events >= self.flush_count:
-            return True
-        return self.flush_interval is not None and now >= self.last_flush + self.flush_interval
-
-    def next_deadline(self, now: float) -> float | None:
-        """When ``poll`` flushes without new events (None: nothing pending, or count-driven only)."""
-        if self.due(now):
-            return now
-        if self._slots and self.flush_interval is not None:
-            return self.last_flush + self.flush_interval
-        return None
-
-    def poll(self, now: float) -> list[KeyMessage]:
-        return self.flush(now) if self.due(now) else []
 
     def flush(self, now: float) -> list[KeyMessage]:
         """Everything pending as one message (none if nothing is pending)."""

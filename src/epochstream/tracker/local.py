@@ -51,13 +51,56 @@ e.g. ``BatchIds``), no I/O.
 
 from __future__ import annotations
 
-from typing import Hashable, Iterator
+from typing import Generic, Hashable, Iterator, TypeVar
 
 from ..runtime.errors import ProtocolError
 from .messages import EPOCHS, MAX_ID, Confirm, Promise, Report, TrackerMessage
 
+M = TypeVar("M")
 
-class LocalTracker:
+
+class FlushSchedule(Generic[M]):
+    """When a local tracker flushes (the epoch tracker here, the key tracker in keys.py): at
+    once when ``urgent``, else after ``flush_count`` events or ``flush_interval`` since the
+    last flush, and never with nothing pending. Subclasses keep the four fields up to date."""
+
+    flush_interval: float | None
+    flush_count: int | None
+    last_flush: float
+    pending_events: int
+
+    def has_pending(self) -> bool:
+        raise NotImplementedError
+
+    def flush(self, now: float) -> list[M]:
+        raise NotImplementedError
+
+    def urgent(self) -> bool:
+        return False
+
+    def due(self, now: float) -> bool:
+        if not self.has_pending():
+            return False
+        if self.urgent():
+            return True
+        if self.flush_count is not None and self.pending_events >= self.flush_count:
+            return True
+        return self.flush_interval is not None and now >= self.last_flush + self.flush_interval
+
+    def next_deadline(self, now: float) -> float | None:
+        """When ``poll`` will flush without new events (None: only new events can make it due)."""
+        if self.due(now):
+            return now
+        if self.has_pending() and self.flush_interval is not None:
+            return self.last_flush + self.flush_interval
+        return None
+
+    def poll(self, now: float) -> list[M]:
+        """Flush if due; the driver sends each message, in order, on a FIFO link to the agent."""
+        return self.flush(now) if self.due(now) else []
+
+
+class LocalTracker(FlushSchedule[TrackerMessage]):
     """Folds SND/RCV events per (segment, epoch); flushes them as ``TrackerMessage``s."""
 
     def __init__(
@@ -138,27 +181,11 @@ class LocalTracker:
     def has_pending(self) -> bool:
         return bool(self._slots or self._queue or self._promises or self._confirms or self.pending_events)
 
-    def due(self, now: float) -> bool:
-        if not self.has_pending():
-            return False
-        if not self.aggregate or self._promises or self._confirms:
-            return True
-        if self.flush_count is not None and self.pending_events >= self.flush_count:
-            return True
-        return self.flush_interval is not None and now >= self.last_flush + self.flush_interval
-
-    def next_deadline(self, now: float) -> float | None:
-        """When ``poll`` will flush without new events (None: only new events can make it due)."""
-        if self.due(now):
-            return now
-        if self.has_pending() and self.flush_interval is not None:
-            return self.last_flush + self.flush_interval
-        return None
+    def urgent(self) -> bool:
+        """Promises and confirmations, and every event without aggregation, leave at once."""
+        return not self.aggregate or bool(self._promises) or bool(self._confirms)
 
     # ------------------------------------------------------------ flushing
-    def poll(self, now: float) -> list[TrackerMessage]:
-        """Flush if due; the driver sends each message, in order, on a FIFO link to the agent."""
-        return self.flush(now) if self.due(now) else []
 
     def flush(self, now: float) -> list[TrackerMessage]:
         """Flush everything pending now (one message, or one per event without aggregation)."""
