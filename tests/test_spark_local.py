@@ -202,4 +202,5 @@ def test_cli_run_on_spark(tmp_path):
     assert rows and all(r["metrics"]["tasks"] and r["metrics"]["service_messages"]["acks"] == 4 for r in rows)
     bad = subprocess.run([sys.executable, "-m", "epochstream.cli", "run", f"{job}:build", "--master", "local[2]"],
                          capture_output=True, text=True, env=env, timeout=60)
-    assert bad.returncode == 2 and "--master, --spark-conf and --slot-wait-timeout need --deployment spark" in bad.stderr
+    assert bad.returncode == 2
+    assert "--master, --spark-conf and --slot-wait-timeout need --deployment spark" in bad.stderr
