@@ -41,8 +41,8 @@ def api(tmp_path, monkeypatch):
     server.close()
 
 
-def raw(server: RestServer, data: bytes, shut: bool = True, timeout: float = 15.0) -> tuple[int, dict]:
-    """Send ``data`` as is; the status code and JSON body of the answer."""
+def raw_any(server: RestServer, data: bytes, shut: bool = True, timeout: float = 15.0) -> bytes:
+    """Send ``data`` as is; the whole answer, as bytes."""
     host, port = server.httpd.socket.getsockname()[:2]
     with socket.create_connection((host, port), timeout=timeout) as s:
         s.sendall(data)
@@ -57,7 +57,12 @@ def raw(server: RestServer, data: bytes, shut: bool = True, timeout: float = 15.
             if not chunk:
                 break
             buf += chunk
-    head, _, body = buf.partition(b"\r\n\r\n")
+    return buf
+
+
+def raw(server: RestServer, data: bytes, shut: bool = True, timeout: float = 15.0) -> tuple[int, dict]:
+    """Send ``data`` as is; the status code and JSON body of the answer."""
+    head, _, body = raw_any(server, data, shut, timeout).partition(b"\r\n\r\n")
     code = int(head.split(b" ", 2)[1])
     return code, json.loads(body or b"{}")
 
@@ -253,23 +258,6 @@ def test_concurrent_requests_do_not_block_each_other(api):
 
 
 RAW_TRIED = {"requests": 0}
-
-
-def raw_any(server: RestServer, data: bytes) -> bytes:
-    host, port = server.httpd.socket.getsockname()[:2]
-    with socket.create_connection((host, port), timeout=15) as s:
-        s.sendall(data)
-        s.shutdown(socket.SHUT_WR)
-        buf = b""
-        while True:
-            try:
-                chunk = s.recv(65536)
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            buf += chunk
-    return buf
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

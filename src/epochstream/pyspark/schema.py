@@ -599,17 +599,6 @@ def batches_to_records(batches: list[Any], arrow_out) -> list[dict]:
     return records
 
 
-def has_map(dtype: DataType) -> bool:
-    """``dtype`` holds a map at some depth."""
-    if isinstance(dtype, MapType):
-        return True
-    if isinstance(dtype, ArrayType):
-        return has_map(dtype.elementType)
-    if isinstance(dtype, StructType):
-        return any(has_map(f.dataType) for f in dtype.fields)
-    return False
-
-
 def concat_output(batches: list[Any], arrow_out, columnar: bool) -> Any:
     """The output of one input batch: one RecordBatch of ``arrow_out`` (``columnar``), or
     records (Row mode)."""
