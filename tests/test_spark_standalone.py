@@ -95,9 +95,14 @@ def test_too_few_slots_fail_at_once_with_sparks_message(tmp_path, cluster):
     assert "--slot-wait-timeout" in msg
 
 
-def _status(endpoint: str, job_id: str) -> dict:
-    with urllib.request.urlopen(f"{endpoint}/jobs/{job_id}", timeout=5) as r:
-        return json.loads(r.read())
+def _status(endpoint: str, job_id: str, run: threading.Thread, box: dict) -> dict:
+    """The job's REST status; its server going away means the run ended: say how."""
+    try:
+        with urllib.request.urlopen(f"{endpoint}/jobs/{job_id}", timeout=5) as r:
+            return json.loads(r.read())
+    except OSError as exc:
+        run.join(30)
+        raise AssertionError(f"the job's REST API went away ({exc!r}); the run ended with {box}") from exc
 
 
 def test_a_lost_worker_is_waited_for_visibly_and_the_job_resumes_exactly(tmp_path, cluster):
@@ -130,7 +135,7 @@ def test_a_lost_worker_is_waited_for_visibly_and_the_job_resumes_exactly(tmp_pat
     try:
         assert started.wait(180), box
         deadline = time.monotonic() + 180
-        while _status(info["endpoint"], info["id"]).get("completed-epochs", 0) < 1:
+        while _status(info["endpoint"], info["id"], t, box).get("completed-epochs", 0) < 1:
             assert time.monotonic() < deadline and "error" not in box, box
             time.sleep(0.1)
         victim = next(i for i, w in enumerate(c.workers) if w.poll() is None)
@@ -139,7 +144,7 @@ def test_a_lost_worker_is_waited_for_visibly_and_the_job_resumes_exactly(tmp_pat
         seen: dict[str, float] = {}
         status: dict = {}
         while "spark" not in seen:
-            status = _status(info["endpoint"], info["id"])
+            status = _status(info["endpoint"], info["id"], t, box)
             now = time.monotonic() - killed
             if status.get("restarts", 0) >= 1:
                 seen.setdefault("restarts", now)

@@ -242,14 +242,17 @@ def cmd_run(args) -> int:
             **options,
         )
     except CheckpointError as exc:  # a checkpoint that cannot be used is bad input
+        _close(status_line)
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except EpochStreamError as exc:  # JobFailedError included: the restart strategy gave up
+        _close(status_line)
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    finally:
-        if status_line is not None:
-            status_line.close()
+    except BaseException:
+        _close(status_line)
+        raise
+    _close(status_line, result)
     doc = result.to_json()
     doc["sinks"] = {uid: str(getattr(s, "path", s)) for uid, s in p.sinks.items()}
     if args.json:
@@ -272,6 +275,15 @@ def _status_line(label: str, args):
     from .ui.progress import StatusLine, wanted
 
     return StatusLine(label) if wanted(args.json) else None
+
+
+def _close(line, result=None) -> None:
+    """End a status line, with a finished job's own counts (it may end between two polls)."""
+    if line is None:
+        return
+    from .ui.progress import finished
+
+    line.close(finished(result) if result is not None else None)
 
 
 def cmd_checkpoints_list(args) -> int:
@@ -513,9 +525,10 @@ def cmd_chaos(args) -> int:
         try:
             r = p.run(deployment=args.deployment, checkpoint_dir=chk, seed=args.seed, failures=failures,
                       duration=args.duration, **options, **live)
-        finally:
-            if line is not None:
-                line.close()
+        except BaseException:
+            _close(line)
+            raise
+        _close(line, r)
         if not failing:
             horizon["seconds"] = r.metrics.get("virtual_seconds") or r.metrics.get("run_seconds") or (
                 time.perf_counter() - t0)

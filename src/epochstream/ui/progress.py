@@ -35,11 +35,21 @@ def status_text(label: str, job: dict[str, Any]) -> str:
             f"{job.get('restarts') or 0} restarts | {job.get('kills') or 0} kills")
 
 
+def finished(result: Any) -> dict[str, Any]:
+    """``status_text`` fields of a finished job's ``JobResult``."""
+    seconds = result.seconds or 0.0
+    return {"state": "FINISHED", "completed_epochs": len(result.completed_epochs), "restarts": result.restarts,
+            "kills": len(result.metrics.get("kills") or []),
+            "records_per_second": result.records_in / seconds if seconds > 0 else None}
+
+
 class StatusLine:
     """Polls a running job's dashboard document and keeps one terminal line up to date.
 
     ``on_start`` is the driver's callback (its argument names the job's endpoint); ``close``
-    stops polling and ends the line. Poll failures (the job just ended) are ignored.
+    stops polling and ends the line, with the finished job's own counts when given: a short job
+    can end between two polls, and the line left on screen should say how it ended. Poll
+    failures (the job just ended) are ignored.
     """
 
     def __init__(self, label: str, stream: TextIO | None = None, every: float = 0.5) -> None:
@@ -49,6 +59,7 @@ class StatusLine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._bar: Any = None
+        self._last: dict[str, Any] = {}
 
     def on_start(self, info: dict[str, Any]) -> None:
         # the size once, through shutil (COLUMNS/LINES, else the terminal's, else 80x24): tqdm's
@@ -69,12 +80,16 @@ class StatusLine:
             except (OSError, ValueError, KeyError):
                 continue
             if self._bar is not None and not self._stop.is_set():
+                self._last = job
                 self._bar.set_description_str(status_text(self.label, job), refresh=True)
 
-    def close(self) -> None:
+    def close(self, final: dict[str, Any] | None = None) -> None:
+        """Stop polling; ``final`` (fields of a ``status_text`` job) overrides the last poll."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._bar is not None:
+            if final is not None:
+                self._bar.set_description_str(status_text(self.label, {**self._last, **final}), refresh=True)
             self._bar.close()
             self._bar = None
