@@ -96,13 +96,21 @@ def test_too_few_slots_fail_at_once_with_sparks_message(tmp_path, cluster):
 
 
 def _status(endpoint: str, job_id: str, run: threading.Thread, box: dict) -> dict:
-    """The job's REST status; its server going away means the run ended: say how."""
-    try:
-        with urllib.request.urlopen(f"{endpoint}/jobs/{job_id}", timeout=5) as r:
-            return json.loads(r.read())
-    except OSError as exc:
-        run.join(30)
-        raise AssertionError(f"the job's REST API went away ({exc!r}); the run ended with {box}") from exc
+    """The job's REST status. A request that fails while the run goes on is asked again (a
+    loaded machine; printed, so it shows in a failure's output); the server going away with
+    the run means the run ended: say how."""
+    for attempt in range(5):
+        try:
+            with urllib.request.urlopen(f"{endpoint}/jobs/{job_id}", timeout=10) as r:
+                return json.loads(r.read())
+        except OSError as exc:
+            print(f"GET /jobs/{job_id} failed ({exc!r}), attempt {attempt + 1}; the run is "
+                  f"{'alive' if run.is_alive() else 'over'}")
+            if not run.is_alive():
+                run.join(30)
+                raise AssertionError(f"the job's REST API went away ({exc!r}); the run ended with {box}") from exc
+            time.sleep(1.0)
+    raise AssertionError(f"the job's REST API failed 5 times while the run went on; the run: {box}")
 
 
 def test_a_lost_worker_is_waited_for_visibly_and_the_job_resumes_exactly(tmp_path, cluster):
