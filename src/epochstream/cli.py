@@ -106,6 +106,8 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             p.batch_linger = args.batch_linger
         if getattr(args, "slot_wait_timeout", None) is not None:
             p.slot_wait_timeout = args.slot_wait_timeout
+        if getattr(args, "buffer_debloat_target", None) is not None:
+            p.buffer_debloat_target = args.buffer_debloat_target or None
         if getattr(args, "heartbeat_interval", None) or getattr(args, "heartbeat_timeout", None):
             from .deploy.liveness import HeartbeatConfig
             from .runtime.errors import ConfigurationError
@@ -173,6 +175,10 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-linger", type=_batch_linger, metavar="SECONDS",
                     help="seconds output may wait to fill up to --batch-rows rows before it is sent (default 0: "
                          "sent at every step); an epoch bound always sends it")
+    ap.add_argument("--buffer-debloat-target", type=_number(float, 0), metavar="SECONDS",
+                    help="local/spark: sources pause while a worker holds more rows than its operators get "
+                         "through in this many seconds (buffer debloating; default 1; 0: off, only message counts "
+                         "bound the data in flight)")
     ap.add_argument("--state-backend", choices=["files", "delta"],
                     help="committed keyed state: snapshot files only (default) or also a Delta table per operator")
     ap.add_argument("--seed", type=int, default=0, help="seed of the simulator's schedule and of chaos")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, is_dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
+from ..deploy.flow import DEFAULT_TARGET as DEFAULT_DEBLOAT_TARGET
 from ..deploy.liveness import HeartbeatConfig
 from ..deploy.restart import ExponentialDelayRestart, FixedDelayRestart, RestartStrategy
 from ..deploy.result import JobResult
@@ -369,6 +370,10 @@ class Pipeline:
     ``batch_rows`` rows or its rows waited ``batch_linger`` seconds, whichever comes first;
     an epoch bound always sends everything. A linger trades latency for bigger batches, so a
     keyed pandas or batch function sees many rows per key per call (docs/OPERATIONS.md).
+    ``buffer_debloat_target`` (seconds, default 1; None: off) bounds the data in flight on the
+    local and spark drivers by time, as Flink's buffer debloating does: sources pause while a
+    worker holds more rows than its operators get through in that time (``deploy.flow``), so
+    an epoch waits about that long behind a full queue however slow the operator is.
     """
 
     def __init__(
@@ -388,6 +393,7 @@ class Pipeline:
         batch_linger: float = 0.0,
         heartbeat: HeartbeatConfig | None = None,
         slot_wait_timeout: float = DEFAULT_SLOT_WAIT_TIMEOUT,
+        buffer_debloat_target: float | None = DEFAULT_DEBLOAT_TARGET,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -424,7 +430,20 @@ class Pipeline:
         #: few, with the status WAITING_FOR_SLOTS, before the job fails (0: fail at once; Flink's
         #: slot.request.timeout; ``deploy.slots``)
         self.slot_wait_timeout = slot_wait_timeout
+        self.buffer_debloat_target = buffer_debloat_target
         self._nodes: dict[int, Node] = {}
+
+    @property
+    def buffer_debloat_target(self) -> float | None:
+        """Seconds of work the data in flight may hold (None: bounded by message counts only)."""
+        return self._buffer_debloat_target
+
+    @buffer_debloat_target.setter
+    def buffer_debloat_target(self, seconds: float | None) -> None:
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not 0 < seconds < float("inf")):
+            raise ValueError(f"buffer_debloat_target must be finite seconds > 0, or None for off; got {seconds!r}")
+        self._buffer_debloat_target = None if seconds is None else float(seconds)
 
     @property
     def slot_wait_timeout(self) -> float:

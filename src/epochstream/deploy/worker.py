@@ -20,8 +20,12 @@ Flow control has two parts:
   (a blocked channel's messages move to ``held``), so withheld credit always comes back and
   a marker waiting behind data always gets through.
 - **Pressure (per worker).** A worker whose backlog (mailboxes, held messages, envelopes not
-  yet sent) crosses ``HIGH_WATERMARK`` tells its peers; sources stop reading while any worker
-  is over it, and resume below ``LOW_WATERMARK``. This bounds what alignment holds back.
+  yet sent) crosses ``HIGH_WATERMARK`` messages, or, with buffer debloating
+  (``Pipeline.buffer_debloat_target``, ``deploy.flow``), holds more rows than its consuming
+  tasks get through in that many seconds, tells its peers; sources stop reading while any
+  worker is over it, and resume below a quarter of it. This bounds what alignment holds back:
+  sized by time, an epoch's marker or NEOSS waits about the target behind a full queue
+  however slow the operator in front of it is.
 
 Loops cannot deadlock on either: the loop never blocks (a link queues envelopes without
 limit while it waits for credit), only sources are throttled, a loop head is not a source,
@@ -66,6 +70,7 @@ from ..runtime.messages import Batch, Marker, Send, Snapshot, SourceExhausted, W
 from ..runtime.meters import LoopTimes, WorkerSample, task_key
 from ..snapshot.manifest import CheckpointError
 from .assembly import build_tasks
+from .flow import DEFAULT_TARGET, Debloater
 from .liveness import DEFAULT_INTERVAL, HeartbeatSender
 from .persist import StateWriteError, persist
 from .protocol import (
@@ -89,7 +94,13 @@ from .tracking import new_local_tracker
 
 HIGH_WATERMARK = 32  # messages
 LOW_WATERMARK = 8
+#: seconds between two counts of the backlog's rows (debloating)
+ROWS_EVERY = 0.005
 STEP_BUDGET = 4096  # records per task step
+#: debloating: seconds of work a consuming task's step aims at (at least one batch), and the
+#: fewest rows the backlog bound allows
+STEP_SECONDS = 0.05
+DEBLOAT_FLOOR = 16
 #: data envelopes a sender may have outstanding per link
 WINDOW = 16
 #: mailbox messages above which a receiver keeps the credits it owes
@@ -122,6 +133,11 @@ def to_wire(envelope: list) -> list:
              if type(m) is Batch and type(m.records) is not list else m) for ch, m in envelope]
 
 
+def rows_of(messages: Any) -> int:
+    """Rows in (channel, message) pairs: the records of their batches."""
+    return sum(len(m.records) for _ch, m in messages if type(m) is Batch)
+
+
 class PeerLink:
     """One connection to a peer: a sender thread, a priority queue for control envelopes and
     a credit window for data envelopes.
@@ -136,9 +152,11 @@ class PeerLink:
         self._control: deque[list] = deque()
         self.credit = window
         self._closed = False
-        #: data envelopes queued by the loop / sent by the thread (one writer each)
+        #: data envelopes queued by the loop / sent by the thread (one writer each), and their rows
         self.queued = 0
         self.sent = 0
+        self.queued_rows = 0
+        self.sent_rows = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> None:
@@ -148,6 +166,7 @@ class PeerLink:
         with self._cond:
             self._data.append(envelope)
             self.queued += 1
+            self.queued_rows += rows_of(envelope)
             self._cond.notify()
 
     def send_control(self, envelope: list) -> None:
@@ -168,6 +187,10 @@ class PeerLink:
     @property
     def backlog(self) -> int:
         return self.queued - self.sent
+
+    @property
+    def backlog_rows(self) -> int:
+        return self.queued_rows - self.sent_rows
 
     @property
     def stalled(self) -> bool:
@@ -192,6 +215,7 @@ class PeerLink:
                 return
             if data:
                 self.sent += 1
+                self.sent_rows += rows_of(item)
 
 
 class WorkerLoop:
@@ -221,6 +245,14 @@ class WorkerLoop:
         self.owed: dict[int, int] = {p: 0 for p in peers}
         self.peer_pressure: set[int] = set()
         self.pressured = False
+        target = getattr(pipeline, "buffer_debloat_target", DEFAULT_TARGET)
+        #: the backlog bound in rows, sized by time (None: debloating off, or no consuming task)
+        self.debloat = Debloater(target, DEBLOAT_FLOOR, start=pipeline.batch_rows) if target and self.others else None
+        self._rows_at = 0.0
+        #: the last count of the backlog's rows: (over the bound, under a quarter of it), and
+        #: whether the mailboxes alone are over it (then the senders wait for their credit)
+        self._rows_verdict = (False, True)
+        self._inbound_over = False
         self.writes: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = False
@@ -300,12 +332,19 @@ class WorkerLoop:
         self.control.send(Ready(self.index))
         inbound = list(self.peers.values())
         peer_of = {id(c): p for p, c in self.peers.items()}
-        batch = self.pipeline.batch_rows
         lingering = self.pipeline.batch_linger > 0
         config = getattr(self.pipeline, "heartbeat", None)
         beat = HeartbeatSender(config.interval if config is not None else DEFAULT_INTERVAL, time.monotonic())
         times, clock = self.times, time.monotonic
         while not self.stopping:
+            # debloating: a consuming step does about STEP_SECONDS of work, so triggers, markers
+            # and deliveries are not kept waiting behind a step of a slow operator
+            # and a source reads a quarter of the bound at most (a read is the unit the bound
+            # can stop, and the backlog swings between a quarter of the bound and the bound)
+            budget, batch = STEP_BUDGET, self.pipeline.batch_rows
+            if self.debloat is not None:
+                budget = self.debloat.rows_in(STEP_SECONDS, STEP_BUDGET)
+                batch = min(batch, max(1, self.debloat.limit() // 4))
             now = clock()
             times.round_end(now, self.blocked, self.pending)  # the last round: its steps and its wait
             if beat.due(now):  # from the loop itself: a loop that stops turning goes silent
@@ -331,7 +370,7 @@ class WorkerLoop:
                 # mailbox, NEOSS, triggers (loop heads), a restored loop log; or output whose linger is up
                 if task.has_input() or (lingering and (due := task.flush_deadline()) is not None and due <= now):
                     began = clock()
-                    self._handle(task.step(began, STEP_BUDGET))
+                    self._handle(task.step(began, budget))
                     times.worked(task.id, clock() - began)
                     did = True
             throttled = self.pressured or bool(self.peer_pressure)
@@ -455,8 +494,10 @@ class WorkerLoop:
 
     def _credit(self) -> None:
         """Hand back credits (in halves of the window, so not one message per envelope),
-        unless this worker's mailboxes are long: then its senders wait."""
-        if sum(len(t.mailbox) for t in self.others) >= CREDIT_HOLD:
+        unless this worker's mailboxes are long (in messages, or with debloating in rows):
+        then its senders wait. Only the mailboxes count: they always drain, so withheld credit
+        always comes back (held messages and queued output may wait for a peer's credit)."""
+        if self._inbound_over or sum(len(t.mailbox) for t in self.others) >= CREDIT_HOLD:
             return
         for peer, n in self.owed.items():
             if n >= WINDOW // 2:
@@ -466,9 +507,27 @@ class WorkerLoop:
     def _pressure(self) -> None:
         backlog = sum(len(t.mailbox) + len(t.held) for t in self.others) + sum(
             link.backlog for link in self.links.values())
-        if not self.pressured and backlog > HIGH_WATERMARK:
+        over, under = backlog > HIGH_WATERMARK, backlog < LOW_WATERMARK
+        debloat = self.debloat
+        if debloat is not None and backlog:
+            now = time.monotonic()
+            if now - self._rows_at >= ROWS_EVERY:  # counting rows walks the mailboxes: not every turn
+                self._rows_at = now
+                busy = self.times.busy
+                debloat.observe(now, sum(t.records_in for t in self.others), sum(busy[t.id] for t in self.others))
+                limit = debloat.limit()
+                inbound = sum(rows_of(t.mailbox) for t in self.others)
+                rows = inbound + sum(rows_of(t.held) for t in self.others) + sum(
+                    link.backlog_rows for link in self.links.values())
+                self._rows_verdict = (rows > limit, rows < limit // 4)
+                self._inbound_over = inbound > limit
+            rows_over, rows_under = self._rows_verdict
+            over, under = over or rows_over, under and rows_under
+        elif debloat is not None:
+            self._rows_verdict, self._inbound_over = (False, True), False
+        if not self.pressured and over:
             self.pressured = True
-        elif self.pressured and backlog < LOW_WATERMARK:
+        elif self.pressured and under:
             self.pressured = False
         else:
             return
