@@ -17,22 +17,23 @@ from epochstream import Pipeline
 from epochstream.deploy.flow import DEFAULT_TARGET, Debloater
 
 
-def test_the_bound_starts_at_one_batch_and_follows_the_measured_throughput():
-    d = Debloater(target=1.0, floor=16, start=1024)
-    assert d.limit() == 1024 and d.rows_in(0.05, 4096) == 4096  # nothing measured yet
+def test_the_bound_starts_at_one_read_and_follows_the_measured_throughput():
+    d = Debloater(target=1.0, floor=16)
+    assert d.limit() == 16 and d.rows_in(0.05, 4096) == 4096  # nothing measured yet
     d.observe(0.0, rows=0, busy=0.0)
     d.observe(0.1, rows=100, busy=0.1)  # shorter than a period: not yet
     assert d.throughput is None
     d.observe(0.5, rows=500, busy=0.5)
     assert d.throughput == pytest.approx(1000.0)
     assert d.limit() == 1000 and d.rows_in(0.05, 4096) == 50
-    assert Debloater(target=0.25, floor=16, start=1024).limit() == 1024
+    d.target = 0.01
+    assert d.limit() == 16  # never below one read
 
 
 def test_throughput_is_per_second_of_work_so_a_throttled_worker_keeps_its_bound():
     """A worker that idles because its sources are throttled did little work in a long time:
     per wall second it would look slow and shrink its bound further; per busy second it does not."""
-    d = Debloater(target=1.0, floor=16, start=1024)
+    d = Debloater(target=1.0, floor=16)
     d.observe(0.0, rows=0, busy=0.0)
     d.observe(10.0, rows=1000, busy=1.0)  # 10 s of wall time, 1 s of it working
     assert d.throughput == pytest.approx(1000.0)
@@ -43,7 +44,7 @@ def test_throughput_is_per_second_of_work_so_a_throttled_worker_keeps_its_bound(
 
 
 def test_a_slower_operator_shrinks_the_bound_smoothly_down_to_the_floor():
-    d = Debloater(target=1.0, floor=16, start=1024, smoothing=0.5)
+    d = Debloater(target=1.0, floor=16, smoothing=0.5)
     d.observe(0.0, rows=0, busy=0.0)
     d.observe(1.0, rows=1000, busy=1.0)
     d.observe(2.0, rows=1010, busy=2.0)  # now 10 rows per busy second
@@ -56,7 +57,7 @@ def test_a_slower_operator_shrinks_the_bound_smoothly_down_to_the_floor():
 
 def test_a_target_must_be_positive_seconds():
     with pytest.raises(ValueError, match="seconds > 0"):
-        Debloater(target=0.0, floor=16, start=1024)
+        Debloater(target=0.0, floor=16)
 
 
 def test_pipeline_setting_defaults_to_one_second_and_none_turns_it_off():

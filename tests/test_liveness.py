@@ -109,3 +109,71 @@ def test_a_worker_that_never_gets_ready_expires_after_the_startup_timeout():
     silent = m.expired(30.0)
     assert [(s.worker, s.starting) for s in silent] == [(1, True)]
     assert "was not ready 30.0 s after its launch" in silent[0].reason
+
+
+# ---------------------------------------------------------------- long steps are not silence
+
+
+def test_a_long_step_is_alive_until_the_step_timeout_and_a_turning_loop_clears_it():
+    m = HeartbeatMonitor(HeartbeatConfig(interval=1.0, timeout=5.0, step_timeout=60.0))
+    m.watch(0, 0.0)
+    m.watch(1, 0.0)
+    for t in range(2, 59):  # worker 0's pulse thread: inside one step since t = 1
+        m.heard(0, float(t))
+        m.busy(0, float(t), busy_for=t - 1.0)
+        m.heard(1, float(t))
+        m.busy(1, float(t), None)  # worker 1's loop turns
+    assert m.expired(60.9) == [] and m.next_deadline() == 61.0
+    stuck = m.expired(61.0)
+    assert [(s.worker, s.stuck) for s in stuck] == [(0, True)]
+    assert "inside one task step for 60.0 s (heartbeat step timeout 60 s)" in stuck[0].reason
+    m.busy(0, 61.0, None)  # the step ended: the loop's own heartbeat
+    assert m.expired(61.0) == []
+    m.busy(7, 61.0, busy_for=100.0)  # not a watched worker
+    assert m.expired(61.0) == []
+
+
+def test_a_step_timeout_must_exceed_the_interval():
+    with pytest.raises(ConfigurationError, match="step_timeout"):
+        HeartbeatConfig(interval=1.0, timeout=5.0, step_timeout=1.0)
+
+
+class _SleepOnce:
+    """map: sleeps ``seconds`` on the record with id ``at`` (a step far longer than the heartbeat timeout)."""
+
+    def __init__(self, seconds: float, at: int) -> None:
+        self.seconds, self.at = seconds, at
+
+    def __call__(self, record):
+        if record[1] == self.at:
+            time.sleep(self.seconds)
+        return record
+
+
+def _sleepy(tmp_path, seconds: float, heartbeat: HeartbeatConfig, attempts: int):
+    from epochstream import FileSink, Pipeline
+
+    p = Pipeline("sleepy", parallelism=2, checkpoint_interval=0.1, batch_rows=16, heartbeat=heartbeat,
+                 restart_attempts=attempts, restart_delay=0.05)
+    (p.from_collection([(f"k{i % 5}", i) for i in range(2000)], uid="src").key_by(lambda r: r[0])
+      .map(_SleepOnce(seconds, 1000)).sink(FileSink(str(tmp_path / "out")), uid="out"))
+    return p
+
+
+@pytest.mark.slow
+def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_failure(tmp_path):
+    """A user function that takes 3 s on one record, with a 1 s heartbeat timeout: the worker's
+    pulse thread keeps it alive, so the job ends without a failover (before, it was declared
+    failed at every attempt)."""
+    result = _sleepy(tmp_path, 3.0, HeartbeatConfig(interval=0.2, timeout=1.0, step_timeout=30.0), 0).run(
+        deployment="local", checkpoint_dir=str(tmp_path / "chk"))
+    assert result.restarts == 0 and result.records_in == 2000, result.metrics["failovers"]
+
+
+@pytest.mark.slow
+def test_a_step_that_never_returns_is_declared_failed_at_the_step_timeout(tmp_path):
+    from epochstream.deploy.failures import JobFailedError
+
+    p = _sleepy(tmp_path, 3600.0, HeartbeatConfig(interval=0.2, timeout=1.0, step_timeout=2.0), 0)
+    with pytest.raises(JobFailedError, match=r"inside one task step for \d+\.\d s \(heartbeat step timeout 2 s\)"):
+        p.run(deployment="local", checkpoint_dir=str(tmp_path / "chk"))

@@ -108,15 +108,18 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             p.slot_wait_timeout = args.slot_wait_timeout
         if getattr(args, "buffer_debloat_target", None) is not None:
             p.buffer_debloat_target = args.buffer_debloat_target or None
-        if getattr(args, "heartbeat_interval", None) or getattr(args, "heartbeat_timeout", None):
+        if (getattr(args, "heartbeat_interval", None) or getattr(args, "heartbeat_timeout", None)
+                or getattr(args, "heartbeat_step_timeout", None)):
             from .deploy.liveness import HeartbeatConfig
             from .runtime.errors import ConfigurationError
 
             try:
                 p.heartbeat = HeartbeatConfig(args.heartbeat_interval or p.heartbeat.interval,
-                                              args.heartbeat_timeout or p.heartbeat.timeout)
+                                              args.heartbeat_timeout or p.heartbeat.timeout,
+                                              p.heartbeat.startup_timeout,
+                                              getattr(args, "heartbeat_step_timeout", None) or p.heartbeat.step_timeout)
             except ConfigurationError as exc:
-                raise UsageError(f"--heartbeat-interval/--heartbeat-timeout: {exc}") from None
+                raise UsageError(f"--heartbeat-interval/--heartbeat-timeout/--heartbeat-step-timeout: {exc}") from None
         return p
 
     return build
@@ -153,6 +156,9 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--heartbeat-timeout", type=float, metavar="SECONDS",
                     help="local/spark: a worker silent this long is declared failed and the job fails over "
                          "(heartbeat.timeout, default 10)")
+    ap.add_argument("--heartbeat-step-timeout", type=float, metavar="SECONDS",
+                    help="local/spark: a worker whose loop has been inside one task step this long (a user function "
+                         "that does not return) is declared failed (default 120)")
     ap.add_argument("--master", help="spark: the Spark master, e.g. local[4,3], local-cluster[2,1,1024], "
                                      "spark://host:7077 (default local[*])")
     ap.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",

@@ -407,7 +407,7 @@ class ClusterDriver(Driver):
                 alive = conn.poll()
             except (EOFError, OSError):
                 alive = False
-            if alive:
+            if alive and not silent.stuck:
                 liveness.heard(silent.worker, now)
                 continue
             log.error("job %s: %s", self.pipeline.name, silent.reason)
@@ -416,6 +416,7 @@ class ClusterDriver(Driver):
     # -- worker -> driver messages the driver handles itself (the rest go to the controller)
     def _on_heartbeat(self, msg: Heartbeat, now: float) -> list[Any]:
         self.meters.sample(msg.worker, msg.meters)
+        self._liveness.busy(msg.worker, now, msg.busy_for)
         return []
 
     def _on_stopped(self, c: AttemptController, msg: Stopped, now: float) -> list[Any]:

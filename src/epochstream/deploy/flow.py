@@ -13,11 +13,16 @@ of *work* (the loop's busy time of the consuming tasks, ``runtime.meters``), not
 of wall time, so a worker that idles because the sources are throttled does not read its
 own throttling as a slow operator and shrink the bound further. The estimate is an
 exponential average over periods of at least ``period`` seconds with some work in them. The
-bound never goes below ``floor`` rows, starts at ``start`` (one batch) until the first
-measurement, and is only ever tighter than the worker's message bound, which stays. A source
-in the worker reads at most the bound at once: a read is the smallest unit throttling can
-stop, so with batches larger than the bound the queue would be a batch long whatever the
-target (the analogue of Flink shrinking its buffers, not only their number).
+bound never goes below ``floor`` rows (one source read, ``Pipeline.batch_rows``), which is
+also its value until the first measurement, and is only ever tighter than the worker's
+message bound, which stays.
+
+Why reads are not shrunk (Flink shrinks its buffers, not only their number). A read is the
+smallest unit throttling can stop, so the queue is at least a read long whatever the target.
+Shrinking reads to fit the target was tried: it made a row pipeline's epochs 4x shorter, and
+a keyed pandas function 12x slower, since its cost is per key per batch: smaller batches
+measured as a slower operator, which shrank the reads again. The batch size stays the user's
+(``batch_rows``: latency against throughput, docs/OPERATIONS.md).
 
 Sans-IO: ``observe`` takes the counters and the time; ``limit`` answers.
 """
@@ -31,13 +36,12 @@ DEFAULT_TARGET = 1.0
 class Debloater:
     """The backlog bound, in rows, of one worker's consuming tasks."""
 
-    def __init__(self, target: float, floor: int, start: int, period: float = 0.2, min_busy: float = 0.02,
+    def __init__(self, target: float, floor: int, period: float = 0.2, min_busy: float = 0.02,
                  smoothing: float = 0.3) -> None:
         if not target > 0:
             raise ValueError(f"the debloating target must be seconds > 0, got {target!r}")
         self.target = target
         self.floor = max(1, floor)
-        self.start = max(self.floor, start)
         self.period = period
         self.min_busy = min_busy
         self.smoothing = smoothing
@@ -69,9 +73,9 @@ class Debloater:
         return max(1, min(most, int(self.throughput * seconds)))
 
     def limit(self) -> int:
-        """Rows the backlog may hold: ``start`` until the first measurement (a job starts with
+        """Rows the backlog may hold: ``floor`` until the first measurement (a job starts with
         a short queue and lets it grow to the target, never the other way round: a queue filled
         before the first measurement would take its own length to drain)."""
         if self.throughput is None:
-            return self.start
+            return self.floor
         return max(self.floor, int(self.throughput * self.target))

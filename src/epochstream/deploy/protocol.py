@@ -105,10 +105,13 @@ class Stopped(_Message):
 class Heartbeat(_Message):
     """Worker ``worker`` is alive and its loop turns (sent every heartbeat interval; ``liveness.py``).
     It carries the worker's task counters (``runtime.meters``): a periodic message that does
-    not wait for epochs, so rates and backpressure stay live while an epoch is stuck."""
+    not wait for epochs, so rates and backpressure stay live while an epoch is stuck.
+    ``busy_for``: sent by the worker's pulse thread while one task step runs longer than the
+    interval (no counters then): the seconds the loop has been inside that step."""
 
     worker: int
     meters: WorkerSample | None = None
+    busy_for: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,10 +97,8 @@ LOW_WATERMARK = 8
 #: seconds between two counts of the backlog's rows (debloating)
 ROWS_EVERY = 0.005
 STEP_BUDGET = 4096  # records per task step
-#: debloating: seconds of work a consuming task's step aims at (at least one batch), and the
-#: fewest rows the backlog bound allows
+#: debloating: seconds of work a consuming task's step aims at (at least one message)
 STEP_SECONDS = 0.05
-DEBLOAT_FLOOR = 16
 #: data envelopes a sender may have outstanding per link
 WINDOW = 16
 #: mailbox messages above which a receiver keeps the credits it owes
@@ -136,6 +134,28 @@ def to_wire(envelope: list) -> list:
 def rows_of(messages: Any) -> int:
     """Rows in (channel, message) pairs: the records of their batches."""
     return sum(len(m.records) for _ch, m in messages if type(m) is Batch)
+
+
+class SharedConnection:
+    """A control connection two threads send on (the loop, and the pulse thread while a step
+    runs long): sends are whole messages under a lock; the loop alone receives."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, msg: Any) -> None:
+        with self._lock:
+            self.conn.send(msg)
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def recv(self) -> Any:
+        return self.conn.recv()
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
 
 
 class PeerLink:
@@ -225,7 +245,10 @@ class WorkerLoop:
         self.plan = plan
         self.storage = storage
         self.attempt = attempt
-        self.control = control
+        self.control = SharedConnection(control)
+        #: when the loop entered the task step it is in (None: between steps); read by the pulse thread
+        self.step_began: float | None = None
+        self._pulse_stop = threading.Event()
         self.peers = peers
         self.tracker = new_local_tracker(pipeline, index, time.monotonic()) if pipeline.mode == "tracker" else None
         self.tasks = build_tasks(pipeline, plan, index, storage, restored,
@@ -247,7 +270,7 @@ class WorkerLoop:
         self.pressured = False
         target = getattr(pipeline, "buffer_debloat_target", DEFAULT_TARGET)
         #: the backlog bound in rows, sized by time (None: debloating off, or no consuming task)
-        self.debloat = Debloater(target, DEBLOAT_FLOOR, start=pipeline.batch_rows) if target and self.others else None
+        self.debloat = Debloater(target, pipeline.batch_rows) if target and self.others else None
         self._rows_at = 0.0
         #: the last count of the backlog's rows: (over the bound, under a quarter of it), and
         #: whether the mailboxes alone are over it (then the senders wait for their credit)
@@ -303,14 +326,20 @@ class WorkerLoop:
 
     # -- main loop
     def run(self) -> None:
+        config = getattr(self.pipeline, "heartbeat", None)
+        interval = config.interval if config is not None else DEFAULT_INTERVAL
         threads = [threading.Thread(target=self._writer, daemon=True)]
+        pulse = threading.Thread(target=self._pulse, args=(interval,), name="epochstream-pulse", daemon=True)
         for link in self.links.values():
             link.start()
         for t in threads:
             t.start()
+        pulse.start()
         try:
             self._loop()
         finally:
+            self._pulse_stop.set()
+            pulse.join(timeout=5)
             for link in self.links.values():
                 link.close()
             self.writes.put(None)
@@ -319,6 +348,20 @@ class WorkerLoop:
         self._results()
         self.control.send(Stopped(self.index, self.records_in, self.markers_sent, self.watermarks_sent,
                                   self.sample(time.monotonic())))
+
+    def _pulse(self, interval: float) -> None:
+        """While one task step runs longer than the heartbeat interval, say so every interval
+        (``liveness``: a long step is not silence; a frozen process stops this thread too)."""
+        last = 0.0
+        while not self._pulse_stop.wait(interval / 4):
+            began = self.step_began
+            now = time.monotonic()
+            if began is not None and now - began >= interval and now - last >= interval:
+                last = now
+                try:
+                    self.control.send(Heartbeat(self.index, None, busy_for=now - began))
+                except (OSError, ValueError):  # the driver went away: the loop finds out itself
+                    return
 
     def sample(self, now: float) -> WorkerSample:
         """Every task's counters now (``runtime.meters``): rows in and out, seconds busy,
@@ -332,19 +375,16 @@ class WorkerLoop:
         self.control.send(Ready(self.index))
         inbound = list(self.peers.values())
         peer_of = {id(c): p for p, c in self.peers.items()}
+        batch = self.pipeline.batch_rows
         lingering = self.pipeline.batch_linger > 0
         config = getattr(self.pipeline, "heartbeat", None)
         beat = HeartbeatSender(config.interval if config is not None else DEFAULT_INTERVAL, time.monotonic())
         times, clock = self.times, time.monotonic
         while not self.stopping:
-            # debloating: a consuming step does about STEP_SECONDS of work, so triggers, markers
-            # and deliveries are not kept waiting behind a step of a slow operator
-            # and a source reads a quarter of the bound at most (a read is the unit the bound
-            # can stop, and the backlog swings between a quarter of the bound and the bound)
-            budget, batch = STEP_BUDGET, self.pipeline.batch_rows
-            if self.debloat is not None:
-                budget = self.debloat.rows_in(STEP_SECONDS, STEP_BUDGET)
-                batch = min(batch, max(1, self.debloat.limit() // 4))
+            # debloating: a consuming step does about STEP_SECONDS of work (whole messages, so
+            # the batches a function sees are unchanged), so triggers, markers and deliveries
+            # are not kept waiting behind a long step of a slow operator
+            budget = STEP_BUDGET if self.debloat is None else self.debloat.rows_in(STEP_SECONDS, STEP_BUDGET)
             now = clock()
             times.round_end(now, self.blocked, self.pending)  # the last round: its steps and its wait
             if beat.due(now):  # from the loop itself: a loop that stops turning goes silent
@@ -369,8 +409,9 @@ class WorkerLoop:
             for task in self.others:
                 # mailbox, NEOSS, triggers (loop heads), a restored loop log; or output whose linger is up
                 if task.has_input() or (lingering and (due := task.flush_deadline()) is not None and due <= now):
-                    began = clock()
+                    began = self.step_began = clock()
                     self._handle(task.step(began, budget))
+                    self.step_began = None
                     times.worked(task.id, clock() - began)
                     did = True
             throttled = self.pressured or bool(self.peer_pressure)
@@ -378,8 +419,9 @@ class WorkerLoop:
                 if task.triggers or not task.exhausted_reported:
                     had_triggers = bool(task.triggers)
                     before = task.records_in
-                    began = clock()
+                    began = self.step_began = clock()
                     self._handle(task.step(began, batch, read_source=not throttled))
+                    self.step_began = None
                     times.worked(task.id, clock() - began)
                     got = task.records_in - before
                     self.records_in += got
