@@ -45,6 +45,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.state_scale import pct  # noqa: E402
 from epochstream import (  # noqa: E402
     CheckpointConfig,
     DiscardingSink,
@@ -113,13 +114,6 @@ def build(args: argparse.Namespace, mode: str, debloat: bool, k: float) -> Pipel
         .sink(DiscardingSink(), uid="out")
     )
     return p
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
 def _metric(entry: dict[str, Any], *names: str) -> float:
