@@ -51,7 +51,13 @@ from .. import scheme_of
 
 #: table property naming what wrote a table; anything else at the path is refused
 FORMAT_PROPERTY = "epochstream.format"
-STATE_FORMAT = "keyed-state-v1"
+#: a state table's layout: v2 is an append-only changelog (one append per epoch, compacted in the
+#: background); v1 (epochstream before the changelog) was the state itself, MERGEd each epoch.
+#: A v1 table is a fully compacted changelog, so it is read as it is and upgraded in place.
+STATE_FORMAT = "keyed-state-v2"
+STATE_FORMAT_V1 = "keyed-state-v1"
+#: the ``userMetadata`` key of a compaction commit (the version it folded): not an epoch's transaction
+COMPACTED = "compacted"
 SINK_FORMAT = "sink-v1"
 #: where a Delta sink stages an epoch's output inside its table's folder (Delta ignores ``_`` folders)
 STAGING = "_epochstream_staging"
@@ -157,6 +163,16 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return bytes(sink.getvalue().to_pybytes())
 
 
+def put_file(table: str, name: str, body: bytes) -> None:
+    """Write a file into a table's folder (not yet part of the table: a commit adds it)."""
+    if is_remote(table):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        store = _remote_store(table_uri(table), endpoint)
+        store.put(store.root / name, body)
+        return
+    (Path(table_uri(table)) / name).write_bytes(body)
+
+
 def read_version(path: str, version: int, columns: list[str] | None = None) -> pa.Table:
     """A table's rows at a Delta version (time travel), as Arrow; transient faults are retried,
     a version that is gone (VACUUMed, log cleaned) is a ``CheckpointError`` naming it."""
@@ -222,9 +238,18 @@ def _rs_history(table: str) -> list[dict[str, Any]]:
 
 
 def is_transaction(meta: Any, app_id: str, epoch: int | None = None) -> bool:
-    """Whether a commit's metadata is our transaction ``app_id`` (at ``epoch``, if given)."""
+    """Whether a commit's metadata is our transaction ``app_id`` (at ``epoch``, if given).
+
+    A compaction commit carries the app id and the epoch it follows (so the newest commit
+    still names the table's epoch) but is not that epoch's transaction: with ``epoch`` given
+    it does not count."""
     return isinstance(meta, dict) and meta.get("epochstream") == app_id and (
-        epoch is None or meta.get("epoch") == epoch)
+        epoch is None or (meta.get("epoch") == epoch and COMPACTED not in meta))
+
+
+def is_compaction(meta: Any) -> bool:
+    """Whether a commit's metadata is a compaction's (``changelog.compact``)."""
+    return isinstance(meta, dict) and "epochstream" in meta and COMPACTED in meta
 
 
 def version_of_epoch(table: str, app_id: str, epoch: int) -> int | None:
@@ -252,7 +277,7 @@ def live_epochs(hist: list[dict[str, Any]], owns: Callable[[Any], bool]) -> list
     kept: list[tuple[int, int]] = []
     for h in sorted(hist, key=lambda h: h["version"]):
         m = h["meta"]
-        if not owns(m):
+        if not owns(m) or is_compaction(m):
             continue
         if "restored_to" in m:
             kept = [(e, v) for e, v in kept if v <= int(m["restored_to"])]
@@ -351,6 +376,8 @@ _retry_commit = retry(
     wait=wait_exponential(multiplier=0.2, max=2.0),
     reraise=True,
 )
+#: the same retries, for the commits other modules make (``changelog.commit``)
+retry_commit = _retry_commit
 
 
 def committed_txn(table: str, app_id: str) -> int:
@@ -391,13 +418,15 @@ def transact(table: str, app_id: str, epoch: int, action: Callable[[Any], None],
                                ) from exc
 
 
-def append(data: pa.Table, table: str, app_id: str, epoch: int, conflict: Callable[[BaseException], str]) -> None:
-    """Append Arrow rows to a Delta table as the transaction (app_id, epoch)."""
+def append(data: pa.Table, table: str, app_id: str, epoch: int, conflict: Callable[[BaseException], str],
+           evolve: bool = False) -> None:
+    """Append Arrow rows to a Delta table as the transaction (app_id, epoch); ``evolve``: the
+    rows bring new columns, added to the table's schema in the same commit."""
     from deltalake import write_deltalake
 
     def run(props: Any) -> None:
         write_deltalake(table_uri(table), data, mode="append", storage_options=storage_options(table),
-                        commit_properties=props)
+                        commit_properties=props, schema_mode="merge" if evolve else None)
 
     transact(table, app_id, epoch, run, conflict)
 
