@@ -30,7 +30,15 @@ import pytest
 
 from epochstream import CheckpointError
 from epochstream.backends import spark_session
-from epochstream.backends.delta import DeltaCheckpointStorage, DeltaConflictError, DeltaSink, history
+from epochstream.backends.delta import (
+    DeltaCheckpointStorage,
+    DeltaConflictError,
+    DeltaSink,
+    history,
+    read_state,
+    state_at,
+    tables,
+)
 from epochstream.backends.delta import schema as state_schema
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.failures import JobFailedError
@@ -65,6 +73,7 @@ def delta_count(*, out=None, mode: str = "aligned", n: int = N, parallelism: int
     p = make_pipeline("delta-count", parallelism=parallelism, mode=mode, interval=knobs.pop("interval", 0.002),
                       **knobs)
     p.checkpoint.state_backend = "delta"
+    p.checkpoint.delta_compact_every = 3  # compactions happen (inline on the simulator) and meet the crashes
     target = Path(out) / "counts" if out is not None else Path("/nonexistent/epochstream-placeholder")
     (
         p.from_collection(input_records(n, KEYS), uid="src")
@@ -91,7 +100,8 @@ def file_counts(chk: Path, epoch: int) -> dict:
 
 def txn_epochs(table: str | Path) -> list[int]:
     """Epochs of epochstream's transactions in a table, oldest first (duplicates kept)."""
-    return sorted(h["meta"]["epoch"] for h in history(str(table)) if h["meta"] and h["meta"].get("epoch", 0) > 0)
+    return sorted(h["meta"]["epoch"] for h in history(str(table))
+                  if h["meta"] and h["meta"].get("epoch", 0) > 0 and not tables.is_compaction(h["meta"]))
 
 
 # ---------------------------------------------------------------- exactly-once, the oracle
@@ -121,6 +131,7 @@ def test_exactly_once_with_delta_state_and_sink(spark, mode, tmp_path):
 def paced_delta_count(*, out=None, n: int = 3000, mode: str = "aligned"):
     p = make_pipeline("delta-paced", parallelism=2, mode=mode, interval=0.4, batch_size=16, restart_attempts=10)
     p.checkpoint.state_backend = "delta"
+    p.checkpoint.delta_compact_every = 3  # compactions on the job master's thread while workers are killed
     p.restart_delay = 0.05
     target = Path(out) / "counts" if out is not None else Path("/nonexistent/epochstream-placeholder")
     (
@@ -164,12 +175,21 @@ def test_committed_state_is_a_plain_delta_table_with_time_travel(spark, tmp_path
     for epoch in result.completed_epochs:
         manifest, _ = storage.load_manifest(epoch)
         version = manifest["delta"]["state"]["count"]["version"]
-        rows = spark.sql(f"SELECT key, value, epoch FROM delta.`{table}` VERSION AS OF {version} "
-                         f"WHERE state = 'count'").collect()
+        # the changelog folded at the epoch's version (read_state runs STATE_SQL): by version and by epoch
+        rows = read_state(spark, table, version=version).filter("state = 'count'").collect()
         got = {pickle.loads(r["key"]): pickle.loads(r["value"]) for r in rows}
         # the same committed state as the snapshot files of that checkpoint (read without Delta)
         assert got == file_counts(tmp_path / "chk", epoch), epoch
         assert all(r["epoch"] <= epoch for r in rows)
+        assert sorted(map(tuple, read_state(spark, table, epoch=epoch).collect())) == sorted(map(tuple, rows))
+        # and what delta-rs folds (no Spark) is the same
+        assert sorted(map(tuple, state_at(table, epoch).to_pylist())) == sorted(
+            tuple(r.asDict().values()) for r in rows)
+    # the table was compacted along the way (delta_count compacts every 3 epochs), and the raw
+    # newest version (the compacted file plus the appends after it) folds to the newest state
+    assert any(tables.is_compaction(h["meta"]) for h in history(table))
+    newest = {pickle.loads(r["key"]): pickle.loads(r["value"]) for r in read_state(spark, table).collect()}
+    assert newest == file_counts(tmp_path / "chk", result.completed_epochs[-1])
     final = {r["key"]: r["n"] for r in spark.read.format("delta").load(str(tmp_path / "out" / "counts"))
              .groupBy("key").max("n").withColumnRenamed("max(n)", "n").collect()}
     assert final == {f"k{i}": N // KEYS for i in range(KEYS)}
@@ -236,8 +256,8 @@ def test_checkpoint_copied_without_its_tables_restores_from_its_files(spark, tmp
     final = max(storage.list_checkpoints())
     manifest, _ = storage.load_manifest(final)
     version = manifest["delta"]["state"]["count"]["version"]
-    got = {pickle.loads(r["key"]): pickle.loads(r["value"]) for r in spark.read.format("delta")
-           .option("versionAsOf", version).load(storage.table_path("count")).collect()}
+    got = {pickle.loads(r["key"]): pickle.loads(r["value"])
+           for r in read_state(spark, storage.table_path("count"), version=version).collect()}
     assert got == {f"k{k}": 2 * N // KEYS for k in range(KEYS)}
 
 

@@ -219,3 +219,29 @@ def state_at(table: str, epoch: int | None = None) -> pa.Table:
                               .rstrip() + " in its history")
     e, version = found
     return fold(tables.read_version(table, version), e)
+
+
+#: the Spark SQL that reads a state table's committed state (fill in the path and the version of
+#: the epoch, ``epoch_version``; without ``VERSION AS OF``: the newest state). ``read_state`` runs it.
+STATE_SQL = """
+SELECT * EXCEPT (_newest) FROM (
+  SELECT *, row_number() OVER (PARTITION BY key_group, key, state ORDER BY epoch DESC) AS _newest
+  FROM delta.`{path}` VERSION AS OF {version}
+) WHERE _newest = 1 AND value IS NOT NULL
+"""
+
+
+def read_state(spark: Any, path: str, epoch: int | None = None, version: int | None = None) -> Any:
+    """The committed state of a Delta state table as a Spark DataFrame, one row per (key group,
+    key, state) with its typed columns: at ``epoch`` (None: the newest), or at a Delta
+    ``version`` an epoch committed as (a manifest's ``delta.state.<uid>.version``).
+
+    The table is a changelog (``fold``): this is the newest row per key with epoch <= the
+    epoch, tombstones dropped, read at the epoch's version by time travel (``STATE_SQL``)."""
+    if version is None:
+        found = epoch_version(path, epoch)
+        if found is None:
+            raise CheckpointError(f"Delta state table {path}: no committed epoch "
+                                  f"{epoch if epoch is not None else '(empty table)'} in its history")
+        version = found[1]
+    return spark.sql(STATE_SQL.format(path=tables.spark_uri(path), version=int(version)))
