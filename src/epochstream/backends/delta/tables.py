@@ -540,6 +540,10 @@ class DeltaTables:
                 )
         self.mark_owned(table, fmt)
 
+    def is_owned(self, table: str, fmt: str) -> bool:
+        """Whether this writer checked (or created) the table as epochstream's with format ``fmt``."""
+        return (table, fmt) in self._owned
+
     def mark_owned(self, table: str, fmt: str) -> None:
         """This writer created the table with format ``fmt``: no need to check it."""
         self._owned.add((table, fmt))
