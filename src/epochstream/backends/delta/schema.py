@@ -5,7 +5,8 @@ the table, and the Arrow schema of an epoch's appended rows (what ``DeltaCheckpo
 from state files). Key and value are pickled bytes, as in the state files
 (``objects.STATE_SCHEMA`` holds the first four columns); ``value`` NULL is a tombstone: the
 key's state was deleted in that row's epoch (the table is a changelog, ``changelog.fold``). A
-state or key that declares a type adds a ``typed_*`` column (``backends.typed``), which is not part of this fixed schema.
+state or key that declares a type adds a ``typed_*`` column (``backends.typed``), which is not
+part of this fixed schema.
 
 Pure data, no Spark: importing it starts nothing.
 """
@@ -61,7 +62,8 @@ DDL = ", ".join(c.ddl for c in COLUMNS)
 def arrow_schema(names: tuple[str, ...] = NAMES) -> pa.Schema:
     """The Arrow schema of the named columns, as an epoch's appended rows hold them.
 
-    All its fields are nullable, as Arrow builds them; null values are tombstones. The table's own nullability is ``DDL``'s.
+    All its fields are nullable, as Arrow builds them; null values are tombstones. The table's
+    own nullability is ``DDL``'s.
     """
     by_name = {c.name: c for c in COLUMNS}
     return pa.schema([pa.field(n, by_name[n].arrow) for n in names])
