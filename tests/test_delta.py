@@ -73,7 +73,7 @@ def delta_count(*, out=None, mode: str = "aligned", n: int = N, parallelism: int
     p = make_pipeline("delta-count", parallelism=parallelism, mode=mode, interval=knobs.pop("interval", 0.002),
                       **knobs)
     p.checkpoint.state_backend = "delta"
-    p.checkpoint.delta_compact_every = 3  # compactions happen (inline on the simulator) and meet the crashes
+    p.checkpoint.delta_compact_every = 2  # compactions happen (inline on the simulator) and meet the crashes
     target = Path(out) / "counts" if out is not None else Path("/nonexistent/epochstream-placeholder")
     (
         p.from_collection(input_records(n, KEYS), uid="src")

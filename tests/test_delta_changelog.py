@@ -105,7 +105,7 @@ def test_fold_takes_the_newest_row_per_key_up_to_an_epoch_and_drops_tombstones()
 
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])
 def test_exactly_once_with_crashes_between_an_append_and_its_compaction_and_during_one(mode, tmp_path):
-    """The oracle, Delta state and sink, compaction every 2 epochs (inline on the simulator):
+    """The oracle, Delta state and sink, compaction after every append (inline on the simulator):
     crashes after the manifest, between the state append and the sink's, right after an
     epoch's append before the compaction it starts, with a compaction's folded file written
     but not committed, and a worker kill. Every epoch commits once; each retained epoch's
@@ -121,7 +121,7 @@ def test_exactly_once_with_crashes_between_an_append_and_its_compaction_and_duri
             chaos["result"] = result
         return result
 
-    report = check_exactly_once(lambda: counting(mode=mode, n=2 * N, interval=0.001), run, tmp_path)
+    report = check_exactly_once(lambda: counting(mode=mode, n=4 * N, interval=0.001, compact_every=1), run, tmp_path)
     assert report.ok, report.to_json()
     reasons = [f["reason"] for f in chaos["result"].metrics["failovers"]]
     for point in ("after_manifest", "mid_commit", "before_compaction", "at compaction"):

@@ -49,6 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ...runtime.types import TypeInformation
@@ -353,14 +354,17 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         before = hist[0]["version"]
         # a typed column new to the table is filled for every row: the whole state is written
         new = sorted(set(columns) - set(self.tables.typed_columns(table, before)))
-        source, full_ranges = self._changes(manifest, uid, 0 if new else last, root)
-        source = self._with_tombstones(table, source, full_ranges, epoch)
+        source, full_ranges, replace = self._changes(manifest, uid, 0 if new else last, root)
+        if replace:  # the whole state: it replaces the table's content, so no tombstone is needed
+            source = source.filter(pc.is_valid(source.column("value")))
+        else:
+            source = self._with_tombstones(table, source, full_ranges, epoch)
         for col, arr in typed_arrays(source, columns, _what(uid)).items():
             source = source.append_column(col, arr)
         tables.append(source, table, app_id, epoch, lambda exc: (
             f"{_what(uid)}: Delta commit of epoch {epoch} to {table} kept conflicting with another writer "
             f"({type(exc).__name__}); the checkpoint stays complete and the commit is re-issued on recovery"),
-            evolve=bool(new))
+            evolve=bool(new), replace=replace)
         version = version_of_epoch(table, app_id, epoch)
         if version is None:  # pragma: no cover - Delta skipped a transaction we did not make
             raise CheckpointError(f"{_what(uid)}: Delta reports no transaction for epoch {epoch} in {table}")
@@ -376,17 +380,13 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         captured whole (``full_ranges``; None: all) that the capture no longer has."""
         if full_ranges is not None and not full_ranges:
             return source
-        live = changelog.live_keys(table, full_ranges)
-        if not live.num_rows:
+        gone = changelog.missing_keys(table, full_ranges, source)
+        if not gone.num_rows:
             return source
-        have = set(zip(*(source.column(c).to_pylist() for c in ROW_KEY), strict=True))
-        gone = [k for k in zip(*(live.column(c).to_pylist() for c in ROW_KEY), strict=True) if k not in have]
-        if not gone:
-            return source
-        kg, key, state = zip(*gone, strict=True)
-        tomb = pa.table({"key_group": list(kg), "key": list(key), "state": list(state),
-                         "value": pa.nulls(len(gone), pa.binary()), "epoch": [epoch] * len(gone)},
-                        schema=source.schema)
+        n = gone.num_rows
+        tomb = pa.table({"key_group": gone.column("key_group"), "key": gone.column("key"),
+                         "state": gone.column("state"), "value": pa.nulls(n, pa.binary()),
+                         "epoch": pa.nulls(n, pa.int64()).fill_null(epoch)}).cast(source.schema)
         return pa.concat_tables([source, tomb])
 
     @staticmethod
@@ -416,11 +416,14 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         return int(meta["epoch"])
 
     def _changes(self, manifest: dict[str, Any], uid: str, last: int, root: Any
-                 ) -> tuple[pa.Table, list[tuple[int, int]] | None]:
+                 ) -> tuple[pa.Table, list[tuple[int, int]] | None, bool]:
         """The operator's changes after epoch ``last``, folded to one row per (key group, key, state).
 
-        Returns the rows (null value = delete) and the key-group ranges replaced wholesale
-        (None: all of them, the table holds nothing of this lineage yet).
+        Returns the rows (null value = delete), the key-group ranges captured wholesale
+        (None: all of them, the table holds nothing of this lineage yet), and whether the rows
+        are the whole state (every subtask's changes start with a full capture, or ``last`` is
+        0): then the epoch's commit replaces the table's content instead of appending, which
+        compacts the changelog for free (a full snapshot is the materialisation, as in FLIP-158).
         """
         by_subtask: dict[int, list[StateFileRef]] = {}
         for ref in map(StateFileRef.from_json, manifest["operators"][uid]["files"]):
@@ -431,6 +434,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         # (key, state) and the subtasks own disjoint key groups, so there is nothing to fold
         single = len({r.epoch for todo in todos.values() for r in todo}) <= 1 and all(
             len(todo) <= 1 for todo in todos.values())
+        whole = full_ranges is None or (bool(todos) and all(todo and todo[0].full for todo in todos.values()))
         links: list[pa.Table] = []
         for todo in todos.values():
             if todo and full_ranges is not None and todo[0].full:
@@ -438,14 +442,14 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
                 full_ranges.append((lo, hi))
             for ref in todo:
                 t = self.read_state(ref, root)
-                links.append(t.append_column("link", pa.array([len(links)] * t.num_rows, pa.int32())))
+                links.append(t.append_column("link", changelog.constant(t.num_rows, len(links), pa.int32())))
         if single and links:
             rows = pa.concat_tables([t.select(_FOLD_SCHEMA.names).cast(_FOLD_SCHEMA) for t in links])
         else:
             rows = self._fold(links)
         rows = rows.select(list(ROW_NAMES))
-        epochs = pa.array([int(manifest["epoch"])] * rows.num_rows, arrow_schema(("epoch",)).field("epoch").type)
-        return rows.append_column("epoch", epochs), full_ranges
+        epochs = changelog.constant(rows.num_rows, int(manifest["epoch"]), arrow_schema(("epoch",)).field("epoch").type)
+        return rows.append_column("epoch", epochs), full_ranges, whole
 
     @staticmethod
     def _fold(links: list[pa.Table]) -> pa.Table:
@@ -455,7 +459,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         rows = pa.concat_tables([t.select(_FOLD_SCHEMA.names).cast(_FOLD_SCHEMA) for t in links])
         if not rows.num_rows:
             return rows
-        rows = rows.append_column("i", pa.array(range(rows.num_rows), pa.int64()))
+        rows = rows.append_column("i", changelog.row_numbers(rows.num_rows))
         last_i = rows.group_by(list(ROW_KEY), use_threads=False).aggregate([("i", "max")])
         return rows.take(last_i.column("i_max"))
 

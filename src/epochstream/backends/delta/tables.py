@@ -188,9 +188,10 @@ def read_version(path: str, version: int, columns: list[str] | None = None) -> p
 # ---------------------------------------------------------------- the commit log
 
 
-def commit_meta(app_id: str, epoch: int) -> str:
-    """The ``userMetadata`` of the transaction (app_id, epoch): how ``history`` recognises it."""
-    return json.dumps({"epochstream": app_id, "epoch": epoch}, sort_keys=True)
+def commit_meta(app_id: str, epoch: int, extra: dict[str, Any] | None = None) -> str:
+    """The ``userMetadata`` of the transaction (app_id, epoch): how ``history`` recognises it
+    (``extra``: what else the commit says about itself, e.g. ``replaced``)."""
+    return json.dumps({**(extra or {}), "epochstream": app_id, "epoch": epoch}, sort_keys=True)
 
 
 def _parse_meta(text: str | None) -> Any:
@@ -360,12 +361,12 @@ def is_transient(exc: BaseException) -> bool:
         "service unavailable", "broken pipe", "reset by peer"))
 
 
-def commit_properties(app_id: str, epoch: int) -> Any:
+def commit_properties(app_id: str, epoch: int, extra: dict[str, Any] | None = None) -> Any:
     """delta-rs commit properties of the transaction (app_id, epoch): the ``txn`` action and
     the ``userMetadata`` label."""
     from deltalake import CommitProperties, Transaction
 
-    return CommitProperties(custom_metadata={"userMetadata": commit_meta(app_id, epoch)},
+    return CommitProperties(custom_metadata={"userMetadata": commit_meta(app_id, epoch, extra)},
                             app_transactions=[Transaction(app_id, epoch)])
 
 
@@ -387,7 +388,7 @@ def committed_txn(table: str, app_id: str) -> int:
 
 
 def transact(table: str, app_id: str, epoch: int, action: Callable[[Any], None],
-             conflict: Callable[[BaseException], str]) -> None:
+             conflict: Callable[[BaseException], str], extra: dict[str, Any] | None = None) -> None:
     """Run one commit of the transaction (app_id, epoch) unless the table holds it already.
 
     ``action(props)`` makes the commit with ``commit_properties``. Each attempt first reads
@@ -398,13 +399,13 @@ def transact(table: str, app_id: str, epoch: int, action: Callable[[Any], None],
     def attempt() -> None:
         if committed_txn(table, app_id) >= epoch:
             return  # re-issued, or an earlier attempt landed
-        action(commit_properties(app_id, epoch))
+        action(commit_properties(app_id, epoch, extra))
         if committed_txn(table, app_id) < epoch:
             # delta-rs writes no version for a MERGE that changes nothing: commit the
             # transaction alone, so every epoch has its version (time travel per epoch)
             dt = open_table(table)
             dt.create_write_transaction([], mode="append", schema=dt.schema(),
-                                        commit_properties=commit_properties(app_id, epoch))
+                                        commit_properties=commit_properties(app_id, epoch, extra))
 
     try:
         _retry_commit(attempt)()
@@ -419,16 +420,18 @@ def transact(table: str, app_id: str, epoch: int, action: Callable[[Any], None],
 
 
 def append(data: pa.Table, table: str, app_id: str, epoch: int, conflict: Callable[[BaseException], str],
-           evolve: bool = False) -> None:
+           evolve: bool = False, replace: bool = False) -> None:
     """Append Arrow rows to a Delta table as the transaction (app_id, epoch); ``evolve``: the
-    rows bring new columns, added to the table's schema in the same commit."""
+    rows bring new columns, added to the table's schema in the same commit; ``replace``: the
+    rows replace the table's content (an overwrite, labelled ``"replaced": true``)."""
     from deltalake import write_deltalake
 
     def run(props: Any) -> None:
-        write_deltalake(table_uri(table), data, mode="append", storage_options=storage_options(table),
-                        commit_properties=props, schema_mode="merge" if evolve else None)
+        write_deltalake(table_uri(table), data, mode="overwrite" if replace else "append",
+                        storage_options=storage_options(table), commit_properties=props,
+                        schema_mode="merge" if evolve else None)
 
-    transact(table, app_id, epoch, run, conflict)
+    transact(table, app_id, epoch, run, conflict, {"replaced": True} if replace else None)
 
 
 def create(table: str, schema: pa.Schema, properties: dict[str, str], app_id: str) -> None:
