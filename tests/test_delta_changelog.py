@@ -101,6 +101,26 @@ def test_fold_takes_the_newest_row_per_key_up_to_an_epoch_and_drops_tombstones()
     assert fold(rows.slice(0, 0)).num_rows == 0
 
 
+def test_a_partial_full_capture_tombstones_exactly_the_keys_it_no_longer_has(tmp_path):
+    """A full capture of some key-group ranges (not all: the table is not replaced) must delete
+    the keys the table holds in those ranges that the capture lacks, and only those."""
+    from epochstream.backends.delta.changelog import missing_keys
+    from epochstream.backends.delta.schema import COLUMNS
+
+    table = str(tmp_path / "t")
+    schema = pa.schema([pa.field(c.name, c.arrow, nullable=c.nullable) for c in COLUMNS])
+    tables.create(table, schema, {tables.FORMAT_PROPERTY: tables.STATE_FORMAT}, "app")
+    rows = pa.table({"key_group": [1, 1, 5, 9, 9], "key": [b"a", b"a", b"b", b"c", b"d"], "state": ["s"] * 5,
+                     "value": [b"1", b"2", None, b"1", b"1"], "epoch": [1, 2, 2, 1, 2]}, schema=schema)
+    tables.append(rows, table, "app", 2, str)
+    have = pa.table({"key_group": [1], "key": [b"a"], "state": ["s"]})
+    gone = missing_keys(table, [(0, 6)], have)  # a and b are in range; a is still there, b was deleted already
+    assert sorted(gone.column("key").to_pylist()) == [b"b"]
+    gone = missing_keys(table, [(0, 6), (9, 9)], have)
+    assert sorted(gone.column("key").to_pylist()) == [b"b", b"c", b"d"]
+    assert missing_keys(table, [(2, 4)], have).num_rows == 0
+
+
 # ---------------------------------------------------------------- exactly-once with compaction
 
 

@@ -88,8 +88,9 @@ def missing_keys(table: str, ranges: list[tuple[int, int]] | None, have: pa.Tabl
         rows = rows.filter(mask) if mask is not None else rows.slice(0, 0)
     if not rows.num_rows:
         return rows
-    keys = rows.group_by(list(ROW_KEY), use_threads=False).aggregate([])
-    return keys.join(have.select(list(ROW_KEY)), list(ROW_KEY), join_type="left anti", use_threads=False)
+    keys = rows.group_by(list(ROW_KEY), use_threads=False).aggregate([]).select(list(ROW_KEY))
+    have = have.select(list(ROW_KEY)).cast(keys.schema)
+    return keys.join(have, list(ROW_KEY), join_type="left anti", use_threads=False)
 
 
 @dataclass
