@@ -10,7 +10,12 @@ per changed (key group, key, state) with the epoch that wrote it, ``value`` NULL
 what the epoch changed; a MERGE rewrote every file holding a changed key, about the whole
 table at 100K keys (issue 21: 1.9 s against 0.31 s).
 
-**Compaction** keeps reads short: it folds the table as of one version V (the newest, epoch
+An epoch whose captures are all full (the first, after a restore or rescale, every
+``full_every``-th) holds the whole state: its commit replaces the table's content instead
+(``"replaced": true``), a compaction for free, as a full snapshot is a materialisation in
+Flink's changelog state backend (FLIP-158).
+
+**Compaction** keeps reads short between those: it folds the table as of one version V (the newest, epoch
 n) into one file and commits, as its own Delta version, the removal of V's files and the
 addition of that file. Rows appended after V stay (their files are not removed), so the fold
 of the compacted table equals the fold of the changelog for every epoch >= n; epochs before
