@@ -218,15 +218,27 @@ def history(table: str) -> list[dict[str, Any]]:
 def _log_history(log_dir: Path) -> list[dict[str, Any]]:
     out = []
     for f in sorted(log_dir.glob("[0-9]*.json"), reverse=True):
-        info: dict[str, Any] = {}
-        with open(f, encoding="utf-8") as fh:
-            for line in fh:
-                if '"commitInfo"' in line:
-                    info = json.loads(line).get("commitInfo", {})
-                    break
-        out.append({"version": int(f.stem), "operation": info.get("operation"),
-                    "meta": _parse_meta(info.get("userMetadata"))})
+        st = f.stat()
+        entry = _commit_entry(str(f), st.st_mtime_ns, st.st_size)
+        out.append({**entry, "meta": json.loads(entry["meta"]) if entry["meta"] is not None else None})
     return out
+
+
+@functools.lru_cache(maxsize=65536)
+def _commit_entry(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    """One commit file's version, operation and metadata (as JSON text: the cache hands out
+    copies). A Delta commit file never changes once written, so it is read once per process;
+    the file's mtime and size are part of the key, so a table deleted and made again is read
+    afresh. Every epoch reads the history a few times: without this, all of it each time."""
+    info: dict[str, Any] = {}
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if '"commitInfo"' in line:
+                info = json.loads(line).get("commitInfo", {})
+                break
+    meta = _parse_meta(info.get("userMetadata"))
+    return {"version": int(Path(path).stem), "operation": info.get("operation"),
+            "meta": json.dumps(meta) if meta is not None else None}
 
 
 def _rs_history(table: str) -> list[dict[str, Any]]:
