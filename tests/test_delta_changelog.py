@@ -233,3 +233,16 @@ def test_a_table_of_the_merge_layout_is_read_and_upgraded_in_place(tmp_path):
     rows = DeltaSink(str(out / "counts"), SCHEMA).read()
     assert sorted((r["key"], r["n"]) for r in rows) == sorted(
         (f"k{k}", i % 4 + 1) for k in range(KEYS) for i in range(N // KEYS))
+
+
+def test_the_storage_pickles_without_the_job_masters_compaction_machinery(tmp_path):
+    """The spark driver ships the storage to its tasks: the lock and the compactor thread stay
+    with the job master, a copy starts with its own."""
+    import cloudpickle
+
+    storage = DeltaCheckpointStorage(tmp_path / "chk", compact_every=4)
+    storage._owed["t"] = 3
+    copy = cloudpickle.loads(cloudpickle.dumps(storage))
+    assert copy.root == storage.root and copy.compact_every == 4 and copy._owed == {}
+    with copy._lock:  # a working lock of its own
+        assert copy._lock is not storage._lock

@@ -122,6 +122,22 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
     def __repr__(self) -> str:
         return f"DeltaCheckpointStorage({str(self.root)!r})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What travels to Spark tasks (which write state files, never commit): not the job
+        master's lock, compactor thread and per-epoch bookkeeping, which a copy starts afresh."""
+        state = dict(self.__dict__)
+        for name in ("_lock", "_compactor", "_running", "_owed", "_due"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Condition(threading.RLock())
+        self._compactor = None
+        self._running = {}
+        self._owed = {}
+        self._due = {}
+
     # ------------------------------------------------------------ naming
     def table_path(self, operator: str, root: Any = None) -> str:
         """The Delta table of one operator's committed state (a plain Delta table)."""
