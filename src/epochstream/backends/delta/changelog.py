@@ -219,20 +219,21 @@ def changelog_length(hist: list[dict[str, Any]]) -> int:
     return n
 
 
-def epoch_version(table: str, epoch: int | None = None) -> tuple[int, int] | None:
+def epoch_version(table: Any, epoch: int | None = None) -> tuple[int, int] | None:
     """(epoch, Delta version) of the committed epoch ``epoch`` of a state table (None: its
     newest), from the history: rolled-back epochs and compactions do not count. None: the
     table holds no such epoch."""
-    live = tables.live_epochs(tables.history(table), lambda m: isinstance(m, dict) and "epochstream" in m)
+    live = tables.live_epochs(tables.history(str(table)), lambda m: isinstance(m, dict) and "epochstream" in m)
     if epoch is None:
         return live[-1] if live else None
     return next(((e, v) for e, v in reversed(live) if e == epoch), None)
 
 
-def state_at(table: str, epoch: int | None = None) -> pa.Table:
+def state_at(table: Any, epoch: int | None = None) -> pa.Table:
     """The committed state of a state table at an epoch (None: its newest) without Spark: the
     changelog read at the epoch's Delta version (delta-rs) and folded. Every column, typed
     ones included."""
+    table = str(table)
     found = epoch_version(table, epoch)
     if found is None:
         raise CheckpointError(f"Delta state table {table}: no committed epoch {epoch if epoch is not None else ''}"
@@ -251,13 +252,14 @@ SELECT * EXCEPT (_newest) FROM (
 """
 
 
-def read_state(spark: Any, path: str, epoch: int | None = None, version: int | None = None) -> Any:
+def read_state(spark: Any, path: Any, epoch: int | None = None, version: int | None = None) -> Any:
     """The committed state of a Delta state table as a Spark DataFrame, one row per (key group,
     key, state) with its typed columns: at ``epoch`` (None: the newest), or at a Delta
     ``version`` an epoch committed as (a manifest's ``delta.state.<uid>.version``).
 
     The table is a changelog (``fold``): this is the newest row per key with epoch <= the
     epoch, tombstones dropped, read at the epoch's version by time travel (``STATE_SQL``)."""
+    path = str(path)
     if version is None:
         found = epoch_version(path, epoch)
         if found is None:
