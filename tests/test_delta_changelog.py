@@ -246,3 +246,22 @@ def test_the_storage_pickles_without_the_job_masters_compaction_machinery(tmp_pa
     assert copy.root == storage.root and copy.compact_every == 4 and copy._owed == {}
     with copy._lock:  # a working lock of its own
         assert copy._lock is not storage._lock
+
+
+def test_a_rescaled_restore_reads_the_compacted_changelog_by_key_group_ranges(tmp_path):
+    """Stop after some epochs (compacted on the way), restore at parallelism 3: each new
+    subtask reads its key groups of the folded state, and every count is emitted once."""
+    from epochstream.deploy.failures import JobFailedError
+
+    out, chk, n = tmp_path / "out", tmp_path / "chk", 2 * N
+    with pytest.raises(JobFailedError):
+        sim_run(counting(out=out, compact_every=1, n=n, interval=0.001, restart_attempts=0), chk, seed=1,
+                failures=FailureSchedule(fail_points={"after_commit": {4}}))
+    table = DeltaCheckpointStorage(chk).table_path("count")
+    assert any(tables.is_compaction(h["meta"]) for h in history(table))
+    sim_run(counting(out=out, compact_every=1, n=n, interval=0.001), chk, seed=1, restore="latest", parallelism=3)
+    manifest, _ = DeltaCheckpointStorage(chk).latest()
+    assert {f["subtask"] for f in manifest["operators"]["count"]["files"]} == {0, 1, 2}
+    rows = DeltaSink(str(out / "counts"), SCHEMA).read()
+    assert sorted((r["key"], r["n"]) for r in rows) == sorted(
+        (f"k{k}", i % 4 + 1) for k in range(KEYS) for i in range(n // KEYS))
