@@ -8,7 +8,7 @@ a discarding sink; local driver, ``--parallelism`` workers, aligned epochs every
 For every completed epoch the job master's epoch log gives:
 
 * ``trigger_to_manifest_s``: trigger until the manifest is written (the checkpoint exists);
-* ``commit_s``: the commits after the manifest (for Delta: one MERGE per stateful operator
+* ``commit_s``: the commits after the manifest (for Delta: one changelog append per stateful operator
   through delta-rs, then the sinks);
 * ``trigger_to_commit_s`` = the two added: trigger until the epoch's state is visible to
   readers (Delta: the table version holding the epoch). This is the figure compared.

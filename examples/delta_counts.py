@@ -6,7 +6,9 @@ Each completed epoch is one Delta transaction on the operator's state table
 (checkpoints/delta-counts/delta/count) and one on the sink table (out/delta-counts): a
 restart re-issues a commit that may have happened, and Delta skips it (txnAppId/txnVersion).
 The key and the state declare types (PyFlink's ``Types``), so the state table has the typed
-columns ``typed_key STRING`` and ``typed_n BIGINT`` beside the pickled bytes.
+columns ``typed_key STRING`` and ``typed_n BIGINT`` beside the pickled bytes. The state table is
+a changelog (each epoch appends what it changed, compacted in the background): ``read_state``
+folds it to the state as of an epoch (the newest row per key, by time travel to its version).
 """
 
 import shutil
@@ -15,7 +17,7 @@ import pyarrow as pa
 
 from epochstream import CheckpointConfig, KeyedProcessFunction, Pipeline, Types, ValueStateDescriptor
 from epochstream.backends import spark_session
-from epochstream.backends.delta import DeltaCheckpointStorage, DeltaSink
+from epochstream.backends.delta import DeltaCheckpointStorage, DeltaSink, read_state
 
 
 class Count(KeyedProcessFunction):
@@ -47,8 +49,8 @@ table = state.table_path("count")
 for epoch in result.completed_epochs:               # time travel: the committed state of each epoch
     manifest, _ = state.load_manifest(epoch)
     version = manifest["delta"]["state"]["count"]["version"]
-    rows = spark.sql(f"SELECT typed_key, typed_n FROM delta.`{table}` VERSION AS OF {version} "
-                     f"WHERE state = 'n' ORDER BY typed_key").collect()
+    rows = (read_state(spark, table, version=version).filter("state = 'n'").select("typed_key", "typed_n")
+            .orderBy("typed_key").collect())
     print(f"epoch {epoch} (Delta version {version}):", [(r.typed_key, r.typed_n) for r in rows])
 sink = p.sinks["counts"]                            # the committed output, one append per epoch
 spark.read.format("delta").load(sink.path).groupBy("word").max("n").orderBy("word").show()

@@ -690,12 +690,15 @@ def typed_profile(*, n: int = 200, keys: int = 5, out=None, declare=None, key_ty
 
 #: crashes at each delicate point of a Delta-backed epoch: a worker kill mid-epoch and a failed
 #: state write (pre-commit), a crash after the manifest (before any Delta commit), after the state
-#: MERGE and before the sink append (mid_commit), and during recovery (after the state re-issue,
-#: before the sinks')
+#: append and before the sink append (mid_commit), during recovery (after the state re-issue,
+#: before the sinks'), and, in pipelines that compact often (``delta_compact_every``), between an
+#: epoch's state append and the compaction it starts, and during a compaction (its folded file
+#: written, not committed)
 DELTA_CHAOS = dict(
     kill_times=[0.0031],
     write_failures={3},
-    fail_points={"after_manifest": {2}, "mid_commit": {3}, "recovery": {4}},
+    fail_points={"after_manifest": {2}, "mid_commit": {3}, "recovery": {4}, "before_compaction": {1},
+                 "compaction": {2}},
 )
 
 

@@ -26,11 +26,20 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from epochstream import CheckpointError
 from epochstream.backends import spark_session
-from epochstream.backends.delta import DeltaCheckpointStorage, DeltaConflictError, DeltaSink, history
+from epochstream.backends.delta import (
+    DeltaCheckpointStorage,
+    DeltaConflictError,
+    DeltaSink,
+    history,
+    read_state,
+    state_at,
+    tables,
+)
 from epochstream.backends.delta import schema as state_schema
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.failures import JobFailedError
@@ -65,6 +74,7 @@ def delta_count(*, out=None, mode: str = "aligned", n: int = N, parallelism: int
     p = make_pipeline("delta-count", parallelism=parallelism, mode=mode, interval=knobs.pop("interval", 0.002),
                       **knobs)
     p.checkpoint.state_backend = "delta"
+    p.checkpoint.delta_compact_every = 2  # compactions happen (inline on the simulator) and meet the crashes
     target = Path(out) / "counts" if out is not None else Path("/nonexistent/epochstream-placeholder")
     (
         p.from_collection(input_records(n, KEYS), uid="src")
@@ -91,7 +101,8 @@ def file_counts(chk: Path, epoch: int) -> dict:
 
 def txn_epochs(table: str | Path) -> list[int]:
     """Epochs of epochstream's transactions in a table, oldest first (duplicates kept)."""
-    return sorted(h["meta"]["epoch"] for h in history(str(table)) if h["meta"] and h["meta"].get("epoch", 0) > 0)
+    return sorted(h["meta"]["epoch"] for h in history(str(table))
+                  if h["meta"] and h["meta"].get("epoch", 0) > 0 and not tables.is_compaction(h["meta"]))
 
 
 # ---------------------------------------------------------------- exactly-once, the oracle
@@ -121,6 +132,7 @@ def test_exactly_once_with_delta_state_and_sink(spark, mode, tmp_path):
 def paced_delta_count(*, out=None, n: int = 3000, mode: str = "aligned"):
     p = make_pipeline("delta-paced", parallelism=2, mode=mode, interval=0.4, batch_size=16, restart_attempts=10)
     p.checkpoint.state_backend = "delta"
+    p.checkpoint.delta_compact_every = 3  # compactions on the job master's thread while workers are killed
     p.restart_delay = 0.05
     target = Path(out) / "counts" if out is not None else Path("/nonexistent/epochstream-placeholder")
     (
@@ -153,7 +165,7 @@ def test_exactly_once_with_delta_on_the_local_driver_with_real_kills(spark, tmp_
 
 
 def test_committed_state_is_a_plain_delta_table_with_time_travel(spark, tmp_path):
-    p = delta_count(out=tmp_path / "out")
+    p = delta_count(out=tmp_path / "out", interval=0.0005)  # 3 epochs: the 3rd append is compacted
     result = sim_run(p, tmp_path / "chk", seed=1)
     storage = DeltaCheckpointStorage(tmp_path / "chk")
     table = storage.table_path("count")
@@ -164,12 +176,25 @@ def test_committed_state_is_a_plain_delta_table_with_time_travel(spark, tmp_path
     for epoch in result.completed_epochs:
         manifest, _ = storage.load_manifest(epoch)
         version = manifest["delta"]["state"]["count"]["version"]
-        rows = spark.sql(f"SELECT key, value, epoch FROM delta.`{table}` VERSION AS OF {version} "
-                         f"WHERE state = 'count'").collect()
+        # the changelog folded at the epoch's version (read_state runs STATE_SQL): by version and by epoch
+        rows = read_state(spark, table, version=version).filter("state = 'count'").collect()
         got = {pickle.loads(r["key"]): pickle.loads(r["value"]) for r in rows}
         # the same committed state as the snapshot files of that checkpoint (read without Delta)
         assert got == file_counts(tmp_path / "chk", epoch), epoch
         assert all(r["epoch"] <= epoch for r in rows)
+        # and what delta-rs folds (no Spark) is the same
+        assert sorted(tuple(d.values()) for d in state_at(table, epoch).filter(pc.equal(pc.field("state"), "count"))
+                      .to_pylist()) == sorted(tuple(r.asDict().values()) for r in rows)
+    last = result.completed_epochs[-1]
+    newest = {pickle.loads(r["key"]): pickle.loads(r["value"]) for r in read_state(spark, table).collect()}
+    assert newest == file_counts(tmp_path / "chk", last)  # read_state with no epoch: the newest
+    assert read_state(spark, table, epoch=last).count() == len(newest)  # by epoch (its version from the history)
+    # the table was compacted after the last epoch (delta_count compacts every 2 appends): Spark reads the
+    # compacted file (written by pyarrow, added with its Delta stats) as the raw newest version, one row per key;
+    # a filter on epoch goes through the file statistics
+    assert tables.is_compaction(history(table)[0]["meta"])
+    raw = spark.read.format("delta").load(table).filter(f"epoch <= {last}").collect()
+    assert {pickle.loads(r["key"]): pickle.loads(r["value"]) for r in raw} == newest and len(raw) == len(newest)
     final = {r["key"]: r["n"] for r in spark.read.format("delta").load(str(tmp_path / "out" / "counts"))
              .groupBy("key").max("n").withColumnRenamed("max(n)", "n").collect()}
     assert final == {f"k{i}": N // KEYS for i in range(KEYS)}
@@ -236,8 +261,8 @@ def test_checkpoint_copied_without_its_tables_restores_from_its_files(spark, tmp
     final = max(storage.list_checkpoints())
     manifest, _ = storage.load_manifest(final)
     version = manifest["delta"]["state"]["count"]["version"]
-    got = {pickle.loads(r["key"]): pickle.loads(r["value"]) for r in spark.read.format("delta")
-           .option("versionAsOf", version).load(storage.table_path("count")).collect()}
+    got = {pickle.loads(r["key"]): pickle.loads(r["value"])
+           for r in read_state(spark, storage.table_path("count"), version=version).collect()}
     assert got == {f"k{k}": 2 * N // KEYS for k in range(KEYS)}
 
 

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pytest
 
 from epochstream.backends import spark_session as delta_session
-from epochstream.backends.delta import DeltaCheckpointStorage, DeltaSink, history
+from epochstream.backends.delta import DeltaCheckpointStorage, DeltaSink, history, read_state, tables
 from epochstream.deploy.failures import FailureSchedule
 from epochstream.deploy.restart import FixedDelayRestart
 from epochstream.deploy.spark import spark_session
@@ -62,7 +62,8 @@ def spark():
 
 def txn_epochs(table: str | Path) -> list[int]:
     """Epochs of epochstream's transactions in a table, oldest first (duplicates kept)."""
-    return sorted(h["meta"]["epoch"] for h in history(str(table)) if h["meta"] and h["meta"].get("epoch", 0) > 0)
+    return sorted(h["meta"]["epoch"] for h in history(str(table))
+                  if h["meta"] and h["meta"].get("epoch", 0) > 0 and not tables.is_compaction(h["meta"]))
 
 
 def value(v):
@@ -138,7 +139,7 @@ def expected_counts(manifest: dict) -> dict[str, int]:
 
 def kill_between_manifest_and_commit(job: subprocess.Popen, chk: Path, table: Path, timeout: float) -> int:
     """Wait until the newest manifest's epoch is not yet in the state table (the job master is
-    between the commit point and its Delta MERGE), then SIGKILL the job's whole process group
+    between the commit point and its Delta append), then SIGKILL the job's whole process group
     (CLI process, worker processes, its Spark JVM). Returns that epoch."""
     storage = DeltaCheckpointStorage(chk)
     deadline = time.monotonic() + timeout
@@ -177,7 +178,7 @@ def test_cli_run_sigkill_restore_then_sql_and_state_query_agree(spark, tmp_path)
     assert job.returncode == -signal.SIGKILL
     storage = DeltaCheckpointStorage(chk)
     assert max(storage.list_checkpoints()) == killed
-    assert killed not in txn_epochs(table)  # the kill landed after the manifest, before the MERGE
+    assert killed not in txn_epochs(table)  # the kill landed after the manifest, before the state append
 
     # restore on the spark driver (the CLI gives its session the Delta settings; local[3]: a slot
     # beyond the barrier stage for the commits): recovery re-issues epoch `killed`'s commits, then
@@ -198,8 +199,7 @@ def test_cli_run_sigkill_restore_then_sql_and_state_query_agree(spark, tmp_path)
     for epoch in epochs:
         manifest, _ = storage.load_manifest(epoch)
         version = manifest["delta"]["state"]["count"]["version"]
-        rows = spark.sql(f"SELECT key, value FROM delta.`{table}` VERSION AS OF {version} "
-                         f"WHERE state = 'count'").collect()
+        rows = read_state(spark, table, version=version).filter("state = 'count'").collect()
         assert {value(r["key"]): value(r["value"]) for r in rows} == expected_counts(manifest), epoch
     # the same through the CLI (read from the checkpoint's state files), newest and an older epoch
     final, _ = storage.load_manifest(epochs[-1])
@@ -281,7 +281,7 @@ def test_exactly_once_on_the_spark_driver_with_delta(spark, tmp_path):
 
 def test_spark_driver_with_delta_needs_a_slot_beyond_the_barrier_stage(spark, tmp_path):
     """At parallelism 3 on local[3,4] the barrier stage would hold every slot and the job
-    master's Delta MERGE would wait for it forever: refused up front, nothing started."""
+    master's Delta commit would wait for it forever: refused up front, nothing started."""
     p = spark_delta_count(out=tmp_path / "out")
     p.parallelism = 3
     with pytest.raises(ConfigurationError, match="needs 4 task slots"):

@@ -100,6 +100,8 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             p.restart_strategy = parse_restart_strategy(args.restart_strategy)
         if getattr(args, "state_backend", None):
             p.checkpoint = replace(p.checkpoint, state_backend=args.state_backend)
+        if getattr(args, "delta_compact_every", None) is not None:
+            p.checkpoint = replace(p.checkpoint, delta_compact_every=args.delta_compact_every)
         if getattr(args, "batch_rows", None) is not None:
             p.batch_rows = args.batch_rows
         if getattr(args, "batch_linger", None) is not None:
@@ -187,6 +189,9 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
                          "bound the data in flight)")
     ap.add_argument("--state-backend", choices=["files", "delta"],
                     help="committed keyed state: snapshot files only (default) or also a Delta table per operator")
+    ap.add_argument("--delta-compact-every", type=_number(int, 0), metavar="N",
+                    help="with --state-backend delta: compact a state table (its changelog) in the background once "
+                         "it holds N epochs since the last compaction (default 10, 0: never)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the simulator's schedule and of chaos")
     ap.add_argument("--duration", type=_number(float, 0, low_open=True),
                     help="stop after this many seconds with a final epoch (> 0)")

@@ -39,6 +39,9 @@ class CheckpointConfig:
     #: where committed keyed state goes besides the snapshot files: "files" (nowhere else) or
     #: "delta" (a Delta table per operator, one transaction per epoch; needs Spark and the jars)
     state_backend: str = "files"
+    #: "delta": a state table is an append-only changelog, compacted (in the background) once it
+    #: holds this many epochs since its last compaction; 0 never compacts
+    delta_compact_every: int = 10
 
     def __post_init__(self) -> None:
         if self.state_backend not in STATE_BACKENDS:
@@ -49,6 +52,8 @@ class CheckpointConfig:
             raise ValueError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
         if self.num_retained < 1:
             raise ValueError(f"num_retained must be >= 1, got {self.num_retained}")
+        if self.delta_compact_every < 0:
+            raise ValueError(f"delta_compact_every must be >= 0, got {self.delta_compact_every}")
         if self.full_every < 1:
             raise ValueError(f"full_every must be >= 1, got {self.full_every}")
         if self.min_pause < 0 or self.timeout <= 0 or self.tolerable_failed < 0:

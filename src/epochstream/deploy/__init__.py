@@ -17,9 +17,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("epochstream")
 
 
-def make_storage(checkpoint_dir: Any, state_backend: str = "files"):
+def make_storage(checkpoint_dir: Any, state_backend: str = "files", compact_every: int = 10,
+                 compact_in_background: bool = True):
     """Checkpoint storage for a path, ``s3://bucket/prefix``, or a storage object (None: a temporary folder);
-    ``state_backend="delta"`` adds a Delta table of committed state per operator."""
+    ``state_backend="delta"`` adds a Delta table of committed state per operator (a changelog compacted
+    every ``compact_every`` epochs, on a thread of the job master or inline)."""
     from ..backends import open_storage
 
     if checkpoint_dir is None:
@@ -28,7 +30,7 @@ def make_storage(checkpoint_dir: Any, state_backend: str = "files"):
         from ..backends.delta import DeltaCheckpointStorage
 
         return checkpoint_dir if isinstance(checkpoint_dir, DeltaCheckpointStorage) else DeltaCheckpointStorage(
-            checkpoint_dir)
+            checkpoint_dir, compact_every=compact_every, compact_in_background=compact_in_background)
     return open_storage(checkpoint_dir)
 
 
@@ -47,7 +49,9 @@ def run_pipeline(
     stop_with_savepoint: bool = False,
     **options: Any,
 ):
-    storage = make_storage(checkpoint_dir, pipeline.checkpoint.state_backend)
+    # the simulator is one deterministic thread: it compacts inline, where its fail points reach
+    storage = make_storage(checkpoint_dir, pipeline.checkpoint.state_backend,
+                           pipeline.checkpoint.delta_compact_every, compact_in_background=deployment != "sim")
     lease_ttl = options.pop("lease_ttl", DEFAULT_TTL)
     allow_sources_from_start = bool(options.pop("allow_sources_from_start", False))
     # the job id is the lease holder's: chosen here, before the driver, so a refusal changes nothing
@@ -75,6 +79,9 @@ def run_pipeline(
         driver.run(restore, allow_non_restored_state, duration)
         return _result(pipeline, deployment, storage, driver, time.perf_counter() - t0)
     finally:
+        close = getattr(storage, "close", None)
+        if close is not None:  # the Delta backend's compactor thread
+            close()
         if keeper is not None:
             keeper.stop()
         if lease is not None:

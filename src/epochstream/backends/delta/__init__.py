@@ -3,8 +3,10 @@
 Two writers share one way of committing (docs/ARCHITECTURE.md §16):
 
 * ``state``: ``DeltaCheckpointStorage``, the state backend: per stateful operator ONE Delta
-  MERGE per epoch, after the manifest, that makes the table equal the operator's committed
-  state; a restore reads it back by time travel.
+  append per epoch, after the manifest, of the epoch's changes (an append-only changelog,
+  deletes as tombstones); a restore reads it back by time travel and folds it.
+* ``changelog``: folding a changelog to state (``fold``, ``state_at``; ``read_state`` for
+  Spark users), and compaction, which folds a table in the background as its own version.
 * ``sink``: ``DeltaSink``: per sink ONE append per epoch of the output staged by the workers.
 * ``tables``: what both need: paths, the commit log (``history``, ``version_of_epoch``),
   transactions that Delta skips when re-issued (``txnAppId`` = job and operator or sink,
@@ -20,6 +22,7 @@ checkpoints say).
 This module only re-exports the public names.
 """
 
+from .changelog import STATE_SQL, read_state, state_at
 from .sink import DeltaSink
 from .state import DeltaCheckpointStorage
 from .tables import (
@@ -27,6 +30,7 @@ from .tables import (
     SINK_FORMAT,
     STAGING,
     STATE_FORMAT,
+    STATE_FORMAT_V1,
     DeltaConflictError,
     history,
     version_of_epoch,
@@ -37,9 +41,13 @@ __all__ = [
     "SINK_FORMAT",
     "STAGING",
     "STATE_FORMAT",
+    "STATE_FORMAT_V1",
+    "STATE_SQL",
     "DeltaCheckpointStorage",
     "DeltaConflictError",
     "DeltaSink",
     "history",
+    "read_state",
+    "state_at",
     "version_of_epoch",
 ]

@@ -1,11 +1,12 @@
 """The columns of a Delta state table, defined once: names, Spark SQL types, nullability.
 
 Everything else is derived from ``COLUMNS``: the names the backend selects, the Spark DDL of
-the table, and the Arrow schema of a MERGE source (the rows ``DeltaCheckpointStorage`` folds
+the table, and the Arrow schema of an epoch's appended rows (what ``DeltaCheckpointStorage`` folds
 from state files). Key and value are pickled bytes, as in the state files
-(``objects.STATE_SCHEMA`` holds the first four columns); ``value`` is NULL only in a MERGE
-source, where it means "delete this key's state". A state or key that declares a type adds a
-``typed_*`` column (``backends.typed``), which is not part of this fixed schema.
+(``objects.STATE_SCHEMA`` holds the first four columns); ``value`` NULL is a tombstone: the
+key's state was deleted in that row's epoch (the table is a changelog, ``changelog.fold``). A
+state or key that declares a type adds a ``typed_*`` column (``backends.typed``), which is not
+part of this fixed schema.
 
 Pure data, no Spark: importing it starts nothing.
 """
@@ -52,17 +53,17 @@ COLUMNS: tuple[Column, ...] = (
 NAMES: tuple[str, ...] = tuple(c.name for c in COLUMNS)
 #: the columns of a committed-state row (``backends.base.Row``): what a restore reads back
 ROW_NAMES: tuple[str, ...] = NAMES[:4]
-#: the columns that identify a row: a MERGE matches on them
+#: the columns that identify a row: the fold keeps the newest row per key of them
 ROW_KEY: tuple[str, ...] = ("key_group", "key", "state")
 #: the table's fixed columns as Spark DDL (``CREATE TABLE t (<DDL>) USING DELTA``)
 DDL = ", ".join(c.ddl for c in COLUMNS)
 
 
 def arrow_schema(names: tuple[str, ...] = NAMES) -> pa.Schema:
-    """The Arrow schema of the named columns, as a MERGE source holds them.
+    """The Arrow schema of the named columns, as an epoch's appended rows hold them.
 
-    All its fields are nullable, as Arrow builds them: the source of a MERGE is not the
-    table, and its null values are deletes. The table's own nullability is ``DDL``'s.
+    All its fields are nullable, as Arrow builds them; null values are tombstones. The table's
+    own nullability is ``DDL``'s.
     """
     by_name = {c.name: c for c in COLUMNS}
     return pa.schema([pa.field(n, by_name[n].arrow) for n in names])

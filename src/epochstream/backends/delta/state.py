@@ -10,37 +10,46 @@ it owns the state side of the two-phase commit (thesis Table 4.1, Delta as the c
   (job and operator uid), ``txnVersion`` (the epoch), the Delta version that transaction
   will have and the typed columns it writes (``manifest["delta"]["state"][uid]``). The table
   is created, or checked to be ours, here: a foreign table fails the epoch before it exists.
-* **commit** (driver, after the manifest, ``commit_epoch``): per operator ONE Delta MERGE
-  through delta-rs (no JVM) that makes the table equal the operator's committed state at the
-  epoch (upserts, deletes of tombstoned keys, and for full captures deletes of keys gone from
-  the captured key-group range), carrying the app transaction (job and operator, epoch); it
-  is skipped if the table holds the transaction already (re-issued after a crash); a commit
-  that lands at another version than the manifest recorded means another writer was there
-  (``DeltaConflictError``).
+* **commit** (driver, after the manifest, ``commit_epoch``): per operator ONE Delta append
+  through delta-rs (no JVM) of the epoch's changes: a row per changed (key group, key, state)
+  with the epoch, a delete as a tombstone (NULL value), and for full captures tombstones of
+  the keys gone from the captured key-group range; it carries the app transaction (job and
+  operator, epoch) and is skipped if the table holds it already (re-issued after a crash); a
+  commit that lands at another version than the manifest recorded means another writer was
+  there (``DeltaConflictError``).
+* **compaction** (job master, in the background, ``compact``): once a table holds
+  ``compact_every`` appends since its last compaction, it is folded into one file, committed
+  as its own Delta version when no manifest waits for an append to it (``changelog``).
 * **recover** (``recover_epoch``): the restored manifest's commits are re-issued (no-ops if
   they happened), the operator state is read back from the table at the recorded version
-  (time travel, delta-rs) and handed to the workers as one Parquet file per operator.
+  (time travel, delta-rs), folded (``changelog.fold``), and handed to the workers as one
+  Parquet file per operator.
 
-Why a MERGE and not an append-only changelog: the table then IS the committed state at every
-version, so Spark SQL reads a plain keyed table (``VERSION AS OF`` = an epoch) without
-folding a changelog; a delta-rs MERGE of an epoch's changes costs milliseconds
-(benchmarks/state_scale.py), where Spark's took seconds.
+Why a changelog and not a MERGE per epoch (the layout before, ``keyed-state-v1``): delta-rs's
+MERGE is copy-on-write and rewrote about the whole table each epoch at 100K keys (1.9 s against
+0.31 s for an append of the same rows), and the job master waits for the commit. The price is
+on the read side: the table is the state only once folded (``read_state`` for Spark SQL,
+``state_at`` without Spark), which compaction keeps cheap.
 
 Layout under the checkpoint dir::
 
-    ROOT/delta/<operator uid>/            Delta table of one operator's committed state
+    ROOT/delta/<operator uid>/            Delta table of one operator's committed state (a changelog)
     ROOT/delta/_restore/<table>-v<N>.parquet   state read back for a restore
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import secrets
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ...runtime.types import TypeInformation
@@ -49,10 +58,11 @@ from .. import spark_session
 from ..base import Row
 from ..objects import ObjectCheckpointStorage, safe_name
 from ..typed import arrow_type, declared_columns, typed_arrays
-from . import tables
+from . import changelog, tables
 from .schema import COLUMNS, ROW_KEY, ROW_NAMES, arrow_schema
 from .tables import (
     STATE_FORMAT,
+    STATE_FORMAT_V1,
     DeltaConflictError,
     DeltaTables,
     is_delta_table,
@@ -61,10 +71,8 @@ from .tables import (
 
 log = logging.getLogger(__name__)
 
-#: the MERGE source's columns while folding state files: the row columns and the link each came from
+#: the appended rows' columns while folding state files: the row columns and the link each came from
 _FOLD_SCHEMA = arrow_schema(ROW_NAMES).append(pa.field("link", pa.int32()))
-#: a MERGE matches source and table rows on the row key
-_MERGE_ON = " AND ".join(f"t.{c} = s.{c}" for c in ROW_KEY)
 
 
 def _what(uid: str) -> str:
@@ -80,10 +88,29 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
     epoch, and a restore reads them back by time travel.
     """
 
-    def __init__(self, where: Any) -> None:
+    def __init__(self, where: Any, compact_every: int = 10, compact_in_background: bool = True) -> None:
         from .. import open_objects
 
         super().__init__(open_objects(where))
+        #: compact a table once its changelog holds this many epoch appends since the last
+        #: compaction (0: never)
+        self.compact_every = compact_every
+        #: compact on a thread of the job master (True), or inline after the epoch's commit
+        #: (the simulator: one thread, deterministic, and its fail points reach compaction)
+        self.compact_in_background = compact_in_background
+        #: orders compaction commits with the epochs': held while a manifest names the versions
+        #: its epoch's appends will have, and by a compaction's commit
+        self._lock = threading.Condition(threading.RLock())
+        #: table path -> the epoch whose manifest names its next version, until that epoch's
+        #: append is in (a compaction commit in between would take that version)
+        self._owed: dict[str, int] = {}
+        #: table path -> whether its changelog is due for compaction (set by its latest append)
+        self._due: dict[str, bool] = {}
+        #: moved on by a recovery: a compaction waiting to commit from before it gives up
+        self._generation = 0
+        #: the background compactor (one thread, one compaction at a time) and its running work
+        self._compactor: ThreadPoolExecutor | None = None
+        self._running: dict[str, Future[Any]] = {}
         #: the tables this storage checked and their typed columns
         self.tables = DeltaTables()
         #: operator uid -> the app id its commits carry, when not ``app_id(job, uid)``: continued
@@ -94,6 +121,22 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
 
     def __repr__(self) -> str:
         return f"DeltaCheckpointStorage({str(self.root)!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What travels to Spark tasks (which write state files, never commit): not the job
+        master's lock, compactor thread and per-epoch bookkeeping, which a copy starts afresh."""
+        state = dict(self.__dict__)
+        for name in ("_lock", "_compactor", "_running", "_owed", "_due"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Condition(threading.RLock())
+        self._compactor = None
+        self._running = {}
+        self._owed = {}
+        self._due = {}
 
     # ------------------------------------------------------------ naming
     def table_path(self, operator: str, root: Any = None) -> str:
@@ -115,9 +158,16 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         checked) here, before the checkpoint exists: a foreign table fails the epoch early.
         """
         state = manifest.setdefault("delta", {}).setdefault("state", {})
-        for uid in sorted(manifest["operators"]):
-            state[uid] = self._owed_transaction(manifest, uid)
-        return super().commit(manifest)
+        with self._lock:  # no compaction commit between reading the versions and the epoch's appends
+            for uid in sorted(manifest["operators"]):
+                state[uid] = self._owed_transaction(manifest, uid)
+                self._owed[self.table_path(uid)] = int(manifest["epoch"])
+            try:
+                return super().commit(manifest)
+            except BaseException:
+                for uid in state:
+                    self._owed.pop(self.table_path(uid), None)
+                raise
 
     def _owed_transaction(self, manifest: dict[str, Any], uid: str) -> dict[str, Any]:
         """The manifest entry of the Delta transaction operator ``uid`` is owed for the epoch."""
@@ -167,12 +217,35 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         """Create the operator's table, or check that the one at its path is ours."""
         props = {"epochstream.job": job, "epochstream.operator": uid}
         if is_delta_table(table):
+            self._upgrade_v1(table, props, app_id, uid)
             self.tables.check_owned(table, STATE_FORMAT, props, _what(uid), app_id)
             return
         if tables.path_has_files(table):
             raise CheckpointError(f"{_what(uid)}: {table} holds files but is not a Delta table; nothing was "
                                   f"written to it")
         self._create_table(table, props, app_id, declared or {})
+
+    def _upgrade_v1(self, table: str, props: dict[str, str], app_id: str, uid: str) -> None:
+        """A table of the MERGE layout (``keyed-state-v1``: the state itself, one row per key) is
+        a changelog folded already: it becomes ``keyed-state-v2`` in place, by one commit
+        labelled as a compaction of its newest version (so no epoch counts it as its own).
+        Versions before it read as they did: their fold is their content."""
+        if self.tables.is_owned(table, STATE_FORMAT):
+            return
+        have = tables.properties(table)
+        if have.get(tables.FORMAT_PROPERTY) != STATE_FORMAT_V1 or any(have.get(k) != v for k, v in props.items()):
+            return  # not a v1 table of this job and operator: check_owned says what it is
+        hist = tables.history(table)
+        last = self._last_epoch(hist, app_id, table, _what(uid))
+        meta = json.dumps({"epochstream": app_id, "epoch": last, tables.COMPACTED: int(hist[0]["version"]),
+                           "upgraded_from": STATE_FORMAT_V1}, sort_keys=True)
+        from deltalake import CommitProperties
+
+        tables.open_table(table).alter.set_table_properties(
+            {tables.FORMAT_PROPERTY: STATE_FORMAT}, raise_if_not_exists=False,
+            commit_properties=CommitProperties(custom_metadata={"userMetadata": meta}))
+        log.warning("%s: the Delta table %s had the MERGE layout (%s); it is now an append-only changelog (%s)",
+                    _what(uid), table, STATE_FORMAT_V1, STATE_FORMAT)
 
     def _create_table(self, table: str, props: dict[str, str], app_id: str,
                       declared: dict[str, TypeInformation]) -> None:
@@ -184,8 +257,9 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
 
     # ------------------------------------------------------------ commit
     def commit_epoch(self, manifest: dict[str, Any], fail_point: Callable[[str], None] | None = None,
-                     root: Any = None, only: set[str] | None = None) -> dict[str, int]:
-        """One Delta transaction per operator for the manifest's epoch; idempotent.
+                     root: Any = None, only: set[str] | None = None, compact: bool = True) -> dict[str, int]:
+        """One Delta transaction per operator for the manifest's epoch; idempotent. Then the
+        tables whose changelog is due are compacted (``compact``: not during a recovery).
 
         Returns uid -> the Delta version holding the epoch (the one the manifest recorded).
         """
@@ -203,13 +277,84 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
                     f"manifest recorded {entry['version']}: another writer committed to the table in between"
                 )
             versions[uid] = version
+            with self._lock:
+                if self._owed.get(table, -1) <= int(manifest["epoch"]):
+                    self._owed.pop(table, None)
+                self._lock.notify_all()
             if fail_point is not None:
                 fail_point("mid_commit")
+        for uid, entry in sorted(manifest.get("delta", {}).get("state", {}).items()):
+            table = str(root / entry["table"])
+            if compact and uid in versions and str(root) == str(self.root) and self._due.pop(table, False):
+                self._compact_later(table, self._lineage.get(uid) or entry["app_id"], fail_point)
         return versions
+
+    # ------------------------------------------------------------ compaction
+    def _compact_later(self, table: str, app_id: str, fail_point: Callable[[str], None] | None) -> None:
+        """Compact a table whose changelog is due: on the compactor thread, or now (inline)."""
+        if not self.compact_in_background:
+            self.compact(table, app_id, fail_point)
+            return
+        running = self._running.get(table)
+        if running is not None and not running.done():
+            return  # one at a time per table: the next epoch finds it due again
+        if self._compactor is None:
+            self._compactor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epochstream-compact")
+        self._running[table] = self._compactor.submit(self._compact_quietly, table, app_id)
+
+    def _compact_quietly(self, table: str, app_id: str) -> int | None:
+        try:
+            return self.compact(table, app_id)
+        except Exception as exc:  # an optimisation: the table is whole without it, the next one retries
+            log.warning("compaction of %s failed (%s: %s); the changelog stays as it is", table,
+                        type(exc).__name__, str(exc)[:300])
+            return None
+
+    def compact(self, table: str, app_id: str, fail_point: Callable[[str], None] | None = None,
+                wait: float = 120.0) -> int | None:
+        """Fold the table's changelog into one file, as its own Delta version (``changelog``).
+
+        The fold and the file are made without the lock; the commit waits (up to ``wait``
+        seconds) until no epoch's manifest has named the table's next version, and holds the
+        lock so that no manifest does meanwhile. Returns the compaction's version, or None
+        when there was nothing to do or the table moved on (a rollback, a foreign commit).
+        """
+        if fail_point is not None:
+            fail_point("before_compaction")
+        plan = changelog.plan(table, app_id)
+        if plan is None:
+            return None
+        if fail_point is not None:
+            fail_point("compaction")  # the folded file is written, not committed: Delta ignores it
+        with self._lock:
+            generation = self._generation
+            if not self._lock.wait_for(lambda: table not in self._owed or self._generation != generation,
+                                       timeout=wait) or self._generation != generation:
+                log.info("compaction of %s skipped: an epoch's commit to it is pending", table)
+                return None
+            version = changelog.commit(plan)
+        if version is not None:
+            log.info("compacted %s: %d rows at version %d (epoch %d) folded to %d, as version %d", table,
+                     plan.rows_before, plan.base_version, plan.epoch, plan.rows_after, version)
+        return version
+
+    def wait_for_compactions(self) -> None:
+        """Wait until background compactions finish (before a recovery touches the tables)."""
+        for fut in list(self._running.values()):
+            fut.result()
+        self._running.clear()
+
+    def close(self) -> None:
+        """Let a running compaction finish and stop the compactor thread."""
+        self.wait_for_compactions()
+        if self._compactor is not None:
+            self._compactor.shutdown(wait=True)
+            self._compactor = None
 
     def _commit_operator(self, manifest: dict[str, Any], uid: str, table: str, app_id: str, root: Any,
                          columns: dict[str, TypeInformation] | None = None) -> int:
-        """ONE MERGE of the operator's changes since the table's epoch; the version holding the epoch."""
+        """ONE append of the operator's changes since the table's epoch (the changelog); the
+        version holding the epoch."""
         epoch = int(manifest["epoch"])
         if not is_delta_table(table):
             raise CheckpointError(f"{_what(uid)}: the Delta table {table} is gone; the checkpoint of epoch {epoch} "
@@ -225,23 +370,40 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         before = hist[0]["version"]
         # a typed column new to the table is filled for every row: the whole state is written
         new = sorted(set(columns) - set(self.tables.typed_columns(table, before)))
-        source, full_ranges = self._changes(manifest, uid, 0 if new else last, root)
+        source, full_ranges, replace = self._changes(manifest, uid, 0 if new else last, root)
+        if replace:  # the whole state: it replaces the table's content, so no tombstone is needed
+            source = source.filter(pc.is_valid(source.column("value")))
+        else:
+            source = self._with_tombstones(table, source, full_ranges, epoch)
         for col, arr in typed_arrays(source, columns, _what(uid)).items():
             source = source.append_column(col, arr)
-        evolve = bool(new)
-
-        def run(props: Any) -> None:
-            self._merge(table, source, evolve, full_ranges, props)
-
-        tables.transact(table, app_id, epoch, run, lambda exc: (
+        tables.append(source, table, app_id, epoch, lambda exc: (
             f"{_what(uid)}: Delta commit of epoch {epoch} to {table} kept conflicting with another writer "
-            f"({type(exc).__name__}); the checkpoint stays complete and the commit is re-issued on recovery"))
+            f"({type(exc).__name__}); the checkpoint stays complete and the commit is re-issued on recovery"),
+            evolve=bool(new), replace=replace)
         version = version_of_epoch(table, app_id, epoch)
         if version is None:  # pragma: no cover - Delta skipped a transaction we did not make
             raise CheckpointError(f"{_what(uid)}: Delta reports no transaction for epoch {epoch} in {table}")
         if not new:
             self.tables.keep_columns(table, before, version)
+        self._due[table] = changelog.changelog_length(hist) + 1 >= self.compact_every > 0
         return version
+
+    @staticmethod
+    def _with_tombstones(table: str, source: pa.Table, full_ranges: list[tuple[int, int]] | None,
+                         epoch: int) -> pa.Table:
+        """The epoch's changes plus a tombstone for every key the table holds in a key-group range
+        captured whole (``full_ranges``; None: all) that the capture no longer has."""
+        if full_ranges is not None and not full_ranges:
+            return source
+        gone = changelog.missing_keys(table, full_ranges, source)
+        if not gone.num_rows:
+            return source
+        n = gone.num_rows
+        tomb = pa.table({"key_group": gone.column("key_group"), "key": gone.column("key"),
+                         "state": gone.column("state"), "value": pa.nulls(n, pa.binary()),
+                         "epoch": pa.nulls(n, pa.int64()).fill_null(epoch)}).cast(source.schema)
+        return pa.concat_tables([source, tomb])
 
     @staticmethod
     def _reissued_version(hist: list[dict[str, Any]], app_id: str, epoch: int, last: int, table: str,
@@ -254,32 +416,6 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
                 f"it was written by another run of job {job!r} (restore into a new checkpoint dir)"
             )
         return int(version)
-
-    @staticmethod
-    def _merge(table: str, source: pa.Table, evolve: bool, full_ranges: list[tuple[int, int]] | None,
-               props: Any) -> None:
-        """The delta-rs MERGE that applies ``source`` (null value = delete) to the table, as the
-        transaction of ``props``.
-
-        ``evolve``: the source brings new typed columns (MERGE schema evolution, in this same
-        transaction). ``full_ranges``: key-group ranges whose keys missing from the source are
-        deleted (None: all of them).
-        """
-        # not streamed: delta-rs then reads the source's bounds and prunes target files (measured 1.9 s
-        # against 3.1 s for 50K changes into 100K rows under load); the source is one epoch's changes
-        merge = tables.open_table(table).merge(source, _MERGE_ON, source_alias="s", target_alias="t",
-                                               merge_schema=evolve, streamed_exec=False, commit_properties=props)
-        merge = (
-            merge.when_matched_delete("s.value IS NULL")
-            .when_matched_update_all()
-            .when_not_matched_insert_all("s.value IS NOT NULL")
-        )
-        if full_ranges is None:  # the whole state is replaced (the table holds none of this lineage)
-            merge = merge.when_not_matched_by_source_delete()
-        elif full_ranges:
-            merge = merge.when_not_matched_by_source_delete(
-                " OR ".join(f"(t.key_group BETWEEN {lo} AND {hi})" for lo, hi in full_ranges))
-        merge.execute()
 
     @staticmethod
     def _last_epoch(hist: list[dict[str, Any]], app_id: str, table: str, what: str) -> int:
@@ -296,11 +432,14 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         return int(meta["epoch"])
 
     def _changes(self, manifest: dict[str, Any], uid: str, last: int, root: Any
-                 ) -> tuple[pa.Table, list[tuple[int, int]] | None]:
+                 ) -> tuple[pa.Table, list[tuple[int, int]] | None, bool]:
         """The operator's changes after epoch ``last``, folded to one row per (key group, key, state).
 
-        Returns the rows (null value = delete) and the key-group ranges replaced wholesale
-        (None: all of them, the table holds nothing of this lineage yet).
+        Returns the rows (null value = delete), the key-group ranges captured wholesale
+        (None: all of them, the table holds nothing of this lineage yet), and whether the rows
+        are the whole state (every subtask's changes start with a full capture, or ``last`` is
+        0): then the epoch's commit replaces the table's content instead of appending, which
+        compacts the changelog for free (a full snapshot is the materialisation, as in FLIP-158).
         """
         by_subtask: dict[int, list[StateFileRef]] = {}
         for ref in map(StateFileRef.from_json, manifest["operators"][uid]["files"]):
@@ -311,6 +450,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         # (key, state) and the subtasks own disjoint key groups, so there is nothing to fold
         single = len({r.epoch for todo in todos.values() for r in todo}) <= 1 and all(
             len(todo) <= 1 for todo in todos.values())
+        whole = full_ranges is None or (bool(todos) and all(todo and todo[0].full for todo in todos.values()))
         links: list[pa.Table] = []
         for todo in todos.values():
             if todo and full_ranges is not None and todo[0].full:
@@ -318,14 +458,14 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
                 full_ranges.append((lo, hi))
             for ref in todo:
                 t = self.read_state(ref, root)
-                links.append(t.append_column("link", pa.array([len(links)] * t.num_rows, pa.int32())))
+                links.append(t.append_column("link", changelog.constant(t.num_rows, len(links), pa.int32())))
         if single and links:
             rows = pa.concat_tables([t.select(_FOLD_SCHEMA.names).cast(_FOLD_SCHEMA) for t in links])
         else:
             rows = self._fold(links)
         rows = rows.select(list(ROW_NAMES))
-        epochs = pa.array([int(manifest["epoch"])] * rows.num_rows, arrow_schema(("epoch",)).field("epoch").type)
-        return rows.append_column("epoch", epochs), full_ranges
+        epochs = changelog.constant(rows.num_rows, int(manifest["epoch"]), arrow_schema(("epoch",)).field("epoch").type)
+        return rows.append_column("epoch", epochs), full_ranges, whole
 
     @staticmethod
     def _fold(links: list[pa.Table]) -> pa.Table:
@@ -335,7 +475,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         rows = pa.concat_tables([t.select(_FOLD_SCHEMA.names).cast(_FOLD_SCHEMA) for t in links])
         if not rows.num_rows:
             return rows
-        rows = rows.append_column("i", pa.array(range(rows.num_rows), pa.int64()))
+        rows = rows.append_column("i", changelog.row_numbers(rows.num_rows))
         last_i = rows.group_by(list(ROW_KEY), use_threads=False).aggregate([("i", "max")])
         return rows.take(last_i.column("i_max"))
 
@@ -352,7 +492,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         for uid in sorted(set(entries) - present):
             log.warning("checkpoint chk-%s: the Delta table of operator %r is not at %s; restoring it from the "
                         "checkpoint's state files", manifest["epoch"], uid, root / entries[uid]["table"])
-        self.commit_epoch(manifest, fail_point, root, only=present)
+        self.commit_epoch(manifest, fail_point, root, only=present, compact=False)
         self._lineage = {}
         if str(root) == str(self.root):  # another dir's tables are not ours to roll back: ours start afresh
             self._lineage = {uid: entries[uid]["app_id"] for uid in present}
@@ -377,6 +517,13 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
                     "its content already is that version's", self._lineage[uid])
 
     def recover(self, restored_epoch: int | None) -> None:
+        with self._lock:  # a compaction waiting for an epoch that failed gives up
+            self._generation += 1
+            self._lock.notify_all()
+        self.wait_for_compactions()  # a recovery may roll tables back: no compaction in flight
+        with self._lock:
+            self._owed.clear()
+            self._due.clear()
         if restored_epoch is None:
             self._lineage = {}  # a fresh start: every operator's commits carry app_id(job, uid)
         super().recover(restored_epoch)
@@ -388,8 +535,8 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
             loc = self._cache_location(root, entry)
             keep.add(loc.name)
             if not self.store.exists(loc):
-                self.store.put(loc, tables.parquet_bytes(self._read_table(str(root / entry["table"]),
-                                                                          entry["version"])))
+                self.store.put(loc, tables.parquet_bytes(self._read_table(
+                    str(root / entry["table"]), entry["version"], int(entry["txn_version"]))))
         cache = self.root / "delta" / "_restore"
         for key in list(self.store.keys(cache)):
             if key not in keep:
@@ -400,9 +547,12 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         return self.root / "delta" / "_restore" / f"{digest}-v{entry['version']}.parquet"
 
     @staticmethod
-    def _read_table(table: str, version: int) -> pa.Table:
-        """An operator's committed state at a Delta version (time travel, delta-rs), as Arrow."""
-        return tables.read_version(table, int(version), list(ROW_NAMES)).cast(arrow_schema(ROW_NAMES))
+    def _read_table(table: str, version: int, epoch: int) -> pa.Table:
+        """An operator's committed state at epoch ``epoch``, committed as Delta version ``version``:
+        the changelog read at that version (time travel, delta-rs), folded (``changelog.fold``).
+        The version holds no later epoch; the bound makes the read say what it means."""
+        rows = tables.read_version(table, int(version), [*ROW_NAMES, "epoch"])
+        return changelog.fold(rows, epoch).select(list(ROW_NAMES)).cast(arrow_schema(ROW_NAMES))
 
     def read_operator_rows(self, manifest: dict[str, Any], root: Any, operator: str,
                            key_groups: tuple[int, int] | None = None) -> Iterable[Row]:
@@ -433,4 +583,4 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
                 f"checkpoint chk-{manifest['epoch']}: the Delta commit of operator {operator!r} has not "
                 f"happened yet; restore the job (recovery re-issues it) before reading its state"
             )
-        return self._read_table(table_path, entry["version"])
+        return self._read_table(table_path, entry["version"], int(entry["txn_version"]))

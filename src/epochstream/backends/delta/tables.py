@@ -51,7 +51,13 @@ from .. import scheme_of
 
 #: table property naming what wrote a table; anything else at the path is refused
 FORMAT_PROPERTY = "epochstream.format"
-STATE_FORMAT = "keyed-state-v1"
+#: a state table's layout: v2 is an append-only changelog (one append per epoch, compacted in the
+#: background); v1 (epochstream before the changelog) was the state itself, MERGEd each epoch.
+#: A v1 table is a fully compacted changelog, so it is read as it is and upgraded in place.
+STATE_FORMAT = "keyed-state-v2"
+STATE_FORMAT_V1 = "keyed-state-v1"
+#: the ``userMetadata`` key of a compaction commit (the version it folded): not an epoch's transaction
+COMPACTED = "compacted"
 SINK_FORMAT = "sink-v1"
 #: where a Delta sink stages an epoch's output inside its table's folder (Delta ignores ``_`` folders)
 STAGING = "_epochstream_staging"
@@ -157,6 +163,16 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return bytes(sink.getvalue().to_pybytes())
 
 
+def put_file(table: str, name: str, body: bytes) -> None:
+    """Write a file into a table's folder (not yet part of the table: a commit adds it)."""
+    if is_remote(table):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        store = _remote_store(table_uri(table), endpoint)
+        store.put(store.root / name, body)
+        return
+    (Path(table_uri(table)) / name).write_bytes(body)
+
+
 def read_version(path: str, version: int, columns: list[str] | None = None) -> pa.Table:
     """A table's rows at a Delta version (time travel), as Arrow; transient faults are retried,
     a version that is gone (VACUUMed, log cleaned) is a ``CheckpointError`` naming it."""
@@ -172,9 +188,10 @@ def read_version(path: str, version: int, columns: list[str] | None = None) -> p
 # ---------------------------------------------------------------- the commit log
 
 
-def commit_meta(app_id: str, epoch: int) -> str:
-    """The ``userMetadata`` of the transaction (app_id, epoch): how ``history`` recognises it."""
-    return json.dumps({"epochstream": app_id, "epoch": epoch}, sort_keys=True)
+def commit_meta(app_id: str, epoch: int, extra: dict[str, Any] | None = None) -> str:
+    """The ``userMetadata`` of the transaction (app_id, epoch): how ``history`` recognises it
+    (``extra``: what else the commit says about itself, e.g. ``replaced``)."""
+    return json.dumps({**(extra or {}), "epochstream": app_id, "epoch": epoch}, sort_keys=True)
 
 
 def _parse_meta(text: str | None) -> Any:
@@ -201,15 +218,27 @@ def history(table: str) -> list[dict[str, Any]]:
 def _log_history(log_dir: Path) -> list[dict[str, Any]]:
     out = []
     for f in sorted(log_dir.glob("[0-9]*.json"), reverse=True):
-        info: dict[str, Any] = {}
-        with open(f, encoding="utf-8") as fh:
-            for line in fh:
-                if '"commitInfo"' in line:
-                    info = json.loads(line).get("commitInfo", {})
-                    break
-        out.append({"version": int(f.stem), "operation": info.get("operation"),
-                    "meta": _parse_meta(info.get("userMetadata"))})
+        st = f.stat()
+        entry = _commit_entry(str(f), st.st_mtime_ns, st.st_size)
+        out.append({**entry, "meta": json.loads(entry["meta"]) if entry["meta"] is not None else None})
     return out
+
+
+@functools.lru_cache(maxsize=65536)
+def _commit_entry(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    """One commit file's version, operation and metadata (as JSON text: the cache hands out
+    copies). A Delta commit file never changes once written, so it is read once per process;
+    the file's mtime and size are part of the key, so a table deleted and made again is read
+    afresh. Every epoch reads the history a few times: without this, all of it each time."""
+    info: dict[str, Any] = {}
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if '"commitInfo"' in line:
+                info = json.loads(line).get("commitInfo", {})
+                break
+    meta = _parse_meta(info.get("userMetadata"))
+    return {"version": int(Path(path).stem), "operation": info.get("operation"),
+            "meta": json.dumps(meta) if meta is not None else None}
 
 
 def _rs_history(table: str) -> list[dict[str, Any]]:
@@ -222,9 +251,18 @@ def _rs_history(table: str) -> list[dict[str, Any]]:
 
 
 def is_transaction(meta: Any, app_id: str, epoch: int | None = None) -> bool:
-    """Whether a commit's metadata is our transaction ``app_id`` (at ``epoch``, if given)."""
+    """Whether a commit's metadata is our transaction ``app_id`` (at ``epoch``, if given).
+
+    A compaction commit carries the app id and the epoch it follows (so the newest commit
+    still names the table's epoch) but is not that epoch's transaction: with ``epoch`` given
+    it does not count."""
     return isinstance(meta, dict) and meta.get("epochstream") == app_id and (
-        epoch is None or meta.get("epoch") == epoch)
+        epoch is None or (meta.get("epoch") == epoch and COMPACTED not in meta))
+
+
+def is_compaction(meta: Any) -> bool:
+    """Whether a commit's metadata is a compaction's (``changelog.compact``)."""
+    return isinstance(meta, dict) and "epochstream" in meta and COMPACTED in meta
 
 
 def version_of_epoch(table: str, app_id: str, epoch: int) -> int | None:
@@ -252,7 +290,7 @@ def live_epochs(hist: list[dict[str, Any]], owns: Callable[[Any], bool]) -> list
     kept: list[tuple[int, int]] = []
     for h in sorted(hist, key=lambda h: h["version"]):
         m = h["meta"]
-        if not owns(m):
+        if not owns(m) or is_compaction(m):
             continue
         if "restored_to" in m:
             kept = [(e, v) for e, v in kept if v <= int(m["restored_to"])]
@@ -335,12 +373,12 @@ def is_transient(exc: BaseException) -> bool:
         "service unavailable", "broken pipe", "reset by peer"))
 
 
-def commit_properties(app_id: str, epoch: int) -> Any:
+def commit_properties(app_id: str, epoch: int, extra: dict[str, Any] | None = None) -> Any:
     """delta-rs commit properties of the transaction (app_id, epoch): the ``txn`` action and
     the ``userMetadata`` label."""
     from deltalake import CommitProperties, Transaction
 
-    return CommitProperties(custom_metadata={"userMetadata": commit_meta(app_id, epoch)},
+    return CommitProperties(custom_metadata={"userMetadata": commit_meta(app_id, epoch, extra)},
                             app_transactions=[Transaction(app_id, epoch)])
 
 
@@ -351,6 +389,8 @@ _retry_commit = retry(
     wait=wait_exponential(multiplier=0.2, max=2.0),
     reraise=True,
 )
+#: the same retries, for the commits other modules make (``changelog.commit``)
+retry_commit = _retry_commit
 
 
 def committed_txn(table: str, app_id: str) -> int:
@@ -360,7 +400,7 @@ def committed_txn(table: str, app_id: str) -> int:
 
 
 def transact(table: str, app_id: str, epoch: int, action: Callable[[Any], None],
-             conflict: Callable[[BaseException], str]) -> None:
+             conflict: Callable[[BaseException], str], extra: dict[str, Any] | None = None) -> None:
     """Run one commit of the transaction (app_id, epoch) unless the table holds it already.
 
     ``action(props)`` makes the commit with ``commit_properties``. Each attempt first reads
@@ -371,13 +411,13 @@ def transact(table: str, app_id: str, epoch: int, action: Callable[[Any], None],
     def attempt() -> None:
         if committed_txn(table, app_id) >= epoch:
             return  # re-issued, or an earlier attempt landed
-        action(commit_properties(app_id, epoch))
+        action(commit_properties(app_id, epoch, extra))
         if committed_txn(table, app_id) < epoch:
             # delta-rs writes no version for a MERGE that changes nothing: commit the
             # transaction alone, so every epoch has its version (time travel per epoch)
             dt = open_table(table)
             dt.create_write_transaction([], mode="append", schema=dt.schema(),
-                                        commit_properties=commit_properties(app_id, epoch))
+                                        commit_properties=commit_properties(app_id, epoch, extra))
 
     try:
         _retry_commit(attempt)()
@@ -391,15 +431,19 @@ def transact(table: str, app_id: str, epoch: int, action: Callable[[Any], None],
                                ) from exc
 
 
-def append(data: pa.Table, table: str, app_id: str, epoch: int, conflict: Callable[[BaseException], str]) -> None:
-    """Append Arrow rows to a Delta table as the transaction (app_id, epoch)."""
+def append(data: pa.Table, table: str, app_id: str, epoch: int, conflict: Callable[[BaseException], str],
+           evolve: bool = False, replace: bool = False) -> None:
+    """Append Arrow rows to a Delta table as the transaction (app_id, epoch); ``evolve``: the
+    rows bring new columns, added to the table's schema in the same commit; ``replace``: the
+    rows replace the table's content (an overwrite, labelled ``"replaced": true``)."""
     from deltalake import write_deltalake
 
     def run(props: Any) -> None:
-        write_deltalake(table_uri(table), data, mode="append", storage_options=storage_options(table),
-                        commit_properties=props)
+        write_deltalake(table_uri(table), data, mode="overwrite" if replace else "append",
+                        storage_options=storage_options(table), commit_properties=props,
+                        schema_mode="merge" if evolve else None)
 
-    transact(table, app_id, epoch, run, conflict)
+    transact(table, app_id, epoch, run, conflict, {"replaced": True} if replace else None)
 
 
 def create(table: str, schema: pa.Schema, properties: dict[str, str], app_id: str) -> None:
@@ -510,6 +554,10 @@ class DeltaTables:
                     f"written to it"
                 )
         self.mark_owned(table, fmt)
+
+    def is_owned(self, table: str, fmt: str) -> bool:
+        """Whether this writer checked (or created) the table as epochstream's with format ``fmt``."""
+        return (table, fmt) in self._owned
 
     def mark_owned(self, table: str, fmt: str) -> None:
         """This writer created the table with format ``fmt``: no need to check it."""
