@@ -160,8 +160,9 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
                          "offer its parallelism in barrier task slots before the job fails (0: fail at once; "
                          "like Flink's slot.request.timeout; default 300)")
     ap.add_argument("--mode", metavar="MODE",
-                    help="one of: aligned, tracker, at-least-once (aligned: barrier alignment, the default; "
-                         "tracker: trAcker firm bounds; both exactly-once)")
+                    help="one of: aligned, tracker, unaligned, at-least-once (aligned: barrier alignment, the "
+                         "default; tracker: trAcker firm bounds; unaligned: markers overtake queued records, "
+                         "stored as channel state; all three exactly-once)")
     ap.add_argument("--parallelism", "-p", type=_number(int, 1), help="number of workers (>= 1)")
     ap.add_argument("--max-parallelism", type=_number(int, 1, MAX_PARALLELISM_BOUND),
                     help=f"number of key groups, >= parallelism and <= {MAX_PARALLELISM_BOUND} (fixed once state "

@@ -14,7 +14,7 @@ from ..graph.plan import FORWARD, HASH, REBALANCE, ColumnKey, Edge, Node, Physic
 from ..runtime.batching import DEFAULT_BATCH_ROWS, BatchPolicy
 from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
-MODES = ("aligned", "at-least-once", "tracker")
+MODES = ("aligned", "at-least-once", "tracker", "unaligned")
 _UNSET = object()
 DEPLOYMENTS = ("sim", "local", "spark")
 
@@ -360,7 +360,10 @@ class Pipeline:
 
     ``mode``: ``aligned`` (barrier alignment, exactly-once), ``at-least-once`` (barriers
     without blocking) or ``tracker`` (trAcker firm bounds: a central agent tells each task
-    when an epoch has no records left upstream; exactly-once, no markers on data channels).
+    when an epoch has no records left upstream; exactly-once, no markers on data channels)
+    or ``unaligned`` (Flink's unaligned checkpoints: a marker overtakes the records queued
+    ahead of it, which are stored with the snapshot as channel state; exactly-once, nothing
+    waits under backpressure; a restore with channel state keeps the parallelism).
     ``checkpoint_interval`` in seconds (None: only the final epoch of a bounded job, and
     epochs asked for on demand).
     ``batch_rows`` (formerly ``batch_size``; default 1024) and ``batch_linger`` (seconds,

@@ -15,6 +15,11 @@ ends epochs on      ``on_marker``: the last marker n arrived     ``on_neoss``: N
 the other entry     ``on_neoss`` raises ``ProtocolError``        ``on_marker`` raises
 ==================  ==========================================  ==============================
 
+A third gate, ``alignment.UnalignedGate`` (unaligned mode), refuses nothing and
+``overtakes``: the task scans its mailbox for markers and hands each to ``on_marker`` ahead
+of the records queued before it; the first marker n starts epoch n's snapshot at once, and
+the records still "before marker n" become its channel state (``Task._overtake``).
+
 So the task never asks which mode it is in: markers go to ``on_marker``, notifications to
 ``on_neoss``, and a message the mode never carries is the gate's protocol error. The gate
 only decides; the task holds the messages, snapshots and forwards.
@@ -49,6 +54,12 @@ class Gate(Protocol):
         ...
 
     @property
+    def overtakes(self) -> bool:
+        """True: the task hands markers over as soon as they are queued, ahead of the records
+        before them (``alignment.UnalignedGate``; those records become channel state)."""
+        ...
+
+    @property
     def last_hold_seconds(self) -> float:
         """Seconds records were held before the last ``on_neoss`` (0.0 in the aligned modes)."""
         ...
@@ -67,4 +78,20 @@ class Gate(Protocol):
 
     def reset(self, last_completed: int) -> None:
         """Restart after a restore: every epoch <= ``last_completed`` has ended."""
+        ...
+
+
+class Overtaking(Gate, Protocol):
+    """A gate that ``overtakes`` (unaligned mode): what the task's mailbox scan asks it."""
+
+    def may_overtake(self, channel: int, epoch: int) -> bool:
+        """May marker ``epoch``, queued on ``channel``, be taken now ahead of what is before it?"""
+        ...
+
+    def recording(self, channel: int) -> bool:
+        """Are records processed now from ``channel`` channel state of the pending epoch?"""
+        ...
+
+    def take_completed(self) -> int | None:
+        """The epoch whose channel state just became complete (its last marker was taken)."""
         ...

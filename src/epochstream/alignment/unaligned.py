@@ -1,0 +1,114 @@
+"""Unaligned epoch snapshots (Flink's unaligned checkpoints) for one task with input channels.
+
+Theory of operation. A marker overtakes the records queued ahead of it. The task scans its
+mailbox for markers (as Flink's input gate handles priority events) and hands each one it
+takes out of order to this gate. The *first* marker n of a task starts epoch n's snapshot at
+once: the task captures its state, forwards marker n and goes on in epoch n + 1, blocking
+nothing. The records that are "before marker n" but not processed when the snapshot was
+taken are the snapshot's *channel state*: on the first channel those queued ahead of the
+marker, on every other channel those that arrive (are processed, or still queued) before
+that channel's marker n. The task still processes them now, in epoch n + 1 (their effects
+are not in the snapshot), and stores them with it; a restore replays them before any new
+input. Epoch n's capture is complete once marker n has been taken on every channel.
+
+So the snapshot of epoch n holds exactly the effects of the input before the cut minus the
+channel state, and channel state plus later input is what a restore processes: nothing is
+lost or counted twice, and no channel waits (alignment time 0).
+
+One epoch's channel state is recorded at a time: a marker n + 1 is taken only once epoch n's
+capture is complete (``may_overtake``); until then it waits in the mailbox in FIFO order.
+
+This module only decides; the task scans, records and snapshots. It is one of the
+``runtime.gate.Gate`` implementations: it admits everything, and a NEOSS never reaches it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..runtime.errors import ProtocolError
+from ..runtime.messages import Message
+
+MACHINE = "UnalignedGate"
+
+
+class UnalignedGate:
+    """Which epoch's channel state is being recorded, and on which channels."""
+
+    #: ``Gate``: nothing is ever held
+    last_hold_seconds = 0.0
+    holding = False
+    exactly_once = True
+    #: the task scans its mailbox for markers and hands them over out of order
+    overtakes = True
+
+    def __init__(self, channels: Iterable[int], last_completed: int = 0) -> None:
+        self.channels = frozenset(channels)
+        #: newest epoch whose snapshot was taken here (its first marker arrived)
+        self.last_started = last_completed
+        #: the epoch whose channel state is still being recorded (None: none)
+        self.pending: int | None = None
+        #: channels whose marker ``pending`` was taken
+        self.arrived: set[int] = set()
+        #: a pending epoch whose last marker arrived, not yet collected by ``take_completed``
+        self._completed: int | None = None
+
+    # ------------------------------------------------------------ Gate
+    @property
+    def open_epoch(self) -> int:
+        return self.last_started + 1
+
+    def admits(self, channel: int, message: Message, now: float) -> bool:
+        return True
+
+    def on_neoss(self, epoch: int, now: float) -> list[int]:
+        raise ProtocolError(MACHINE, f"started up to {self.last_started}", f"NEOSS({epoch})",
+                            "unaligned mode ends epochs with markers; NEOSS belongs to trAcker mode")
+
+    def reset(self, last_completed: int) -> None:
+        self.last_started = last_completed
+        self.pending = None
+        self.arrived.clear()
+        self._completed = None
+
+    # ------------------------------------------------------------ overtaking
+    def may_overtake(self, channel: int, epoch: int) -> bool:
+        """May marker ``epoch`` on ``channel`` be taken now, ahead of what is queued before it?"""
+        if self._completed is not None:
+            return False
+        if self.pending is not None:
+            return epoch == self.pending and channel not in self.arrived
+        return epoch == self.last_started + 1
+
+    def recording(self, channel: int) -> bool:
+        """Are records processed now from ``channel`` channel state of the pending epoch?"""
+        return self.pending is not None and channel not in self.arrived
+
+    def on_marker(self, channel: int, epoch: int, now: float) -> tuple[int, float] | None:
+        """Marker ``epoch`` taken on ``channel``: (epoch, 0.0) if it starts the epoch's snapshot."""
+        if channel not in self.channels:
+            raise ProtocolError(MACHINE, "recording", f"Marker({epoch})", f"unknown channel {channel}")
+        if not self.may_overtake(channel, epoch):
+            state = f"recording epoch {self.pending}, arrived on {sorted(self.arrived)}" if self.pending \
+                else f"started up to {self.last_started}"
+            raise ProtocolError(MACHINE, state, f"Marker({epoch})", f"on channel {channel}")
+        started = self.pending is None
+        if started:
+            self.pending = epoch
+            self.last_started = epoch
+        self.arrived.add(channel)
+        if len(self.arrived) == len(self.channels):
+            self._completed = epoch
+            self.pending = None
+            self.arrived.clear()
+        return (epoch, 0.0) if started else None
+
+    def take_completed(self) -> int | None:
+        """The epoch whose channel state became complete (every marker taken), once; else None."""
+        done, self._completed = self._completed, None
+        return done
+
+    def check_invariants(self) -> None:
+        assert self.pending is None or self.pending == self.last_started, "pending epoch is not the newest"
+        assert self.arrived <= self.channels, "arrived on unknown channels"
+        assert self.pending is not None or not self.arrived, "arrivals without a pending epoch"
