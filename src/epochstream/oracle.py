@@ -555,10 +555,13 @@ def loop_logs(storage, manifest: dict[str, Any], root: Path, loops) -> dict[str,
     return out
 
 
-def channel_state_records(plan: PhysicalPlan, manifest: dict[str, Any]) -> list[tuple[int, int, Any]]:
+def channel_state_records(pipeline, manifest: dict[str, Any]) -> list[tuple[int, int, Any]]:
     """The channel state of a committed epoch (unaligned mode): (node id, input edge, records)
     per recorded batch, each channel's in the order recorded; [] without channel state."""
     out: list[tuple[int, int, Any]] = []
+    if not manifest.get("channel_state"):
+        return out
+    plan: PhysicalPlan = pipeline.plan(int(manifest["parallelism"]))  # channel ids are the run's
     for _task, entry in sorted(manifest.get("channel_state", {}).items()):
         blob = base64.b64decode(entry["data"])
         for channel, records, _keys, _label in decode_channel_state(blob):
@@ -588,8 +591,7 @@ def recorded_completion(pipeline, storage, manifest: dict[str, Any], root: Path,
     return ref.state(), ref.sinks
 
 
-def complete_epoch(pipeline, storage, manifest: dict[str, Any], root: Path, loops,
-                   plan: PhysicalPlan | None = None) -> tuple[dict, dict, int]:
+def complete_epoch(pipeline, storage, manifest: dict[str, Any], root: Path, loops) -> tuple[dict, dict, int]:
     """A committed epoch run to its fixpoint: its state with the loop heads' logs and the
     channel state (unaligned mode) fed back in.
 
@@ -597,7 +599,7 @@ def complete_epoch(pipeline, storage, manifest: dict[str, Any], root: Path, loop
     """
     logs = loop_logs(storage, manifest, root, loops)
     logged = sum(len(v) for v in logs.values())
-    in_flight = channel_state_records(plan or pipeline.plan(), manifest) if "channel_state" in manifest else []
+    in_flight = channel_state_records(pipeline, manifest)
     if in_flight:
         ref = Reference(pipeline)
         ref.restore(storage, manifest, root)
@@ -638,8 +640,7 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
             for rec in list(dup)[:3]:
                 report.note(f"sink {uid}: duplicated or unexpected {rec}")
     progress = {uid: _SinkProgress(pipeline.sinks[uid], folder) for uid, folder in sinks.items()}
-    plan = pipeline.plan()
-    loops = plan.loops
+    loops = pipeline.plan().loops
     ref = Reference(pipeline)
     for epoch in storage.list_checkpoints():
         manifest, root = storage.load_manifest(epoch)
@@ -648,7 +649,7 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
         ref_states = ref.state()
         report.epochs_checked += 1
         report.channel_state_records += manifest["metrics"].get("channel_state_records", 0)
-        got_states, completion_out, logged = complete_epoch(pipeline, storage, manifest, root, loops, plan)
+        got_states, completion_out, logged = complete_epoch(pipeline, storage, manifest, root, loops)
         report.loop_records_logged += logged
         for uid in set(ref_states) | set(got_states):
             want_st: dict[str, dict[Any, Any]] = ref_states.get(uid, {})
@@ -801,8 +802,7 @@ def check_run_recorded(pipeline, logs: dict[str, str], storage, sink_root: Any,
     sinks = {uid: sink_root / uid for uid in pipeline.sinks}
     orders = read_orders(sink_root, logs)
     progress = {uid: _SinkProgress(pipeline.sinks[uid], folder) for uid, folder in sinks.items()}
-    plan = pipeline.plan()
-    loops = plan.loops
+    loops = pipeline.plan().loops
     loop_uids = {lp.uid for lp in loops}
     ref = Reference(pipeline)
     for uid in orders:
@@ -819,7 +819,7 @@ def check_run_recorded(pipeline, logs: dict[str, str], storage, sink_root: Any,
         report.epochs_checked += 1
         logged = sum(len(v) for v in loop_logs(storage, manifest, root, loops).values()) if loops else 0
         report.loop_records_logged += logged
-        in_flight = channel_state_records(plan, manifest) if "channel_state" in manifest else []
+        in_flight = channel_state_records(pipeline, manifest)
         report.channel_state_records += sum(len(r) for _n, _e, r in in_flight)
         completed_states, completion_out = recorded_completion(pipeline, storage, manifest, root, orders, in_flight) \
             if in_flight else (None, {})

@@ -18,6 +18,11 @@ lost or counted twice, and no channel waits (alignment time 0).
 One epoch's channel state is recorded at a time: a marker n + 1 is taken only once epoch n's
 capture is complete (``may_overtake``); until then it waits in the mailbox in FIFO order.
 
+Savepoints (and final epochs: a stop with savepoint is one) are aligned, as in Flink: their
+markers say so (``Marker.aligned``), are taken in
+FIFO order and block their channel like ``BarrierAligner`` (``on_aligned_marker``), so a
+savepoint has no channel state and can be restored at another parallelism.
+
 This module only decides; the task scans, records and snapshots. It is one of the
 ``runtime.gate.Gate`` implementations: it admits everything, and a NEOSS never reaches it.
 """
@@ -35,9 +40,8 @@ MACHINE = "UnalignedGate"
 class UnalignedGate:
     """Which epoch's channel state is being recorded, and on which channels."""
 
-    #: ``Gate``: nothing is ever held
+    #: ``Gate``: nothing is held in an aligned epoch's wait
     last_hold_seconds = 0.0
-    holding = False
     exactly_once = True
     #: the task scans its mailbox for markers and hands them over out of order
     overtakes = True
@@ -52,14 +56,22 @@ class UnalignedGate:
         self.arrived: set[int] = set()
         #: a pending epoch whose last marker arrived, not yet collected by ``take_completed``
         self._completed: int | None = None
+        #: an aligned (savepoint) epoch: channels whose marker arrived (blocked) and since when
+        self.blocked: set[int] = set()
+        self.aligning_since = 0.0
 
     # ------------------------------------------------------------ Gate
     @property
     def open_epoch(self) -> int:
         return self.last_started + 1
 
+    @property
+    def holding(self) -> bool:
+        return bool(self.blocked)
+
     def admits(self, channel: int, message: Message, now: float) -> bool:
-        return True
+        """Everything, except on a channel blocked by an aligned (savepoint) marker."""
+        return channel not in self.blocked
 
     def on_neoss(self, epoch: int, now: float) -> list[int]:
         raise ProtocolError(MACHINE, f"started up to {self.last_started}", f"NEOSS({epoch})",
@@ -70,6 +82,23 @@ class UnalignedGate:
         self.pending = None
         self.arrived.clear()
         self._completed = None
+        self.blocked.clear()
+
+    def on_aligned_marker(self, channel: int, epoch: int, now: float) -> tuple[int, float] | None:
+        """A savepoint's marker, in FIFO order: block ``channel``; (epoch, seconds aligning) once
+        every channel's marker arrived (``alignment.BarrierAligner``'s rule)."""
+        if channel not in self.channels or channel in self.blocked or epoch != self.last_started + 1 \
+                or (self.pending is not None and channel not in self.arrived):
+            state = f"aligning {sorted(self.blocked)}" if self.blocked else f"started up to {self.last_started}"
+            raise ProtocolError(MACHINE, state, f"Marker({epoch}, aligned)", f"on channel {channel}")
+        if not self.blocked:
+            self.aligning_since = now
+        self.blocked.add(channel)
+        if len(self.blocked) < len(self.channels):
+            return None
+        self.blocked.clear()
+        self.last_started = epoch
+        return epoch, now - self.aligning_since
 
     # ------------------------------------------------------------ overtaking
     def may_overtake(self, channel: int, epoch: int) -> bool:
@@ -78,7 +107,7 @@ class UnalignedGate:
             return False
         if self.pending is not None:
             return epoch == self.pending and channel not in self.arrived
-        return epoch == self.last_started + 1
+        return epoch == self.last_started + 1 and not self.blocked
 
     def recording(self, channel: int) -> bool:
         """Are records processed now from ``channel`` channel state of the pending epoch?"""
@@ -112,3 +141,4 @@ class UnalignedGate:
         assert self.pending is None or self.pending == self.last_started, "pending epoch is not the newest"
         assert self.arrived <= self.channels, "arrived on unknown channels"
         assert self.pending is not None or not self.arrived, "arrivals without a pending epoch"
+        assert self.blocked <= self.channels, "blocked unknown channels"

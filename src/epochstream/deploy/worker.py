@@ -381,7 +381,7 @@ class WorkerLoop:
 
     def _on_trigger(self, msg: Trigger) -> None:
         for s in self.triggered:
-            s.trigger(msg.epoch)
+            s.trigger(msg.epoch, msg.aligned)
 
     def _on_neoss(self, msg: Neoss) -> None:
         for chains, epoch in msg.notes:

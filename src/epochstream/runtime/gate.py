@@ -92,6 +92,11 @@ class Overtaking(Gate, Protocol):
         """Are records processed now from ``channel`` channel state of the pending epoch?"""
         ...
 
+    def on_aligned_marker(self, channel: int, epoch: int, now: float) -> tuple[int, float] | None:
+        """An aligned (savepoint) marker, taken in FIFO order: block ``channel`` until every
+        channel's marker ``epoch`` arrived; then (epoch, seconds aligning)."""
+        ...
+
     def take_completed(self) -> int | None:
         """The epoch whose channel state just became complete (its last marker was taken)."""
         ...

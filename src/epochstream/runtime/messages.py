@@ -39,9 +39,13 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class Marker:
-    """Epoch ``epoch`` ends here on this channel (Carbone's barrier, Algorithms 5-6)."""
+    """Epoch ``epoch`` ends here on this channel (Carbone's barrier, Algorithms 5-6).
+
+    ``aligned``: the epoch is a savepoint, aligned even in unaligned mode (no channel state,
+    so it can be restored at another parallelism, as in Flink)."""
 
     epoch: int
+    aligned: bool = False
 
 
 @dataclass(frozen=True, slots=True)

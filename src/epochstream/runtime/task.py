@@ -106,6 +106,8 @@ class Task:
         self._entry_of_channel: dict[int, Push] = {c: chain.entry[plan.channels[c].dst_node] for c in self.inputs}
         self.records_in = 0
         self.exhausted_reported = False
+        #: epochs whose markers are aligned (savepoints): triggered so, or an aligned marker arrived
+        self.aligned_epochs: set[int] = set()
         # -- unaligned mode (``alignment.unaligned``): markers overtake, channel state is recorded
         self.overtakes = gate.overtakes
         self._overtaking = cast(Overtaking, gate) if gate.overtakes else None
@@ -154,9 +156,12 @@ class Task:
                 Batch(self.epoch, records, keys)
             self.mailbox.append((channel, msg))
 
-    def trigger(self, epoch: int) -> None:
-        """Epoch ``epoch`` ends at this source now (coordinator's trigger)."""
+    def trigger(self, epoch: int, aligned: bool = False) -> None:
+        """Epoch ``epoch`` ends at this source now (coordinator's trigger); ``aligned``: a
+        savepoint, whose markers are aligned in unaligned mode too."""
         self.triggers.append(epoch)
+        if aligned:
+            self.aligned_epochs.add(epoch)
 
     def on_neoss(self, epoch: int | TimeNote) -> None:
         """The tracking agent's NEOSS(epoch) or ``WindowEnd`` for this task's segment (trAcker mode)."""
@@ -274,13 +279,20 @@ class Task:
             elif type(msg) is Watermark:
                 self._on_watermark(channel, msg.label, now, actions)
             elif type(msg) is Marker:  # everything before it on this channel is processed
-                if overtakes:  # a marker the scan could not take yet: it waits at the head
-                    mailbox.appendleft((channel, msg))
+                if msg.aligned:
+                    self.aligned_epochs.add(msg.epoch)
+                if overtakes and not msg.aligned:
+                    if cast(Overtaking, gate).may_overtake(channel, msg.epoch):
+                        self._take_marker(channel, msg.epoch, [], now, actions)
+                        continue
+                    mailbox.appendleft((channel, msg))  # it waits at the head for the pending epoch
                     break
-                aligned = gate.on_marker(channel, msg.epoch, now)
+                aligned = cast(Overtaking, gate).on_aligned_marker(channel, msg.epoch, now) if overtakes else \
+                    gate.on_marker(channel, msg.epoch, now)
                 if aligned is not None:
                     self._end_epoch(aligned[0], aligned[1], now, actions)
                     self._release_held()
+                    self._scan = overtakes  # markers held behind the aligned one may be taken now
                     break
         self._flush_due(now, actions)
 
@@ -304,21 +316,27 @@ class Task:
         while taken:
             taken = False
             for i, (channel, msg) in enumerate(items):
-                if type(msg) is not Marker or not gate.may_overtake(channel, msg.epoch):
-                    continue
+                if type(msg) is not Marker or msg.aligned or not gate.may_overtake(channel, msg.epoch):
+                    continue  # an aligned (savepoint) marker is taken in FIFO order
                 ahead = [m for c, m in items[:i] if c == channel and type(m) is not Marker]
                 del items[i]
-                started = gate.on_marker(channel, msg.epoch, now)
-                if started is not None:
-                    self._begin_unaligned(started[0], now, actions)
-                for m in ahead:
-                    self._record(channel, m)
-                done = gate.take_completed()
-                if done is not None:
-                    self._complete_unaligned(actions)
+                self._take_marker(channel, msg.epoch, ahead, now, actions)
                 taken = True
                 break
         self.mailbox = deque(items)
+
+    def _take_marker(self, channel: int, epoch: int, ahead: list[Message], now: float,
+                     actions: list[TaskAction]) -> None:
+        """Marker ``epoch`` taken on ``channel`` ahead of ``ahead`` (its channel state)."""
+        gate = self._overtaking
+        assert gate is not None
+        started = gate.on_marker(channel, epoch, now)
+        if started is not None:
+            self._begin_unaligned(started[0], now, actions)
+        for m in ahead:
+            self._record(channel, m)
+        if gate.take_completed() is not None:
+            self._complete_unaligned(actions)
 
     def _begin_unaligned(self, epoch: int, now: float, actions: list[TaskAction]) -> None:
         """The first marker ``epoch`` was taken: snapshot now, forward the marker, go on in
@@ -437,7 +455,9 @@ class Task:
         capture = TaskCapture(self.id, epoch, keyed, sinks, offsets, waited, held, now, operator_state)
         if emit:
             actions.append(Snapshot(capture))
-        self.progress.epoch_ended(epoch, now, self.id if reader is not None else None, actions)
+        aligned = epoch in self.aligned_epochs
+        self.aligned_epochs.discard(epoch)
+        self.progress.epoch_ended(epoch, now, self.id if reader is not None else None, actions, aligned)
         self.epoch = epoch + 1
         self.chain.set_epoch(self.epoch)
         return capture
