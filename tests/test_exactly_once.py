@@ -228,7 +228,8 @@ def oracle(builder, c: Chaos, workdir: Path, mode: str = "aligned", sabotage=Non
     event(f"restarts: {min(report.restarts, 4)}{'+' if report.restarts >= 4 else ''}")
     event(f"epochs checked: {'1' if report.epochs_checked <= 1 else '2-4' if report.epochs_checked <= 4 else '5+'}")
     if mode == "unaligned":
-        event(f"records in channel state: {'0' if not report.channel_state_records else '1-9' if report.channel_state_records < 10 else '10+'}")
+        held = report.channel_state_records
+        event(f"records in channel state: {'0' if not held else '1-9' if held < 10 else '10+'}")
     return report
 
 

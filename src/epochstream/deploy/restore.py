@@ -95,7 +95,8 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
             f"{m['metrics'].get('channel_state_records', '?')} records) taken at parallelism {m['parallelism']}; "
             f"channel state is kept per input channel and cannot be moved to parallelism {plan.parallelism}. "
             f"Restore it at parallelism {m['parallelism']} (--parallelism {m['parallelism']}), take a savepoint "
-            f"(savepoints and stops with savepoint are aligned in every mode and hold no channel state) and restore that savepoint at "
+            f"(savepoints and stops with savepoint are aligned in every mode and hold no channel state) and "
+            f"restore that savepoint at "
             f"parallelism {plan.parallelism}"
         )
     nodes = {n.uid: n for n in plan.nodes.values() if n.uid}
