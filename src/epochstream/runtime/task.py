@@ -267,7 +267,9 @@ class Task:
                 if labelled and msg.time != clock.out_time:
                     self._flush(actions)  # a batch never spans two time labels
                     clock.out_time = msg.time
-                if self.exactly_once and msg.epoch != self.epoch and not (overtakes and msg.epoch == self.epoch - 1):
+                # unaligned: a batch queued behind overtaking markers is of an older epoch (it
+                # is channel state of every snapshot taken since it was queued)
+                if self.exactly_once and msg.epoch != self.epoch and not (overtakes and msg.epoch < self.epoch):
                     raise ProtocolError(
                         "Task", f"{self.id} in epoch {self.epoch}", f"Batch(epoch={msg.epoch})", f"on channel {channel}"
                     )
@@ -354,6 +356,7 @@ class Task:
         capture, entries = self._unaligned, self._channel_state
         assert capture is not None, f"task {self.id}: channel state complete without a capture"
         self._unaligned, self._channel_state = None, []
+        self._scan = True  # a marker of the next epoch may be waiting deeper in the mailbox
         blob = pickle.dumps(entries, pickle.HIGHEST_PROTOCOL) if entries else b""
         actions.append(Snapshot(replace(capture, channel_state=blob, channel_state_records=self._channel_records,
                                         channel_state_bytes=len(blob))))
