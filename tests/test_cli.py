@@ -416,7 +416,7 @@ def chaos(job: Path, tmp_path: Path, function: str, *args: str, timeout: float =
     return doc
 
 
-@pytest.mark.parametrize("mode", [None, "aligned", "tracker"])
+@pytest.mark.parametrize("mode", [None, "aligned", "tracker", "unaligned"])
 def test_chaos_sim_exactly_once(job, tmp_path, mode):
     doc = chaos(job, tmp_path, "small", "--deployment", "sim", "--kills", "3", "--seed", "1",
                 *(["--mode", mode] if mode else []))
