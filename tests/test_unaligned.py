@@ -9,6 +9,7 @@ tests/test_exactly_once.py, with mode "unaligned".
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 from hypothesis import given, settings
@@ -16,10 +17,13 @@ from hypothesis import strategies as st
 
 from epochstream.alignment.unaligned import UnalignedGate
 from epochstream.deploy.restore import Restored, check_compatible
+from epochstream.deploy.sim import FailureSchedule
+from epochstream.oracle import check_exactly_once
 from epochstream.runtime.errors import ProtocolError
 from epochstream.runtime.messages import Batch, Marker, Snapshot
-from epochstream.runtime.task import decode_channel_state
+from epochstream.runtime.task import Task, decode_channel_state
 from epochstream.snapshot.manifest import CheckpointError
+from pipelines import SOURCE_RATE, sim_run, union_chain
 from test_alignment import build, decode, emitted, kbatch, sent
 
 # ---------------------------------------------------------------- UnalignedGate
@@ -195,3 +199,47 @@ def test_restore_of_channel_state_at_another_parallelism_names_the_way_out(tmp_p
                 "channel_state": {"2.0": {"records": 5, "bytes": 10, "data": ""}}}
     with pytest.raises(CheckpointError, match="parallelism 1.*take a savepoint"):
         check_compatible(plan, p, Restored(3, manifest, tmp_path, tmp_path / "chk-3"), False)
+
+
+# ---------------------------------------------------------------- kills while channel state is replayed
+
+
+def _kills_after_channel_state(tmp_path, replay):
+    """The oracle over a run whose kills restore checkpoints holding channel state; ``replay``
+    stands in for ``Task.restore_channel_state``."""
+    def run(p, chk, failing):
+        if not failing:
+            return sim_run(p, chk, seed=3, source_rate=SOURCE_RATE)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Task, "restore_channel_state", replay)
+            # virtual seconds: the first epochs complete by ~3 ms, each holding channel state
+            return sim_run(p, chk, seed=3, failures=FailureSchedule(kill_times=[0.0035, 0.006], write_failures={4}),
+                           source_rate=SOURCE_RATE)
+
+    build = partial(union_chain, mode="unaligned", parallelism=2, batch_size=1, interval=0.0003, emit_ids=True)
+    return check_exactly_once(build, run, tmp_path)
+
+
+def test_kills_while_channel_state_is_written_and_replayed_stay_exactly_once(tmp_path):
+    """Kills (one soon after a restore) and a failed write: restores replay channel state (spied)
+    and the run is still exactly-once."""
+    replayed: list[int] = []
+    real = Task.restore_channel_state
+
+    def spy(self, entries):
+        replayed.append(sum(len(r) for _c, r, _k, _w in entries if r is not None))
+        return real(self, entries)
+
+    report = _kills_after_channel_state(tmp_path, spy)
+    assert report.ok and report.lost == report.duplicated == 0, report.to_json()
+    assert report.mismatched_state == report.mismatched_epoch_output == 0, report.to_json()
+    assert report.restarts >= 2 and report.channel_state_records > 0, report.to_json()
+    assert sum(replayed) > 0, "no restore replayed channel state: the scenario tests nothing"
+
+
+def test_the_oracle_sees_channel_state_that_a_restore_drops(tmp_path):
+    """Sabotage: restores forget their channel state. The records in flight at the cut are lost,
+    and the oracle must say so (it is not blind to channel state)."""
+    report = _kills_after_channel_state(tmp_path, lambda self, entries: None)
+    assert not report.ok, report.to_json()
+    assert report.lost > 0 or report.inputs_lost > 0 or report.mismatched_state > 0, report.to_json()
