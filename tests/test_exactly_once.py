@@ -292,6 +292,19 @@ def test_exactly_once_tolerable_failed_without_write_failures(builder_name, mode
     _exactly_once_property(builder_name, c, workdirs, mode)
 
 
+@settings(max_examples=20, **COMMON)
+@given(builder_name=st.sampled_from(sorted(BUILDERS)), timeout=st.sampled_from([0.0, 0.00005, 0.0002]),
+       c=chaos())
+def test_exactly_once_aligned_with_timeout(builder_name, timeout, c, workdirs):
+    """Aligned with a timeout (virtual seconds; 0: every alignment switches at once): epochs
+    start aligned and the tasks whose alignment times out go unaligned, under the same failures."""
+    work = workdirs(f"eo-timeout-{builder_name}")
+    report = oracle(partial(BUILDERS[builder_name], aligned_timeout=timeout), c, work, mode="aligned")
+    event(f"records in channel state: {'0' if not report.channel_state_records else '1+'}")
+    assert_exactly_once(report)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 # -- properties that once found bugs (declined writes lost output; GC removed files of concurrent epochs)
 
 

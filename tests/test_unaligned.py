@@ -16,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epochstream.alignment.unaligned import UnalignedGate
+from epochstream.backends.local import LocalCheckpointStorage
+from epochstream.deploy.assembly import build_tasks
 from epochstream.deploy.restore import Restored, check_compatible
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
@@ -81,6 +83,29 @@ def test_a_savepoint_may_align_while_the_previous_epoch_still_records():
     g.on_marker(1, 1, now=1.5)
     assert g.take_completed() == 1
     assert g.on_aligned_marker(1, 2, now=2.0) == (2, 1.0)
+
+
+def test_with_a_timeout_epochs_start_aligned_and_switch_when_alignment_lasts_too_long():
+    g = UnalignedGate([0, 1, 2], aligned_timeout=0.5)
+    assert g.aligns(1) and not g.may_overtake(0, 1), "markers are taken aligned, in FIFO order"
+    assert g.on_aligned_marker(0, 1, now=10.0, forced=False) is None
+    assert g.switch_deadline() == 10.5 and g.switch(10.4) is None
+    assert g.on_aligned_marker(1, 1, now=10.45, forced=False) is None
+    assert g.switch(10.5) == (1, 0.5)  # unaligned now: the blocked channels count as arrived
+    assert not g.holding and g.pending == 1 and g.open_epoch == 2
+    assert g.recording(2) and not g.recording(0) and g.may_overtake(2, 1)
+    assert g.on_marker(2, 1, now=10.6) is None and g.take_completed() == 1
+    # the next epoch aligns in time: no switch, no channel state
+    for ch in (2, 0):
+        assert g.on_aligned_marker(ch, 2, now=11.0, forced=False) is None
+    assert g.on_aligned_marker(1, 2, now=11.25, forced=False) == (2, 0.25)
+    assert g.switch_deadline() is None
+
+
+def test_a_savepoint_never_switches_to_unaligned():
+    g = UnalignedGate([0, 1], aligned_timeout=0.0)
+    g.on_aligned_marker(0, 1, now=1.0, forced=True)
+    assert g.switch_deadline() is None and g.switch(100.0) is None
 
 
 @settings(max_examples=200, deadline=None)
@@ -243,3 +268,27 @@ def test_the_oracle_sees_channel_state_that_a_restore_drops(tmp_path):
     report = _kills_after_channel_state(tmp_path, lambda self, entries: None)
     assert not report.ok, report.to_json()
     assert report.lost > 0 or report.inputs_lost > 0 or report.mismatched_state > 0, report.to_json()
+
+
+def test_a_task_whose_alignment_times_out_snapshots_unaligned(tmp_path):
+    p, plan, _tasks = build(tmp_path, mode="aligned")
+    p.aligned_timeout = 0.5
+    t = build_tasks(p, plan, None, LocalCheckpointStorage(tmp_path / "chk2"), None)[(2, 0)]
+    c_a, c_b = plan.inputs[(2, 0)]
+    t.receive(c_a, Marker(1))
+    t.receive(c_a, kbatch(2, [("k", 2)]))  # held: channel a is blocked
+    t.receive(c_b, kbatch(1, [("j", 1)]))
+    acts = t.step(1.0, budget=1)  # the marker: a blocks
+    acts += t.step(1.1, budget=1)  # ("k", 2) held, ("j", 1) processed in epoch 1
+    assert [m.records for _c, m in t.held] == [[("k", 2)]] and t.flush_deadline() == 1.5
+    t.receive(c_b, kbatch(1, [("j", 2)]))  # before b's marker, after the switch: channel state
+    acts += t.step(1.5, budget=1)  # the switch: snapshot of epoch 1 now, held records released
+    t.receive(c_b, Marker(1))
+    while t.has_input():
+        acts += t.step(2.0)
+        t.check_invariants()
+    (snap,) = [a.capture for a in acts if isinstance(a, Snapshot)]
+    assert snap.epoch == 1 and snap.alignment_seconds == 0.5 and snap.held_records == 1
+    assert decode(snap.keyed[0])["count"] == {"j": 1}
+    assert [recs for _c, recs, _k, _w in decode_channel_state(snap.channel_state)] == [[("j", 2)]]
+    assert sorted(emitted(acts)) == [("j", 1, 1), ("j", 2, 2), ("k", 2, 1)]

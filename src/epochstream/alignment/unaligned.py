@@ -18,6 +18,13 @@ lost or counted twice, and no channel waits (alignment time 0).
 One epoch's channel state is recorded at a time: a marker n + 1 is taken only once epoch n's
 capture is complete (``may_overtake``); until then it waits in the mailbox in FIFO order.
 
+Aligned with a timeout (Flink's ``aligned-checkpoint-timeout``, ``aligned_timeout``): every
+epoch starts aligned (markers in FIFO order, channels blocked as their marker arrives); a task
+whose alignment of epoch n lasts ``aligned_timeout`` seconds switches to unaligned for n
+(``switch``): it snapshots at once, the blocked channels count as arrived (everything before
+their markers is processed), the held records go back to the mailbox, and on the other
+channels the records before marker n become channel state as above.
+
 Savepoints (and final epochs: a stop with savepoint is one) are aligned, as in Flink: their
 markers say so (``Marker.aligned``), are taken in
 FIFO order and block their channel like ``BarrierAligner`` (``on_aligned_marker``), so a
@@ -46,8 +53,13 @@ class UnalignedGate:
     #: the task scans its mailbox for markers and hands them over out of order
     overtakes = True
 
-    def __init__(self, channels: Iterable[int], last_completed: int = 0) -> None:
+    def __init__(self, channels: Iterable[int], last_completed: int = 0,
+                 aligned_timeout: float | None = None) -> None:
         self.channels = frozenset(channels)
+        #: None: unaligned from the first marker; else epochs start aligned and switch after this long
+        self.aligned_timeout = aligned_timeout
+        #: the epoch aligning now is a savepoint's (forced aligned: it never switches)
+        self.forced = False
         #: newest epoch whose snapshot was taken here (its first marker arrived)
         self.last_started = last_completed
         #: the epoch whose channel state is still being recorded (None: none)
@@ -84,15 +96,39 @@ class UnalignedGate:
         self._completed = None
         self.blocked.clear()
 
-    def on_aligned_marker(self, channel: int, epoch: int, now: float) -> tuple[int, float] | None:
-        """A savepoint's marker, in FIFO order: block ``channel``; (epoch, seconds aligning) once
-        every channel's marker arrived (``alignment.BarrierAligner``'s rule)."""
+    def aligns(self, epoch: int) -> bool:
+        """Is an (unforced) marker ``epoch`` taken aligned, in FIFO order? (aligned with a timeout)"""
+        return self.aligned_timeout is not None and self.pending is None and self._completed is None
+
+    def switch_deadline(self) -> float | None:
+        """When the epoch aligning now switches to unaligned (None: it never does)."""
+        if not self.blocked or self.forced or self.aligned_timeout is None:
+            return None
+        return self.aligning_since + self.aligned_timeout
+
+    def switch(self, now: float) -> tuple[int, float] | None:
+        """If the alignment timed out: start its epoch unaligned now; (epoch, seconds aligned)."""
+        due = self.switch_deadline()
+        if due is None or now < due:
+            return None
+        epoch = self.last_started + 1
+        self.pending = self.last_started = epoch
+        self.arrived = set(self.blocked)
+        self.blocked.clear()
+        return epoch, now - self.aligning_since
+
+    def on_aligned_marker(self, channel: int, epoch: int, now: float,
+                          forced: bool = True) -> tuple[int, float] | None:
+        """A marker taken aligned, in FIFO order (a savepoint's: ``forced``, or any with a
+        timeout): block ``channel``; (epoch, seconds aligning) once every channel's marker
+        arrived (``alignment.BarrierAligner``'s rule)."""
         if channel not in self.channels or channel in self.blocked or epoch != self.last_started + 1 \
                 or (self.pending is not None and channel not in self.arrived):
             state = f"aligning {sorted(self.blocked)}" if self.blocked else f"started up to {self.last_started}"
             raise ProtocolError(MACHINE, state, f"Marker({epoch}, aligned)", f"on channel {channel}")
         if not self.blocked:
             self.aligning_since = now
+            self.forced = forced
         self.blocked.add(channel)
         if len(self.blocked) < len(self.channels):
             return None
@@ -107,7 +143,7 @@ class UnalignedGate:
             return False
         if self.pending is not None:
             return epoch == self.pending and channel not in self.arrived
-        return epoch == self.last_started + 1 and not self.blocked
+        return epoch == self.last_started + 1 and not self.blocked and self.aligned_timeout is None
 
     def recording(self, channel: int) -> bool:
         """Are records processed now from ``channel`` channel state of the pending epoch?"""

@@ -364,6 +364,10 @@ class Pipeline:
     or ``unaligned`` (Flink's unaligned checkpoints: a marker overtakes the records queued
     ahead of it, which are stored with the snapshot as channel state; exactly-once, nothing
     waits under backpressure; a restore with channel state keeps the parallelism).
+    ``aligned_timeout`` (seconds; Flink's ``aligned-checkpoint-timeout``), in mode ``aligned``
+    or ``unaligned``: every epoch starts aligned and a task whose alignment lasts longer
+    switches to unaligned for that epoch (None: mode ``aligned`` never switches, mode
+    ``unaligned`` is unaligned from the first marker).
     ``checkpoint_interval`` in seconds (None: only the final epoch of a bounded job, and
     epochs asked for on demand).
     ``batch_rows`` (formerly ``batch_size``; default 1024) and ``batch_linger`` (seconds,
@@ -391,6 +395,7 @@ class Pipeline:
         batch_linger: float = 0.0,
         heartbeat: HeartbeatConfig | None = None,
         slot_wait_timeout: float = DEFAULT_SLOT_WAIT_TIMEOUT,
+        aligned_timeout: float | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -427,7 +432,22 @@ class Pipeline:
         #: few, with the status WAITING_FOR_SLOTS, before the job fails (0: fail at once; Flink's
         #: slot.request.timeout; ``deploy.slots``)
         self.slot_wait_timeout = slot_wait_timeout
+        self.aligned_timeout = aligned_timeout
         self._nodes: dict[int, Node] = {}
+
+    @property
+    def aligned_timeout(self) -> float | None:
+        """Seconds an epoch aligns before a task switches it to unaligned (None: never)."""
+        return self._aligned_timeout
+
+    @aligned_timeout.setter
+    def aligned_timeout(self, seconds: float | None) -> None:
+        if seconds is not None:
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+                raise ValueError(f"aligned_timeout must be a number of seconds >= 0 or None, got {seconds!r}")
+            if self.mode not in ("aligned", "unaligned"):
+                raise ValueError(f"aligned_timeout needs mode 'aligned' or 'unaligned', not {self.mode!r}")
+        self._aligned_timeout = None if seconds is None else float(seconds)
 
     @property
     def slot_wait_timeout(self) -> float:

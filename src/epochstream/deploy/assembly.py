@@ -53,6 +53,8 @@ def build_tasks(
     tasks: dict[TaskId, Task] = {}
     cfg = pipeline.checkpoint
     tracker_mode = pipeline.mode == "tracker"
+    #: aligned with a timeout (``Pipeline.aligned_timeout``): epochs start aligned, go unaligned on time-out
+    timeout = getattr(pipeline, "aligned_timeout", None)
     event_time = uses_event_time(pipeline)
     slack = pipeline.tracker.time_slack if event_time else None
     if tracker_mode:
@@ -73,8 +75,9 @@ def build_tasks(
             out_segment = {ch: seg_of[plan.channels[ch].dst[0]] for chans in plan.outputs[tid] for ch in chans}
             tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(ids_seed(attempt, tid)),
                                     slack)
-        elif pipeline.mode == "unaligned" and gate_factory is None and not plan.chains[tid[0]].is_loop_head:
-            gate = UnalignedGate(plan.inputs[tid], last_completed=start_epoch - 1)
+        elif (pipeline.mode == "unaligned" or timeout is not None) and gate_factory is None \
+                and not plan.chains[tid[0]].is_loop_head:
+            gate = UnalignedGate(plan.inputs[tid], last_completed=start_epoch - 1, aligned_timeout=timeout)
         else:
             gate = (gate_factory or (lambda chans: BarrierAligner(chans, exactly_once)))(plan.inputs[tid])
             if isinstance(gate, BarrierAligner):

@@ -301,7 +301,8 @@ class WorkerLoop:
         inbound = list(self.peers.values())
         peer_of = {id(c): p for p, c in self.peers.items()}
         batch = self.pipeline.batch_rows
-        lingering = self.pipeline.batch_linger > 0
+        # output lingers, or an alignment may time out: step tasks at their deadlines
+        lingering = self.pipeline.batch_linger > 0 or getattr(self.pipeline, "aligned_timeout", None) is not None
         config = getattr(self.pipeline, "heartbeat", None)
         beat = HeartbeatSender(config.interval if config is not None else DEFAULT_INTERVAL, time.monotonic())
         times, clock = self.times, time.monotonic

@@ -92,9 +92,23 @@ class Overtaking(Gate, Protocol):
         """Are records processed now from ``channel`` channel state of the pending epoch?"""
         ...
 
-    def on_aligned_marker(self, channel: int, epoch: int, now: float) -> tuple[int, float] | None:
-        """An aligned (savepoint) marker, taken in FIFO order: block ``channel`` until every
-        channel's marker ``epoch`` arrived; then (epoch, seconds aligning)."""
+    def on_aligned_marker(self, channel: int, epoch: int, now: float,
+                          forced: bool = True) -> tuple[int, float] | None:
+        """A marker taken aligned in FIFO order (a savepoint's: ``forced``; or any, with an
+        aligned timeout): block ``channel`` until every channel's marker ``epoch`` arrived;
+        then (epoch, seconds aligning)."""
+        ...
+
+    def aligns(self, epoch: int) -> bool:
+        """Aligned with a timeout: is marker ``epoch`` taken aligned (the epoch starts aligned)?"""
+        ...
+
+    def switch_deadline(self) -> float | None:
+        """When the alignment going on switches to unaligned (None: never)."""
+        ...
+
+    def switch(self, now: float) -> tuple[int, float] | None:
+        """The alignment timed out: the epoch starts unaligned now; (epoch, seconds aligned)."""
         ...
 
     def take_completed(self) -> int | None:

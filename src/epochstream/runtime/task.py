@@ -173,10 +173,16 @@ class Task:
         return bool(self.mailbox) or bool(self.triggers) or bool(self.neoss)
 
     def flush_deadline(self) -> float | None:
-        """When buffered output must leave (a step at or after it sends it), or None if nothing
-        waits. Drivers step a task without input once this passes."""
+        """When buffered output must leave (a step at or after it sends it) or an alignment
+        switches to unaligned (``aligned_timeout``), or None if nothing waits. Drivers step a
+        task without input once this passes."""
         since = self._pending_since
-        return None if since is None else since + self.linger
+        due = None if since is None else since + self.linger
+        og = self._overtaking
+        switch = og.switch_deadline() if og is not None else None
+        if switch is not None:  # aligned with a timeout: step at the switch even without input
+            due = switch if due is None else min(due, switch)
+        return due
 
     def source_has_more(self) -> bool:
         return self.reader is not None and self.reader.has_more()
@@ -249,6 +255,13 @@ class Task:
     def _consume(self, now: float, budget: int, actions: list[TaskAction]) -> None:
         if self.neoss:
             self._apply_neoss(now, actions)
+        og = self._overtaking
+        if og is not None:  # aligned with a timeout: an alignment that took too long goes unaligned
+            switched = og.switch(now)
+            if switched is not None:
+                self._begin_unaligned(switched[0], now, actions, switched[1])
+                self._release_held()
+                self._scan = True
         if self._scan:
             self._overtake(now, actions)
         gate, mailbox, held, received, clock = self.gate, self.mailbox, self.held, self._received, self.clock
@@ -283,14 +296,17 @@ class Task:
             elif type(msg) is Marker:  # everything before it on this channel is processed
                 if msg.aligned:
                     self.aligned_epochs.add(msg.epoch)
-                if overtakes and not msg.aligned:
-                    if cast(Overtaking, gate).may_overtake(channel, msg.epoch):
+                if overtakes:
+                    og = cast(Overtaking, gate)
+                    if not msg.aligned and og.may_overtake(channel, msg.epoch):
                         self._take_marker(channel, msg.epoch, [], now, actions)
                         continue
-                    mailbox.appendleft((channel, msg))  # it waits at the head for the pending epoch
-                    break
-                aligned = cast(Overtaking, gate).on_aligned_marker(channel, msg.epoch, now) if overtakes else \
-                    gate.on_marker(channel, msg.epoch, now)
+                    if not (msg.aligned or og.aligns(msg.epoch)):
+                        mailbox.appendleft((channel, msg))  # it waits at the head for the pending epoch
+                        break
+                    aligned = og.on_aligned_marker(channel, msg.epoch, now, msg.aligned)
+                else:
+                    aligned = gate.on_marker(channel, msg.epoch, now)
                 if aligned is not None:
                     self._end_epoch(aligned[0], aligned[1], now, actions)
                     self._release_held()
@@ -340,10 +356,11 @@ class Task:
         if gate.take_completed() is not None:
             self._complete_unaligned(actions)
 
-    def _begin_unaligned(self, epoch: int, now: float, actions: list[TaskAction]) -> None:
-        """The first marker ``epoch`` was taken: snapshot now, forward the marker, go on in
-        ``epoch + 1``; the capture waits for its channel state."""
-        self._unaligned = self._capture_epoch(epoch, 0.0, now, actions, emit=False)
+    def _begin_unaligned(self, epoch: int, now: float, actions: list[TaskAction], waited: float = 0.0) -> None:
+        """The first marker ``epoch`` was taken (or its alignment timed out after ``waited``
+        seconds): snapshot now, forward the marker, go on in ``epoch + 1``; the capture waits
+        for its channel state."""
+        self._unaligned = self._capture_epoch(epoch, waited, now, actions, emit=False)
         self._channel_state = []
         self._channel_records = 0
 
