@@ -21,7 +21,7 @@ from epochstream.deploy.assembly import build_tasks
 from epochstream.deploy.restore import Restored, check_compatible
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once
-from epochstream.runtime.errors import ProtocolError
+from epochstream.runtime.errors import ProtocolError, StateSerializationError
 from epochstream.runtime.messages import Batch, Marker, Snapshot
 from epochstream.runtime.task import Task, decode_channel_state
 from epochstream.snapshot.manifest import CheckpointError
@@ -292,3 +292,13 @@ def test_a_task_whose_alignment_times_out_snapshots_unaligned(tmp_path):
     assert decode(snap.keyed[0])["count"] == {"j": 1}
     assert [recs for _c, recs, _k, _w in decode_channel_state(snap.channel_state)] == [[("j", 2)]]
     assert sorted(emitted(acts)) == [("j", 1, 1), ("j", 2, 2), ("k", 2, 1)]
+
+
+def test_a_record_that_cannot_be_pickled_is_a_clear_error_when_it_becomes_channel_state(tmp_path):
+    _p, plan, tasks = build(tmp_path, mode="unaligned")
+    t = tasks[(2, 0)]
+    c_a, _c_b = plan.inputs[(2, 0)]
+    t.receive(c_a, kbatch(1, [("k", lambda: 0)]))
+    t.receive(c_a, Marker(1))
+    with pytest.raises(StateSerializationError, match=f"input channel {c_a} cannot be stored as channel state"):
+        t.step(1.0)

@@ -48,7 +48,7 @@ from typing import Any, Callable, cast
 from ..graph.plan import PhysicalPlan
 from .batching import BatchPolicy
 from .chain import ChainRuntime
-from .errors import ProtocolError, UserFunctionError
+from .errors import ProtocolError, StateSerializationError, UserFunctionError
 from .eventtime import EventClock
 from .gate import Gate, Overtaking
 from .messages import Batch, Marker, Message, Snapshot, SourceExhausted, TaskAction, TaskCapture, TaskId, Watermark
@@ -365,7 +365,13 @@ class Task:
         self._channel_records = 0
 
     def _record(self, channel: int, msg: Message) -> None:
-        self._channel_state.append(_encode(channel, msg))
+        try:
+            self._channel_state.append(_encode(channel, msg))
+        except Exception as exc:  # a record that cannot be pickled cannot be channel state
+            raise StateSerializationError(
+                f"task {self.id}: a record on input channel {channel} cannot be stored as channel state of an "
+                f"unaligned snapshot ({type(exc).__name__}: {exc}); records must pickle in mode 'unaligned' "
+                f"(or use mode 'aligned')") from exc
         if type(msg) is Batch:
             self._channel_records += len(msg)
 
