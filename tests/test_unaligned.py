@@ -25,7 +25,7 @@ from epochstream.runtime.errors import ProtocolError, StateSerializationError
 from epochstream.runtime.messages import Batch, Marker, Snapshot
 from epochstream.runtime.task import Task, decode_channel_state
 from epochstream.snapshot.manifest import CheckpointError
-from pipelines import SOURCE_RATE, sim_run, union_chain
+from pipelines import SOURCE_RATE, running_count, sim_run, union_chain
 from test_alignment import build, decode, emitted, kbatch, sent
 
 # ---------------------------------------------------------------- UnalignedGate
@@ -302,3 +302,17 @@ def test_a_record_that_cannot_be_pickled_is_a_clear_error_when_it_becomes_channe
     t.receive(c_a, Marker(1))
     with pytest.raises(StateSerializationError, match=f"input channel {c_a} cannot be stored as channel state"):
         t.step(1.0)
+
+
+def test_the_strict_oracle_completes_epochs_with_their_channel_state(tmp_path):
+    """``compare="strict"`` (order-free reference): committed state plus the channel state fed in
+    at its channels equals the reference at every epoch, with kills restoring channel state."""
+
+    def run(p, chk, failing):
+        kills = FailureSchedule(kill_times=[0.004, 0.007]) if failing else None
+        return sim_run(p, chk, seed=2, failures=kills, source_rate=SOURCE_RATE)
+
+    build = partial(running_count, mode="unaligned", parallelism=3, batch_size=1, interval=0.0003)
+    report = check_exactly_once(build, run, tmp_path, compare="strict")
+    assert report.ok and report.compare == "strict", report.to_json()
+    assert report.channel_state_records > 0 and report.restarts >= 2, report.to_json()
