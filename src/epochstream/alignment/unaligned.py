@@ -15,6 +15,11 @@ So the snapshot of epoch n holds exactly the effects of the input before the cut
 channel state, and channel state plus later input is what a restore processes: nothing is
 lost or counted twice, and no channel waits (alignment time 0).
 
+A marker can overtake at the sender too: a driver whose link queues data waiting for credit
+sends an unaligned marker ahead of it (``deploy.worker.PeerLink``) and says how many messages of
+its channel it passed (``Marker.overtook``). Those arrive after the marker; the channel's state
+is complete once they have (``owed``, ``on_overtaken``).
+
 One epoch's channel state is recorded at a time: a marker n + 1 is taken only once epoch n's
 capture is complete (``may_overtake``); until then it waits in the mailbox in FIFO order.
 
@@ -66,6 +71,8 @@ class UnalignedGate:
         self.pending: int | None = None
         #: channels whose marker ``pending`` was taken
         self.arrived: set[int] = set()
+        #: channel -> messages its marker overtook at the sender, not yet arrived
+        self.owed: dict[int, int] = {}
         #: a pending epoch whose last marker arrived, not yet collected by ``take_completed``
         self._completed: int | None = None
         #: an aligned (savepoint) epoch: channels whose marker arrived (blocked) and since when
@@ -93,6 +100,7 @@ class UnalignedGate:
         self.last_started = last_completed
         self.pending = None
         self.arrived.clear()
+        self.owed.clear()
         self._completed = None
         self.blocked.clear()
 
@@ -147,10 +155,26 @@ class UnalignedGate:
 
     def recording(self, channel: int) -> bool:
         """Are records processed now from ``channel`` channel state of the pending epoch?"""
-        return self.pending is not None and channel not in self.arrived
+        return self.pending is not None and (channel not in self.arrived or channel in self.owed)
 
-    def on_marker(self, channel: int, epoch: int, now: float) -> tuple[int, float] | None:
-        """Marker ``epoch`` taken on ``channel``: (epoch, 0.0) if it starts the epoch's snapshot."""
+    def on_overtaken(self, channel: int) -> None:
+        """A message the marker of ``channel`` overtook at the sender arrived (and was recorded)."""
+        left = self.owed[channel] - 1
+        if left:
+            self.owed[channel] = left
+        else:
+            del self.owed[channel]
+            self._check_complete()
+
+    def _check_complete(self) -> None:
+        if self.pending is not None and len(self.arrived) == len(self.channels) and not self.owed:
+            self._completed = self.pending
+            self.pending = None
+            self.arrived.clear()
+
+    def on_marker(self, channel: int, epoch: int, now: float, overtook: int = 0) -> tuple[int, float] | None:
+        """Marker ``epoch`` taken on ``channel`` (having overtaken ``overtook`` messages at the
+        sender): (epoch, 0.0) if it starts the epoch's snapshot."""
         if channel not in self.channels:
             raise ProtocolError(MACHINE, "recording", f"Marker({epoch})", f"unknown channel {channel}")
         if not self.may_overtake(channel, epoch):
@@ -162,10 +186,9 @@ class UnalignedGate:
             self.pending = epoch
             self.last_started = epoch
         self.arrived.add(channel)
-        if len(self.arrived) == len(self.channels):
-            self._completed = epoch
-            self.pending = None
-            self.arrived.clear()
+        if overtook:
+            self.owed[channel] = overtook
+        self._check_complete()
         return (epoch, 0.0) if started else None
 
     def take_completed(self) -> int | None:
@@ -177,4 +200,5 @@ class UnalignedGate:
         assert self.pending is None or self.pending == self.last_started, "pending epoch is not the newest"
         assert self.arrived <= self.channels, "arrived on unknown channels"
         assert self.pending is not None or not self.arrived, "arrivals without a pending epoch"
+        assert set(self.owed) <= self.arrived and all(n > 0 for n in self.owed.values()), "owed without arrival"
         assert self.blocked <= self.channels, "blocked unknown channels"

@@ -92,6 +92,20 @@ class Overtaking(Gate, Protocol):
         """Are records processed now from ``channel`` channel state of the pending epoch?"""
         ...
 
+    def on_marker(self, channel: int, epoch: int, now: float, overtook: int = 0) -> tuple[int, float] | None:
+        """Marker ``epoch`` taken on ``channel``, having overtaken ``overtook`` messages at the
+        sender: (epoch, 0.0) if it starts the epoch's snapshot."""
+        ...
+
+    def on_overtaken(self, channel: int) -> None:
+        """One of the messages the marker of ``channel`` overtook at the sender was recorded."""
+        ...
+
+    @property
+    def owed(self) -> dict[int, int]:
+        """Channel -> messages its marker overtook at the sender, still to come."""
+        ...
+
     def on_aligned_marker(self, channel: int, epoch: int, now: float,
                           forced: bool = True) -> tuple[int, float] | None:
         """A marker taken aligned in FIFO order (a savepoint's: ``forced``; or any, with an

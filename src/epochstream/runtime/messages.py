@@ -42,10 +42,13 @@ class Marker:
     """Epoch ``epoch`` ends here on this channel (Carbone's barrier, Algorithms 5-6).
 
     ``aligned``: the epoch is a savepoint, aligned even in unaligned mode (no channel state,
-    so it can be restored at another parallelism, as in Flink)."""
+    so it can be restored at another parallelism, as in Flink). ``overtook``: unaligned mode,
+    the marker overtook that many messages of its channel still queued at the sender (a
+    driver's link waiting for credit); they arrive after it and are channel state."""
 
     epoch: int
     aligned: bool = False
+    overtook: int = 0
 
 
 @dataclass(frozen=True, slots=True)

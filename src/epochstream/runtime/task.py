@@ -118,6 +118,9 @@ class Task:
         #: its channel state so far: each entry one pickled (channel, records, keys, watermark)
         self._channel_state: list[bytes] = []
         self._channel_records = 0
+        #: channel -> messages still queued ahead of its taken marker (copied when it was taken);
+        #: only kept while the marker also owes messages it overtook at the sender
+        self._skip: dict[int, int] = {}
         policy = batching or BatchPolicy()
         #: the batching policy: a channel holding ``batch_rows`` rows is sent at the end of a
         #: step, the rest once its oldest row waited ``linger`` seconds (0: every step sends all)
@@ -275,7 +278,7 @@ class Task:
                 continue
             if overtakes and type(msg) is not Marker and self._unaligned is not None and \
                     cast(Overtaking, gate).recording(channel):
-                self._record(channel, msg)  # before the chain may mutate it
+                self._record_processed(channel, msg, actions)
             if type(msg) is Batch:
                 if labelled and msg.time != clock.out_time:
                     self._flush(actions)  # a batch never spans two time labels
@@ -299,7 +302,7 @@ class Task:
                 if overtakes:
                     og = cast(Overtaking, gate)
                     if not msg.aligned and og.may_overtake(channel, msg.epoch):
-                        self._take_marker(channel, msg.epoch, [], now, actions)
+                        self._take_marker(channel, msg, [], now, actions)
                         continue
                     if not (msg.aligned or og.aligns(msg.epoch)):
                         mailbox.appendleft((channel, msg))  # it waits at the head for the pending epoch
@@ -338,23 +341,43 @@ class Task:
                     continue  # an aligned (savepoint) marker is taken in FIFO order
                 ahead = [m for c, m in items[:i] if c == channel and type(m) is not Marker]
                 del items[i]
-                self._take_marker(channel, msg.epoch, ahead, now, actions)
+                self._take_marker(channel, msg, ahead, now, actions)
                 taken = True
                 break
         self.mailbox = deque(items)
 
-    def _take_marker(self, channel: int, epoch: int, ahead: list[Message], now: float,
+    def _take_marker(self, channel: int, marker: Marker, ahead: list[Message], now: float,
                      actions: list[TaskAction]) -> None:
-        """Marker ``epoch`` taken on ``channel`` ahead of ``ahead`` (its channel state)."""
+        """``marker`` taken on ``channel`` ahead of ``ahead`` (its channel state)."""
         gate = self._overtaking
         assert gate is not None
-        started = gate.on_marker(channel, epoch, now)
+        started = gate.on_marker(channel, marker.epoch, now, marker.overtook)
         if started is not None:
             self._begin_unaligned(started[0], now, actions)
         for m in ahead:
             self._record(channel, m)
+        if marker.overtook and ahead:  # processed later: already recorded, before what it overtook
+            self._skip[channel] = len(ahead)
         if gate.take_completed() is not None:
             self._complete_unaligned(actions)
+
+    def _record_processed(self, channel: int, msg: Message, actions: list[TaskAction]) -> None:
+        """A message processed from a channel that is recording: channel state, unless it was
+        copied when its marker was taken; one the marker overtook at the sender counts down."""
+        gate = self._overtaking
+        assert gate is not None
+        skip = self._skip.get(channel)
+        if skip:
+            if skip == 1:
+                del self._skip[channel]
+            else:
+                self._skip[channel] = skip - 1
+            return
+        self._record(channel, msg)  # before the chain may mutate it
+        if channel in gate.owed:
+            gate.on_overtaken(channel)
+            if gate.take_completed() is not None:
+                self._complete_unaligned(actions)
 
     def _begin_unaligned(self, epoch: int, now: float, actions: list[TaskAction], waited: float = 0.0) -> None:
         """The first marker ``epoch`` was taken (or its alignment timed out after ``waited``
@@ -379,6 +402,7 @@ class Task:
         capture, entries = self._unaligned, self._channel_state
         assert capture is not None, f"task {self.id}: channel state complete without a capture"
         self._unaligned, self._channel_state = None, []
+        self._skip.clear()
         self._scan = True  # a marker of the next epoch may be waiting deeper in the mailbox
         blob = pickle.dumps(entries, pickle.HIGHEST_PROTOCOL) if entries else b""
         actions.append(Snapshot(replace(capture, channel_state=blob, channel_state_records=self._channel_records,
