@@ -316,3 +316,46 @@ def test_the_strict_oracle_completes_epochs_with_their_channel_state(tmp_path):
     report = check_exactly_once(build, run, tmp_path, compare="strict")
     assert report.ok and report.compare == "strict", report.to_json()
     assert report.channel_state_records > 0 and report.restarts >= 2, report.to_json()
+
+
+# ---------------------------------------------------------------- overtaking at the sender (worker links)
+
+
+def test_a_link_sends_an_unaligned_marker_ahead_of_the_data_waiting_for_credit():
+    from epochstream.deploy.worker import PRIORITY, PeerLink
+
+    link = PeerLink(conn=None, window=0)  # no credit: data waits; the sender thread is not started
+    link.send_data([(5, Batch(1, ["a"])), (6, Batch(1, ["x"]))], overtake=True)
+    link.send_data([(5, Batch(1, ["b"])), (5, Marker(1)), (5, Batch(2, ["c"])), (6, Marker(1))], overtake=True)
+    assert list(link._control) == [[(PRIORITY, (5, Marker(1, overtook=2)))], [(PRIORITY, (6, Marker(1, overtook=1)))]]
+    assert [m.records for env in link._data for _c, m in env] == [["a"], ["x"], ["b"], ["c"]]
+    # a savepoint's marker stays in line, and a marker never passes another of its channel
+    link.send_data([(5, Marker(2, aligned=True))], overtake=True)
+    link.send_data([(5, Marker(3))], overtake=True)
+    assert len(link._control) == 2 and [env[-1][1] for env in list(link._data)[-2:]] == [
+        Marker(2, aligned=True), Marker(3)]
+    # aligned modes: no overtaking at all
+    plain = PeerLink(conn=None, window=0)
+    plain.send_data([(5, Batch(1, ["a"])), (5, Marker(1))])
+    assert not plain._control and len(plain._data) == 1
+
+
+def test_messages_a_marker_overtook_at_the_sender_are_channel_state_when_they_arrive(tmp_path):
+    _p, plan, tasks = build(tmp_path, mode="unaligned")
+    t = tasks[(2, 0)]
+    c_a, c_b = plan.inputs[(2, 0)]
+    t.receive(c_a, kbatch(1, [("k", 1)]))  # queued ahead of the marker here
+    t.receive(c_a, Marker(1, overtook=2))  # ... and two more still at the sender
+    t.receive(c_b, Marker(1))
+    acts = t.step(1.0, budget=1)
+    assert sent(acts)[0] == (2, Marker(1)) and not [a for a in acts if isinstance(a, Snapshot)]
+    t.receive(c_a, kbatch(1, [("k", 2)]))
+    t.receive(c_a, kbatch(1, [("k", 3)]))
+    t.receive(c_a, kbatch(2, [("k", 4)]))  # after the marker at the sender: not channel state
+    while t.has_input():
+        acts += t.step(2.0, budget=1)
+        t.check_invariants()
+    (snap,) = [a.capture for a in acts if isinstance(a, Snapshot)]
+    assert [recs for _c, recs, _k, _w in decode_channel_state(snap.channel_state)] == [
+        [("k", 1)], [("k", 2)], [("k", 3)]]
+    assert emitted(acts) == [("k", 1, 1), ("k", 2, 2), ("k", 3, 3), ("k", 4, 4)]
