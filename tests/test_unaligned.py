@@ -327,7 +327,10 @@ def test_a_link_sends_an_unaligned_marker_ahead_of_the_data_waiting_for_credit()
     link = PeerLink(conn=None, window=0)  # no credit: data waits; the sender thread is not started
     link.send_data([(5, Batch(1, ["a"])), (6, Batch(1, ["x"]))], overtake=True)
     link.send_data([(5, Batch(1, ["b"])), (5, Marker(1)), (5, Batch(2, ["c"])), (6, Marker(1))], overtake=True)
-    assert list(link._control) == [[(PRIORITY, (5, Marker(1, overtook=2)))], [(PRIORITY, (6, Marker(1, overtook=1)))]]
+    (m5,), (m6,) = link._control
+    assert m5[0] == m6[0] == PRIORITY and m5[1][0] == 5 and m6[1][0] == 6
+    assert m5[1][1].overtook == 2 and [b.records for b in m5[1][1].carried] == [["a"], ["b"]]
+    assert m6[1][1].overtook == 1 and [b.records for b in m6[1][1].carried] == [["x"]]
     assert [m.records for env in link._data for _c, m in env] == [["a"], ["x"], ["b"], ["c"]]
     # a savepoint's marker stays in line, and a marker never passes another of its channel
     link.send_data([(5, Marker(2, aligned=True))], overtake=True)
@@ -359,3 +362,24 @@ def test_messages_a_marker_overtook_at_the_sender_are_channel_state_when_they_ar
     assert [recs for _c, recs, _k, _w in decode_channel_state(snap.channel_state)] == [
         [("k", 1)], [("k", 2)], [("k", 3)]]
     assert emitted(acts) == [("k", 1, 1), ("k", 2, 2), ("k", 3, 3), ("k", 4, 4)]
+
+
+def test_a_marker_carrying_what_it_overtook_completes_the_capture_at_once(tmp_path):
+    _p, plan, tasks = build(tmp_path, mode="unaligned")
+    t = tasks[(2, 0)]
+    c_a, c_b = plan.inputs[(2, 0)]
+    overtaken = (kbatch(1, [("k", 2)]), kbatch(1, [("k", 3)]))
+    t.receive(c_a, kbatch(1, [("k", 1)]))
+    t.receive(c_a, Marker(1, overtook=2, carried=overtaken))
+    t.receive(c_b, Marker(1))
+    acts = t.step(1.0, budget=1)
+    (snap,) = [a.capture for a in acts if isinstance(a, Snapshot)]  # no waiting for the overtaken batches
+    assert [recs for _c, recs, _k, _w in decode_channel_state(snap.channel_state)] == [
+        [("k", 1)], [("k", 2)], [("k", 3)]]
+    for b in overtaken:  # they arrive after the marker and are processed once, not recorded again
+        t.receive(c_a, b)
+    while t.has_input():
+        acts += t.step(2.0)
+        t.check_invariants()
+    assert emitted(acts) == [("k", 1, 1), ("k", 2, 2), ("k", 3, 3)]
+    assert len([a for a in acts if isinstance(a, Snapshot)]) == 1

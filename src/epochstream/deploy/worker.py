@@ -146,9 +146,10 @@ class PeerLink:
 
     def send_data(self, envelope: list, overtake: bool = False) -> None:
         """Queue a data envelope. ``overtake`` (unaligned mode): an unaligned marker in it leaves
-        as a control envelope, ahead of the data queued for credit, and says how many messages
-        of its channel it passed (``Marker.overtook``; the receiver records them as channel
-        state when they arrive). A marker does not pass another marker of its channel."""
+        as a control envelope, ahead of the data queued for credit, carrying copies of the
+        messages of its channel it passed (``Marker.overtook``, ``carried``): the receiver has
+        its channel state at once, and processes the messages when they arrive. A marker does
+        not pass another marker of its channel."""
         with self._cond:
             if overtake:
                 envelope = self._overtake(envelope)
@@ -166,7 +167,7 @@ class PeerLink:
             if type(msg) is Marker and not msg.aligned:
                 before = [m for env in self._data for c, m in env if c == ch] + [m for c, m in rest if c == ch]
                 if not any(type(m) is Marker for m in before):
-                    self._control.append([(PRIORITY, (ch, replace(msg, overtook=len(before))))])
+                    self._control.append([(PRIORITY, (ch, replace(msg, overtook=len(before), carried=tuple(before))))])
                     continue
             rest.append((ch, msg))
         return rest

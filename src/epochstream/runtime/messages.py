@@ -44,11 +44,15 @@ class Marker:
     ``aligned``: the epoch is a savepoint, aligned even in unaligned mode (no channel state,
     so it can be restored at another parallelism, as in Flink). ``overtook``: unaligned mode,
     the marker overtook that many messages of its channel still queued at the sender (a
-    driver's link waiting for credit); they arrive after it and are channel state."""
+    driver's link waiting for credit); they arrive after it and are channel state. ``carried``:
+    copies of those messages, so the receiver has its channel state at once (as Flink's sender
+    persists the output buffers its barrier overtook); without copies the receiver records the
+    messages as they arrive."""
 
     epoch: int
     aligned: bool = False
     overtook: int = 0
+    carried: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

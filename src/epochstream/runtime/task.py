@@ -351,12 +351,15 @@ class Task:
         """``marker`` taken on ``channel`` ahead of ``ahead`` (its channel state)."""
         gate = self._overtaking
         assert gate is not None
-        started = gate.on_marker(channel, marker.epoch, now, marker.overtook)
+        owed = marker.overtook - len(marker.carried)  # overtaken at the sender and not carried
+        started = gate.on_marker(channel, marker.epoch, now, owed)
         if started is not None:
             self._begin_unaligned(started[0], now, actions)
         for m in ahead:
             self._record(channel, m)
-        if marker.overtook and ahead:  # processed later: already recorded, before what it overtook
+        for m in marker.carried:  # queued at the sender: they follow the marker, already recorded
+            self._record(channel, m)
+        if owed and ahead:  # processed later: already recorded, before what it overtook
             self._skip[channel] = len(ahead)
         if gate.take_completed() is not None:
             self._complete_unaligned(actions)
