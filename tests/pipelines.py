@@ -271,6 +271,7 @@ def make_pipeline(
     restart_attempts: int = 30,
     max_parallelism: int | None = None,
     incremental: bool = True,
+    aligned_timeout: float | None = None,
 ) -> Pipeline:
     """An empty Pipeline with the test knobs applied (restart_delay 0: the sim has its own)."""
     return Pipeline(
@@ -288,6 +289,7 @@ def make_pipeline(
         batch_linger=batch_linger,
         restart_attempts=restart_attempts,
         restart_delay=0.0,
+        aligned_timeout=aligned_timeout,
     )
 
 

@@ -416,10 +416,11 @@ def chaos(job: Path, tmp_path: Path, function: str, *args: str, timeout: float =
     return doc
 
 
-@pytest.mark.parametrize("mode", [None, "aligned", "tracker"])
+@pytest.mark.parametrize("mode", [None, "aligned", "tracker", "unaligned", "aligned-timeout"])
 def test_chaos_sim_exactly_once(job, tmp_path, mode):
-    doc = chaos(job, tmp_path, "small", "--deployment", "sim", "--kills", "3", "--seed", "1",
-                *(["--mode", mode] if mode else []))
+    flags = ["--mode", "aligned", "--aligned-timeout", "0"] if mode == "aligned-timeout" else \
+        ["--mode", mode] if mode else []
+    doc = chaos(job, tmp_path, "small", "--deployment", "sim", "--kills", "3", "--seed", "1", *flags)
     assert doc["mode"] == "exactly-once"
     assert doc["deployment"] == "sim" and doc["seed"] == 1 and doc["kills_requested"] == 3
     assert doc["failures_injected"] >= 1 and doc["restarts"] >= 1, doc
@@ -463,7 +464,8 @@ def test_chaos_local_with_five_real_kills(job, tmp_path):
     (("{job}:nope",), ["no function 'nope'"]),
     (("{job}:NOT_A_FUNCTION",), ["no function 'NOT_A_FUNCTION'"]),
     (("{job}:small", "--mode", "exactly-twice"), ["--mode", "at-least-once", "exactly-twice"]),
-], ids=["no-function", "missing-file", "missing-function", "not-callable", "bad-mode"])
+    (("{job}:small", "--mode", "tracker", "--aligned-timeout", "1"), ["--aligned-timeout", "tracker"]),
+], ids=["no-function", "missing-file", "missing-function", "not-callable", "bad-mode", "timeout-in-tracker-mode"])
 def test_bad_input_exits_2_with_a_message(job, tmp_path, command, args, words):
     """A one-line message naming the culprit and exit code 2 (bad input). Regression: these
     exited 1 through SystemExit(message), and for ``chaos`` 1 means 'exactly-once violation'."""
@@ -517,7 +519,7 @@ def test_parallelism_above_max_parallelism_exits_2(job, tmp_path, command):
 HELP_FLAGS = {
     ("run",): ["--deployment", "sim", "local", "--mode", "-p", "--parallelism", "--max-parallelism",
                "--checkpoint-dir", "--interval", "--restore", "--allow-non-restored-state", "--seed", "--duration",
-               "--batch-rows", "--batch-linger", "--json", "FILE.py:FUNCTION"],
+               "--batch-rows", "--batch-linger", "--aligned-timeout", "--json", "FILE.py:FUNCTION"],
     ("checkpoints", "list"): ["--checkpoint-dir", "--json"],
     ("chaos",): ["--deployment", "sim", "local", "--kills", "--seed", "--json", "--workdir", "--mode", "-p",
                  "--interval", "--duration", "FILE.py:FUNCTION"],

@@ -40,7 +40,7 @@ from pipelines import committed_output, sim_run, without_fsync
 
 RATE = 20_000.0
 POINTS = ("before_manifest", "after_manifest", "mid_commit", "after_commit", "recovery")
-MODES = ("aligned", "tracker")
+MODES = ("aligned", "tracker", "unaligned")
 COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -13,7 +13,8 @@ import pytest
 from epochstream.cli import main
 from pipelines import running_count, sim_run
 
-TASK_KEYS = {"alignment_seconds", "write_seconds", "ack_seconds", "bytes", "held_records", "source_offset"}
+TASK_KEYS = {"alignment_seconds", "write_seconds", "ack_seconds", "bytes", "held_records", "source_offset",
+             "channel_state_records", "channel_state_bytes"}
 
 
 def check_epoch_metrics(result, checkpoint_dir, mode: str) -> None:
@@ -31,6 +32,9 @@ def check_epoch_metrics(result, checkpoint_dir, mode: str) -> None:
         assert 0 <= e["prepare_seconds"] <= e["trigger_to_commit_seconds"]
         assert e["commit_seconds"] >= 0
         assert e["bytes"] == sum(t["bytes"] for t in e["tasks"].values())
+        for what in ("channel_state_records", "channel_state_bytes"):  # unaligned mode; 0 in the others
+            assert e[what] == sum(t[what] for t in e["tasks"].values())
+            assert mode == "unaligned" or e[what] == 0
         msgs = e["service_messages"]
         assert msgs["acks"] == len(tasks) and msgs["triggers"] >= 1
         assert ("tracker" in msgs) == (mode == "tracker") and ("markers" in msgs) == (mode != "tracker")
@@ -47,10 +51,13 @@ def check_epoch_metrics(result, checkpoint_dir, mode: str) -> None:
         assert m["prepare_seconds"] == pytest.approx(by_epoch[epoch]["prepare_seconds"], abs=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+@pytest.mark.parametrize("mode", ["aligned", "tracker", "unaligned"])
 def test_sim_fills_epoch_metrics(tmp_path, mode):
     result = sim_run(running_count(n=400, mode=mode, out=tmp_path / "out"), tmp_path / "chk", seed=2)
     assert len(result.completed_epochs) >= 2
     check_epoch_metrics(result, tmp_path / "chk", mode)
     if mode == "aligned":  # one marker per channel and epoch: 2x2 hash channels
         assert {e["service_messages"]["markers"] for e in result.metrics["epochs"] if "tasks" in e} == {4}
+    if mode == "unaligned":  # the markers overtook queued records: per-task channel state in the epoch log
+        assert any(t["channel_state_records"] for e in result.metrics["epochs"] if "tasks" in e
+                   for t in e["tasks"].values())

@@ -119,9 +119,13 @@ def assert_exactly_once(report: OracleReport, why: str) -> None:
 # ---------------------------------------------------------------- 1. exactly-once with real kills
 
 
-@pytest.mark.parametrize("parallelism", [2, 3])
-@pytest.mark.parametrize("name", sorted(BUILDERS))
-@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+#: (mode, pipeline, parallelism): every pipeline in aligned and tracker mode at p = 2 and 3; unaligned mode
+#: (CI time) on the running count at p = 2
+REAL_KILL_CASES = [(m, name, p) for m in ("aligned", "tracker") for name in sorted(BUILDERS) for p in (2, 3)] + [
+    ("unaligned", "running_count", 2)]
+
+
+@pytest.mark.parametrize("mode, name, parallelism", REAL_KILL_CASES)
 def test_exactly_once_with_real_kills(tmp_path, mode, name, parallelism):
     """5 SIGKILLs of random workers while the job runs (barrier alignment, and the trAcker):
     the committed output equals the failure-free run's and every completed epoch's state and

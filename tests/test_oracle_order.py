@@ -55,7 +55,7 @@ def _oracle(work: Path, mode: str, compare: str = "recorded", sabotage=None, see
                               compare=compare)
 
 
-@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+@pytest.mark.parametrize("mode", ["aligned", "tracker", "unaligned"])
 def test_union_rebalance_running_count_with_ids_passes_in_recorded_order(tmp_path, mode):
     """Finding 1: the strict comparison (today's main) fails a correct run of an order-dependent
     pipeline; the recorded order passes it and reports the differing order, which is allowed."""

@@ -42,7 +42,7 @@ KEYS = 23
 #: the final epoch waits for the one in flight
 SLOW_RATE = 5_000.0
 PAIRS = [(1, 3), (4, 2), (3, 7), (7, 3)]
-MODES = ("aligned", "tracker")
+MODES = ("aligned", "tracker", "unaligned")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -81,7 +81,7 @@ def with_savepoint(tmp_path: Path, parallelism: int = 2, **knobs):
 # ---------------------------------------------------------------- read-committed
 
 
-@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+@pytest.mark.parametrize("mode", ["aligned", "tracker", "unaligned"])
 def test_queries_read_the_last_completed_epoch_while_the_next_is_prepared(tmp_path, monkeypatch, mode):
     chk = tmp_path / "chk"
     storage = LocalCheckpointStorage(chk)

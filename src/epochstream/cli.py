@@ -110,6 +110,10 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             p.slot_wait_timeout = args.slot_wait_timeout
         if getattr(args, "buffer_debloat_target", None) is not None:
             p.buffer_debloat_target = args.buffer_debloat_target or None
+        if getattr(args, "aligned_timeout", None) is not None:
+            if p.mode not in ("aligned", "unaligned"):
+                raise UsageError(f"--aligned-timeout needs --mode aligned or unaligned, not {p.mode!r}")
+            p.aligned_timeout = args.aligned_timeout
         if (getattr(args, "heartbeat_interval", None) or getattr(args, "heartbeat_timeout", None)
                 or getattr(args, "heartbeat_step_timeout", None)):
             from .deploy.liveness import HeartbeatConfig
@@ -169,9 +173,13 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
                     help="spark: seconds an attempt waits, with the status WAITING_FOR_SLOTS, for the cluster to "
                          "offer its parallelism in barrier task slots before the job fails (0: fail at once; "
                          "like Flink's slot.request.timeout; default 300)")
+    ap.add_argument("--aligned-timeout", type=_number(float, 0), metavar="SECONDS",
+                    help="epochs start aligned; a task aligning longer switches to unaligned for that epoch "
+                         "(Flink's execution.checkpointing.aligned-checkpoint-timeout; --mode aligned or unaligned)")
     ap.add_argument("--mode", metavar="MODE",
-                    help="one of: aligned, tracker, at-least-once (aligned: barrier alignment, the default; "
-                         "tracker: trAcker firm bounds; both exactly-once)")
+                    help="one of: aligned, tracker, unaligned, at-least-once (aligned: barrier alignment, the "
+                         "default; tracker: trAcker firm bounds; unaligned: markers overtake queued records, "
+                         "stored as channel state; all three exactly-once)")
     ap.add_argument("--parallelism", "-p", type=_number(int, 1), help="number of workers (>= 1)")
     ap.add_argument("--max-parallelism", type=_number(int, 1, MAX_PARALLELISM_BOUND),
                     help=f"number of key groups, >= parallelism and <= {MAX_PARALLELISM_BOUND} (fixed once state "

@@ -30,27 +30,37 @@ that missed or doubled a record shows up there. In tracker mode the logs are emp
 epoch ends when its loop has drained), so the committed state itself must match.
 Per-epoch comparisons need loops whose fixpoint does not depend on the order records go
 round (a count, a minimum, a set); outputs compare as multisets.
+
+Channel state (unaligned mode). The snapshot of epoch n has not seen the records its markers
+overtook; they are stored with it as channel state. The completion feeds them in too, each at
+the node and input edge its channel enters (``channel_state_records``). With the recorded
+order, keyed operators already process each key's records in the logged order (channel state
+is processed, and logged, in epoch n + 1), so there the completion holds those operators
+back and completes the others (``recorded_completion``); records that reached a keyed operator in the
+reference but no committed epoch are not counted as missing at a cut with channel state.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import copy
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from .graph.cycles import back_edges
 from .graph.keygroups import canonical_key
 from .graph.kinds import OpKind
-from .graph.plan import Node, topological_order, uid_of
+from .graph.plan import Node, PhysicalPlan, topological_order, uid_of
 from .recorded_order import read_orders, record_id, record_order
 from .runtime.columns import as_record_batch, from_rows, to_rows
 from .runtime.context import Context
 from .runtime.messages import END_OF_TIME
 from .runtime.state import HeapKeyedState, OperatorStateBackend
+from .runtime.task import decode_channel_state
 from .runtime.timers import TimerService
 
 if TYPE_CHECKING:  # the sinks module imports backends, which the oracle loads only when it reads output
@@ -458,6 +468,8 @@ class OracleReport:
     records_committed: int = 0
     #: records the loop heads had logged in transit, over all epochs checked (aligned mode)
     loop_records_logged: int = 0
+    #: records stored as channel state, over all epochs checked (unaligned mode)
+    channel_state_records: int = 0
     #: "recorded" (the reference replays each key in the order the committed epochs processed
     #: it) or "strict" (the failure-free run's output, for deterministic pipelines)
     compare: str = "strict"
@@ -491,6 +503,7 @@ class OracleReport:
             "records_expected": self.records_expected,
             "records_committed": self.records_committed,
             "loop_records_logged": self.loop_records_logged,
+            "channel_state_records": self.channel_state_records,
             "compare": self.compare,
             "inputs_lost": self.inputs_lost,
             "inputs_duplicated": self.inputs_duplicated,
@@ -542,13 +555,61 @@ def loop_logs(storage, manifest: dict[str, Any], root: Path, loops) -> dict[str,
     return out
 
 
+def channel_state_records(pipeline, manifest: dict[str, Any]) -> list[tuple[int, int, Any]]:
+    """The channel state of a committed epoch (unaligned mode): (node id, input edge, records)
+    per recorded batch, each channel's in the order recorded; [] without channel state."""
+    out: list[tuple[int, int, Any]] = []
+    if not manifest.get("channel_state"):
+        return out
+    plan: PhysicalPlan = pipeline.plan(int(manifest["parallelism"]))  # channel ids are the run's
+    for _task, entry in sorted(manifest.get("channel_state", {}).items()):
+        blob = base64.b64decode(entry["data"])
+        for channel, records, _keys, _label in decode_channel_state(blob):
+            if records is None:  # a watermark: no records
+                continue
+            ch = plan.channels[channel]
+            src_node = plan.chains[ch.src[0]].out_edges[ch.out_edge].node
+            dst = plan.nodes[ch.dst_node]
+            edge = next(i for i, e in enumerate(dst.inputs) if e.src == src_node)
+            out.append((ch.dst_node, edge, records))
+    return out
+
+
+def recorded_completion(pipeline, storage, manifest: dict[str, Any], root: Path, gated: Iterable[str],
+                        in_flight: list[tuple[int, int, Any]]) -> tuple[dict, dict]:
+    """A committed epoch with its channel state fed in, for the recorded-order check: the
+    keyed operators in ``gated`` (those that log their order) keep their committed state and
+    process the channel state in the epochs that logged it; the others (batch-at-a-time
+    keyed functions, which the reference never gates) process it now. Returns (process uid
+    -> state, sink uid -> records the channel state emitted)."""
+    ref = Reference(pipeline)
+    ref.restore(storage, manifest, root)
+    for uid in gated:
+        ref.follow(uid, [])  # gated, and never released
+    for node_id, edge, records in in_flight:
+        ref.inject(node_id, edge, records)
+    return ref.state(), ref.sinks
+
+
 def complete_epoch(pipeline, storage, manifest: dict[str, Any], root: Path, loops) -> tuple[dict, dict, int]:
-    """A committed epoch run to its fixpoint: its state with the loop heads' logs fed back in.
+    """A committed epoch run to its fixpoint: its state with the loop heads' logs and the
+    channel state (unaligned mode) fed back in.
 
     Returns (process uid -> state, sink uid -> records the completion emitted, records logged).
     """
     logs = loop_logs(storage, manifest, root, loops)
     logged = sum(len(v) for v in logs.values())
+    in_flight = channel_state_records(pipeline, manifest)
+    if in_flight:
+        ref = Reference(pipeline)
+        ref.restore(storage, manifest, root)
+        for node_id, edge, records in in_flight:  # before the loop logs: they were cut earlier in the loop
+            ref.inject(node_id, edge, records)
+        for lp in loops:
+            if logs.get(lp.uid):
+                ref.inject(lp.dst, lp.edge, logs[lp.uid])
+        return ({uid: v for uid, v in ref.state().items() if uid not in {lp.uid for lp in loops}}, ref.sinks,
+                logged)
     if not logged:
         return {uid: v for uid, v in committed_state(storage, manifest, root).items()
                 if uid not in {lp.uid for lp in loops}}, {}, 0
@@ -587,6 +648,7 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
         ref.feed(offsets, {uid: op["event_time"] for uid, op in manifest["operators"].items() if "event_time" in op})
         ref_states = ref.state()
         report.epochs_checked += 1
+        report.channel_state_records += manifest["metrics"].get("channel_state_records", 0)
         got_states, completion_out, logged = complete_epoch(pipeline, storage, manifest, root, loops)
         report.loop_records_logged += logged
         for uid in set(ref_states) | set(got_states):
@@ -757,14 +819,19 @@ def check_run_recorded(pipeline, logs: dict[str, str], storage, sink_root: Any,
         report.epochs_checked += 1
         logged = sum(len(v) for v in loop_logs(storage, manifest, root, loops).values()) if loops else 0
         report.loop_records_logged += logged
-        if not logged:
+        in_flight = channel_state_records(pipeline, manifest)
+        report.channel_state_records += sum(len(r) for _n, _e, r in in_flight)
+        completed_states, completion_out = recorded_completion(pipeline, storage, manifest, root, orders, in_flight) \
+            if in_flight else (None, {})
+        if not logged and not in_flight:
             for uid, n in waiting.items():
                 if n:
                     report.mismatched_state += 1
                     report.note(f"epoch {epoch} {uid}: {n} records of the input prefix reached it in the reference "
                                 f"but no committed epoch processed them")
         want_states = ref.state()
-        got_states = {uid: st for uid, st in committed_state(storage, manifest, root).items() if uid not in loop_uids}
+        got_states = {uid: st for uid, st in (completed_states or committed_state(storage, manifest, root)).items()
+                      if uid not in loop_uids}
         for uid in set(want_states) | set(got_states):
             want_st, got_st = want_states.get(uid, {}), got_states.get(uid, {})
             for name in set(want_st) | set(got_st):
@@ -776,6 +843,8 @@ def check_run_recorded(pipeline, logs: dict[str, str], storage, sink_root: Any,
                                     f"in recorded order {w.get(key)!r}")
         for uid in sinks:
             got, want = progress[uid].advance(epoch, ref.sinks.get(uid, []))
+            if completion_out.get(uid):  # what the channel state goes on to emit without keyed state
+                got = got + _encoded(completion_out[uid], pipeline.sinks[uid].encoder)
             if got != want:
                 report.mismatched_epoch_output += 1
                 missing, extra = sum((want - got).values()), sum((got - want).values())

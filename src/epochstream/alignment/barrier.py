@@ -29,6 +29,8 @@ class BarrierAligner:
 
     #: ``Gate``: nothing is held waiting for a notification in the aligned modes
     last_hold_seconds = 0.0
+    #: ``Gate``: markers are taken in FIFO order (``alignment.unaligned`` takes them early)
+    overtakes = False
 
     def __init__(self, channels: Iterable[int], exactly_once: bool = True) -> None:
         self.channels = frozenset(channels)

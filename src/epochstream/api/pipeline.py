@@ -15,7 +15,7 @@ from ..graph.plan import FORWARD, HASH, REBALANCE, ColumnKey, Edge, Node, Physic
 from ..runtime.batching import DEFAULT_BATCH_ROWS, BatchPolicy
 from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
-MODES = ("aligned", "at-least-once", "tracker")
+MODES = ("aligned", "at-least-once", "tracker", "unaligned")
 _UNSET = object()
 DEPLOYMENTS = ("sim", "local", "spark")
 
@@ -366,7 +366,14 @@ class Pipeline:
 
     ``mode``: ``aligned`` (barrier alignment, exactly-once), ``at-least-once`` (barriers
     without blocking) or ``tracker`` (trAcker firm bounds: a central agent tells each task
-    when an epoch has no records left upstream; exactly-once, no markers on data channels).
+    when an epoch has no records left upstream; exactly-once, no markers on data channels)
+    or ``unaligned`` (Flink's unaligned checkpoints: a marker overtakes the records queued
+    ahead of it, which are stored with the snapshot as channel state; exactly-once, nothing
+    waits under backpressure; a restore with channel state keeps the parallelism).
+    ``aligned_timeout`` (seconds; Flink's ``aligned-checkpoint-timeout``), in mode ``aligned``
+    or ``unaligned``: every epoch starts aligned and a task whose alignment lasts longer
+    switches to unaligned for that epoch (None: mode ``aligned`` never switches, mode
+    ``unaligned`` is unaligned from the first marker).
     ``checkpoint_interval`` in seconds (None: only the final epoch of a bounded job, and
     epochs asked for on demand).
     ``batch_rows`` (formerly ``batch_size``; default 1024) and ``batch_linger`` (seconds,
@@ -399,6 +406,7 @@ class Pipeline:
         heartbeat: HeartbeatConfig | None = None,
         slot_wait_timeout: float = DEFAULT_SLOT_WAIT_TIMEOUT,
         buffer_debloat_target: float | None = DEFAULT_DEBLOAT_TARGET,
+        aligned_timeout: float | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -436,6 +444,7 @@ class Pipeline:
         #: slot.request.timeout; ``deploy.slots``)
         self.slot_wait_timeout = slot_wait_timeout
         self.buffer_debloat_target = buffer_debloat_target
+        self.aligned_timeout = aligned_timeout
         self._nodes: dict[int, Node] = {}
 
     @property
@@ -449,6 +458,20 @@ class Pipeline:
                                     or not 0 < seconds < float("inf")):
             raise ValueError(f"buffer_debloat_target must be finite seconds > 0, or None for off; got {seconds!r}")
         self._buffer_debloat_target = None if seconds is None else float(seconds)
+
+    @property
+    def aligned_timeout(self) -> float | None:
+        """Seconds an epoch aligns before a task switches it to unaligned (None: never)."""
+        return self._aligned_timeout
+
+    @aligned_timeout.setter
+    def aligned_timeout(self, seconds: float | None) -> None:
+        if seconds is not None:
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+                raise ValueError(f"aligned_timeout must be a number of seconds >= 0 or None, got {seconds!r}")
+            if self.mode not in ("aligned", "unaligned"):
+                raise ValueError(f"aligned_timeout needs mode 'aligned' or 'unaligned', not {self.mode!r}")
+        self._aligned_timeout = None if seconds is None else float(seconds)
 
     @property
     def slot_wait_timeout(self) -> float:

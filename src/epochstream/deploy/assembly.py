@@ -13,16 +13,16 @@ from __future__ import annotations
 import pickle
 from typing import Any, Callable
 
-from ..alignment import BarrierAligner
+from ..alignment import BarrierAligner, UnalignedGate
 from ..graph.plan import PhysicalPlan
 from ..loops.task import LoopHeadTask
 from ..runtime.chain import ChainRuntime
 from ..runtime.context import Context
 from ..runtime.gate import Gate
 from ..runtime.messages import TaskId
-from ..runtime.task import Task
+from ..runtime.task import Task, decode_channel_state
 from ..runtime.tracking import TaskTracking
-from ..snapshot.manifest import CheckpointError, operator_state_parts
+from ..snapshot.manifest import CheckpointError, channel_state_of, operator_state_parts
 from ..snapshot.rescale import redistribute
 from ..tracker.gate import FirmBoundGate
 from ..tracker.local import BatchIds, LocalTracker
@@ -53,6 +53,8 @@ def build_tasks(
     tasks: dict[TaskId, Task] = {}
     cfg = pipeline.checkpoint
     tracker_mode = pipeline.mode == "tracker"
+    #: aligned with a timeout (``Pipeline.aligned_timeout``): epochs start aligned, go unaligned on time-out
+    timeout = getattr(pipeline, "aligned_timeout", None)
     event_time = uses_event_time(pipeline)
     slack = pipeline.tracker.time_slack if event_time else None
     if tracker_mode:
@@ -73,14 +75,35 @@ def build_tasks(
             out_segment = {ch: seg_of[plan.channels[ch].dst[0]] for chans in plan.outputs[tid] for ch in chans}
             tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(ids_seed(attempt, tid)),
                                     slack)
+        elif (pipeline.mode == "unaligned" or timeout is not None) and gate_factory is None \
+                and not plan.chains[tid[0]].is_loop_head:
+            gate = UnalignedGate(plan.inputs[tid], last_completed=start_epoch - 1, aligned_timeout=timeout)
         else:
             gate = (gate_factory or (lambda chans: BarrierAligner(chans, exactly_once)))(plan.inputs[tid])
             if isinstance(gate, BarrierAligner):
                 gate.reset(start_epoch - 1)
         kind = LoopHeadTask if plan.chains[tid[0]].is_loop_head else Task
-        tasks[tid] = kind(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets, tracking,
-                          None if tracker_mode else slack, getattr(pipeline, "batching", None))
+        task = tasks[tid] = kind(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets,
+                                 tracking, None if tracker_mode else slack, getattr(pipeline, "batching", None))
+        if restored:
+            _restore_channel_state(task, restored, pipeline.mode)
     return tasks
+
+
+def _restore_channel_state(task: Task, restored: Restored, mode: str) -> None:
+    """Unaligned mode's channel state of ``task``: replayed before any new input."""
+    blob = channel_state_of(restored.manifest, task.id)
+    if not blob:
+        return
+    if mode == "tracker":
+        raise CheckpointError(
+            f"{restored.path} is an unaligned snapshot with channel state (task {task.id}); trAcker mode cannot "
+            f"replay it: restore it with mode 'unaligned' or 'aligned', then switch modes from a later checkpoint")
+    try:
+        entries = decode_channel_state(blob)
+    except Exception as exc:
+        raise CheckpointError(f"{restored.path}: channel state of task {task.id} cannot be read: {exc!r}") from None
+    task.restore_channel_state(entries)
 
 
 def _restore_chain(chain: ChainRuntime, restored: Restored, storage, parallelism: int, subtask: int) -> None:

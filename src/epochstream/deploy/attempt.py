@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from ..runtime.errors import ProtocolError
 from ..runtime.messages import TaskId
-from ..snapshot.coordinator import FINAL
+from ..snapshot.coordinator import FINAL, SAVEPOINT
 from ..tracker.traffic import ServiceTraffic
 from .control import IN_PROGRESS, SavepointRequest
 from .failures import Failover
@@ -234,4 +234,6 @@ class AttemptController:
     def _apply(out: MasterOutput) -> list[Action]:
         if out.failover:
             raise Failover(out.failover)
-        return [Trigger(t.epoch) for t in out.triggers]
+        # savepoints and final epochs (the end of bounded input, a stop, a stop with savepoint)
+        # are aligned in unaligned mode too: they hold no channel state, so they rescale
+        return [Trigger(t.epoch, t.kind in (SAVEPOINT, FINAL)) for t in out.triggers]

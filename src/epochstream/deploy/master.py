@@ -248,7 +248,8 @@ class JobMaster:
         self.manifests[a.epoch] = manifest
         # a final epoch whose loop heads logged records in transit has not drained its loops:
         # the job goes on (another final epoch) until one cuts through empty loops
-        logged = manifest["metrics"].get("loop_log_records", 0)
+        # (unaligned mode: the same for records a final epoch's markers overtook, its channel state)
+        logged = manifest["metrics"].get("loop_log_records", 0) + manifest["metrics"].get("channel_state_records", 0)
         drained = not (self.drain_final and logged)
         if not drained and a.kind == FINAL:
             log.info("final epoch %d cut through %d records still in loops; another final epoch follows",
@@ -269,6 +270,8 @@ class JobMaster:
                 "ack_seconds": round(rec.ack_times.get(tid, now) - rec.triggered_at, 6),
                 "bytes": info.bytes,
                 "held_records": info.held_records,
+                "channel_state_records": info.channel_state_records,
+                "channel_state_bytes": info.channel_state_bytes,
                 # the source offsets this task had reached (sum over its splits): per-task input rates
                 "source_offset": sum(sum(o.values()) for o in info.offsets.values()),
             }

@@ -3,7 +3,8 @@
 ``persist`` runs off the processing path (the simulator's virtual writer, a worker's writer
 thread) and returns the ``AckInfo`` the job master's manifest is built from. It stages sink
 output first, because that output cannot be produced again without a rollback, then writes
-the state files. Its two errors say what the failure costs: ``SinkStagingError`` fails the
+the state files. Channel state (unaligned mode) rides in the ack and is written with the
+manifest, like operator state. Its two errors say what the failure costs: ``SinkStagingError`` fails the
 job over; ``StateWriteError`` only declines the epoch (the task's next capture is full).
 """
 
@@ -78,4 +79,6 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
         event_time={kc.operator_uid: kc.event_time for kc in capture.keyed if kc.event_time is not None},
         captured_at=capture.captured_at, operator_state=capture.operator_state,
         loop_log_records=capture.loop_log_records, loop_log_bytes=capture.loop_log_bytes, types=types,
+        channel_state=capture.channel_state, channel_state_records=capture.channel_state_records,
+        channel_state_bytes=capture.channel_state_bytes,
     )

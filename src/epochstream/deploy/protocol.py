@@ -143,9 +143,11 @@ class Fatal(_Message):
 
 @dataclass(frozen=True, slots=True)
 class Trigger(_Message):
-    """Start epoch ``epoch`` at every task that takes triggers (sources; loop heads when aligned)."""
+    """Start epoch ``epoch`` at every task that takes triggers (sources; loop heads when aligned).
+    ``aligned``: a savepoint, aligned in unaligned mode too."""
 
     epoch: int
+    aligned: bool = False
 
 
 @dataclass(frozen=True, slots=True)

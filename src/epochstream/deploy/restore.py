@@ -89,6 +89,16 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
             f"restore with max_parallelism={m['max_parallelism']} (--max-parallelism {m['max_parallelism']}) "
             f"at any parallelism up to it"
         )
+    if m.get("channel_state") and int(m["parallelism"]) != plan.parallelism:
+        raise CheckpointError(
+            f"{where} is an unaligned snapshot holding channel state (records in flight at the cut, "
+            f"{m['metrics'].get('channel_state_records', '?')} records) taken at parallelism {m['parallelism']}; "
+            f"channel state is kept per input channel and cannot be moved to parallelism {plan.parallelism}. "
+            f"Restore it at parallelism {m['parallelism']} (--parallelism {m['parallelism']}), take a savepoint "
+            f"(savepoints and stops with savepoint are aligned in every mode and hold no channel state) and "
+            f"restore that savepoint at "
+            f"parallelism {plan.parallelism}"
+        )
     nodes = {n.uid: n for n in plan.nodes.values() if n.uid}
     held = {**{uid: OpKind.PROCESS for uid in m["operators"]}, **{uid: OpKind.SOURCE for uid in m["sources"]}}
     # a loop head keeps its log as keyed state, like a keyed process

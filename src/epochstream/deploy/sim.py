@@ -274,7 +274,7 @@ class _SimAttempt:
 
     def _trigger(self, a: Trigger) -> None:
         for s in self.trigger_targets:
-            s.trigger(a.epoch)
+            s.trigger(a.epoch, a.aligned)
             self.schedule_step(s.id)
 
     def _neoss(self, a: Neoss) -> None:

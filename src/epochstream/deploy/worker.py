@@ -61,7 +61,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
@@ -104,7 +104,7 @@ WINDOW = 16
 #: mailbox messages above which a receiver keeps the credits it owes
 CREDIT_HOLD = 64
 
-PRESSURE, CREDIT = -1, -2  # channel ids of control envelopes
+PRESSURE, CREDIT, PRIORITY = -1, -2, -3  # channel ids of control envelopes (PRIORITY: an overtaking marker)
 
 __all__ = ["MOMENTS", "PeerLink", "WorkerLoop", "run_worker"]
 
@@ -182,12 +182,34 @@ class PeerLink:
     def start(self) -> None:
         self.thread.start()
 
-    def send_data(self, envelope: list) -> None:
+    def send_data(self, envelope: list, overtake: bool = False) -> None:
+        """Queue a data envelope. ``overtake`` (unaligned mode): an unaligned marker in it leaves
+        as a control envelope, ahead of the data queued for credit, carrying copies of the
+        messages of its channel it passed (``Marker.overtook``, ``carried``): the receiver has
+        its channel state at once, and processes the messages when they arrive. A marker does
+        not pass another marker of its channel."""
         with self._cond:
-            self._data.append(envelope)
-            self.queued += 1
-            self.queued_rows += rows_of(envelope)
+            if overtake:
+                envelope = self._overtake(envelope)
+            if envelope:
+                self._data.append(envelope)
+                self.queued += 1
+                self.queued_rows += rows_of(envelope)
             self._cond.notify()
+
+    def _overtake(self, envelope: list) -> list:
+        """Move the unaligned markers of ``envelope`` to the control queue (under the lock)."""
+        if not any(type(m) is Marker and not m.aligned for _c, m in envelope):
+            return envelope
+        rest: list = []
+        for ch, msg in envelope:
+            if type(msg) is Marker and not msg.aligned:
+                before = [m for env in self._data for c, m in env if c == ch] + [m for c, m in rest if c == ch]
+                if not any(type(m) is Marker for m in before):
+                    self._control.append([(PRIORITY, (ch, replace(msg, overtook=len(before), carried=tuple(before))))])
+                    continue
+            rest.append((ch, msg))
+        return rest
 
     def send_control(self, envelope: list) -> None:
         with self._cond:
@@ -264,6 +286,8 @@ class WorkerLoop:
         self.channel_dst = {c.id: c.dst for c in plan.channels}
         self.outbox: dict[int, list] = {p: [] for p in peers}
         self.links = {p: PeerLink(c) for p, c in peers.items()}
+        #: unaligned mode: markers overtake the data a link queues for credit (``PeerLink.send_data``)
+        self.overtake = pipeline.mode == "unaligned" and getattr(pipeline, "aligned_timeout", None) is None
         #: data envelopes received per peer and not yet credited back
         self.owed: dict[int, int] = {p: 0 for p in peers}
         self.peer_pressure: set[int] = set()
@@ -376,7 +400,8 @@ class WorkerLoop:
         inbound = list(self.peers.values())
         peer_of = {id(c): p for p, c in self.peers.items()}
         batch = self.pipeline.batch_rows
-        lingering = self.pipeline.batch_linger > 0
+        # output lingers, or an alignment may time out: step tasks at their deadlines
+        lingering = self.pipeline.batch_linger > 0 or getattr(self.pipeline, "aligned_timeout", None) is not None
         config = getattr(self.pipeline, "heartbeat", None)
         beat = HeartbeatSender(config.interval if config is not None else DEFAULT_INTERVAL, time.monotonic())
         times, clock = self.times, time.monotonic
@@ -462,7 +487,7 @@ class WorkerLoop:
 
     def _on_trigger(self, msg: Trigger) -> None:
         for s in self.triggered:
-            s.trigger(msg.epoch)
+            s.trigger(msg.epoch, msg.aligned)
 
     def _on_neoss(self, msg: Neoss) -> None:
         for chains, epoch in msg.notes:
@@ -486,6 +511,9 @@ class WorkerLoop:
                     (self.peer_pressure.add if value else self.peer_pressure.discard)(peer)
                 elif ch == CREDIT:
                     self.links[peer].grant(value)
+                elif ch == PRIORITY:  # a marker that overtook data at the sender
+                    channel, marker = value
+                    self.tasks[self.channel_dst[channel]].receive(channel, marker)
             return
         self.owed[peer] += 1
         tasks, dst = self.tasks, self.channel_dst
@@ -512,7 +540,7 @@ class WorkerLoop:
     def _flush(self) -> None:
         for peer, items in self.outbox.items():
             if items:
-                self.links[peer].send_data(items)
+                self.links[peer].send_data(items, self.overtake)
                 self.outbox[peer] = []
 
     def _results(self) -> None:

@@ -73,7 +73,8 @@ class LoopHeadTask(Task):
             epoch = self.triggers.popleft()
             self._flush(actions)  # what was forwarded before the trigger belongs to the epoch
             head.on_trigger(epoch)
-            marker = Marker(epoch)
+            marker = Marker(epoch, epoch in self.aligned_epochs)
+            self.aligned_epochs.discard(epoch)
             for ch in self.out_channels:
                 actions.append(Send(ch, marker))
             self.epoch = epoch + 1

@@ -15,6 +15,11 @@ ends epochs on      ``on_marker``: the last marker n arrived     ``on_neoss``: N
 the other entry     ``on_neoss`` raises ``ProtocolError``        ``on_marker`` raises
 ==================  ==========================================  ==============================
 
+A third gate, ``alignment.UnalignedGate`` (unaligned mode), refuses nothing and
+``overtakes``: the task scans its mailbox for markers and hands each to ``on_marker`` ahead
+of the records queued before it; the first marker n starts epoch n's snapshot at once, and
+the records still "before marker n" become its channel state (``Task._overtake``).
+
 So the task never asks which mode it is in: markers go to ``on_marker``, notifications to
 ``on_neoss``, and a message the mode never carries is the gate's protocol error. The gate
 only decides; the task holds the messages, snapshots and forwards.
@@ -49,6 +54,12 @@ class Gate(Protocol):
         ...
 
     @property
+    def overtakes(self) -> bool:
+        """True: the task hands markers over as soon as they are queued, ahead of the records
+        before them (``alignment.UnalignedGate``; those records become channel state)."""
+        ...
+
+    @property
     def last_hold_seconds(self) -> float:
         """Seconds records were held before the last ``on_neoss`` (0.0 in the aligned modes)."""
         ...
@@ -67,4 +78,53 @@ class Gate(Protocol):
 
     def reset(self, last_completed: int) -> None:
         """Restart after a restore: every epoch <= ``last_completed`` has ended."""
+        ...
+
+
+class Overtaking(Gate, Protocol):
+    """A gate that ``overtakes`` (unaligned mode): what the task's mailbox scan asks it."""
+
+    def may_overtake(self, channel: int, epoch: int) -> bool:
+        """May marker ``epoch``, queued on ``channel``, be taken now ahead of what is before it?"""
+        ...
+
+    def recording(self, channel: int) -> bool:
+        """Are records processed now from ``channel`` channel state of the pending epoch?"""
+        ...
+
+    def on_marker(self, channel: int, epoch: int, now: float, overtook: int = 0) -> tuple[int, float] | None:
+        """Marker ``epoch`` taken on ``channel``, having overtaken ``overtook`` messages at the
+        sender: (epoch, 0.0) if it starts the epoch's snapshot."""
+        ...
+
+    def on_overtaken(self, channel: int) -> None:
+        """One of the messages the marker of ``channel`` overtook at the sender was recorded."""
+        ...
+
+    @property
+    def owed(self) -> dict[int, int]:
+        """Channel -> messages its marker overtook at the sender, still to come."""
+        ...
+
+    def on_aligned_marker(self, channel: int, epoch: int, now: float,
+                          forced: bool = True) -> tuple[int, float] | None:
+        """A marker taken aligned in FIFO order (a savepoint's: ``forced``; or any, with an
+        aligned timeout): block ``channel`` until every channel's marker ``epoch`` arrived;
+        then (epoch, seconds aligning)."""
+        ...
+
+    def aligns(self, epoch: int) -> bool:
+        """Aligned with a timeout: is marker ``epoch`` taken aligned (the epoch starts aligned)?"""
+        ...
+
+    def switch_deadline(self) -> float | None:
+        """When the alignment going on switches to unaligned (None: never)."""
+        ...
+
+    def switch(self, now: float) -> tuple[int, float] | None:
+        """The alignment timed out: the epoch starts unaligned now; (epoch, seconds aligned)."""
+        ...
+
+    def take_completed(self) -> int | None:
+        """The epoch whose channel state just became complete (its last marker was taken)."""
         ...

@@ -39,9 +39,20 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class Marker:
-    """Epoch ``epoch`` ends here on this channel (Carbone's barrier, Algorithms 5-6)."""
+    """Epoch ``epoch`` ends here on this channel (Carbone's barrier, Algorithms 5-6).
+
+    ``aligned``: the epoch is a savepoint, aligned even in unaligned mode (no channel state,
+    so it can be restored at another parallelism, as in Flink). ``overtook``: unaligned mode,
+    the marker overtook that many messages of its channel still queued at the sender (a
+    driver's link waiting for credit); they arrive after it and are channel state. ``carried``:
+    copies of those messages, so the receiver has its channel state at once (as Flink's sender
+    persists the output buffers its barrier overtook); without copies the receiver records the
+    messages as they arrive."""
 
     epoch: int
+    aligned: bool = False
+    overtook: int = 0
+    carried: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +129,11 @@ class TaskCapture:
     #: a loop head's log of in-transit records (records, pickled bytes); 0 elsewhere
     loop_log_records: int = 0
     loop_log_bytes: int = 0
+    #: unaligned mode: the channel state (``runtime.task.decode_channel_state``; b"": none),
+    #: its records and bytes
+    channel_state: bytes = b""
+    channel_state_records: int = 0
+    channel_state_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

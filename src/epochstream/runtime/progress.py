@@ -53,9 +53,10 @@ class Progress(Protocol):
         ``received``: what the inputs caused is not all sent yet."""
         ...
 
-    def epoch_ended(self, epoch: int, now: float, source: TaskId | None, actions: list[TaskAction]) -> None:
+    def epoch_ended(self, epoch: int, now: float, source: TaskId | None, actions: list[TaskAction],
+                    aligned: bool = False) -> None:
         """Epoch ``epoch`` ended at this task (``source``: its id if it reads splits), after its
-        snapshot action."""
+        snapshot action; ``aligned``: a savepoint's epoch (its markers say so)."""
         ...
 
     def time_passed(self, label: int, now: float, source: TaskId | None, actions: list[TaskAction]) -> None:
@@ -86,8 +87,9 @@ class InBand:
         if only is None:
             received.clear()  # nothing to account for: markers follow the batches in band
 
-    def epoch_ended(self, epoch: int, now: float, source: TaskId | None, actions: list[TaskAction]) -> None:
-        marker = Marker(epoch)
+    def epoch_ended(self, epoch: int, now: float, source: TaskId | None, actions: list[TaskAction],
+                    aligned: bool = False) -> None:
+        marker = Marker(epoch, aligned)
         for ch in self.out_channels:
             actions.append(Send(ch, marker))
 

@@ -40,15 +40,17 @@ path has no mode test: the gate and the progress object decide.
 
 from __future__ import annotations
 
+import pickle
 from collections import deque
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any, Callable, cast
 
 from ..graph.plan import PhysicalPlan
 from .batching import BatchPolicy
 from .chain import ChainRuntime
-from .errors import ProtocolError, UserFunctionError
+from .errors import ProtocolError, StateSerializationError, UserFunctionError
 from .eventtime import EventClock
-from .gate import Gate
+from .gate import Gate, Overtaking
 from .messages import Batch, Marker, Message, Snapshot, SourceExhausted, TaskAction, TaskCapture, TaskId, Watermark
 from .progress import InBand, Progress
 from .reader import SplitReader
@@ -104,6 +106,21 @@ class Task:
         self._entry_of_channel: dict[int, Push] = {c: chain.entry[plan.channels[c].dst_node] for c in self.inputs}
         self.records_in = 0
         self.exhausted_reported = False
+        #: epochs whose markers are aligned (savepoints): triggered so, or an aligned marker arrived
+        self.aligned_epochs: set[int] = set()
+        # -- unaligned mode (``alignment.unaligned``): markers overtake, channel state is recorded
+        self.overtakes = gate.overtakes
+        self._overtaking = cast(Overtaking, gate) if gate.overtakes else None
+        #: a marker arrived since the last scan of the mailbox (or an epoch's capture completed)
+        self._scan = False
+        #: the capture of the epoch whose channel state is still being recorded
+        self._unaligned: TaskCapture | None = None
+        #: its channel state so far: each entry one pickled (channel, records, keys, watermark)
+        self._channel_state: list[bytes] = []
+        self._channel_records = 0
+        #: channel -> messages still queued ahead of its taken marker (copied when it was taken);
+        #: only kept while the marker also owes messages it overtook at the sender
+        self._skip: dict[int, int] = {}
         policy = batching or BatchPolicy()
         #: the batching policy: a channel holding ``batch_rows`` rows is sent at the end of a
         #: step, the rest once its oldest row waited ``linger`` seconds (0: every step sends all)
@@ -128,10 +145,26 @@ class Task:
     # ------------------------------------------------------------ events in
     def receive(self, channel: int, message: Message) -> None:
         self.mailbox.append((channel, message))
+        if self.overtakes and type(message) is Marker:
+            self._scan = True
 
-    def trigger(self, epoch: int) -> None:
-        """Epoch ``epoch`` ends at this source now (coordinator's trigger)."""
+    def restore_channel_state(self, entries: list[tuple[int, Any, Any, int | None]]) -> None:
+        """Replay a restored snapshot's channel state before any new input: (channel, records,
+        keys, watermark label) in the order it was recorded, as messages of the current epoch."""
+        for channel, records, keys, label in entries:
+            if channel not in self._entry_of_channel:
+                raise ProtocolError("Task", f"{self.id} restoring", f"channel state of channel {channel}",
+                                    "not an input channel of this task")
+            msg: Message = Watermark(label) if records is None and label is not None else \
+                Batch(self.epoch, records, keys)
+            self.mailbox.append((channel, msg))
+
+    def trigger(self, epoch: int, aligned: bool = False) -> None:
+        """Epoch ``epoch`` ends at this source now (coordinator's trigger); ``aligned``: a
+        savepoint, whose markers are aligned in unaligned mode too."""
         self.triggers.append(epoch)
+        if aligned:
+            self.aligned_epochs.add(epoch)
 
     def on_neoss(self, epoch: int | TimeNote) -> None:
         """The tracking agent's NEOSS(epoch) or ``WindowEnd`` for this task's segment (trAcker mode)."""
@@ -143,10 +176,16 @@ class Task:
         return bool(self.mailbox) or bool(self.triggers) or bool(self.neoss)
 
     def flush_deadline(self) -> float | None:
-        """When buffered output must leave (a step at or after it sends it), or None if nothing
-        waits. Drivers step a task without input once this passes."""
+        """When buffered output must leave (a step at or after it sends it) or an alignment
+        switches to unaligned (``aligned_timeout``), or None if nothing waits. Drivers step a
+        task without input once this passes."""
         since = self._pending_since
-        return None if since is None else since + self.linger
+        due = None if since is None else since + self.linger
+        og = self._overtaking
+        switch = og.switch_deadline() if og is not None else None
+        if switch is not None:  # aligned with a timeout: step at the switch even without input
+            due = switch if due is None else min(due, switch)
+        return due
 
     def source_has_more(self) -> bool:
         return self.reader is not None and self.reader.has_more()
@@ -219,19 +258,34 @@ class Task:
     def _consume(self, now: float, budget: int, actions: list[TaskAction]) -> None:
         if self.neoss:
             self._apply_neoss(now, actions)
+        og = self._overtaking
+        if og is not None:  # aligned with a timeout: an alignment that took too long goes unaligned
+            switched = og.switch(now)
+            if switched is not None:
+                self._begin_unaligned(switched[0], now, actions, switched[1])
+                self._release_held()
+                self._scan = True
+        if self._scan:
+            self._overtake(now, actions)
         gate, mailbox, held, received, clock = self.gate, self.mailbox, self.held, self._received, self.clock
         labelled = self.progress.labels_batches
+        overtakes = self.overtakes
         processed = 0
         while mailbox and processed < budget:
             channel, msg = mailbox.popleft()
             if not gate.admits(channel, msg, now):
                 held.append((channel, msg))
                 continue
+            if overtakes and type(msg) is not Marker and self._unaligned is not None and \
+                    cast(Overtaking, gate).recording(channel):
+                self._record_processed(channel, msg, actions)
             if type(msg) is Batch:
                 if labelled and msg.time != clock.out_time:
                     self._flush(actions)  # a batch never spans two time labels
                     clock.out_time = msg.time
-                if self.exactly_once and msg.epoch != self.epoch:
+                # unaligned: a batch queued behind overtaking markers is of an older epoch (it
+                # is channel state of every snapshot taken since it was queued)
+                if self.exactly_once and msg.epoch != self.epoch and not (overtakes and msg.epoch < self.epoch):
                     raise ProtocolError(
                         "Task", f"{self.id} in epoch {self.epoch}", f"Batch(epoch={msg.epoch})", f"on channel {channel}"
                     )
@@ -243,12 +297,119 @@ class Task:
             elif type(msg) is Watermark:
                 self._on_watermark(channel, msg.label, now, actions)
             elif type(msg) is Marker:  # everything before it on this channel is processed
-                aligned = gate.on_marker(channel, msg.epoch, now)
+                if msg.aligned:
+                    self.aligned_epochs.add(msg.epoch)
+                if overtakes:
+                    og = cast(Overtaking, gate)
+                    if not msg.aligned and og.may_overtake(channel, msg.epoch):
+                        self._take_marker(channel, msg, [], now, actions)
+                        continue
+                    if not (msg.aligned or og.aligns(msg.epoch)):
+                        mailbox.appendleft((channel, msg))  # it waits at the head for the pending epoch
+                        break
+                    aligned = og.on_aligned_marker(channel, msg.epoch, now, msg.aligned)
+                else:
+                    aligned = gate.on_marker(channel, msg.epoch, now)
                 if aligned is not None:
                     self._end_epoch(aligned[0], aligned[1], now, actions)
                     self._release_held()
+                    self._scan = overtakes  # markers held behind the aligned one may be taken now
                     break
         self._flush_due(now, actions)
+
+    def _overtake(self, now: float, actions: list[TaskAction]) -> None:
+        """Unaligned mode: take every marker the gate allows out of the mailbox, ahead of what
+        is queued before it (Flink's priority events). The first marker n snapshots the task at
+        once and forwards marker n; the messages queued ahead of a taken marker on its channel
+        are channel state of n (copied now, still processed later, in epoch n + 1). When the
+        last channel's marker n is taken the capture, with its channel state, is handed over.
+
+        Output: the buffered output is flushed and then marker n follows it, rather than the
+        marker overtaking the output buffers. That is equivalent here: what the buffers hold is
+        at most one step's output, and on the receiver it is queued ahead of marker n, so it
+        becomes the receiver's channel state exactly as Flink's overtaken output buffers become
+        the sender's."""
+        self._scan = False
+        gate = self._overtaking
+        assert gate is not None, f"task {self.id}: scanning for markers without an overtaking gate"
+        items = list(self.mailbox)
+        taken = True
+        while taken:
+            taken = False
+            for i, (channel, msg) in enumerate(items):
+                if type(msg) is not Marker or msg.aligned or not gate.may_overtake(channel, msg.epoch):
+                    continue  # an aligned (savepoint) marker is taken in FIFO order
+                ahead = [m for c, m in items[:i] if c == channel and type(m) is not Marker]
+                del items[i]
+                self._take_marker(channel, msg, ahead, now, actions)
+                taken = True
+                break
+        self.mailbox = deque(items)
+
+    def _take_marker(self, channel: int, marker: Marker, ahead: list[Message], now: float,
+                     actions: list[TaskAction]) -> None:
+        """``marker`` taken on ``channel`` ahead of ``ahead`` (its channel state)."""
+        gate = self._overtaking
+        assert gate is not None
+        owed = marker.overtook - len(marker.carried)  # overtaken at the sender and not carried
+        started = gate.on_marker(channel, marker.epoch, now, owed)
+        if started is not None:
+            self._begin_unaligned(started[0], now, actions)
+        for m in ahead:
+            self._record(channel, m)
+        for m in marker.carried:  # queued at the sender: they follow the marker, already recorded
+            self._record(channel, m)
+        if owed and ahead:  # processed later: already recorded, before what it overtook
+            self._skip[channel] = len(ahead)
+        if gate.take_completed() is not None:
+            self._complete_unaligned(actions)
+
+    def _record_processed(self, channel: int, msg: Message, actions: list[TaskAction]) -> None:
+        """A message processed from a channel that is recording: channel state, unless it was
+        copied when its marker was taken; one the marker overtook at the sender counts down."""
+        gate = self._overtaking
+        assert gate is not None
+        skip = self._skip.get(channel)
+        if skip:
+            if skip == 1:
+                del self._skip[channel]
+            else:
+                self._skip[channel] = skip - 1
+            return
+        self._record(channel, msg)  # before the chain may mutate it
+        if channel in gate.owed:
+            gate.on_overtaken(channel)
+            if gate.take_completed() is not None:
+                self._complete_unaligned(actions)
+
+    def _begin_unaligned(self, epoch: int, now: float, actions: list[TaskAction], waited: float = 0.0) -> None:
+        """The first marker ``epoch`` was taken (or its alignment timed out after ``waited``
+        seconds): snapshot now, forward the marker, go on in ``epoch + 1``; the capture waits
+        for its channel state."""
+        self._unaligned = self._capture_epoch(epoch, waited, now, actions, emit=False)
+        self._channel_state = []
+        self._channel_records = 0
+
+    def _record(self, channel: int, msg: Message) -> None:
+        try:
+            self._channel_state.append(_encode(channel, msg))
+        except Exception as exc:  # a record that cannot be pickled cannot be channel state
+            raise StateSerializationError(
+                f"task {self.id}: a record on input channel {channel} cannot be stored as channel state of an "
+                f"unaligned snapshot ({type(exc).__name__}: {exc}); records must pickle in mode 'unaligned' "
+                f"(or use mode 'aligned')") from exc
+        if type(msg) is Batch:
+            self._channel_records += len(msg)
+
+    def _complete_unaligned(self, actions: list[TaskAction]) -> None:
+        capture, entries = self._unaligned, self._channel_state
+        assert capture is not None, f"task {self.id}: channel state complete without a capture"
+        self._unaligned, self._channel_state = None, []
+        self._skip.clear()
+        self._scan = True  # a marker of the next epoch may be waiting deeper in the mailbox
+        blob = pickle.dumps(entries, pickle.HIGHEST_PROTOCOL) if entries else b""
+        actions.append(Snapshot(replace(capture, channel_state=blob, channel_state_records=self._channel_records,
+                                        channel_state_bytes=len(blob))))
 
     def _on_watermark(self, channel: int, label: int, now: float, actions: list[TaskAction]) -> None:
         """Aligned modes: fire the timers and forward when the input's watermark grows."""
@@ -332,23 +493,36 @@ class Task:
 
     def _end_epoch(self, epoch: int, waited: float, now: float, actions: list[TaskAction]) -> None:
         """Epoch ``epoch`` ends here: snapshot, announce, and go on in ``epoch + 1``."""
+        self._capture_epoch(epoch, waited, now, actions, emit=True)
+
+    def _capture_epoch(self, epoch: int, waited: float, now: float, actions: list[TaskAction],
+                       emit: bool) -> TaskCapture:
+        """Capture the chain at the end of ``epoch`` (``emit``: hand it over now, before the
+        end is announced), announce the end, and go on in ``epoch + 1``."""
         self.chain.end_epoch(epoch)  # epoch-bound hooks emit into this epoch, before the flush
         self._flush(actions)
         keyed, sinks, operator_state = self.chain.capture(epoch, self.incremental, self.full_every)
         reader = self.reader
         offsets = {reader.uid: dict(reader.offsets)} if reader is not None else {}
         held = sum(len(m) for _c, m in self.held if type(m) is Batch)
-        actions.append(Snapshot(TaskCapture(self.id, epoch, keyed, sinks, offsets, waited, held, now,
-                                            operator_state)))
-        self.progress.epoch_ended(epoch, now, self.id if reader is not None else None, actions)
+        capture = TaskCapture(self.id, epoch, keyed, sinks, offsets, waited, held, now, operator_state)
+        if emit:
+            actions.append(Snapshot(capture))
+        aligned = epoch in self.aligned_epochs
+        self.aligned_epochs.discard(epoch)
+        self.progress.epoch_ended(epoch, now, self.id if reader is not None else None, actions, aligned)
         self.epoch = epoch + 1
         self.chain.set_epoch(self.epoch)
+        return capture
 
     def check_invariants(self) -> None:
         """Called by the simulator after every step."""
         self._check_buffers()
         if self.reader is None:
             assert self.epoch == self.gate.open_epoch, f"task {self.id}: epoch {self.epoch} != open epoch"
+        if self.overtakes:
+            assert (self._unaligned is None) == (getattr(self.gate, "pending", None) is None), \
+                f"task {self.id}: a pending capture without a pending epoch (or the reverse)"
 
     def _check_buffers(self) -> None:
         if self._pending_since is not None:  # lingering: nothing full, nothing older than the linger
@@ -360,3 +534,17 @@ class Task:
         assert not self._received, f"task {self.id}: received batches not accounted for after step"
         if not self.gate.holding:
             assert not self.held, f"task {self.id}: held messages but the gate holds nothing"
+
+
+def _encode(channel: int, msg: Message) -> bytes:
+    """One entry of channel state, pickled when it is recorded (the chain may mutate records)."""
+    if type(msg) is Batch:
+        return pickle.dumps((channel, msg.records, msg.keys, None), pickle.HIGHEST_PROTOCOL)
+    assert type(msg) is Watermark, f"channel state holds batches and watermarks, not {msg!r}"
+    return pickle.dumps((channel, None, None, msg.label), pickle.HIGHEST_PROTOCOL)
+
+
+def decode_channel_state(blob: bytes) -> list[tuple[int, Any, Any, int | None]]:
+    """Channel state as stored (``TaskCapture.channel_state``): (channel, records, keys,
+    watermark label) in the order recorded."""
+    return [pickle.loads(e) for e in pickle.loads(blob)] if blob else []

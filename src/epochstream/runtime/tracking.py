@@ -91,7 +91,8 @@ class Tracked:
                     tracker.rcv(b.id, b.time, seg, TIME)
             received.clear()
 
-    def epoch_ended(self, epoch: int, now: float, source: TaskId | None, actions: list[TaskAction]) -> None:
+    def epoch_ended(self, epoch: int, now: float, source: TaskId | None, actions: list[TaskAction],
+                    aligned: bool = False) -> None:
         if source is not None:  # the promise follows the SNDs of every batch of epoch <= n (just flushed)
             self.tracker.promise(self.segment, epoch, now, source=source)
 

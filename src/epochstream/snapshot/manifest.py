@@ -97,6 +97,10 @@ class AckInfo:
     loop_log_bytes: int = 0
     #: operator uid -> state name -> declared type (JSON, ``runtime.types``); "" for the key's
     types: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: unaligned mode: the task's channel state (pickled, ``runtime.task.decode_channel_state``)
+    channel_state: builtins.bytes = b""
+    channel_state_records: int = 0
+    channel_state_bytes: int = 0
 
 
 class ManifestBuilder:
@@ -124,7 +128,9 @@ class ManifestBuilder:
         sources: dict[str, dict[str, Any]] = {}
         sinks: dict[str, dict[str, Any]] = {}
         metrics = {"bytes": 0, "files": 0, "alignment_seconds_max": 0.0, "write_seconds_max": 0.0, "held_records": 0,
-                   "loop_log_records": 0, "loop_log_bytes": 0}
+                   "loop_log_records": 0, "loop_log_bytes": 0, "channel_state_records": 0,
+                   "channel_state_bytes": 0}
+        channel_state: dict[str, dict[str, Any]] = {}
         for task, info in sorted(acks.items()):
             for op, chain in info.chains.items():
                 entry = operators.setdefault(op, {"kind": "process", "states": {}, "files": []})
@@ -158,6 +164,12 @@ class ManifestBuilder:
             metrics["held_records"] += info.held_records
             metrics["loop_log_records"] += info.loop_log_records
             metrics["loop_log_bytes"] += info.loop_log_bytes
+            if info.channel_state:
+                metrics["channel_state_records"] += info.channel_state_records
+                metrics["channel_state_bytes"] += info.channel_state_bytes
+                channel_state[task_key(info.task)] = {
+                    "records": info.channel_state_records, "bytes": info.channel_state_bytes,
+                    "data": base64.b64encode(info.channel_state).decode("ascii")}
         # staged output of every epoch since the last completed one, aborted epochs included
         for (_task, e), info in sorted(self.acks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             if self.last_completed < e <= epoch:
@@ -178,6 +190,7 @@ class ManifestBuilder:
             "sources": sources,
             "sinks": sinks,
             "metrics": metrics,
+            **({"channel_state": channel_state} if channel_state else {}),
             **extra,
         }
 
@@ -187,6 +200,17 @@ class ManifestBuilder:
         live = {f["path"] for op in manifest["operators"].values() for f in op["files"]}
         self.acks = {k: v for k, v in self.acks.items() if k[1] > epoch or any(f.path in live for f in v.files)}
         self.declined = {k for k in self.declined if k[1] > epoch}
+
+
+def task_key(task: tuple[int, int]) -> str:
+    """How a manifest names a task (its channel state): ``"chain.subtask"``."""
+    return f"{task[0]}.{task[1]}"
+
+
+def channel_state_of(m: dict[str, Any], task: tuple[int, int]) -> bytes:
+    """A task's channel state in a (validated) manifest (unaligned mode); b"" if none."""
+    entry = m.get("channel_state", {}).get(task_key(task))
+    return base64.b64decode(entry["data"]) if entry else b""
 
 
 def content_checksum(m: dict[str, Any]) -> str:
@@ -267,6 +291,10 @@ def _check_shape(m: dict[str, Any]) -> None:
             int(split), int(offset)
         if int(src.get("splits", len(src["offsets"]))) < len(src["offsets"]):
             raise ValueError(f"source {uid!r}: more offsets than splits")
+    for task, entry in m.get("channel_state", {}).items():
+        chain, subtask = task.split(".")
+        int(chain), int(subtask), int(entry["records"]), int(entry["bytes"])
+        base64.b64decode(entry["data"], validate=True)
     for uid, sink in m["sinks"].items():
         if not isinstance(sink["staged"], list) or not all(isinstance(p, str) for p in sink["staged"]):
             raise TypeError(f"sink {uid!r}: staged must be a list of paths")

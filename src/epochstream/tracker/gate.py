@@ -54,6 +54,9 @@ MACHINE = "FirmBoundGate"
 class FirmBoundGate:
     """Admits records of the open epoch; closes epochs on NEOSS."""
 
+    #: ``Gate``: no markers in trAcker mode
+    overtakes = False
+
     def __init__(self, segment: int | None = None, last_closed: int = 0, firm: bool = True) -> None:
         self.segment = segment
         self.firm = firm
