@@ -302,12 +302,14 @@ def _sink(out: str | Path | None, uid: str, sink_format: str = "jsonl") -> FileS
 
 
 def running_count(*, n: int = 300, keys: int = 7, out=None, emit_ids: bool = False, columnar: bool = False,
-                  sink_format: str = "jsonl", **knobs: Any) -> Pipeline:
+                  sink_format: str = "jsonl", source_delay: float = 0.0, **knobs: Any) -> Pipeline:
     """collection -> key_by(key) -> RunningCount [uid "count"] -> sink "counts".
 
     Emits ``(key, n)``; with ``emit_ids=True`` ``(key, n, id)`` (not for the oracle).
     ``columnar``: from_arrow -> key_by("key") -> process_batches(BatchRunningCount) [uid "count"],
-    emitting ``{"key", "n"}`` (``{"key", "n", "id"}``) rows.
+    emitting ``{"key", "n"}`` (``{"key", "n", "id"}``) rows. ``source_delay`` (rows only):
+    seconds per record in a map chained to the source, so a run lasts at least
+    ``n / parallelism * source_delay`` seconds however fast the machine is.
     """
     p = make_pipeline("running-count", **knobs)
     if columnar:
@@ -318,9 +320,11 @@ def running_count(*, n: int = 300, keys: int = 7, out=None, emit_ids: bool = Fal
             .sink(_sink(out, "counts", sink_format), uid="counts")
         )
         return p
+    src = p.from_collection(input_records(n, keys), uid="src")
+    if source_delay:
+        src = src.map(_sleeping(source_delay), name="paced")
     (
-        p.from_collection(input_records(n, keys), uid="src")
-        .key_by(_key)
+        src.key_by(_key)
         .process(RunningCount(emit_ids), uid="count")
         .sink(_sink(out, "counts", sink_format), uid="counts")
     )

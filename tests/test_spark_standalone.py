@@ -119,8 +119,10 @@ def test_a_lost_worker_is_waited_for_visibly_and_the_job_resumes_exactly(tmp_pat
     c, session = cluster
     _restore_workers(c, session)
     n = 60_000
+    # paced (0.5 ms a record: 10 s of reading at least), so the job cannot end before the Worker
+    # kill it waits for; unpaced, a CI machine once finished all 60,000 records 80 ms after epoch 1
     p = running_count(n=n, parallelism=WORKERS, interval=0.05, batch_size=64, emit_ids=True,
-                      out=tmp_path / "out")
+                      out=tmp_path / "out", source_delay=0.0005)
     p.slot_wait_timeout = 300
     chk = tmp_path / "chk"
     info: dict = {}
