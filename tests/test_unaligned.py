@@ -19,7 +19,7 @@ from epochstream.alignment.unaligned import UnalignedGate
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.assembly import build_tasks
 from epochstream.deploy.restore import Restored, check_compatible
-from epochstream.deploy.sim import FailureSchedule
+from epochstream.deploy.sim import FailureSchedule, SimConfig
 from epochstream.oracle import check_exactly_once
 from epochstream.runtime.errors import ProtocolError, StateSerializationError
 from epochstream.runtime.messages import Batch, Marker, Snapshot
@@ -234,11 +234,11 @@ def _kills_after_channel_state(tmp_path, replay):
     stands in for ``Task.restore_channel_state``."""
     def run(p, chk, failing):
         if not failing:
-            return sim_run(p, chk, seed=3, source_rate=SOURCE_RATE)
+            return sim_run(p, chk, seed=1, source_rate=SOURCE_RATE)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(Task, "restore_channel_state", replay)
             # virtual seconds: the first epochs complete by ~3 ms, each holding channel state
-            return sim_run(p, chk, seed=3, failures=FailureSchedule(kill_times=[0.0035, 0.006], write_failures={4}),
+            return sim_run(p, chk, seed=1, failures=FailureSchedule(kill_times=[0.0035, 0.006], write_failures={4}),
                            source_rate=SOURCE_RATE)
 
     build = partial(union_chain, mode="unaligned", parallelism=2, batch_size=1, interval=0.0003, emit_ids=True)
@@ -292,6 +292,91 @@ def test_a_task_whose_alignment_times_out_snapshots_unaligned(tmp_path):
     assert decode(snap.keyed[0])["count"] == {"j": 1}
     assert [recs for _c, recs, _k, _w in decode_channel_state(snap.channel_state)] == [[("j", 2)]]
     assert sorted(emitted(acts)) == [("j", 1, 1), ("j", 2, 2), ("k", 2, 1)]
+
+
+# ---------------------------------------------------------------- messages cut by the step budget
+
+
+@pytest.mark.parametrize("first", ["other channel", "own channel"])
+def test_a_marker_overtakes_the_rest_of_a_message_cut_by_the_step_budget(tmp_path, first):
+    """A step stops inside a message at its row budget; a marker that arrives meanwhile is taken
+    before the message's rest, which becomes channel state (recorded once, whichever channel's
+    marker comes first) and is still processed after the snapshot."""
+    _p, plan, tasks = build(tmp_path, mode="unaligned")
+    t = tasks[(2, 0)]
+    c_a, c_b = plan.inputs[(2, 0)]
+    t.receive(c_a, kbatch(1, [("k", v) for v in range(1, 6)]))
+    acts = t.step(1.0, budget=2)  # rows 1-2; rows 3-5 wait for later steps
+    assert t.has_input() and not t.mailbox and t.records_in == 2
+    order = [c_b, c_a] if first == "other channel" else [c_a, c_b]
+    t.receive(order[0], Marker(1))
+    acts += t.step(1.1, budget=2)  # the marker first: snapshot at 2 rows; then rows 3-4
+    t.receive(order[1], Marker(1))
+    while t.has_input():
+        acts += t.step(2.0, budget=2)
+        t.check_invariants()
+    (snap,) = [a.capture for a in acts if isinstance(a, Snapshot)]
+    assert decode(snap.keyed[0])["count"] == {"k": 2}
+    assert [(c, recs) for c, recs, _k, _w in decode_channel_state(snap.channel_state)] == \
+        [(c_a, [("k", 3), ("k", 4), ("k", 5)])]
+    assert [r for r in emitted(acts) if r[0] == "k"] == [("k", v, v) for v in range(1, 6)]
+
+
+def test_the_rest_of_a_cut_message_is_channel_state_of_every_epoch_it_outlives(tmp_path):
+    _p, plan, tasks = build(tmp_path, mode="unaligned")
+    t = tasks[(2, 0)]
+    c_a, c_b = plan.inputs[(2, 0)]
+    t.receive(c_a, kbatch(1, [("k", v) for v in range(1, 7)]))
+    acts = t.step(1.0, budget=1)  # row 1
+    for epoch in (1, 2):
+        t.receive(c_b, Marker(epoch))
+        t.receive(c_a, Marker(epoch))
+        acts += t.step(1.0 + epoch, budget=1)  # both markers, then one more row
+        t.check_invariants()
+    while t.has_input():
+        acts += t.step(4.0, budget=1)
+    snaps = [a.capture for a in acts if isinstance(a, Snapshot)]
+    assert [s.epoch for s in snaps] == [1, 2]
+    assert [decode(s.keyed[0])["count"] for s in snaps] == [{"k": 1}, {"k": 2}]
+    assert [[recs for _c, recs, _k, _w in decode_channel_state(s.channel_state)] for s in snaps] == [
+        [[("k", v) for v in range(2, 7)]], [[("k", v) for v in range(3, 7)]]]
+
+
+def _cut_messages_under_kills(tmp_path, seed=4, record_cost=2e-5):
+    """The strict oracle over a sim run whose unaligned tasks cut multi-row messages at random
+    row budgets, with two kills."""
+    def run(p, chk, failing):
+        failures = FailureSchedule(kill_times=[0.004, 0.009]) if failing else None
+        # records cost 10x the default: consuming steps are long enough for markers to arrive
+        # while a message is half done
+        return p.run(deployment="sim", checkpoint_dir=str(chk), seed=seed, failures=failures,
+                     sim=SimConfig(source_rate=SOURCE_RATE, record_cost=record_cost))
+
+    build_ = partial(union_chain, n=600, mode="unaligned", parallelism=2, batch_size=16, interval=0.0005,
+                     emit_ids=True)
+    return check_exactly_once(build_, run, tmp_path)
+
+
+def test_kills_with_cut_messages_in_channel_state_stay_exactly_once(tmp_path, monkeypatch):
+    cut: list[int] = []
+    real = Task._record_cursor
+
+    def spy(self):
+        cut.append(len(self._cursor[1].records) - self._cursor[2])
+        return real(self)
+
+    monkeypatch.setattr(Task, "_record_cursor", spy)
+    report = _cut_messages_under_kills(tmp_path)
+    assert report.ok and report.lost == report.duplicated == 0, report.to_json()
+    assert report.restarts >= 2 and report.channel_state_records > 0, report.to_json()
+    assert sum(cut) > 0, "no cut message became channel state: the scenario tests nothing"
+
+
+def test_the_oracle_sees_a_cut_message_left_out_of_channel_state(tmp_path, monkeypatch):
+    """Sabotage: the rest of a cut message is marked recorded but not stored; restores lose it."""
+    monkeypatch.setattr(Task, "_record_cursor", lambda self: setattr(self, "_cursor_recorded", True))
+    report = _cut_messages_under_kills(tmp_path)
+    assert not report.ok, report.to_json()
 
 
 def test_a_record_that_cannot_be_pickled_is_a_clear_error_when_it_becomes_channel_state(tmp_path):

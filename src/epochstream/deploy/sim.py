@@ -334,8 +334,11 @@ class _SimAttempt:
             return
         self.step_scheduled.discard(tid)
         task = self.tasks[tid]
-        self._run_task(task, budget=1, read_source=False)
-        if task.mailbox or task.triggers or task.neoss:
+        # one message per step; an unaligned task gets a row budget drawn per step instead, so
+        # messages are cut at random rows and markers overtake their rest (``Task._continue``)
+        budget = self.rng.randint(1, max(1, self.batch // 2)) if task.overtakes else 1
+        self._run_task(task, budget=budget, read_source=False)
+        if task.has_input():
             self.schedule_step(tid)
 
     def _on_read(self, tid) -> None:

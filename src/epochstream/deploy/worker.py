@@ -457,7 +457,7 @@ class WorkerLoop:
             self._credit()
             self.blocked = self._blocked(throttled)
             self.pending = frozenset(tid for tid, t in self.tasks.items()
-                                     if t.mailbox or (t.reader is not None and t.reader.has_more()))
+                                     if t.has_input() or (t.reader is not None and t.reader.has_more()))
             timeout = 0.002
             if self.tracker is not None:
                 now = time.monotonic()

@@ -121,6 +121,12 @@ class Task:
         #: channel -> messages still queued ahead of its taken marker (copied when it was taken);
         #: only kept while the marker also owes messages it overtook at the sender
         self._skip: dict[int, int] = {}
+        #: unaligned mode: a message cut by the step budget, (channel, batch, rows done); its
+        #: rest is conceptually at the head of its channel, so a marker can overtake it
+        #: between two steps instead of waiting for the whole message (``_consume``)
+        self._cursor: tuple[int, Batch, int] | None = None
+        #: whether the cursor's unprocessed rows are already channel state of the pending epoch
+        self._cursor_recorded = False
         policy = batching or BatchPolicy()
         #: the batching policy: a channel holding ``batch_rows`` rows is sent at the end of a
         #: step, the rest once its oldest row waited ``linger`` seconds (0: every step sends all)
@@ -173,7 +179,7 @@ class Task:
 
     # ------------------------------------------------------------ queries
     def has_input(self) -> bool:
-        return bool(self.mailbox) or bool(self.triggers) or bool(self.neoss)
+        return bool(self.mailbox) or bool(self.triggers) or bool(self.neoss) or self._cursor is not None
 
     def flush_deadline(self) -> float | None:
         """When buffered output must leave (a step at or after it sends it) or an alignment
@@ -267,10 +273,15 @@ class Task:
                 self._scan = True
         if self._scan:
             self._overtake(now, actions)
+        processed = 0
+        if self._cursor is not None:  # the rest of a message cut by the last step's budget
+            processed = self._continue(budget)
+            if self._cursor is not None:
+                self._flush_due(now, actions)
+                return
         gate, mailbox, held, received, clock = self.gate, self.mailbox, self.held, self._received, self.clock
         labelled = self.progress.labels_batches
         overtakes = self.overtakes
-        processed = 0
         while mailbox and processed < budget:
             channel, msg = mailbox.popleft()
             if not gate.admits(channel, msg, now):
@@ -289,11 +300,21 @@ class Task:
                     raise ProtocolError(
                         "Task", f"{self.id} in epoch {self.epoch}", f"Batch(epoch={msg.epoch})", f"on channel {channel}"
                     )
-                self._entry_of_channel[channel](msg.records, msg.keys)
                 n = len(msg.records)
+                received.append(msg)
+                if overtakes and n > budget - processed:
+                    # unaligned: cut the message at the budget, so a marker that arrives
+                    # meanwhile overtakes its rest (channel state) after this step
+                    og = cast(Overtaking, gate)
+                    self._cursor = (channel, msg, 0)
+                    self._cursor_recorded = self._unaligned is not None and og.recording(channel)
+                    processed += self._continue(budget - processed)
+                    if self._cursor is not None:
+                        break
+                    continue
+                self._entry_of_channel[channel](msg.records, msg.keys)
                 processed += n
                 self.records_in += n
-                received.append(msg)
             elif type(msg) is Watermark:
                 self._on_watermark(channel, msg.label, now, actions)
             elif type(msg) is Marker:  # everything before it on this channel is processed
@@ -316,6 +337,28 @@ class Task:
                     self._scan = overtakes  # markers held behind the aligned one may be taken now
                     break
         self._flush_due(now, actions)
+
+    def _continue(self, budget: int) -> int:
+        """Process up to ``budget`` more rows of the cut message; the rows processed."""
+        assert self._cursor is not None
+        channel, msg, done = self._cursor
+        stop = min(len(msg.records), done + max(budget, 1))
+        records, keys = _rows(msg, done, stop)
+        self._entry_of_channel[channel](records, keys)
+        self.records_in += stop - done
+        if stop == len(msg.records):
+            self._cursor, self._cursor_recorded = None, False
+        else:
+            self._cursor = (channel, msg, stop)
+        return stop - done
+
+    def _record_cursor(self) -> None:
+        """The cut message's unprocessed rows become channel state of the pending epoch."""
+        assert self._cursor is not None
+        channel, msg, done = self._cursor
+        records, keys = _rows(msg, done, len(msg.records))
+        self._record(channel, Batch(msg.epoch, records, keys, msg.id, msg.time))
+        self._cursor_recorded = True
 
     def _overtake(self, now: float, actions: list[TaskAction]) -> None:
         """Unaligned mode: take every marker the gate allows out of the mailbox, ahead of what
@@ -355,6 +398,9 @@ class Task:
         started = gate.on_marker(channel, marker.epoch, now, owed)
         if started is not None:
             self._begin_unaligned(started[0], now, actions)
+        cursor = self._cursor
+        if cursor is not None and cursor[0] == channel and not self._cursor_recorded:
+            self._record_cursor()  # the rest of the cut message is the head of this channel
         for m in ahead:
             self._record(channel, m)
         for m in marker.carried:  # queued at the sender: they follow the marker, already recorded
@@ -389,6 +435,12 @@ class Task:
         self._unaligned = self._capture_epoch(epoch, waited, now, actions, emit=False)
         self._channel_state = []
         self._channel_records = 0
+        og = self._overtaking
+        assert og is not None
+        if self._cursor is not None and og.recording(self._cursor[0]):
+            # the rest of a cut message is processed after this snapshot and before its
+            # channel's marker (a marker taken on that channel records it with what it passed)
+            self._record_cursor()
 
     def _record(self, channel: int, msg: Message) -> None:
         try:
@@ -406,6 +458,7 @@ class Task:
         assert capture is not None, f"task {self.id}: channel state complete without a capture"
         self._unaligned, self._channel_state = None, []
         self._skip.clear()
+        self._cursor_recorded = False  # the rest of a cut message is channel state of the next epoch too
         self._scan = True  # a marker of the next epoch may be waiting deeper in the mailbox
         blob = pickle.dumps(entries, pickle.HIGHEST_PROTOCOL) if entries else b""
         actions.append(Snapshot(replace(capture, channel_state=blob, channel_state_records=self._channel_records,
@@ -534,6 +587,15 @@ class Task:
         assert not self._received, f"task {self.id}: received batches not accounted for after step"
         if not self.gate.holding:
             assert not self.held, f"task {self.id}: held messages but the gate holds nothing"
+
+
+def _rows(msg: Batch, start: int, stop: int) -> tuple[Any, Any]:
+    """Rows ``start:stop`` of a batch (a list or an Arrow ``RecordBatch``) and their keys."""
+    records, keys = msg.records, msg.keys
+    if start == 0 and stop == len(records):
+        return records, keys
+    part = records[start:stop] if type(records) is list else records.slice(start, stop - start)
+    return part, (keys[start:stop] if keys is not None else None)
 
 
 def _encode(channel: int, msg: Message) -> bytes:
