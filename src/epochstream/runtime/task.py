@@ -591,7 +591,8 @@ class Task:
 
 def _rows(msg: Batch, start: int, stop: int) -> tuple[Any, Any]:
     """Rows ``start:stop`` of a batch (a list or an Arrow ``RecordBatch``) and their keys."""
-    records, keys = msg.records, msg.keys
+    records: Any = msg.records
+    keys = msg.keys
     if start == 0 and stop == len(records):
         return records, keys
     part = records[start:stop] if type(records) is list else records.slice(start, stop - start)
