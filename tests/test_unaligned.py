@@ -468,3 +468,16 @@ def test_a_marker_carrying_what_it_overtook_completes_the_capture_at_once(tmp_pa
         t.check_invariants()
     assert emitted(acts) == [("k", 1, 1), ("k", 2, 2), ("k", 3, 3)]
     assert len([a for a in acts if isinstance(a, Snapshot)]) == 1
+
+
+def test_a_cut_takes_rows_and_their_keys_from_lists_and_arrow_batches():
+    import pyarrow as pa
+
+    from epochstream.runtime.task import _rows
+
+    rows = Batch(1, [("a", 1), ("b", 2), ("c", 3)], ["a", "b", "c"])
+    assert _rows(rows, 1, 3) == ([("b", 2), ("c", 3)], ["b", "c"])
+    assert _rows(rows, 0, 3) == (rows.records, rows.keys)
+    arrow = Batch(1, pa.record_batch({"k": ["a", "b", "c"], "v": [1, 2, 3]}), None)  # type: ignore[arg-type]
+    part, keys = _rows(arrow, 1, 2)
+    assert part.to_pylist() == [{"k": "b", "v": 2}] and keys is None
