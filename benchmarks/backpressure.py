@@ -178,6 +178,32 @@ def check(chk: Path, total: int, skew: bool) -> None:
                          f"counts, want {total})")
 
 
+def run_pyflink(args: argparse.Namespace, unaligned: bool, k: float) -> list[dict[str, Any]]:
+    """The same shape on PyFlink (benchmarks/peers/pyflink_backpressure.py), one row per completed
+    checkpoint: its end-to-end duration as ``trigger_to_commit_s`` (Flink's trigger to the last
+    acknowledgement, which includes writing the checkpoint metadata, like our manifest) and its
+    persisted in-flight data as ``channel_bytes``."""
+    from benchmarks.peers.run_peers import run_peer_args
+
+    flags = ["--rate", str(args.rate), "--k", str(k), "--seconds", str(args.seconds), "--interval",
+             str(args.interval), "--workers", str(args.parallelism)] + (["--unaligned"] if unaligned else [])
+    if args.pyflink_bundle_size:
+        flags += ["--bundle-size", str(args.pyflink_bundle_size)]
+    r = run_peer_args("pyflink", flags, script="pyflink_backpressure.py")
+    if r["outputs"] != r["records"]:
+        raise SystemExit(f"pyflink k={k}: {r['outputs']} outputs for {r['records']} records")
+    load1 = os.getloadavg()[0]
+    return [{
+        "driver": f"pyflink {r['version']}", "mode": "pyflink-unaligned" if unaligned else "pyflink-aligned",
+        "debloat": "off", "k": k, "skew": False, "rate": args.rate, "interval_s": args.interval,
+        "parallelism": args.parallelism, "batch_rows": r["bundle_size"] or "default", "epoch": i,
+        "kind": "checkpoint", "trigger_to_commit_s": round(d, 4), "alignment_s": 0.0,
+        "state_bytes": sb, "channel_bytes": cb, "records_per_s": r["records_per_s"], "run_wall_s": r["wall_s"],
+        "recovery_s": None, "load1": round(load1, 2),
+    } for i, (d, cb, sb) in enumerate(zip(r["checkpoint_s"], r["persisted_bytes"], r["state_bytes"],
+                                                      strict=True), 1)]
+
+
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for mode, debloat, k in dict.fromkeys((r["mode"], r["debloat"], r["k"]) for r in rows):
@@ -232,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--driver", choices=["local", "spark"], default="local",
                     help="spark: the spark driver on local[parallelism + 1] (one session for every run)")
     ap.add_argument("--quick", action="store_true", help="k in 0.5, 10 and 10 s runs")
+    ap.add_argument("--peers", default="", help="pyflink: the same shape on PyFlink 2.3 (benchmarks/.venv-pyflink, "
+                    "created on first use), checkpoints aligned and unaligned, in the same run")
+    ap.add_argument("--pyflink-bundle-size", type=int, default=0,
+                    help="python.fn-execution.bundle.size of the PyFlink runs (0: Flink's default)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--name", default="backpressure")
     args = ap.parse_args(argv)
@@ -247,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="backpressure-"))
-    runs = [(m, d, k) for m in modes for d in debloats for k in factors]
+    runs: list[tuple[str, bool, float]] = [(m, d, k) for m in modes for d in debloats for k in factors]
+    if "pyflink" in args.peers.split(","):
+        runs += [(m, False, k) for m in ("pyflink-aligned", "pyflink-unaligned") for k in factors]
     spark = None
     if args.driver == "spark":
         from epochstream.deploy.spark import spark_session
@@ -256,10 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         spark.sparkContext.setLogLevel("ERROR")
     try:
         for i, (mode, debloat, k) in enumerate(runs, 1):
-            got = run_one(args, mode, debloat, k, work, spark)
+            got = run_pyflink(args, mode == "pyflink-unaligned", k) if mode.startswith("pyflink") else \
+                run_one(args, mode, debloat, k, work, spark)
             rows += got
             t2c = [r["trigger_to_commit_s"] for r in got]
-            print(f"[{i}/{len(runs)}] {mode:<9} debloating {'on ' if debloat else 'off'} k={k:<4}: {len(got)} epochs, "
+            print(f"[{i}/{len(runs)}] {mode:<17} debloating {'on ' if debloat else 'off'} k={k:<4}: {len(got)} epochs, "
                   f"p50 {pct(t2c, 0.5):.2f}s p99 {pct(t2c, 0.99):.2f}s, "
                   f"{got[0]['records_per_s'] if got else 0:,.0f} records/s, load {os.getloadavg()[0]:.1f}",
                   flush=True)
@@ -274,10 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         if spark is not None:
             spark.stop()
     table = summary(rows)
-    print(f"\n{'mode':<10} {'debloat':<7} {'k':>5} {'epochs':>6} {'p50 s':>7} {'p99 s':>7} {'align p99':>9} "
+    print(f"\n{'mode':<17} {'debloat':<7} {'k':>5} {'epochs':>6} {'p50 s':>7} {'p99 s':>7} {'align p99':>9} "
           f"{'chan B p99':>10} {'records/s':>10} {'recovery s':>10}")
     for r in table:
-        print(f"{r['mode']:<10} {r['debloat']:<7} {r['k']:>5} {r['epochs']:>6} {r['p50']:>7.2f} {r['p99']:>7.2f} "
+        print(f"{r['mode']:<17} {r['debloat']:<7} {r['k']:>5} {r['epochs']:>6} {r['p50']:>7.2f} {r['p99']:>7.2f} "
               f"{r['alignment_p99']:>9.2f} {r['channel_bytes_p99']:>10.0f} {r['records_per_s']:>10,.0f} "
               f"{r['recovery_s'] if r['recovery_s'] is not None else '-':>10}")
     lo, hi = min(factors), max(factors)
@@ -285,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode, debloat in dict.fromkeys((r["mode"], r["debloat"]) for r in table):
         by = {r["k"]: r for r in table if (r["mode"], r["debloat"]) == (mode, debloat)}
         if lo in by and hi in by and by[lo]["p99"] > 0:
-            print(f"  {mode:<10} debloating {debloat:<3}: {by[hi]['p99'] / by[lo]['p99']:.2f}x")
+            print(f"  {mode:<17} debloating {debloat:<3}: {by[hi]['p99'] / by[lo]['p99']:.2f}x")
     title = (f"rate {args.rate:,.0f}/s -> count -> slow stage (rate/k), {args.driver} driver p={args.parallelism}"
              f"{', one hot key' if args.skew else ''}")
     plot(table, out / f"{args.name}.png", title)

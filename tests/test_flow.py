@@ -100,3 +100,11 @@ def test_exactly_once_under_backpressure_with_a_tight_bound_and_kills(tmp_path, 
                                         sink_delay=0.0003), tmp_path, seed=7, kills=3)
     assert_exactly_once(report, describe(report, runs))
     assert runs["chaos"][0].restarts >= 1
+
+
+def test_the_step_budget_before_the_first_measurement_can_be_smaller_than_the_most():
+    d = Debloater(1.0, floor=1024)
+    assert d.rows_in(0.05, 4096) == 4096 and d.rows_in(0.05, 4096, unmeasured=256) == 256
+    d.observe(0.0, 0, 0.0)
+    d.observe(1.0, 1000, 1.0)  # 1,000 rows per busy second
+    assert d.rows_in(0.05, 4096, unmeasured=256) == 50

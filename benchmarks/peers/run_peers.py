@@ -82,7 +82,7 @@ def _flags(kw: Dict[str, Any]) -> List[str]:
     return out
 
 
-def run_peer_args(system: str, args: List[str], timeout: float = 3600) -> Dict[str, Any]:
+def run_peer_args(system: str, args: List[str], timeout: float = 3600, script: str | None = None) -> Dict[str, Any]:
     """Run a peer script with raw CLI args; return its JSON line plus host-load info.
 
     Adds "cpu_cores_host" (whole machine, average busy cores during the run),
@@ -91,7 +91,7 @@ def run_peer_args(system: str, args: List[str], timeout: float = 3600) -> Dict[s
     anything much above 0.1 in cpu_cores_other means the numbers are pessimistic.
     """
     python = ensure_venv(system)
-    cmd = [str(python), str(PEERS_DIR / PEERS[system].script), *args]
+    cmd = [str(python), str(PEERS_DIR / (script or PEERS[system].script)), *args]
     busy0, t0 = _busy_jiffies(), time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.time() - t0

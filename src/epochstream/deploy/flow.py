@@ -66,10 +66,11 @@ class Debloater:
             self.smoothing * rate + (1 - self.smoothing) * self.throughput)
         self._mark = (now, rows, busy)
 
-    def rows_in(self, seconds: float, most: int) -> int:
-        """Rows the consumers get through in ``seconds`` (1 .. ``most``; ``most`` unmeasured)."""
+    def rows_in(self, seconds: float, most: int, unmeasured: int | None = None) -> int:
+        """Rows the consumers get through in ``seconds`` (1 .. ``most``; ``unmeasured``, by
+        default ``most``, until the first measurement)."""
         if self.throughput is None:
-            return most
+            return most if unmeasured is None else unmeasured
         return max(1, min(most, int(self.throughput * seconds)))
 
     def limit(self) -> int:

@@ -99,6 +99,9 @@ ROWS_EVERY = 0.005
 STEP_BUDGET = 4096  # records per task step
 #: debloating: seconds of work a consuming task's step aims at (at least one message)
 STEP_SECONDS = 0.05
+#: unaligned mode, before the first measurement: rows a consuming step takes (it cuts messages
+#: there, so a marker waits for at most this much work even behind a very slow operator)
+FIRST_CUT = 256
 #: data envelopes a sender may have outstanding per link
 WINDOW = 16
 #: mailbox messages above which a receiver keeps the credits it owes
@@ -295,6 +298,13 @@ class WorkerLoop:
         target = getattr(pipeline, "buffer_debloat_target", DEFAULT_TARGET)
         #: the backlog bound in rows, sized by time (None: debloating off, or no consuming task)
         self.debloat = Debloater(target, pipeline.batch_rows) if target and self.others else None
+        #: sizes a consuming step by time (``STEP_SECONDS``): the debloater, or with debloating
+        #: off a meter of its own where tasks overtake (unaligned tasks cut messages at the step
+        #: budget, ``Task._continue``, so that is how long a marker waits for the work in hand)
+        overtaking = any(t.overtakes for t in self.others)
+        self.step_meter = self.debloat or (Debloater(DEFAULT_TARGET, pipeline.batch_rows) if overtaking else None)
+        self._first_budget = FIRST_CUT if overtaking else STEP_BUDGET
+        self._meter_at = 0.0
         self._rows_at = 0.0
         #: the last count of the backlog's rows: (over the bound, under a quarter of it), and
         #: whether the mailboxes alone are over it (then the senders wait for their credit)
@@ -409,7 +419,8 @@ class WorkerLoop:
             # debloating: a consuming step does about STEP_SECONDS of work (whole messages, so
             # the batches a function sees are unchanged), so triggers, markers and deliveries
             # are not kept waiting behind a long step of a slow operator
-            budget = STEP_BUDGET if self.debloat is None else self.debloat.rows_in(STEP_SECONDS, STEP_BUDGET)
+            meter = self.step_meter
+            budget = STEP_BUDGET if meter is None else meter.rows_in(STEP_SECONDS, STEP_BUDGET, self._first_budget)
             now = clock()
             times.round_end(now, self.blocked, self.pending)  # the last round: its steps and its wait
             if beat.due(now):  # from the loop itself: a loop that stops turning goes silent
@@ -577,6 +588,13 @@ class WorkerLoop:
     def _pressure(self) -> None:
         backlog = sum(len(t.mailbox) + len(t.held) for t in self.others) + sum(
             link.backlog for link in self.links.values())
+        meter = self.step_meter
+        if meter is not None and meter is not self.debloat:  # debloating off: only the step budget
+            now = time.monotonic()
+            if now - self._meter_at >= ROWS_EVERY:
+                self._meter_at = now
+                busy = self.times.busy
+                meter.observe(now, sum(t.records_in for t in self.others), sum(busy[t.id] for t in self.others))
         over, under = backlog > HIGH_WATERMARK, backlog < LOW_WATERMARK
         debloat = self.debloat
         if debloat is not None and backlog:
