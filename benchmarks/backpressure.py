@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.factors, args.seconds = "0.5,10", min(args.seconds, 10.0)
-    modes = args.modes.split(",")
+    modes = [m for m in args.modes.split(",") if m]  # "" with --peers: the peer alone
     unknown = [m for m in modes if m not in exactly_once]
     if unknown:
         ap.error(f"modes {unknown} are not exactly-once modes of this build ({exactly_once})")
