@@ -272,8 +272,10 @@ def make_pipeline(
     max_parallelism: int | None = None,
     incremental: bool = True,
     aligned_timeout: float | None = None,
+    state_backend_type: str = "hashmap",
 ) -> Pipeline:
-    """An empty Pipeline with the test knobs applied (restart_delay 0: the sim has its own)."""
+    """An empty Pipeline with the test knobs applied (restart_delay 0: the sim has its own);
+    ``state_backend_type``: where keyed state lives while the job runs (hashmap or rocksdb)."""
     return Pipeline(
         name,
         parallelism=parallelism,
@@ -284,6 +286,7 @@ def make_pipeline(
             max_concurrent=max_concurrent,
             tolerable_failed=tolerable_failed,
             incremental=incremental,
+            state_backend_type=state_backend_type,
         ),
         batch_rows=batch_size,
         batch_linger=batch_linger,
