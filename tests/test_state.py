@@ -313,7 +313,7 @@ def test_rebuilding_from_the_captured_chain_reproduces_the_live_state(ops, incre
     rebuilding_reproduces_the_live_state(ops, incremental, full_every)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.lists(STEPS, max_size=60), st.booleans(), st.integers(1, 4))
 def test_rebuilding_on_rocksdb_reproduces_the_live_state(ops, incremental, full_every):
     if KIND["type"] != "rocksdb":
@@ -403,3 +403,87 @@ def test_unpicklable_value_in_an_incremental_capture_is_reported():
     with pytest.raises(StateSerializationError, match="'bad'"):
         v.update(threading.Lock())
         s.capture(2)
+
+
+# ---------------------------------------------------------------- the RocksDB backend's own duties
+
+
+def rocks(tmp_path, memory_mb: int = 64, uid: str = "op-1") -> RocksDBKeyedState:
+    return RocksDBKeyedState(uid, lambda k: assign_to_key_group(k, M), (0, M - 1), local_dir=str(tmp_path),
+                             memory_mb=memory_mb)
+
+
+def test_rocksdb_db_is_scratch_removed_on_close_and_left_by_dead_processes(state_backend_type, tmp_path):
+    if state_backend_type != "rocksdb":
+        pytest.skip("rocksdb only")
+    import os
+    import subprocess
+    import sys
+
+    s = rocks(tmp_path)
+    assert os.path.isdir(s.path) and s.path.startswith(str(tmp_path))
+    s.close()
+    s.close()  # idempotent
+    assert not os.path.exists(s.path)
+    # a DB directory of a process that died without closing it (a killed worker)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / "epochstream-rocksdb" / f"{int(dead.stdout)}-0123456789ab-op-0"
+    stale.mkdir(parents=True)
+    (stale / "CURRENT").write_text("MANIFEST-000001\n")
+    fresh = rocks(tmp_path)
+    assert not stale.exists(), "the next backend under the same local dir removes it"
+    assert fresh.as_dict() == {}, "a new backend never reads an old DB"
+    path = fresh.path
+    del fresh  # garbage collected without close(): the finalizer removes the directory
+    import gc
+
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_rocksdb_keeps_more_state_than_its_memory_bound(state_backend_type, tmp_path):
+    """8 MiB bound, ~25 MB of values: RocksDB's own memory (memtables + block cache) stays near the
+    bound, every value reads back, and a full capture restores into a fresh DB."""
+    if state_backend_type != "rocksdb":
+        pytest.skip("rocksdb only")
+    s = rocks(tmp_path, memory_mb=8)
+    v = s.handle(ValueStateDescriptor("v"))
+    n = 100_000
+    for i in range(n):
+        s.keys.key = i
+        v.update(f"{i:0>240}")
+    assert s.approximate_memory() <= 1.25 * (8 << 20)
+    for i in range(0, n, 997):
+        s.keys.key = i
+        assert v.value() == f"{i:0>240}"
+    cap = s.capture(1)
+    assert cap.full and len(cap.rows) == n
+    assert [r[0] for r in cap.rows] == sorted(r[0] for r in cap.rows), "a full capture comes in key-group order"
+    again = rocks(tmp_path, memory_mb=8)
+    again.restore_rows(cap.rows, dict(cap.kinds))
+    av = again.handle(ValueStateDescriptor("v"))
+    again.keys.key = n - 1
+    assert av.value() == f"{n - 1:0>240}"
+    assert len(again.keys_of("v")) == n
+
+
+def test_rocksdb_needs_rocksdict_and_a_sane_memory_bound(state_backend_type, tmp_path, monkeypatch):
+    if state_backend_type != "rocksdb":
+        pytest.skip("rocksdb only")
+    import sys
+
+    from epochstream import CheckpointConfig
+    from epochstream.backends.rocksdb_state import RocksDBStateError, keyed_state_factory
+    from epochstream.runtime.errors import EpochStreamError
+
+    with pytest.raises(ValueError, match="state_backend_type"):
+        CheckpointConfig(state_backend_type="lsm")
+    with pytest.raises(ValueError, match="rocksdb_memory_mb"):
+        CheckpointConfig(state_backend_type="rocksdb", rocksdb_memory_mb=1)
+    assert keyed_state_factory(CheckpointConfig()) is None  # hashmap: the chain's default
+    make = keyed_state_factory(CheckpointConfig(state_backend_type="rocksdb", rocksdb_dir=str(tmp_path)))
+    assert make is not None and type(make("op", lambda k: 0, (0, 0), None)).__name__ == "RocksDBKeyedState"
+    monkeypatch.setitem(sys.modules, "rocksdict", None)  # as if not installed
+    with pytest.raises(RocksDBStateError, match=r"epochstream\[rocksdb\]") as ei:
+        rocks(tmp_path)
+    assert isinstance(ei.value, EpochStreamError)
