@@ -25,6 +25,7 @@ from epochstream import (
     TumblingEventTimeWindows,
     ValueStateDescriptor,
 )
+from pipelines import ROCKSDB_TEST_DIR
 
 WINDOW = 10.0
 SLACK = 1.0
@@ -37,7 +38,7 @@ def _pipeline(name: str, parallelism: int, interval: float, mode: str = "tracker
     state_type = tracker.pop("state_backend_type", "hashmap")
     return Pipeline(name, parallelism=parallelism, mode=mode,
                     checkpoint=CheckpointConfig(interval=interval, incremental=True, full_every=3,
-                                                state_backend_type=state_type),
+                                                state_backend_type=state_type, rocksdb_dir=ROCKSDB_TEST_DIR),
                     tracker=TrackerConfig(time_slack=SLACK, **tracker), batch_size=16, batch_linger=linger)
 
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import pickle
+import shutil
+import tempfile
 import threading
 from typing import Any
 
@@ -21,6 +23,7 @@ from epochstream.runtime.state import (
     MapStateDescriptor,
     ValueStateDescriptor,
 )
+from pipelines import ROCKSDB_TEST_DIR
 
 M = 128
 #: the backend ``backend()`` builds in the running test (set by the ``state_backend_type`` fixture)
@@ -29,9 +32,12 @@ KIND = {"type": "hashmap"}
 
 @pytest.fixture(autouse=True, params=["hashmap", "rocksdb"])
 def state_backend_type(request, tmp_path):
-    KIND["type"], KIND["dir"] = request.param, str(tmp_path)
+    # DBs on tmpfs where there is one (pipelines.ROCKSDB_TEST_DIR: creating a DB fsyncs)
+    where = tempfile.mkdtemp(dir=ROCKSDB_TEST_DIR) if ROCKSDB_TEST_DIR else str(tmp_path)
+    KIND["type"], KIND["dir"] = request.param, where
     yield request.param
     KIND["type"] = "hashmap"
+    shutil.rmtree(where, ignore_errors=True)
 
 
 def backend(uid: str = "op-1") -> Any:
