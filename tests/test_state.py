@@ -9,10 +9,13 @@ import tempfile
 import threading
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epochstream.backends.objects import encode_state_counted
 from epochstream.backends.rocksdb_state import RocksDBKeyedState
 from epochstream.graph.keygroups import assign_to_key_group
 from epochstream.runtime.context import Context
@@ -463,8 +466,15 @@ def test_rocksdb_keeps_more_state_than_its_memory_bound(state_backend_type, tmp_
         s.keys.key = i
         assert v.value() == f"{i:0>240}"
     cap = s.capture(1)
+    s.keys.key = 0
+    v.update("written after the capture")  # the capture is a RocksDB checkpoint of the epoch bound
     assert cap.full and len(cap.rows) == n
     assert [r[0] for r in cap.rows] == sorted(r[0] for r in cap.rows), "a full capture comes in key-group order"
+    # the writer streams it in row groups into one Parquet state file (never a list of the whole state)
+    data, count = encode_state_counted(cap.rows)
+    table = pq.read_table(pa.BufferReader(data))
+    assert count == table.num_rows == n and len(table.to_batches()) > 1
+    assert pickle.loads(table.column("value")[0].as_py()) == f"{0:0>240}"
     again = rocks(tmp_path, memory_mb=8)
     again.restore_rows(cap.rows, dict(cap.kinds))
     av = again.handle(ValueStateDescriptor("v"))

@@ -352,13 +352,16 @@ class RocksDBKeyedState:
         rows: list[tuple[int, bytes, str, bytes | None]] = []
         add = rows.append
         checked = self.key_type is not None or any(t.type is not None for t in self.tables.values())
-        if full:
+        captured: Any = rows
+        if full and not checked:
+            # streamed by the writer from a RocksDB checkpoint of this moment (later writes do not leak in)
+            captured = SnapshotRows(self, epoch)
+        elif full:  # declared types are checked here, in the task, so a bad value fails the epoch
             by_sid = self._by_sid
             for dbk, raw in self._db.items():
                 table = by_sid[dbk[2:4]]
                 n = int.from_bytes(raw[:4], "big")
-                if checked:
-                    self._check_types(table, raw, n)
+                self._check_types(table, raw, n)
                 add((int.from_bytes(dbk[:2], "big"), raw[4:4 + n], table.name, raw[4 + n:]))
         else:
             get = self._db.get
@@ -380,7 +383,7 @@ class RocksDBKeyedState:
         kinds = tuple((t.name, t.kind) for t in self.tables.values())
         types = tuple((t.name, t.type.to_json()) for t in self.tables.values() if t.type is not None)
         key_type = self.key_type
-        return KeyedCapture(self.operator_uid, rows, full, tuple(self.chain), self.key_group_range, kinds,
+        return KeyedCapture(self.operator_uid, captured, full, tuple(self.chain), self.key_group_range, kinds,
                             self.event_time, types, None if key_type is None else key_type.to_json())
 
     def _check_types(self, table: _Table, raw: bytes, n: int) -> None:
@@ -435,6 +438,67 @@ class RocksDBKeyedState:
             except Exception:
                 pass
         return total
+
+
+class SnapshotRows:
+    """The rows of a full capture, read from a RocksDB checkpoint taken at the epoch bound (the
+    memtable flushed, the SST files hard-linked into a directory of their own: Flink's native
+    RocksDB snapshot). The writer streams them into the state file
+    (``objects.encode_state_counted``), so a full capture is never a list of the whole state
+    in memory, and later writes to the live DB cannot reach it. The directory is removed when
+    the rows are dropped. Iterable more than once."""
+
+    __slots__ = ("_path", "_names", "_len", "_rd", "_uid", "_finalizer", "__weakref__")
+
+    def __init__(self, backend: RocksDBKeyedState, epoch: int) -> None:
+        self._rd = backend._rd
+        self._uid = backend.operator_uid
+        self._path = f"{backend.path}-chk{epoch}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._rd.Checkpoint(backend._db).create_checkpoint(self._path)
+        except Exception as exc:
+            shutil.rmtree(self._path, ignore_errors=True)
+            raise RocksDBStateError(f"operator {self._uid!r}: cannot take a RocksDB checkpoint at epoch {epoch} "
+                                    f"under {self._path!r}: {exc}") from exc
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self._path, True)
+        self._names = {sid: t.name for sid, t in backend._by_sid.items()}
+        self._len: int | None = None
+
+    def _open(self) -> Any:
+        rd = self._rd
+        opts = rd.Options(raw_mode=True)
+        table = rd.BlockBasedOptions()
+        table.set_block_cache(rd.Cache(8 << 20))
+        opts.set_block_based_table_factory(table)
+        try:
+            return rd.Rdict(self._path, opts, access_type=rd.AccessType.read_only())
+        except Exception as exc:
+            raise RocksDBStateError(f"operator {self._uid!r}: the RocksDB checkpoint {self._path!r} of a full "
+                                    f"capture cannot be read: {exc}") from exc
+
+    def __iter__(self) -> Iterator[tuple[int, bytes, str, bytes | None]]:
+        db = self._open()
+        try:
+            names = self._names
+            for dbk, raw in db.items():
+                n = int.from_bytes(raw[:4], "big")
+                yield int.from_bytes(dbk[:2], "big"), raw[4:4 + n], names[dbk[2:4]], raw[4 + n:]
+        finally:
+            db.close()
+
+    def __len__(self) -> int:
+        if self._len is None:
+            db = self._open()
+            try:
+                self._len = sum(1 for _ in db.keys())
+            finally:
+                db.close()
+        return self._len
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------- handles
