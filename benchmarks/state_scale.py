@@ -1,4 +1,5 @@
-"""Keyed state at scale: the files backend against the Delta backend (delta-rs commits), per epoch.
+"""Keyed state at scale: the files backend against the Delta backend (delta-rs commits), and the
+heap (``hashmap``) keyed-state backend against RocksDB (``rocksdb``), per epoch.
 
 Workload: a ``rate`` source at ``--rate`` rows/s for ``--seconds`` (the same input for every
 backend), keyed by ``value % --keys``, a running count in ValueState emitting ``(key, n)``,
@@ -13,11 +14,18 @@ For every completed epoch the job master's epoch log gives:
 * ``trigger_to_commit_s`` = the two added: trigger until the epoch's state is visible to
   readers (Delta: the table version holding the epoch). This is the figure compared.
 
-Writes ``benchmarks/results/state_scale.csv`` (one row per epoch) and ``state_scale.png``;
+Per run also: records/s (records in / run wall time), the peak RSS of each worker process
+(sampled every 0.2 s from /proc), and with ``--restore`` the wall time of a second run that
+restores the final checkpoint (its sources are exhausted: reading the state into the keyed-state
+backend is the work). ``--state-backend-types hashmap,rocksdb`` runs every checkpoint backend
+with each keyed-state backend (``CheckpointConfig.state_backend_type``; ``--rocksdb-memory-mb``).
+
+Writes ``benchmarks/results/<name>.csv`` (one row per epoch) and ``<name>.png``;
 prints a summary table with p50/p99 per backend and the Delta/files ratio of the p99. Each
 run is checked: the final committed state holds every key's exact count. Not a test.
 
     python benchmarks/state_scale.py [--keys 100000] [--rate 50000] [--seconds 40] [--backends files,delta]
+        [--state-backend-types hashmap,rocksdb] [--restore] [--name state_scale]
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,9 +75,11 @@ class KeyOf:
         return int(record["value"]) % self.keys
 
 
-def build(backend: str, keys: int, rate: float, seconds: float, interval: float, parallelism: int) -> Pipeline:
+def build(backend: str, keys: int, rate: float, seconds: float, interval: float, parallelism: int,
+          state_type: str = "hashmap", memory_mb: int = 64) -> Pipeline:
     p = Pipeline(f"state-scale-{backend}", parallelism=parallelism,
-                 checkpoint=CheckpointConfig(interval=interval, incremental=True))
+                 checkpoint=CheckpointConfig(interval=interval, incremental=True, state_backend_type=state_type,
+                                             rocksdb_memory_mb=memory_mb))
     p.checkpoint.state_backend = backend
     (
         p.rate(rate, count=int(rate * seconds), uid="src")
@@ -87,26 +98,77 @@ def pct(xs: list[float], q: float) -> float:
     return xs[i]
 
 
-def run_one(backend: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    chk = work / f"chk-{backend}"
-    p = build(backend, args.keys, args.rate, args.seconds, args.interval, args.parallelism)
+def _worker_rss_mb() -> dict[int, float]:
+    """Resident set size (MB) of every child process of this one (the local driver's workers)."""
+    me = os.getpid()
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) != me:  # ppid
+                continue
+            with open(f"/proc/{entry}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        out[int(entry)] = int(line.split()[1]) / 1024.0
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _run_sampled(p: Pipeline, **kw: Any) -> tuple[Any, float, list[float]]:
+    """Run ``p`` on the local driver: (result, wall seconds, peak RSS MB per worker process)."""
+    peaks: dict[int, float] = {}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.2):
+            for pid, mb in _worker_rss_mb().items():
+                peaks[pid] = max(peaks.get(pid, 0.0), mb)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
-    result = p.run(deployment="local", checkpoint_dir=str(chk))
-    wall = time.perf_counter() - t0
+    try:
+        result = p.run(deployment="local", **kw)
+    finally:
+        wall = time.perf_counter() - t0
+        stop.set()
+        sampler.join()
+    # the job master runs in this process; its children are the workers (and nothing else here)
+    return result, wall, sorted(peaks.values(), reverse=True)
+
+
+def run_one(backend: str, args: argparse.Namespace, work: Path, state_type: str = "hashmap") -> list[dict[str, Any]]:
+    chk = work / f"chk-{backend}"
+    p = build(backend, args.keys, args.rate, args.seconds, args.interval, args.parallelism, state_type,
+              args.rocksdb_memory_mb)
+    result, wall, rss = _run_sampled(p, checkpoint_dir=str(chk))
     check(backend, chk, args)
+    restore_s = float("nan")
+    if args.restore:  # the sources are exhausted: the restored run only reads the state back
+        again = build(backend, args.keys, args.rate, args.seconds, args.interval, args.parallelism, state_type,
+                      args.rocksdb_memory_mb)
+        _res, restore_s, _rss = _run_sampled(again, checkpoint_dir=str(chk), restore="latest")
     rows = []
     load1 = os.getloadavg()[0]
+    label = backend if state_type == "hashmap" else f"{backend}+{state_type}"
     for e in result.metrics.get("epochs", []):
         if e.get("state") != "completed":
             continue
         t2m = float(e["trigger_to_commit_seconds"])
         commit = float(e["commit_seconds"])
         rows.append({
-            "backend": backend, "keys": args.keys, "rate": args.rate, "interval_s": args.interval,
-            "parallelism": args.parallelism, "epoch": e["epoch"], "kind": e.get("kind"),
+            "backend": label, "state_backend_type": state_type, "keys": args.keys, "rate": args.rate,
+            "interval_s": args.interval, "parallelism": args.parallelism, "epoch": e["epoch"], "kind": e.get("kind"),
             "trigger_to_manifest_s": round(t2m, 4), "commit_s": round(commit, 4),
             "trigger_to_commit_s": round(t2m + commit, 4), "run_wall_s": round(wall, 2),
-            "records_in": result.records_in, "load1": round(load1, 2),
+            "records_in": result.records_in, "records_per_s": round(result.records_in / wall),
+            "peak_rss_mb_per_worker": ";".join(f"{m:.0f}" for m in rss), "restore_run_s": round(restore_s, 2),
+            "load1": round(load1, 2),
         })
     return rows
 
@@ -144,6 +206,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "commit_p50": pct([r["commit_s"] for r in xs], 0.5), "commit_p99": pct([r["commit_s"] for r in xs], 0.99),
             "t2m_p50": pct([r["trigger_to_manifest_s"] for r in xs], 0.5),
             "mean": statistics.fmean(t2c) if t2c else float("nan"),
+            "records_per_s": xs[0]["records_per_s"] if xs else 0, "rss": xs[0]["peak_rss_mb_per_worker"] if xs else "",
+            "restore_s": xs[0]["restore_run_s"] if xs else float("nan"), "load1": xs[0]["load1"] if xs else 0.0,
         })
     return out
 
@@ -155,7 +219,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    colors = {"files": "tab:blue", "delta": "tab:orange"}
+    colors = {"files": "tab:blue", "delta": "tab:orange", "files+rocksdb": "tab:green", "delta+rocksdb": "tab:red"}
     for b, rep in dict.fromkeys((r["backend"], r.get("repeat", 0)) for r in rows):
         xs = [r for r in rows if r["backend"] == b and r.get("repeat", 0) == rep]
         ax.plot([r["epoch"] for r in xs], [r["trigger_to_commit_s"] for r in xs], marker="o", ms=3,
@@ -178,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=1.0, help="checkpoint interval (s)")
     ap.add_argument("--parallelism", type=int, default=2)
     ap.add_argument("--backends", default="files,delta")
+    ap.add_argument("--state-backend-types", default="hashmap",
+                    help="keyed-state backends to run each checkpoint backend with: hashmap, rocksdb or both")
+    ap.add_argument("--rocksdb-memory-mb", type=int, default=64, help="rocksdb: memory bound per operator subtask")
+    ap.add_argument("--restore", action="store_true", help="time a restore of each run's final checkpoint")
     ap.add_argument("--repeats", type=int, default=1, help="runs per backend, interleaved")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--name", default="state_scale")
@@ -188,13 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="state-scale-"))
     try:
         for rep in range(args.repeats):
-            for b in args.backends.split(","):
-                got = run_one(b, args, work)
+            combos = [(b, t) for t in args.state_backend_types.split(",") for b in args.backends.split(",")]
+            for b, state_type in combos:
+                got = run_one(b, args, work, state_type)
                 for r in got:
                     r["repeat"] = rep
                 rows += got
-                print(f"{b} repeat {rep}: {len(got)} epochs, run {got[0]['run_wall_s'] if got else '?'} s, "
-                      f"load {os.getloadavg()[0]:.1f}", flush=True)
+                g = got[0] if got else {}
+                print(f"{b}/{state_type} repeat {rep}: {len(got)} epochs, run {g.get('run_wall_s')} s, "
+                      f"{g.get('records_per_s')} records/s, peak RSS per worker {g.get('peak_rss_mb_per_worker')} MB, "
+                      f"restore run {g.get('restore_run_s')} s, load {os.getloadavg()[0]:.1f}", flush=True)
                 shutil.rmtree(work / f"chk-{b}", ignore_errors=True)
                 with open(out / f"{args.name}.csv", "w", newline="") as f:
                     w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -203,11 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = summary(rows)
-    print(f"\n{'backend':<8} {'epochs':>6} {'run s':>6} {'t->c p50':>9} {'t->c p99':>9} {'max':>7} "
-          f"{'commit p50':>10} {'commit p99':>10} {'t->manifest p50':>15}")
+    print(f"\n{'backend':<14} {'epochs':>6} {'run s':>6} {'rec/s':>8} {'t->c p50':>9} {'t->c p99':>9} {'max':>7} "
+          f"{'commit p50':>10} {'commit p99':>10} {'t->manifest p50':>15} {'restore s':>9} {'load1':>5}  "
+          f"peak RSS MB/worker")
     for r in table:
-        print(f"{r['backend']:<8} {r['epochs']:>6} {r['run_wall_s']:>6} {r['t2c_p50']:>8.3f}s {r['t2c_p99']:>8.3f}s "
-              f"{r['t2c_max']:>6.2f}s {r['commit_p50']:>9.3f}s {r['commit_p99']:>9.3f}s {r['t2m_p50']:>14.3f}s")
+        print(f"{r['backend']:<14} {r['epochs']:>6} {r['run_wall_s']:>6} {r['records_per_s']:>8} {r['t2c_p50']:>8.3f}s "
+              f"{r['t2c_p99']:>8.3f}s {r['t2c_max']:>6.2f}s {r['commit_p50']:>9.3f}s {r['commit_p99']:>9.3f}s "
+              f"{r['t2m_p50']:>14.3f}s {r['restore_s']:>9} {r['load1']:>5}  {r['rss']}")
     by = {r["backend"]: r for r in table}
     if "files" in by and "delta" in by:
         print(f"\nDelta / files trigger->commit: p50 {by['delta']['t2c_p50'] / by['files']['t2c_p50']:.2f}x, "

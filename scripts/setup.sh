@@ -23,7 +23,7 @@ fi
 # constraints.txt holds the exact versions CI tested (scripts/lock.py writes it)
 "$PY" -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
 "$PY" - <<'PY'
-import epochstream, pyarrow, hypothesis, pyspark
+import epochstream, pyarrow, hypothesis, pyspark, rocksdict  # rocksdict: the RocksDB keyed-state backend
 print(f"epochstream {epochstream.__version__} installed (pyarrow {pyarrow.__version__}, pyspark {pyspark.__version__})")
 PY
 

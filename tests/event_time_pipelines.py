@@ -25,16 +25,20 @@ from epochstream import (
     TumblingEventTimeWindows,
     ValueStateDescriptor,
 )
+from pipelines import ROCKSDB_TEST_DIR
 
 WINDOW = 10.0
 SLACK = 1.0
 
 
 def _pipeline(name: str, parallelism: int, interval: float, mode: str = "tracker", **tracker: Any) -> Pipeline:
-    """``tracker``: TrackerConfig fields, and ``batch_linger`` (the batching policy's linger)."""
+    """``tracker``: TrackerConfig fields, ``batch_linger`` (the batching policy's linger) and
+    ``state_backend_type`` (hashmap or rocksdb: where keyed state, timers included, lives)."""
     linger = tracker.pop("batch_linger", 0.0)
+    state_type = tracker.pop("state_backend_type", "hashmap")
     return Pipeline(name, parallelism=parallelism, mode=mode,
-                    checkpoint=CheckpointConfig(interval=interval, incremental=True, full_every=3),
+                    checkpoint=CheckpointConfig(interval=interval, incremental=True, full_every=3,
+                                                state_backend_type=state_type, rocksdb_dir=ROCKSDB_TEST_DIR),
                     tracker=TrackerConfig(time_slack=SLACK, **tracker), batch_size=16, batch_linger=linger)
 
 

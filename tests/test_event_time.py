@@ -14,6 +14,7 @@ import pytest
 
 from epochstream import Pipeline, TrackerConfig
 from epochstream.backends.local import LocalCheckpointStorage
+from epochstream.backends.rocksdb_state import RocksDBKeyedState
 from epochstream.deploy.sim import FailureSchedule
 from epochstream.oracle import check_exactly_once, committed_state
 from epochstream.runtime.errors import ProtocolError
@@ -82,12 +83,13 @@ def test_event_time_is_exactly_once_under_failures(name, seed, linger, mode, tmp
     parallelism = 1 + seed % 3
     horizon = 400 / (parallelism * SOURCE_RATE)
     schedule = _schedule(rng, 3, horizon)
+    backend = "rocksdb" if seed % 2 else "hashmap"  # timers and windows on both keyed-state backends
 
     def run(p, chk, failing):
         return sim_run(p, chk, seed=seed, failures=schedule if failing else None)
 
-    report = check_exactly_once(partial(BUILDERS[name], parallelism=parallelism, mode=mode, batch_linger=linger),
-                                run, tmp_path)
+    report = check_exactly_once(partial(BUILDERS[name], parallelism=parallelism, mode=mode, batch_linger=linger,
+                                        state_backend_type=backend), run, tmp_path)
     assert report.ok, report.to_json()
     assert report.epochs_checked >= 2
     assert report.restarts >= 1 or not schedule.kill_times
@@ -106,11 +108,12 @@ def test_manifests_record_event_time_and_it_grows(mode, tmp_path):
     assert seen[-1] == END_OF_TIME  # the final epoch comes after every window fired
 
 
+@pytest.mark.parametrize("backend", ["hashmap", "rocksdb"])
 @pytest.mark.parametrize("mode", MODES)
-def test_key_expiry_drops_the_state_of_closed_auctions(mode, tmp_path):
+def test_key_expiry_drops_the_state_of_closed_auctions(mode, backend, tmp_path):
     """Distributed GC: once event time passes an auction's close, no bid can reach its key,
-    and its state is gone from the committed snapshot, epoch after epoch."""
-    p = BUILDERS["winning_bids"](out=tmp_path / "out", auctions=30, bids=600, mode=mode)
+    and its state is gone from the committed snapshot, epoch after epoch (on both keyed-state backends)."""
+    p = BUILDERS["winning_bids"](out=tmp_path / "out", auctions=30, bids=600, mode=mode, state_backend_type=backend)
     sim_run(p, tmp_path / "chk", seed=4)
     storage = LocalCheckpointStorage(tmp_path / "chk")
     checked = 0
@@ -185,8 +188,15 @@ def test_tracker_config_refuses_a_non_positive_slack():
 # ================================================================ timer service (unit)
 
 
-def test_timers_fire_in_timestamp_order_below_the_watermark():
-    state = HeapKeyedState("op", lambda k: 0, (0, 0))
+def _backend(kind, tmp_path):
+    if kind == "rocksdb":
+        return RocksDBKeyedState("op", lambda k: 0, (0, 0), local_dir=str(tmp_path))
+    return HeapKeyedState("op", lambda k: 0, (0, 0))
+
+
+@pytest.mark.parametrize("kind", ["hashmap", "rocksdb"])
+def test_timers_fire_in_timestamp_order_below_the_watermark(kind, tmp_path):
+    state = _backend(kind, tmp_path)
     timers = TimerService(state)
     for key, ts in [("a", 5.0), ("b", 2.0), ("a", 9.0), ("c", 5.0)]:
         state.keys.key = key
@@ -201,8 +211,9 @@ def test_timers_fire_in_timestamp_order_below_the_watermark():
     assert state.as_dict() == {} and state.event_time == 9
 
 
-def test_expiry_drops_every_state_of_the_key_and_survives_a_restore():
-    state = HeapKeyedState("op", lambda k: 0, (0, 0))
+@pytest.mark.parametrize("kind", ["hashmap", "rocksdb"])
+def test_expiry_drops_every_state_of_the_key_and_survives_a_restore(kind, tmp_path):
+    state = _backend(kind, tmp_path)
     timers = TimerService(state)
     value = state.handle(ValueStateDescriptor("v"))
     for key in ("x", "y"):
@@ -211,7 +222,7 @@ def test_expiry_drops_every_state_of_the_key_and_survives_a_restore():
         timers.expire_key_at(7.0 if key == "x" else 20.0)
     capture = state.capture(1, incremental=False)
     # restore into a fresh backend (as after a failure) and rebuild the timer index
-    fresh = HeapKeyedState("op", lambda k: 0, (0, 0))
+    fresh = _backend(kind, tmp_path)
     fresh.restore_rows(capture.rows, dict(capture.kinds))
     again = TimerService(fresh)
     again.rebuild()

@@ -121,6 +121,8 @@ class Chaos:
     batch_linger: float = 0.0
     #: what the FileSinks write (``pipelines.SINK_FORMATS``: JSON lines or Parquet)
     sink_format: str = "jsonl"
+    #: where keyed state lives while the job runs (``CheckpointConfig.state_backend_type``)
+    state_backend_type: str = "hashmap"
 
     def knobs(self) -> dict:
         return dict(
@@ -134,6 +136,7 @@ class Chaos:
             max_concurrent=self.max_concurrent,
             tolerable_failed=self.tolerable_failed,
             incremental=self.incremental,
+            state_backend_type=self.state_backend_type,
         )
 
     def horizon(self) -> float:
@@ -157,6 +160,8 @@ _ANY_LAYOUT = st.sampled_from(sorted(LAYOUTS))
 #: the batching policy's linger (virtual seconds): none, shorter than an epoch, longer than one
 LINGERS = st.sampled_from([0.0, 0.0001, 0.002])
 _ANY_SINK_FORMAT = st.sampled_from(sorted(SINK_FORMATS))
+#: keyed-state backends: drawn per example, so every suite runs on both without running twice
+_ANY_STATE_BACKEND = st.sampled_from(["hashmap", "rocksdb"])
 
 
 @st.composite
@@ -170,6 +175,7 @@ def chaos(
     layout=_ANY_LAYOUT,
     batch_linger=LINGERS,
     sink_format=_ANY_SINK_FORMAT,
+    state_backend_type=_ANY_STATE_BACKEND,
 ):
     n_kills = draw(kills)
     return Chaos(
@@ -194,6 +200,7 @@ def chaos(
         layout=draw(layout),
         batch_linger=draw(batch_linger),
         sink_format=draw(sink_format),
+        state_backend_type=draw(state_backend_type),
     )
 
 

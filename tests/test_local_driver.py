@@ -130,8 +130,9 @@ def test_exactly_once_with_real_kills(tmp_path, mode, name, parallelism):
     """5 SIGKILLs of random workers while the job runs (barrier alignment, and the trAcker):
     the committed output equals the failure-free run's and every completed epoch's state and
     output match the sequential reference over the input prefix its offsets name."""
+    # keyed state in RocksDB at p = 3 (a killed worker leaves its DB behind, never read again), on the heap at p = 2
     build = partial(BUILDERS[name], n=SIZES[name], parallelism=parallelism, mode=mode,
-                    interval=INTERVAL, batch_size=8)
+                    interval=INTERVAL, batch_size=8, state_backend_type="rocksdb" if parallelism == 3 else "hashmap")
     _exactly_once_with_real_kills(build, tmp_path, mode, seed=10 * parallelism + len(name))
 
 
@@ -143,7 +144,8 @@ def test_exactly_once_with_real_kills_columnar(tmp_path, mode, linger):
     (``pipelines.BatchRunningCount``, the columnar ``running_count``), SIGKILLs mid-epoch;
     with and without a batching linger (output waits up to 5 ms for 64-row batches)."""
     build = partial(running_count, n=SIZES["running_count"], parallelism=2, mode=mode, interval=INTERVAL,
-                    batch_size=64, batch_linger=linger, columnar=True)
+                    batch_size=64, batch_linger=linger, columnar=True,
+                    state_backend_type="rocksdb" if linger else "hashmap")
     _exactly_once_with_real_kills(build, tmp_path, mode, seed=5)
 
 

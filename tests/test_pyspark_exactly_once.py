@@ -36,13 +36,16 @@ from epochstream import CheckpointConfig, FileSink, Pipeline, TrackerConfig
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.sim import FailureSchedule, SimConfig
 from epochstream.oracle import check_exactly_once, committed_state, reference_run
-from pipelines import committed_output, without_fsync
+from pipelines import ROCKSDB_TEST_DIR, committed_output, without_fsync
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("aligned", "tracker")
 #: the input as dict rows, or as Arrow batches (the wrappers' columnar path)
 SOURCES = ("rows", "arrow")
 FAR = 10**13  # a timer this far in the future never fires
+#: keyed-state backends (``CheckpointConfig.state_backend_type``), drawn per example: the wrappers'
+#: states (their reserved TTL, timer and event-time states too) go through the generic handles on both
+STATE_BACKENDS = st.sampled_from(["hashmap", "rocksdb"])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -104,10 +107,11 @@ def records(n: int, keys: int = 5) -> list[dict]:
 
 
 def tally_pipeline(*, n=200, parallelism=2, mode="aligned", interval=0.0005, batch_size=8, splits=6,
-                   out=None, which="tws", incremental=True, source="rows") -> Pipeline:
+                   out=None, which="tws", incremental=True, source="rows", state_backend_type="hashmap") -> Pipeline:
     """``source``: ``"rows"`` (dicts) or ``"arrow"`` (Arrow batches: the wrappers' columnar path)."""
     p = Pipeline(f"pyspark-{which}", parallelism=parallelism, max_parallelism=128, mode=mode,
-                 checkpoint=CheckpointConfig(interval=interval, incremental=incremental),
+                 checkpoint=CheckpointConfig(interval=interval, incremental=incremental,
+                                             state_backend_type=state_backend_type, rocksdb_dir=ROCKSDB_TEST_DIR),
                  batch_size=batch_size, restart_attempts=30, restart_delay=0.0)
     if source == "arrow":
         s = p.from_arrow(pa.Table.from_pylist(records(n)), num_splits=splits, uid="input")
@@ -145,9 +149,10 @@ def assert_ok(report) -> None:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(0, 3),
        batch_size=st.sampled_from([1, 8, 32]), incremental=st.booleans(),
-       points=st.sets(st.sampled_from(["before_manifest", "after_manifest", "mid_commit", "recovery"]), max_size=2))
+       points=st.sets(st.sampled_from(["before_manifest", "after_manifest", "mid_commit", "recovery"]), max_size=2),
+       backend=STATE_BACKENDS)
 def test_exactly_once_under_failures_in_the_simulator(tmp_path_factory, mode, which, source, seed, parallelism,
-                                                      kills, batch_size, incremental, points):
+                                                      kills, batch_size, incremental, points, backend):
     import random
 
     rng = random.Random(seed)
@@ -159,7 +164,7 @@ def test_exactly_once_under_failures_in_the_simulator(tmp_path_factory, mode, wh
         return sim_run(p, chk, seed=seed, failures=schedule if failing else None)
 
     build = partial(tally_pipeline, mode=mode, which=which, parallelism=parallelism, batch_size=batch_size,
-                    incremental=incremental, source=source)
+                    incremental=incremental, source=source, state_backend_type=backend)
     assert_ok(check_exactly_once(build, run, tmp_path_factory.mktemp("eo")))
 
 
@@ -239,9 +244,10 @@ def session_input(n_keys: int = 12, per_key: int = 20) -> list[dict]:
 
 
 def session_pipeline(*, parallelism=2, which="tws", out=None, batch_size=8, interval=0.0005,
-                     mode="tracker") -> Pipeline:
+                     mode="tracker", state_backend_type="hashmap") -> Pipeline:
     p = Pipeline(f"sessions-{which}", parallelism=parallelism, max_parallelism=128, mode=mode,
-                 checkpoint=CheckpointConfig(interval=interval), batch_size=batch_size, restart_attempts=30,
+                 checkpoint=CheckpointConfig(interval=interval, state_backend_type=state_backend_type,
+                                             rocksdb_dir=ROCKSDB_TEST_DIR), batch_size=batch_size, restart_attempts=30,
                  restart_delay=0.0, tracker=TrackerConfig(time_slack=1_000.0, flush_interval=0.0005))
     s = p.from_collection(session_input(), splits=3, uid="events", timestamps=lambda r: r["t"])
     if which == "tws":
@@ -270,8 +276,8 @@ def test_event_time_timers_fire_from_job_wide_event_time(tmp_path, which, mode):
 @pytest.mark.parametrize("which", ["tws", "group_state"])
 @settings(max_examples=3, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(1, 3))
-def test_event_time_timers_are_exactly_once(tmp_path_factory, which, mode, seed, parallelism, kills):
+@given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(1, 3), backend=STATE_BACKENDS)
+def test_event_time_timers_are_exactly_once(tmp_path_factory, which, mode, seed, parallelism, kills, backend):
     """The oracle's reference replays the timers up to each epoch's recorded event time."""
     import random
 
@@ -281,7 +287,7 @@ def test_event_time_timers_are_exactly_once(tmp_path_factory, which, mode, seed,
     def run(p, chk, failing):
         return sim_run(p, chk, seed=seed, failures=schedule if failing else None)
 
-    build = partial(session_pipeline, which=which, parallelism=parallelism, mode=mode)
+    build = partial(session_pipeline, which=which, parallelism=parallelism, mode=mode, state_backend_type=backend)
     assert_ok(check_exactly_once(build, run, tmp_path_factory.mktemp("eo-et")))
 
 

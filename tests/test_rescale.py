@@ -42,6 +42,10 @@ KEYS = 23
 #: the final epoch waits for the one in flight
 SLOW_RATE = 5_000.0
 PAIRS = [(1, 3), (4, 2), (3, 7), (7, 3)]
+#: keyed-state backends of (phase 1, phase 2) per pair: each mode rescales on every backend and
+#: across them (a savepoint of one restores into the other) without running any pair twice
+BACKENDS = {(1, 3): ("hashmap", "rocksdb"), (4, 2): ("rocksdb", "rocksdb"), (3, 7): ("rocksdb", "hashmap"),
+            (7, 3): ("hashmap", "hashmap")}
 MODES = ("aligned", "tracker", "unaligned")
 
 
@@ -74,9 +78,9 @@ def half(parallelism: int) -> float:
     return 0.5 * N / (parallelism * SLOW_RATE)
 
 
-def key_sum(out: Path, parallelism: int, mode: str = "aligned", n: int = N):
+def key_sum(out: Path, parallelism: int, mode: str = "aligned", n: int = N, backend: str = "hashmap"):
     p = make_pipeline("rescaling", parallelism=parallelism, max_parallelism=M, mode=mode, interval=0.0005,
-                      batch_size=4)
+                      batch_size=4, state_backend_type=backend)
     p.from_collection(input_records(n, KEYS), uid="src").key_by(lambda r: r[0]).process(
         KeySum(), uid="sum").sink(FileSink(out), uid="out")
     return p
@@ -112,14 +116,15 @@ def expected_state() -> dict:
 def rescale_run(tmp_path: Path, p1: int, p2: int, mode: str, seed: int = 1) -> tuple[str, Path]:
     """Phase 1 at p1 until a stop-with-savepoint; phase 2 restores it at p2 and finishes."""
     out = tmp_path / "out"
-    first = sim_run(key_sum(out, p1, mode), tmp_path / "chk1", seed=seed, duration=half(p1), source_rate=SLOW_RATE,
-                    savepoint_dir=str(tmp_path / "sp"), stop_with_savepoint=True)
+    b1, b2 = BACKENDS.get((p1, p2), ("hashmap", "hashmap"))
+    first = sim_run(key_sum(out, p1, mode, backend=b1), tmp_path / "chk1", seed=seed, duration=half(p1),
+                    source_rate=SLOW_RATE, savepoint_dir=str(tmp_path / "sp"), stop_with_savepoint=True)
     assert first.savepoints, "phase 1 wrote no savepoint"
     savepoint = first.savepoints[-1]
     manifest = json.loads((Path(savepoint) / "_metadata.json").read_text())
     consumed = sum(manifest["sources"]["src"]["offsets"].values())
     assert 0 < consumed < N, f"the savepoint must cut the input ({consumed} of {N} read)"
-    second = sim_run(key_sum(out, p2, mode), tmp_path / "chk2", seed=seed + 1, restore=savepoint)
+    second = sim_run(key_sum(out, p2, mode, backend=b2), tmp_path / "chk2", seed=seed + 1, restore=savepoint)
     assert second.metrics["parallelism"] == p2
     return savepoint, out
 
@@ -150,7 +155,7 @@ def test_restored_state_sits_at_the_subtask_the_formula_names(tmp_path, p1, p2):
     in s's range, and together they hold the savepoint's state; state files written after the
     restore carry only their subtask's key groups."""
     savepoint, _out = rescale_run(tmp_path, p1, p2, "aligned")
-    pipeline = key_sum(tmp_path / "unused", p2)
+    pipeline = key_sum(tmp_path / "unused", p2, backend=BACKENDS[p1, p2][1])
     plan = pipeline.plan()
     storage = LocalCheckpointStorage(tmp_path / "chk-build")
     restored = find_restore(storage, savepoint)
@@ -161,6 +166,8 @@ def test_restored_state_sits_at_the_subtask_the_formula_names(tmp_path, p1, p2):
         st_ = task.chain.states.get("sum")
         if st_ is None:
             continue
+        # the chosen backend holds the restored state (a savepoint of either restores into either)
+        assert type(st_).__name__ == {"hashmap": "HeapKeyedState", "rocksdb": "RocksDBKeyedState"}[BACKENDS[p1, p2][1]]
         lo, hi = key_group_range(M, p2, subtask)
         for name, values in st_.as_dict().items():
             for key in values:

@@ -1,14 +1,22 @@
-"""Keyed state (runtime/state.py): PyFlink-style handles and the heap backend's captures."""
+"""Keyed state: PyFlink-style handles and the captures of both keyed-state backends, the heap
+(runtime/state.py, ``hashmap``) and RocksDB (backends/rocksdb_state.py): every test runs on each."""
 
 from __future__ import annotations
 
 import pickle
+import shutil
+import tempfile
 import threading
+from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epochstream.backends.objects import encode_state_counted
+from epochstream.backends.rocksdb_state import RocksDBKeyedState
 from epochstream.graph.keygroups import assign_to_key_group
 from epochstream.runtime.context import Context
 from epochstream.runtime.errors import StateSerializationError
@@ -18,11 +26,26 @@ from epochstream.runtime.state import (
     MapStateDescriptor,
     ValueStateDescriptor,
 )
+from pipelines import ROCKSDB_TEST_DIR
 
 M = 128
+#: the backend ``backend()`` builds in the running test (set by the ``state_backend_type`` fixture)
+KIND = {"type": "hashmap"}
 
 
-def backend(uid: str = "op-1") -> HeapKeyedState:
+@pytest.fixture(autouse=True, params=["hashmap", "rocksdb"])
+def state_backend_type(request, tmp_path):
+    # DBs on tmpfs where there is one (pipelines.ROCKSDB_TEST_DIR: creating a DB fsyncs)
+    where = tempfile.mkdtemp(dir=ROCKSDB_TEST_DIR) if ROCKSDB_TEST_DIR else str(tmp_path)
+    KIND["type"], KIND["dir"] = request.param, where
+    yield request.param
+    KIND["type"] = "hashmap"
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def backend(uid: str = "op-1") -> Any:
+    if KIND["type"] == "rocksdb":
+        return RocksDBKeyedState(uid, lambda k: assign_to_key_group(k, M), (0, M - 1), local_dir=KIND["dir"])
     return HeapKeyedState(uid, lambda k: assign_to_key_group(k, M), (0, M - 1))
 
 
@@ -31,7 +54,7 @@ def decode(capture) -> dict:
     return {(name, pickle.loads(kb)): None if vb is None else pickle.loads(vb) for _kg, kb, name, vb in capture.rows}
 
 
-def rebuild(files: dict[int, object], chain: tuple[int, ...], kinds: dict[str, str]) -> HeapKeyedState:
+def rebuild(files: dict[int, object], chain: tuple[int, ...], kinds: dict[str, str]) -> Any:
     fresh = backend()
     for epoch in chain:
         fresh.restore_rows(files[epoch].rows, kinds)
@@ -294,6 +317,20 @@ STEPS = st.one_of(OPS, OPS, st.just(CAPTURE))  # about one capture in three step
 @settings(max_examples=150, deadline=None)
 @given(st.lists(STEPS, max_size=60), st.booleans(), st.integers(1, 4))
 def test_rebuilding_from_the_captured_chain_reproduces_the_live_state(ops, incremental, full_every):
+    if KIND["type"] == "rocksdb":
+        pytest.skip("rocksdb: test_rebuilding_on_rocksdb draws fewer examples (a DB per rebuild)")
+    rebuilding_reproduces_the_live_state(ops, incremental, full_every)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(STEPS, max_size=60), st.booleans(), st.integers(1, 4))
+def test_rebuilding_on_rocksdb_reproduces_the_live_state(ops, incremental, full_every):
+    if KIND["type"] != "rocksdb":
+        pytest.skip("the heap runs test_rebuilding_from_the_captured_chain_reproduces_the_live_state")
+    rebuilding_reproduces_the_live_state(ops, incremental, full_every)
+
+
+def rebuilding_reproduces_the_live_state(ops, incremental, full_every):
     s = backend()
     h = {
         "v": s.handle(ValueStateDescriptor("v")),
@@ -347,8 +384,8 @@ def test_unpicklable_value_names_operator_state_and_key():
     s = backend("orders-by-user")
     v = s.handle(ValueStateDescriptor("last_seen"))
     s.keys.key = "user-42"
-    v.update(threading.Lock())
-    with pytest.raises(StateSerializationError) as ei:
+    with pytest.raises(StateSerializationError) as ei:  # heap: at the capture; rocksdb: at the write
+        v.update(threading.Lock())
         s.capture(1)
     msg = str(ei.value)
     assert "'orders-by-user'" in msg and "'last_seen'" in msg and "'user-42'" in msg and "lock" in msg
@@ -360,8 +397,8 @@ def test_unpicklable_value_nested_in_map_state_is_reported():
     s = backend("op")
     m = s.handle(MapStateDescriptor("cache"))
     s.keys.key = 7
-    m.put("fn", lambda x: x)
     with pytest.raises(StateSerializationError, match=r"'op'.*'cache'.*key 7"):
+        m.put("fn", lambda x: x)
         s.capture(1)
 
 
@@ -372,6 +409,97 @@ def test_unpicklable_value_in_an_incremental_capture_is_reported():
     v.update(1)
     s.capture(1)
     s.keys.key = "bad"
-    v.update(threading.Lock())
     with pytest.raises(StateSerializationError, match="'bad'"):
+        v.update(threading.Lock())
         s.capture(2)
+
+
+# ---------------------------------------------------------------- the RocksDB backend's own duties
+
+
+def rocks(tmp_path, memory_mb: int = 64, uid: str = "op-1") -> RocksDBKeyedState:
+    return RocksDBKeyedState(uid, lambda k: assign_to_key_group(k, M), (0, M - 1), local_dir=str(tmp_path),
+                             memory_mb=memory_mb)
+
+
+def test_rocksdb_db_is_scratch_removed_on_close_and_left_by_dead_processes(state_backend_type, tmp_path):
+    if state_backend_type != "rocksdb":
+        pytest.skip("rocksdb only")
+    import os
+    import subprocess
+    import sys
+
+    s = rocks(tmp_path)
+    assert os.path.isdir(s.path) and s.path.startswith(str(tmp_path))
+    s.close()
+    s.close()  # idempotent
+    assert not os.path.exists(s.path)
+    # a DB directory of a process that died without closing it (a killed worker)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / "epochstream-rocksdb" / f"{int(dead.stdout)}-0123456789ab-op-0"
+    stale.mkdir(parents=True)
+    (stale / "CURRENT").write_text("MANIFEST-000001\n")
+    fresh = rocks(tmp_path)
+    assert not stale.exists(), "the next backend under the same local dir removes it"
+    assert fresh.as_dict() == {}, "a new backend never reads an old DB"
+    path = fresh.path
+    del fresh  # garbage collected without close(): the finalizer removes the directory
+    import gc
+
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_rocksdb_keeps_more_state_than_its_memory_bound(state_backend_type, tmp_path):
+    """8 MiB bound, ~25 MB of values: RocksDB's own memory (memtables + block cache) stays near the
+    bound, every value reads back, and a full capture restores into a fresh DB."""
+    if state_backend_type != "rocksdb":
+        pytest.skip("rocksdb only")
+    s = rocks(tmp_path, memory_mb=8)
+    v = s.handle(ValueStateDescriptor("v"))
+    n = 100_000
+    for i in range(n):
+        s.keys.key = i
+        v.update(f"{i:0>240}")
+    assert s.approximate_memory() <= 1.25 * (8 << 20)
+    for i in range(0, n, 997):
+        s.keys.key = i
+        assert v.value() == f"{i:0>240}"
+    cap = s.capture(1)
+    s.keys.key = 0
+    v.update("written after the capture")  # the capture is a RocksDB checkpoint of the epoch bound
+    assert cap.full and len(cap.rows) == n
+    assert [r[0] for r in cap.rows] == sorted(r[0] for r in cap.rows), "a full capture comes in key-group order"
+    # the writer streams it in row groups into one Parquet state file (never a list of the whole state)
+    data, count = encode_state_counted(cap.rows)
+    table = pq.read_table(pa.BufferReader(data))
+    assert count == table.num_rows == n and len(table.to_batches()) > 1
+    assert pickle.loads(table.column("value")[0].as_py()) == f"{0:0>240}"
+    again = rocks(tmp_path, memory_mb=8)
+    again.restore_rows(cap.rows, dict(cap.kinds))
+    av = again.handle(ValueStateDescriptor("v"))
+    again.keys.key = n - 1
+    assert av.value() == f"{n - 1:0>240}"
+    assert len(again.keys_of("v")) == n
+
+
+def test_rocksdb_needs_rocksdict_and_a_sane_memory_bound(state_backend_type, tmp_path, monkeypatch):
+    if state_backend_type != "rocksdb":
+        pytest.skip("rocksdb only")
+    import sys
+
+    from epochstream import CheckpointConfig
+    from epochstream.backends.rocksdb_state import RocksDBStateError, keyed_state_factory
+    from epochstream.runtime.errors import EpochStreamError
+
+    with pytest.raises(ValueError, match="state_backend_type"):
+        CheckpointConfig(state_backend_type="lsm")
+    with pytest.raises(ValueError, match="rocksdb_memory_mb"):
+        CheckpointConfig(state_backend_type="rocksdb", rocksdb_memory_mb=1)
+    assert keyed_state_factory(CheckpointConfig()) is None  # hashmap: the chain's default
+    make = keyed_state_factory(CheckpointConfig(state_backend_type="rocksdb", rocksdb_dir=str(tmp_path)))
+    assert make is not None and type(make("op", lambda k: 0, (0, 0), None)).__name__ == "RocksDBKeyedState"
+    monkeypatch.setitem(sys.modules, "rocksdict", None)  # as if not installed
+    with pytest.raises(RocksDBStateError, match=r"epochstream\[rocksdb\]") as ei:
+        rocks(tmp_path)
+    assert isinstance(ei.value, EpochStreamError)

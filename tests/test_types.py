@@ -6,6 +6,7 @@ the typed Delta columns are tested in ``test_delta_typed.py``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 import epochstream.state
 from epochstream import ListStateDescriptor, MapStateDescriptor, Types, ValueStateDescriptor
 from epochstream.backends.local import LocalCheckpointStorage
+from epochstream.backends.rocksdb_state import RocksDBKeyedState
 from epochstream.backends.typed import arrow_type, declared_columns, typed_arrays
 from epochstream.deploy.failures import JobFailedError
 from epochstream.deploy.sim import FailureSchedule
@@ -107,11 +109,25 @@ def test_bad_declarations_are_clear_errors():
 # ---------------------------------------------------------------- the contract at capture
 
 
-def backend(key_type=None) -> HeapKeyedState:
+#: the keyed-state backend ``backend()`` builds in the running test (``kind`` fixture)
+KIND = {"type": "hashmap", "dir": None}
+
+
+@pytest.fixture(params=["hashmap", "rocksdb"])
+def kind(request, tmp_path):
+    """Declared types are checked at the capture on both keyed-state backends."""
+    KIND["type"], KIND["dir"] = request.param, str(tmp_path)
+    yield request.param
+    KIND["type"] = "hashmap"
+
+
+def backend(key_type=None) -> Any:
+    if KIND["type"] == "rocksdb":
+        return RocksDBKeyedState("profile", lambda k: 0, (0, 0), key_type, local_dir=KIND["dir"])
     return HeapKeyedState("profile", lambda k: 0, (0, 0), key_type)
 
 
-def test_capture_carries_declared_types_and_checks_values():
+def test_capture_carries_declared_types_and_checks_values(kind):
     s = backend(Types.STRING())
     count = s.handle(ValueStateDescriptor("count", Types.LONG(), default=0))
     recent = s.handle(ListStateDescriptor("recent", Types.STRING()))
@@ -131,7 +147,7 @@ def test_capture_carries_declared_types_and_checks_values():
     assert "'profile'" in msg and "'recent'" in msg and "'k1'" in msg and "ARRAY<STRING>" in msg and "element 1" in msg
 
 
-def test_a_key_that_breaks_the_declared_key_type_is_named():
+def test_a_key_that_breaks_the_declared_key_type_is_named(kind):
     s = backend(Types.LONG())
     v = s.handle(ValueStateDescriptor("v"))
     s.keys.key = "not-a-long"
@@ -140,7 +156,7 @@ def test_a_key_that_breaks_the_declared_key_type_is_named():
         s.capture(1)
 
 
-def test_one_state_declared_with_two_types_is_refused():
+def test_one_state_declared_with_two_types_is_refused(kind):
     s = backend()
     s.handle(ValueStateDescriptor("v", Types.LONG()))
     s.handle(ValueStateDescriptor("v"))  # an untyped handle on a typed state is fine
@@ -150,7 +166,7 @@ def test_one_state_declared_with_two_types_is_refused():
         s.handle(ValueStateDescriptor("my state", Types.LONG()))
 
 
-def test_restored_state_takes_its_type_from_the_declaration():
+def test_restored_state_takes_its_type_from_the_declaration(kind):
     s = backend()
     v = s.handle(ValueStateDescriptor("v", Types.LONG()))
     s.keys.key = "k"
@@ -196,8 +212,8 @@ def test_a_value_that_breaks_its_type_fails_the_job_and_loses_nothing(tmp_path):
 
     out, chk = tmp_path / "out", tmp_path / "chk"
 
-    def build(fn):
-        p = make_pipeline("typed-profile", restart_attempts=1)
+    def build(fn):  # keyed state in RocksDB: its captures check declared types too
+        p = make_pipeline("typed-profile", restart_attempts=1, state_backend_type="rocksdb")
         (p.from_collection(input_records(200, 5), uid="src").key_by(lambda r: r[0], key_type=Types.STRING())
          .process(fn, uid="profile").sink(FileSink(out / "counts"), uid="counts"))
         return p
@@ -233,7 +249,8 @@ def test_exactly_once_with_typed_state(mode, tmp_path):
         failures = FailureSchedule(kill_times=[0.004], write_failures={3}, fail_points={"after_manifest": {2}})
         return sim_run(p, chk, seed=5, failures=failures if failing else None)
 
-    report = check_exactly_once(lambda: typed_profile(mode=mode), run, tmp_path)
+    backend = "rocksdb" if mode == "tracker" else "hashmap"
+    report = check_exactly_once(lambda: typed_profile(mode=mode, state_backend_type=backend), run, tmp_path)
     assert report.ok, report.to_json()
     assert report.restarts >= 2 and report.epochs_checked >= 2
 

@@ -102,6 +102,12 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             p.checkpoint = replace(p.checkpoint, state_backend=args.state_backend)
         if getattr(args, "delta_compact_every", None) is not None:
             p.checkpoint = replace(p.checkpoint, delta_compact_every=args.delta_compact_every)
+        if getattr(args, "state_backend_type", None):
+            p.checkpoint = replace(p.checkpoint, state_backend_type=args.state_backend_type)
+        if getattr(args, "rocksdb_dir", None):
+            p.checkpoint = replace(p.checkpoint, rocksdb_dir=args.rocksdb_dir)
+        if getattr(args, "rocksdb_memory_mb", None) is not None:
+            p.checkpoint = replace(p.checkpoint, rocksdb_memory_mb=args.rocksdb_memory_mb)
         if getattr(args, "batch_rows", None) is not None:
             p.batch_rows = args.batch_rows
         if getattr(args, "batch_linger", None) is not None:
@@ -200,6 +206,15 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--delta-compact-every", type=_number(int, 0), metavar="N",
                     help="with --state-backend delta: compact a state table (its changelog) in the background once "
                          "it holds N epochs since the last compaction (default 10, 0: never)")
+    ap.add_argument("--state-backend-type", choices=["hashmap", "rocksdb"],
+                    help="where the running job keeps keyed state (Flink's state.backend.type): Python dicts "
+                         "(hashmap, default) or a local RocksDB per keyed operator subtask (rocksdb: larger "
+                         "than memory)")
+    ap.add_argument("--rocksdb-dir", metavar="DIR",
+                    help="with --state-backend-type rocksdb: local directory of the DBs (default: the temp dir)")
+    ap.add_argument("--rocksdb-memory-mb", type=_number(int, 8), metavar="MB",
+                    help="with --state-backend-type rocksdb: memory bound of each keyed operator subtask's DB "
+                         "(block cache + write buffers; default 64)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the simulator's schedule and of chaos")
     ap.add_argument("--duration", type=_number(float, 0, low_open=True),
                     help="stop after this many seconds with a final epoch (> 0)")

@@ -21,6 +21,8 @@ DEPLOYMENTS = ("sim", "local", "spark")
 
 
 STATE_BACKENDS = ("files", "delta")
+#: where a running job keeps its keyed state (Flink's ``state.backend.type``)
+STATE_BACKEND_TYPES = ("hashmap", "rocksdb")
 
 
 @dataclass
@@ -42,8 +44,22 @@ class CheckpointConfig:
     #: "delta": a state table is an append-only changelog, compacted (in the background) once it
     #: holds this many epochs since its last compaction; 0 never compacts
     delta_compact_every: int = 10
+    #: where the running job keeps keyed state (Flink's ``state.backend.type``): "hashmap" (Python
+    #: dicts, the default) or "rocksdb" (a local RocksDB per keyed operator subtask: state larger
+    #: than memory; needs ``pip install 'epochstream[rocksdb]'``). Checkpoints are the same rows.
+    state_backend_type: str = "hashmap"
+    #: "rocksdb": local directory for the DBs (None: the system temp dir); scratch, never restored from
+    rocksdb_dir: str | None = None
+    #: "rocksdb": memory bound of each keyed operator subtask's DB in MiB (block cache with the
+    #: write buffers charged to it; Flink's ``state.backend.rocksdb.memory.fixed-per-slot``)
+    rocksdb_memory_mb: int = 64
 
     def __post_init__(self) -> None:
+        if self.state_backend_type not in STATE_BACKEND_TYPES:
+            raise ValueError(
+                f"state_backend_type must be one of {STATE_BACKEND_TYPES}, got {self.state_backend_type!r}")
+        if self.rocksdb_memory_mb < 8:
+            raise ValueError(f"rocksdb_memory_mb must be >= 8, got {self.rocksdb_memory_mb}")
         if self.state_backend not in STATE_BACKENDS:
             raise ValueError(f"state_backend must be one of {STATE_BACKENDS}, got {self.state_backend!r}")
         if self.interval is not None and self.interval <= 0:

@@ -58,7 +58,7 @@ class CheckpointStorage(ABC):
         return None
 
     @abstractmethod
-    def pre_commit(self, operator: str, subtask: int, epoch: int, attempt: str, rows: list[Row],
+    def pre_commit(self, operator: str, subtask: int, epoch: int, attempt: str, rows: Iterable[Row],
                    key_group_range: tuple[int, int], full: bool) -> StateFileRef:
         """Durably write one keyed operator subtask's capture of ``epoch``; return its reference."""
 

@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from ..snapshot.manifest import CheckpointError, StateFileRef
 from .base import Row
@@ -182,7 +182,7 @@ class LocalCheckpointStorage(ObjectCheckpointStorage):
         super().__init__(store)
         self.save_delay = float(save_delay)
 
-    def pre_commit(self, operator: str, subtask: int, epoch: int, attempt: str, rows: list[Row],
+    def pre_commit(self, operator: str, subtask: int, epoch: int, attempt: str, rows: Iterable[Row],
                    key_group_range: tuple[int, int], full: bool) -> StateFileRef:
         if self.save_delay:
             time.sleep(self.save_delay)

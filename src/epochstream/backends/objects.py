@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -169,13 +170,13 @@ class ObjectCheckpointStorage(CheckpointStorage):
     def state_path(self, operator: str, subtask: int, epoch: int, attempt: str) -> str:
         return f"shared/{safe_name(operator)}/{subtask}/e{epoch}-a{attempt}.parquet"
 
-    def pre_commit(self, operator: str, subtask: int, epoch: int, attempt: str, rows: list[Row],
+    def pre_commit(self, operator: str, subtask: int, epoch: int, attempt: str, rows: Iterable[Row],
                    key_group_range: tuple[int, int], full: bool) -> StateFileRef:
-        data = encode_state(rows)
+        data, count = encode_state_counted(rows)
         rel = self.state_path(operator, subtask, epoch, attempt)
         self.store.put(self.root / rel, data)
         lo, hi = key_group_range  # callers may pass a list (from JSON): the ref holds a tuple
-        return StateFileRef(operator, subtask, epoch, rel, (lo, hi), full, len(rows), len(data),
+        return StateFileRef(operator, subtask, epoch, rel, (lo, hi), full, count, len(data),
                             hashlib.sha256(data).hexdigest())
 
     def read_state(self, ref: StateFileRef, root: Any = None) -> pa.Table:
@@ -361,20 +362,45 @@ def _live_files(retained: list[dict[str, Any]]) -> set[str]:
     return {f["path"] for m in retained for op in m["operators"].values() for f in op["files"]}
 
 
-def encode_state(rows: list[Row]) -> bytes:
-    """One capture as Parquet (zstd) bytes."""
+#: rows per Parquet row group when a capture is encoded as it streams in
+ENCODE_CHUNK_ROWS = 65_536
+
+
+def _state_table(rows: list[Row]) -> pa.Table:
     if rows:
         kgs, keys, names, values = zip(*rows, strict=True)
     else:
         kgs, keys, names, values = (), (), (), ()
-    table = pa.Table.from_arrays(
+    return pa.Table.from_arrays(
         [pa.array(kgs, pa.int32()), pa.array(keys, pa.binary()), pa.array(names, pa.string()),
          pa.array(values, pa.binary())],
         schema=STATE_SCHEMA,
     )
+
+
+def encode_state(rows: Iterable[Row]) -> bytes:
+    """One capture as Parquet (zstd) bytes."""
+    return encode_state_counted(rows)[0]
+
+
+def encode_state_counted(rows: Iterable[Row]) -> tuple[bytes, int]:
+    """One capture as Parquet (zstd) bytes, and its row count. Rows are taken in chunks of
+    ``ENCODE_CHUNK_ROWS`` (one row group each), so a capture that streams its rows (a full
+    RocksDB capture iterating a DB snapshot) is never held whole in memory, only its
+    compressed bytes."""
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
-    return sink.getvalue()
+    it = iter(rows)
+    chunk = list(itertools.islice(it, ENCODE_CHUNK_ROWS))
+    count = len(chunk)
+    if count < ENCODE_CHUNK_ROWS:  # the common case: one table, one row group
+        pq.write_table(_state_table(chunk), sink, compression="zstd")
+        return sink.getvalue(), count
+    with pq.ParquetWriter(sink, STATE_SCHEMA, compression="zstd") as writer:
+        while chunk:
+            writer.write_table(_state_table(chunk))
+            chunk = list(itertools.islice(it, ENCODE_CHUNK_ROWS))
+            count += len(chunk)
+    return sink.getvalue(), count
 
 
 def safe_name(name: str) -> str:

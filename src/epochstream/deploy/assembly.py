@@ -14,6 +14,7 @@ import pickle
 from typing import Any, Callable
 
 from ..alignment import BarrierAligner, UnalignedGate
+from ..backends.rocksdb_state import keyed_state_factory
 from ..graph.plan import PhysicalPlan
 from ..loops.task import LoopHeadTask
 from ..runtime.chain import ChainRuntime
@@ -59,10 +60,12 @@ def build_tasks(
     slack = pipeline.tracker.time_slack if event_time else None
     if tracker_mode:
         seg_of = build_segments(*chain_graph(plan)).segment_of
+    keyed_state = keyed_state_factory(cfg)  # hashmap (None) or rocksdb
     for tid in plan.tasks:
         if worker is not None and plan.worker_of(tid) != worker:
             continue
-        chain = ChainRuntime(plan, plan.chains[tid[0]], tid[1], Context, event_time=event_time)
+        chain = ChainRuntime(plan, plan.chains[tid[0]], tid[1], Context, event_time=event_time,
+                             keyed_state=keyed_state)
         if restored:
             _restore_chain(chain, restored, storage, plan.parallelism, tid[1])
         chain.open(start_epoch)

@@ -53,7 +53,7 @@ class LoopHeadTask(Task):
         self._own_key = self._state.key_group_range[0]
         self._push = self.chain.entry[node.id]
         #: records of the restored log, re-emitted by the first step before anything else
-        self.replay: list[Any] = [r for rs in self._state.tables[LOG_STATE].data.values() for r in rs]
+        self.replay: list[Any] = [r for _k, rs in self._state.entries(LOG_STATE) for r in rs]
         self.replayed = len(self.replay)
 
     def has_input(self) -> bool:
@@ -106,7 +106,7 @@ class LoopHeadTask(Task):
 
     def _clear_log(self) -> None:
         keys = self._state.keys
-        for key in list(self._state.tables[LOG_STATE].data):
+        for key in self._state.keys_of(LOG_STATE):
             keys.key = key
             self._log.clear()
 

@@ -33,13 +33,13 @@ from .columns import as_record_batch, concat, even_slices, from_rows, key_column
 from .context import Context
 from .errors import SchemaError, UserFunctionError
 from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
-from .state import HeapKeyedState, OperatorStateBackend
+from .state import HeapKeyedState, KeyedStateBackend, KeyedStateFactory, OperatorStateBackend
 from .timers import TimerService
 
 #: a batch of records (a list, or an Arrow RecordBatch) and their keys (or None) into an operator
 Push = Callable[[Any, "list[Any] | None"], None]
 #: builds the ``Context`` of one keyed operator subtask (``runtime.context.Context``)
-ContextFactory = Callable[[HeapKeyedState, int, int, str, "TimerService | None", "OperatorStateBackend | None"],
+ContextFactory = Callable[[KeyedStateBackend, int, int, str, "TimerService | None", "OperatorStateBackend | None"],
                           Context]
 
 #: distinct keys a column-keyed router remembers the key group of before it starts afresh
@@ -142,15 +142,17 @@ class ChainRuntime:
     """The compiled operators of one chain subtask."""
 
     def __init__(self, plan: PhysicalPlan, chain: Chain, subtask: int, context_factory: ContextFactory,
-                 event_time: bool = False) -> None:
-        """``event_time``: operators that declare event-time use get a ``TimerService``."""
+                 event_time: bool = False, keyed_state: KeyedStateFactory | None = None) -> None:
+        """``event_time``: operators that declare event-time use get a ``TimerService``;
+        ``keyed_state`` builds the keyed state of each ``process`` operator (None: the heap)."""
+        self._keyed_state: KeyedStateFactory = keyed_state or HeapKeyedState
         self.plan = plan
         self.event_time = event_time
         #: (fn, ctx, timers, downstream, uid) of operators with event-time timers
         self.timed: list[tuple[Any, Any, TimerService, Push, str]] = []
         self.chain = chain
         self.subtask = subtask
-        self.states: dict[str, HeapKeyedState] = {}
+        self.states: dict[str, KeyedStateBackend] = {}
         #: per keyed operator uid: its operator (non-keyed) state of this subtask
         self.operator_states: dict[str, OperatorStateBackend] = {}
         #: per sink uid: the writer collecting this subtask's output of the current epoch
@@ -417,8 +419,8 @@ class ChainRuntime:
         key_types = {e.key_type for e in node.inputs if e.key_type is not None}
         if len(key_types) > 1:
             raise ValueError(f"operator {uid!r}: its inputs declare different key types {sorted(map(repr, key_types))}")
-        state = HeapKeyedState(uid, lambda k: murmur_mix(zlib.crc32(key_bytes(k))) % m, kg_range,
-                               key_types.pop() if key_types else None)
+        state = self._keyed_state(uid, lambda k: murmur_mix(zlib.crc32(key_bytes(k))) % m, kg_range,
+                                  key_types.pop() if key_types else None)
         self.states[uid] = state
         op_state = self.operator_states[uid] = OperatorStateBackend(uid, self.subtask)
         fn = copy.deepcopy(node.payload)  # one instance per subtask, as Flink deserializes one each
@@ -537,6 +539,8 @@ class ChainRuntime:
                 fn.close()
             except Exception:
                 pass
+        for state in self.states.values():  # a RocksDB backend closes and removes its local DB
+            state.close()
 
     @property
     def records_out(self) -> int:

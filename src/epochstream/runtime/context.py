@@ -9,7 +9,7 @@ from ..graph.keygroups import canonical_key
 if TYPE_CHECKING:
     from .state import (
         BroadcastState,
-        HeapKeyedState,
+        KeyedStateBackend,
         ListState,
         MapState,
         OperatorListState,
@@ -26,7 +26,7 @@ class Context:
     __slots__ = ("_state", "_keys", "_operator", "subtask_index", "parallelism", "operator_uid", "epoch", "timers",
                  "now")
 
-    def __init__(self, state: HeapKeyedState, subtask_index: int, parallelism: int, operator_uid: str,
+    def __init__(self, state: KeyedStateBackend, subtask_index: int, parallelism: int, operator_uid: str,
                  timers: TimerService | None = None, operator_state: OperatorStateBackend | None = None) -> None:
         self._state = state
         self._operator = operator_state

@@ -9,7 +9,7 @@ a task returns from ``step`` for the driver to carry out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator, Protocol
 
 #: the time label of "no more records ever" (a bounded source's last time promise)
 END_OF_TIME = 1 << 62
@@ -79,6 +79,15 @@ class Send:
     message: Message
 
 
+class CapturedRows(Protocol):
+    """A capture's rows: a list (heap; incremental RocksDB captures), or a sized iterable over
+    a RocksDB snapshot that the writer streams (full RocksDB captures; iterable more than once)."""
+
+    def __iter__(self) -> Iterator[tuple[int, bytes, str, bytes | None]]: ...
+
+    def __len__(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class KeyedCapture:
     """Rows of one keyed operator at an epoch bound, already serialized.
@@ -89,7 +98,7 @@ class KeyedCapture:
     """
 
     operator_uid: str
-    rows: list[tuple[int, bytes, str, bytes | None]]
+    rows: CapturedRows
     full: bool
     chain: tuple[int, ...]
     key_group_range: tuple[int, int]

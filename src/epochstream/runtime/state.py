@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, overload
+from typing import Any, Callable, Iterable, Iterator, Protocol, overload
 
 from ..graph.keygroups import canonical_key
 from .errors import StateSerializationError
@@ -348,9 +348,68 @@ class HeapKeyedState:
             else:
                 table.data[key] = loads(vbytes)
 
+    def entries(self, name: str) -> list[tuple[Any, Any]]:
+        """(key, value) of every key holding a value in state ``name`` (a copy)."""
+        table = self.tables.get(name)
+        return list(table.data.items()) if table is not None else []
+
+    def drop_key(self, key: Any) -> None:
+        """Drop every piece of state of ``key`` (expiry timers)."""
+        for table in self.tables.values():
+            if table.data.pop(key, _MISSING) is not _MISSING:
+                table.dirty.add(key)
+
+    def close(self) -> None:
+        """Nothing to release: the state lives in dicts."""
+        return None
+
     def as_dict(self) -> dict[str, dict[Any, Any]]:
         """Plain copy of all state (tests, queries)."""
         return {name: dict(t.data) for name, t in self.tables.items() if t.data}
+
+
+class KeyedStateBackend(Protocol):
+    """What tasks, contexts and timers use of a keyed-state backend: ``HeapKeyedState`` (Flink's
+    ``hashmap``) or ``backends.rocksdb_state.RocksDBKeyedState`` (``rocksdb``)."""
+
+    operator_uid: str
+    key_type: TypeInformation | None
+    keys: _KeyContext
+    key_group_range: tuple[int, int]
+    chain: list[int]
+    force_full: bool
+    event_time: int | None
+
+    @overload
+    def handle(self, descriptor: ValueStateDescriptor) -> ValueState: ...
+
+    @overload
+    def handle(self, descriptor: ListStateDescriptor) -> ListState: ...
+
+    @overload
+    def handle(self, descriptor: MapStateDescriptor) -> MapState: ...
+
+    @overload
+    def handle(self, descriptor: StateDescriptor) -> ValueState | ListState | MapState: ...
+
+    def keys_of(self, name: str) -> list[Any]: ...
+
+    def entries(self, name: str) -> list[tuple[Any, Any]]: ...
+
+    def drop_key(self, key: Any) -> None: ...
+
+    def capture(self, epoch: int, incremental: bool = True, full_every: int = 10) -> KeyedCapture: ...
+
+    def restore_rows(self, rows: Iterable[tuple[int, bytes, str, bytes | None]], kinds: dict[str, str]) -> None: ...
+
+    def as_dict(self) -> dict[str, dict[Any, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+#: builds one keyed operator subtask's backend: (operator uid, key -> key group, key-group range, key type)
+KeyedStateFactory = Callable[[str, Callable[[Any], int], tuple[int, int], "TypeInformation | None"],
+                             KeyedStateBackend]
 
 
 # ---------------------------------------------------------------- operator (non-keyed) state

@@ -23,7 +23,7 @@ import heapq
 import itertools
 from typing import Any, Callable
 
-from .state import HeapKeyedState, MapStateDescriptor
+from .state import KeyedStateBackend, MapStateDescriptor
 
 TIMERS = "__timers__"
 USER = "user"
@@ -35,7 +35,7 @@ class TimerService:
 
     __slots__ = ("_state", "_keys", "_timers", "_heap", "_seq", "watermark", "expired_keys", "enabled")
 
-    def __init__(self, state: HeapKeyedState, enabled: bool = True) -> None:
+    def __init__(self, state: KeyedStateBackend, enabled: bool = True) -> None:
         self._state = state
         self._keys = state.keys
         self._timers = state.handle(MapStateDescriptor(TIMERS))
@@ -69,8 +69,7 @@ class TimerService:
     # ------------------------------------------------------------ runtime side
     def rebuild(self) -> None:
         """Index the timers restored into the state table."""
-        self._heap = [(ts, next(self._seq), key) for key, entries in self._state.tables[TIMERS].data.items()
-                      for ts in entries]
+        self._heap = [(ts, next(self._seq), key) for key, entries in self._state.entries(TIMERS) for ts in entries]
         heapq.heapify(self._heap)
 
     def advance(self, label: int, watermark: float, on_timer: Callable[[float], None]) -> None:
@@ -80,14 +79,13 @@ class TimerService:
         if watermark <= self.watermark:
             return
         self.watermark = watermark
-        heap, keys, data = self._heap, self._keys, self._state.tables[TIMERS].data
+        heap, keys, timers = self._heap, self._keys, self._timers
         while heap and heap[0][0] < watermark:
             ts, _seq, key = heapq.heappop(heap)
-            entries = data.get(key)
-            if entries is None or ts not in entries:
-                continue  # deleted, or fired through a duplicate entry
             keys.key = key
-            kind = self._timers.get(ts)
+            if not timers.contains(ts):
+                continue  # deleted, or fired through a duplicate entry
+            kind = timers.get(ts)
             self._timers.remove(ts)
             if kind == EXPIRE:
                 self._drop_key(key)
@@ -107,8 +105,5 @@ class TimerService:
         heapq.heappush(self._heap, (timestamp, next(self._seq), self._keys.key))
 
     def _drop_key(self, key: Any) -> None:
-        for table in self._state.tables.values():
-            if key in table.data:
-                del table.data[key]
-                table.dirty.add(key)
+        self._state.drop_key(key)
         self.expired_keys += 1
