@@ -24,6 +24,11 @@ class Source:
     num_splits: int = 1
     #: event time of a record (set by ``Pipeline.from_source(timestamps=...)``), or None
     timestamp: Callable[[Any], Any] | None = None
+    #: seconds a record may come behind the newest of its split (None: not at all; set by
+    #: ``Pipeline.from_source(max_out_of_orderness=...)``; ``runtime.watermarks``)
+    max_out_of_orderness: float | None = None
+    #: seconds without records after which a split stops holding the watermark back (None: never)
+    idleness: float | None = None
     #: the split count was not chosen by the user: a fresh start sets it to the parallelism,
     #: a restore to the checkpoint's count
     elastic: bool = False

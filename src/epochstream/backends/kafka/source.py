@@ -48,6 +48,13 @@ def _split_key(key: Any, topics: list[str]) -> tuple[str, int]:
     return topics[0], int(key)
 
 
+def kafka_event_time(record: Any) -> Any:
+    """A record's Kafka timestamp in seconds (``from_kafka(timestamps="kafka")``); None if the
+    producer set none (the reader then names the record)."""
+    ts = record["timestamp"]
+    return None if ts is None else ts / 1000.0
+
+
 class KafkaSource(Source):
     """Kafka topics as a replayable source (see the module docstring)."""
 
