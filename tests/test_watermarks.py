@@ -159,14 +159,26 @@ def test_an_idle_split_stops_holding_time_back_and_its_late_records_are_dropped(
     assert reader.next_time_promise(7.0) is None  # split 1 active again, at 38.5 - 1 -> 37 < 38
 
 
-def test_every_split_idle_promises_nothing_more():
-    feed = _Feed(1)
+def test_when_every_split_is_idle_the_splits_that_brought_records_decide():
+    feed = _Feed(3)
     reader = _reader(feed, 0.0, idleness=1.0)
-    feed.data[0] += [5.0]
-    _drain(reader, 0.0)
-    assert reader.next_time_promise(0.0) == 4
-    _drain(reader, 3.0)
-    assert reader.next_time_promise(3.0) is None
+    assert reader.next_time_promise(0.0) is None  # nothing read, nothing known
+    assert reader.next_time_promise(5.0) is None  # all idle, none brought a record: still nothing
+    feed.data[0] += [9.0]
+    feed.data[1] += [5.0]
+    _drain(reader, 6.0)
+    assert reader.next_time_promise(6.0) == 4  # splits 0 and 1 active (min 5 - 1); 2 idle, never read
+    feed.data[0] += [12.0]
+    _drain(reader, 6.5)
+    assert reader.next_time_promise(6.5) is None  # split 1 still holds it at 4
+    assert reader.next_time_promise(7.2) == 11  # split 1 idle now: split 0 alone
+    assert reader.next_time_promise(10.0) is None  # all quiet: min over 0 and 1 is 4, below 11
+    feed.data[1] += [6.0, 20.0]  # split 1 wakes up behind the promise: 6.0 is late
+    assert _drain(reader, 11.0) == [20.0]
+    assert reader.next_time_promise(11.0) == 19  # split 0 idle: split 1 alone decides (Flink's idleness)
+    feed.data[0] += [15.0]  # so split 0's next record is late when it wakes
+    assert _drain(reader, 11.5) == []
+    assert reader.late_records == 2
 
 
 def test_a_restored_reader_resumes_its_split_watermarks():

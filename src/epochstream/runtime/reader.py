@@ -113,22 +113,27 @@ class SplitReader:
     def next_time_promise(self, now: float = 0.0) -> int | None:
         """The labels no split can send any more, if that grew since the last call. With
         bounded out-of-orderness idle splits do not count; if every split with records left
-        is idle, nothing more is promised until one brings records."""
+        is idle, the idle splits that brought records decide (``runtime.watermarks``)."""
         bound = END_OF_TIME
         wm = self.watermarks
-        live = idle = 0
+        live = 0
+        quiet = END_OF_TIME  # the minimum over idle splits that brought records
         for s in self.splits:
             length = self.lengths[s]
             if length is None or self.offsets[s] < length:
-                live += 1
                 if wm is None:
                     bound = min(bound, self._split_label.get(s, 0) - 1)
                 elif wm.idle(s, now):
-                    idle += 1
+                    if wm.seen(s):
+                        quiet = min(quiet, wm.bound(s) - 1)
+                    continue
                 else:
                     bound = min(bound, wm.bound(s) - 1)
-        if live and idle == live:
-            return None
+                live += 1
+        if wm is not None and not live and self.has_more():  # every split idle
+            if quiet == END_OF_TIME:
+                return None  # none brought a record: nothing is known
+            bound = quiet
         if bound <= self.time_promised:
             return None
         self.time_promised = bound

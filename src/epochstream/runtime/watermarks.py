@@ -19,9 +19,12 @@ max_delay``).
 
 A split that brought no record for ``idleness`` seconds (Flink's ``withIdleness``) is
 *idle*: it no longer holds the reader's watermark back, until it brings a record again.
-A record an idle split brings may then be behind time the reader already promised; it is
-late too (the reader drops it). Idleness depends on wall-clock time, so with idleness on
-the set of late records is no longer reproducible, as in Flink.
+When every split of a reader is idle, the idle splits that brought records decide (their
+minimum), so a source whose partitions all went quiet still lets the windows of what it
+read close; a split that never brought a record holds nothing back once idle. A record an
+idle split brings may then be behind time the reader already promised; it is late too
+(the reader drops it). Idleness depends on wall-clock time, so with idleness on the set of
+late records is no longer reproducible, as in Flink.
 
 Sans-IO and pure: times come in as arguments.
 """
@@ -85,6 +88,10 @@ class SplitWatermarks:
             self.max_ts[split] = ts
             self._bound[split] = self._label_bound(ts)
         return True
+
+    def seen(self, split: int) -> bool:
+        """``split`` brought a record (or was restored with a timestamp)."""
+        return self.max_ts[split] != NO_TIMESTAMP
 
     def touched(self, split: int, now: float) -> None:
         """``split`` brought records at ``now`` (late ones too: it is not idle)."""
