@@ -365,3 +365,53 @@ def test_an_idle_partition_stops_holding_windows_back(kafka, tmp_path, mode):
         windows[idleness] = FileSink(tmp_path / f"out-{idleness}").read()
     assert windows[None] == []
     assert len(windows[0.3]) >= 2 and all(count > 0 for _start, count in windows[0.3])
+
+
+# ---------------------------------------------------------------- partitions added while running
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_partitions_added_while_running_are_read_exactly_once(kafka, tmp_path, mode):
+    """An unbounded source over a topic of 2 partitions; 2 more are created mid-run
+    (``AdminClient.create_partitions``) and records go to all four; a worker is killed after
+    that. Every record's result is in the output at read_committed exactly once, and the
+    manifest holds offsets of the new partitions."""
+    import threading
+
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import NewPartitions
+
+    from epochstream.backends.kafka.client import admin
+    from epochstream.backends.local import LocalCheckpointStorage
+
+    first, second = 400, 600
+    src = new_topic(kafka, "grow", 2)
+    out = new_topic(kafka, "grown", 2)
+    produce(kafka, src, [(f"k{i % KEYS}", str(i)) for i in range(first)])
+
+    def grow():
+        client = admin(kafka.bootstrap_servers)
+        client.create_partitions([NewPartitions(src, 4)])[src].result(30)
+        prod = Producer({"bootstrap.servers": kafka.bootstrap_servers, "log_level": 3})
+        for i in range(first, first + second):
+            prod.produce(src, key=f"k{i % KEYS}", value=str(i), partition=i % 4)
+        assert prod.flush(30) == 0
+
+    p = make_pipeline("kafka-grow", mode=mode, interval=0.1, batch_size=16, parallelism=2)
+    sink = KafkaSink(kafka.bootstrap_servers, out, key=lambda r: r[0], staging=tmp_path / "staging")
+    (p.from_kafka(kafka.bootstrap_servers, src, uid="src", partition_discovery_interval=0.3)
+     .map(_as_pair)
+     .key_by(lambda r: r[0])
+     .process(RunningCount(emit_ids=True), uid="count")
+     .sink(sink, uid="out"))
+    grower = threading.Timer(1.5, grow)
+    grower.start()
+    try:
+        res = p.run("local", checkpoint_dir=tmp_path / "chk", duration=7.0,
+                    failures=FailureSchedule(kill_times=[4.0], kill_moments=["now"]))
+    finally:
+        grower.join()
+    assert res.restarts >= 1
+    assert check_running_counts(_committed(kafka, out), range(first + second)) == []
+    manifest, _root = LocalCheckpointStorage(tmp_path / "chk").latest()
+    assert set(manifest["sources"]["src"]["offsets"]) == {"0", "1", "2", "3"}

@@ -628,7 +628,7 @@ class Pipeline:
                    value_deserializer: Callable[[bytes | None], Any] | None = None,
                    timestamps: str | Callable[[Any], float] | None = None,
                    settings: dict[str, Any] | None = None, max_out_of_orderness: float | None = None,
-                   idleness: float | None = None) -> Stream:
+                   idleness: float | None = None, partition_discovery_interval: float | None = 30.0) -> Stream:
         """A replayable source over Kafka topics (a name, a list, or a compiled regular
         expression): one split per partition, Kafka offsets in the epoch manifest, read at
         ``read_committed``. ``start``: ``"earliest"``, ``"latest"``, a timestamp in ms or
@@ -641,13 +641,16 @@ class Pipeline:
         ``timestamp / 1000``); or a function of a record (seconds). ``max_out_of_orderness``
         and ``idleness`` (seconds) as in ``from_collection``: each partition has its own
         watermark, the source's is the minimum over its partitions that are not idle.
+        ``partition_discovery_interval`` (seconds, Flink's ``partition.discovery.interval.ms``;
+        None: off): an unbounded source over one topic picks up partitions added while it
+        runs, each read from its beginning, dealt to subtask ``partition % parallelism``.
         Needs ``epochstream[kafka]``; see ``backends.kafka.source``."""
         from ..backends.kafka.source import KafkaSource
 
         uid = uid or f"kafka-{len(self._nodes)}"
         source = KafkaSource(bootstrap_servers, topics, start=start, end=end, group_id=group_id,
                              key_deserializer=key_deserializer, value_deserializer=value_deserializer,
-                             settings=settings)
+                             settings=settings, partition_discovery_interval=partition_discovery_interval)
         source.uid = uid
         if timestamps == "kafka":
             from ..backends.kafka.source import kafka_event_time

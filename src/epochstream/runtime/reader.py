@@ -32,18 +32,26 @@ class SplitReader:
     """Offsets and time labels of the splits one source subtask reads."""
 
     __slots__ = ("source", "uid", "splits", "offsets", "lengths", "_next_split", "timestamp", "slack", "last_read",
-                 "_split_label", "time_promised", "watermarks")
+                 "_split_label", "time_promised", "watermarks", "_owner", "_known", "_restored", "_restored_max")
 
     def __init__(self, source: Source, uid: str, splits: list[int], offsets: dict[int, int],
-                 slack: float | None, max_timestamps: dict[int, float] | None = None) -> None:
+                 slack: float | None, max_timestamps: dict[int, float] | None = None,
+                 owner: tuple[int, int] | None = None) -> None:
         """``offsets``: restored offsets (a split without one starts at 0); ``slack``: seconds
         per time label, or None to read without labels; ``max_timestamps``: restored newest
-        timestamp per split (bounded out-of-orderness)."""
+        timestamp per split (bounded out-of-orderness); ``owner``: (subtask, parallelism), so
+        a growing source's new splits ``s`` with ``s % parallelism == subtask`` are read here."""
         self.source = source
         self.uid = uid
         self.splits = splits
+        self._owner = owner
+        #: the source's split count this reader has looked at (growing sources)
+        self._known = source.num_splits
+        #: restored offsets of every split (a split added later resumes from its own)
+        self._restored = dict(offsets)
+        self._restored_max = dict(max_timestamps or {})
         #: next offset to read per split; only grows
-        self.offsets: dict[int, int] = {s: int(offsets.get(s, source.start_offset(s))) for s in splits}
+        self.offsets: dict[int, int] = {s: self._first_offset(s) for s in splits}
         #: records per split (None: unbounded)
         self.lengths: dict[int, int | None] = {s: source.split_length(s) for s in splits}
         self._next_split = 0
@@ -69,6 +77,30 @@ class SplitReader:
                 if first:
                     self._split_label[s] = self._label(s, self.offsets[s], first[0])
 
+    def _first_offset(self, split: int) -> int:
+        restored = self._restored
+        if split in restored:
+            return int(restored[split])
+        if restored and self.source.grows:  # a restore, and the split is newer than the checkpoint
+            return int(self.source.discovered_start_offset(split))
+        return int(self.source.start_offset(split))
+
+    def _grow(self, now: float) -> None:
+        """A growing source: take the new splits this subtask owns, from their first offsets."""
+        source = self.source
+        source.discover(now)
+        if source.num_splits == self._known or self._owner is None:
+            return
+        subtask, parallelism = self._owner
+        for s in range(self._known, source.num_splits):
+            if s % parallelism == subtask and s not in self.offsets:
+                self.splits.append(s)
+                self.offsets[s] = self._first_offset(s)
+                self.lengths[s] = source.split_length(s)
+                if self.watermarks is not None:
+                    self.watermarks.add_split(s, self._restored_max.get(s))
+        self._known = source.num_splits
+
     def has_more(self) -> bool:
         return any(ln is None or self.offsets[s] < ln for s, ln in self.lengths.items())
 
@@ -80,6 +112,8 @@ class SplitReader:
     def read(self, budget: int, now: float = 0.0) -> list[Run]:
         """Up to ``budget`` records of the next split that has some, as runs of one label
         (late records left out)."""
+        if self.source.grows:
+            self._grow(now)
         splits = self.splits
         for _ in range(len(splits)):
             split = splits[self._next_split % len(splits)]

@@ -34,6 +34,18 @@ class Source:
     elastic: bool = False
     #: the uid of the source operator (set by ``Pipeline.from_source``), named in errors
     uid: str | None = None
+    #: splits may be added while the job runs (``discover``; a Kafka topic's new partitions):
+    #: new splits get the next indices, a checkpoint may hold fewer splits than the source has
+    grows: bool = False
+
+    def discover(self, now: float, force: bool = False) -> None:
+        """Look for new splits (a growing source, at most once per its interval unless
+        ``force``) and add them at the end: ``num_splits`` grows, nothing else changes."""
+
+    def discovered_start_offset(self, split: int) -> int:
+        """Where a split that a restored checkpoint does not name starts (a growing source:
+        it was created after the checkpoint, so from its beginning)."""
+        return self.start_offset(split)
 
     def resplit(self, num_splits: int) -> None:
         """Change the number of splits (elastic sources only, before the job reads anything).

@@ -143,7 +143,7 @@ class Task:
             assert node.uid is not None, f"source node {node.name!r} has no uid"
             splits = [s for s in range(source.num_splits) if s % plan.parallelism == task_id[1]]
             self.reader = SplitReader(source, node.uid, splits, (source_offsets or {}).get(node.uid, {}), slack,
-                                      (source_max_timestamps or {}).get(node.uid))
+                                      (source_max_timestamps or {}).get(node.uid), (task_id[1], plan.parallelism))
             self._source_push = chain.entry[node.id]
 
     # ------------------------------------------------------------ events in

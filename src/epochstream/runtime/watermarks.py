@@ -68,6 +68,12 @@ class SplitWatermarks:
             return 0  # timestamps are >= 0: label 0 may still come
         return max(0, math.floor((max_ts - self.max_delay) / self.slack))
 
+    def add_split(self, split: int, max_ts: float | None = None) -> None:
+        """A split added while running (a new Kafka partition), or restored later."""
+        self.max_ts[split] = NO_TIMESTAMP if max_ts is None else float(max_ts)
+        self._bound[split] = self._label_bound(self.max_ts[split])
+        self._last_record[split] = None
+
     def bound(self, split: int) -> int:
         """The lowest time label ``split`` may still send."""
         return self._bound[split]
