@@ -415,3 +415,20 @@ def test_partitions_added_while_running_are_read_exactly_once(kafka, tmp_path, m
     assert check_running_counts(_committed(kafka, out), range(first + second)) == []
     manifest, _root = LocalCheckpointStorage(tmp_path / "chk").latest()
     assert set(manifest["sources"]["src"]["offsets"]) == {"0", "1", "2", "3"}
+
+
+# ---------------------------------------------------------------- an unreachable cluster on the sink side
+
+
+@pytest.mark.parametrize("guarantee", ["exactly-once", "at-least-once"])
+def test_sink_names_an_unreachable_cluster_and_commits_nothing(tmp_path, guarantee):
+    from epochstream.deploy.failures import JobFailedError
+
+    p = Pipeline("unreachable", parallelism=1, restart_attempts=0)
+    p.from_collection(list(range(10)), uid="src").sink(
+        KafkaSink("127.0.0.1:1", "out-topic", guarantee=guarantee, staging=tmp_path / "staging"), uid="out")
+    with pytest.raises(JobFailedError) as info:
+        p.run("sim", checkpoint_dir=tmp_path / "chk")
+    why = str(info.value)
+    assert "KafkaSinkError" in why and "'127.0.0.1:1'" in why and "'out-topic'" in why and "'out'" in why, why
+    assert not list((tmp_path / "chk").glob("chk-*"))  # no epoch completed
