@@ -19,6 +19,7 @@ import json
 import math
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -432,3 +433,54 @@ def test_sink_names_an_unreachable_cluster_and_commits_nothing(tmp_path, guarant
     why = str(info.value)
     assert "KafkaSinkError" in why and "'127.0.0.1:1'" in why and "'out-topic'" in why and "'out'" in why, why
     assert not list((tmp_path / "chk").glob("chk-*"))  # no epoch completed
+
+
+# ---------------------------------------------------------------- epochstream chaos of a Kafka job
+
+
+def test_cli_chaos_accepts_a_kafka_job(kafka, tmp_path):
+    """``epochstream chaos --deployment local`` on Kafka -> keyed count -> Kafka: both runs write
+    fresh topics; the chaos run's topic at read_committed equals the failure-free run's, and at
+    read_uncommitted it shows the writes the killed attempts aborted."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    src = _fill(kafka, 3000)
+    out = new_topic(kafka, "chaos-out", 2)
+    job = tmp_path / "kafkajob.py"
+    job.write_text(textwrap.dedent(f'''
+        import time
+        from epochstream import KafkaSink, Pipeline
+        from epochstream.api.functions import KeyedProcessFunction
+        from epochstream.runtime.state import ValueStateDescriptor
+
+        class Count(KeyedProcessFunction):
+            def open(self, ctx):
+                self.n = ctx.state(ValueStateDescriptor("n", default=0))
+
+            def process(self, pair, ctx):
+                time.sleep(0.0005)
+                self.n.update(self.n.value() + 1)
+                yield [ctx.key, pair[1], self.n.value()]
+
+        def job():
+            p = Pipeline("kafka-chaos", parallelism=2, mode="aligned", checkpoint_interval=0.1)
+            (p.from_kafka({kafka.bootstrap_servers!r}, {src!r}, end="latest", uid="src")
+             .map(lambda r: (r["key"].decode(), int(r["value"])))
+             .key_by(lambda r: r[0]).process(Count(), uid="count")
+             .sink(KafkaSink({kafka.bootstrap_servers!r}, {out!r}, key=lambda r: r[0]), uid="out"))
+            return p
+    '''))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "epochstream.cli", "chaos", f"{job}:job", "--json", "--deployment",
+                           "local", "--kills", "2", "--seed", "3", "--workdir", str(tmp_path / "work")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] and doc["lost"] == 0 and doc["duplicated"] == 0, doc
+    assert doc["records_expected"] == doc["records_committed"] == 3000
+    assert doc["restarts"] >= 1, doc
+    assert set(doc["topics"]["out"]) == {"reference", "chaos"}
