@@ -2,8 +2,11 @@
 
 Theory of operation. When the pipeline is built (``Pipeline.from_kafka``) the source asks the
 cluster for the partitions of its topics (a list, or a regular expression) and pins them as
-its splits, sorted by (topic, partition); their count is then fixed for the life of the job's
-state, as for every source. It resolves ``start`` (``"earliest"``, ``"latest"``, a
+its splits, sorted by (topic, partition). An unbounded source over one topic then grows: every
+``partition_discovery_interval`` seconds each reader looks for new partitions (``discover``);
+partition i is split i, so every worker numbers them alike, and a new one is read from its
+beginning by subtask ``i % parallelism``. Other sources keep the split count they were built
+with, as every source does. It resolves ``start`` (``"earliest"``, ``"latest"``, a
 timestamp in milliseconds, or offsets per partition) and ``end`` (None: unbounded;
 ``"latest"``: the partitions' ends at build time, Flink's ``setBounded``; or offsets) to
 offsets per split at the same moment, so a replay of a fresh start reads the same records.
