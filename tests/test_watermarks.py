@@ -126,6 +126,21 @@ def _drain(reader: SplitReader, now: float) -> list[float]:
     return out
 
 
+@given(ts=stamps, delay=st.sampled_from([0.0, 1.5, 4.0]), cut=st.integers(1, 20))
+def test_the_readers_inlined_rule_keeps_what_the_rule_keeps(ts, delay, cut):
+    """The reader applies ``SplitWatermarks.admit`` inlined, in reads of ``cut`` records."""
+    feed = _Feed(1)
+    feed.data[0] = list(ts)
+    reader = _reader(feed, delay, None)
+    kept: list[float] = []
+    while reader.offsets[0] < len(ts):
+        for _label, records in reader.read(cut, 0.0):
+            kept.extend(records)
+    rule = SplitWatermarks(1.0, delay, [0])
+    assert kept == [t for t in ts if rule.admit(0, t, int(t), -1)]
+    assert reader.late_records == rule.late and reader.watermarks.state() == rule.state()
+
+
 def test_the_source_watermark_is_the_minimum_over_its_splits():
     feed = _Feed(2)
     reader = _reader(feed, 2.0, None)

@@ -17,6 +17,7 @@ them, and turns a grown time promise into a watermark or a tracker promise.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 from .errors import EpochStreamError, SourceError, UserFunctionError
@@ -203,11 +204,19 @@ class SplitReader:
         runs: list[Run] = []
         run: list[Any] = []
         run_label = -1
+        # ``SplitWatermarks.admit`` inlined (the per-record path): a label at or below ``floor``
+        # is late; a newer timestamp raises the split's bound
+        floor = max(wm.bound(split) - 1, promised)
+        newest, delay, late = wm.max_ts[split], wm.max_delay, 0
         for i, r in enumerate(records):
             ts = self._checked_timestamp(split, offset + i, r)
             label = int(ts // slack)
-            if not wm.admit(split, ts, label, promised):
+            if label <= floor:
+                late += 1
                 continue
+            if ts > newest:
+                newest = ts
+                floor = max(floor, math.floor((ts - delay) / slack) - 1)
             if label != run_label:
                 if run:
                     runs.append((run_label, run))
@@ -216,6 +225,7 @@ class SplitReader:
                 run.append(r)
         if run:
             runs.append((run_label, run))
+        wm.advance(split, newest, late)
         return runs
 
     def _timestamp(self, record: Any) -> Any:

@@ -99,6 +99,14 @@ class SplitWatermarks:
         """``split`` brought a record (or was restored with a timestamp)."""
         return self.max_ts[split] != NO_TIMESTAMP
 
+    def advance(self, split: int, max_ts: float, late: int) -> None:
+        """What a reader's inlined ``admit`` loop found: the split's newest timestamp and how
+        many records it dropped as late."""
+        if max_ts > self.max_ts[split]:
+            self.max_ts[split] = max_ts
+            self._bound[split] = self._label_bound(max_ts)
+        self.late += late
+
     def touched(self, split: int, now: float) -> None:
         """``split`` brought records at ``now`` (late ones too: it is not idle)."""
         self._last_record[split] = now
