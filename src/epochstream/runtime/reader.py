@@ -17,7 +17,6 @@ them, and turns a grown time promise into a watermark or a tracker promise.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 from .errors import EpochStreamError, SourceError, UserFunctionError
@@ -197,34 +196,37 @@ class SplitReader:
         return runs
 
     def _bounded_runs(self, split: int, offset: int, records: list[Any]) -> list[Run]:
-        """Runs of one label of the records that are not late (bounded out-of-orderness)."""
+        """Runs of one label of the records that are not late (bounded out-of-orderness),
+        as slices of ``records`` between label changes and late records."""
         wm = self.watermarks
         assert wm is not None and self.slack is not None
         slack, promised = self.slack, self.time_promised
-        runs: list[Run] = []
-        run: list[Any] = []
-        run_label = -1
         # ``SplitWatermarks.admit`` inlined (the per-record path): a label at or below ``floor``
         # is late; a newer timestamp raises the split's bound
         floor = max(wm.bound(split) - 1, promised)
         newest, delay, late = wm.max_ts[split], wm.max_delay, 0
+        runs: list[Run] = []
+        start, run_label = 0, None
         for i, r in enumerate(records):
             ts = self._checked_timestamp(split, offset + i, r)
             label = int(ts // slack)
             if label <= floor:
                 late += 1
+                if run_label is not None and i > start:
+                    runs.append((run_label, records[start:i]))
+                start, run_label = i + 1, None
                 continue
             if ts > newest:
                 newest = ts
-                floor = max(floor, math.floor((ts - delay) / slack) - 1)
+                b = int((ts - delay) // slack) - 1
+                if b > floor:
+                    floor = b
             if label != run_label:
-                if run:
-                    runs.append((run_label, run))
-                run_label, run = label, [r]
-            else:
-                run.append(r)
-        if run:
-            runs.append((run_label, run))
+                if run_label is not None and i > start:
+                    runs.append((run_label, records[start:i]))
+                run_label, start = label, i
+        if run_label is not None and len(records) > start:
+            runs.append((run_label, records[start:]))
         wm.advance(split, newest, late)
         return runs
 
