@@ -2,7 +2,9 @@
 
 Every builder returns a fresh pipeline (the oracle builds twice) and writes to ``out / uid``
 (or to placeholder sinks the oracle relocates when ``out`` is None). Inputs are sorted by
-timestamp in each split (sources require timestamps not to decrease within a split).
+timestamp in each split (sources require timestamps not to decrease within a split), except
+``window_counts(out_of_order=True)``, whose source bounds the disorder
+(``max_out_of_orderness``) and drops late records.
 The expected results are computed here from the input alone, independently of the
 runtime and of the oracle's reference.
 """
@@ -49,25 +51,65 @@ def _sink(out: Path | None, uid: str) -> FileSink:
 # ---------------------------------------------------------------- tumbling window counts
 
 
-def window_input(n: int, keys: int, seed: int = 1) -> list[tuple[str, int, float]]:
-    """(key, id, timestamp): timestamps grow by ~0.3 per record."""
+#: out-of-order inputs: records come up to this many seconds behind the newest (the bound
+#: the source is given), and every ``LATE_EVERY``-th record ``LATE_BY`` seconds behind (late)
+MAX_DELAY = 3.0
+LATE_EVERY = 7
+LATE_BY = 9.0
+
+
+def window_input(n: int, keys: int, seed: int = 1, out_of_order: bool = False) -> list[tuple[str, int, float]]:
+    """(key, id, timestamp): timestamps grow by ~0.3 per record; ``out_of_order``: each is
+    pushed back by up to ``MAX_DELAY`` seconds, and every ``LATE_EVERY``-th by ``LATE_BY``."""
     rng = random.Random(seed)
-    return [(f"k{rng.randrange(keys)}", i, round(i * 0.3, 3)) for i in range(n)]
+    out = []
+    for i in range(n):
+        ts = i * 0.3
+        if out_of_order:
+            ts = max(0.0, ts - (LATE_BY if i % LATE_EVERY == LATE_EVERY - 1 else rng.uniform(0, MAX_DELAY)))
+        out.append((f"k{rng.randrange(keys)}", i, round(ts, 3)))
+    return out
 
 
 def window_counts(parallelism: int = 2, n: int = 400, keys: int = 7, out: Path | None = None,
-                  interval: float = 0.002, mode: str = "tracker", **tracker: Any) -> Pipeline:
+                  interval: float = 0.002, mode: str = "tracker", out_of_order: bool = False,
+                  **tracker: Any) -> Pipeline:
+    """``out_of_order``: the input of ``window_input(out_of_order=True)`` read with
+    ``max_out_of_orderness=MAX_DELAY`` (late records dropped)."""
     p = _pipeline("window-counts", parallelism, interval, mode, **tracker)
-    data = window_input(n, keys)
-    s = p.from_collection(data, timestamps=lambda r: r[2], uid="events")
+    data = window_input(n, keys, out_of_order=out_of_order)
+    s = p.from_collection(data, timestamps=lambda r: r[2], uid="events",
+                          max_out_of_orderness=MAX_DELAY if out_of_order else None)
     counts = s.key_by(lambda r: r[0]).window(TumblingEventTimeWindows.of(WINDOW, lambda r: r[2])).count(uid="win")
     counts.sink(_sink(out, "windows"), uid="windows")
+    if out_of_order:  # every record the source keeps, so a wrongly kept late record shows in the output
+        s.sink(_sink(out, "kept"), uid="kept")
     return p
 
 
-def expected_window_counts(n: int = 400, keys: int = 7) -> collections.Counter:
+def on_time(records: list[tuple[str, int, float]], splits: int, max_delay: float) -> list[tuple[str, int, float]]:
+    """The records a source with ``max_out_of_orderness=max_delay`` keeps (the documented
+    rule, written out here independently of the runtime): record i is in split i % splits;
+    it is late when its time label is below floor((newest earlier timestamp of its split -
+    max_delay) / SLACK)."""
+    newest: dict[int, float] = {}
+    kept = []
+    for i, r in enumerate(records):
+        split = i % splits
+        if split in newest and math.floor(r[2] / SLACK) < math.floor((newest[split] - max_delay) / SLACK):
+            continue
+        newest[split] = max(newest.get(split, r[2]), r[2])
+        kept.append(r)
+    return kept
+
+
+def expected_window_counts(n: int = 400, keys: int = 7, out_of_order: bool = False,
+                           parallelism: int = 2) -> collections.Counter:
     c: collections.Counter = collections.Counter()
-    for k, _i, ts in window_input(n, keys):
+    data = window_input(n, keys, out_of_order=out_of_order)
+    if out_of_order:
+        data = on_time(data, parallelism, MAX_DELAY)
+    for k, _i, ts in data:
         start = math.floor(ts / WINDOW) * WINDOW
         c[(k, start, start + WINDOW)] += 1
     return collections.Counter({(k, s, e, v): 1 for (k, s, e), v in c.items()})
@@ -183,6 +225,17 @@ def expected_winning_bids(auctions: int = 20, bids: int = 300) -> collections.Co
     return collections.Counter({(a, best[a], count[a]): 1 for a in best})
 
 
-BUILDERS = {"window_counts": window_counts, "q8": q8, "winning_bids": winning_bids}
-EXPECTED = {"window_counts": ("windows", expected_window_counts), "q8": ("q8-out", expected_q8),
-            "winning_bids": ("winners", expected_winning_bids)}
+def window_counts_out_of_order(**knobs: Any) -> Pipeline:
+    """``window_counts`` over an out-of-order input, late records dropped at the source."""
+    return window_counts(out_of_order=True, **knobs)
+
+
+BUILDERS = {"window_counts": window_counts, "q8": q8, "winning_bids": winning_bids,
+            "window_counts_out_of_order": window_counts_out_of_order}
+#: name -> (sink uid, expected output given the parallelism: the out-of-order input's late
+#: records depend on which split each record is in)
+EXPECTED = {"window_counts": ("windows", lambda parallelism: expected_window_counts()),
+            "q8": ("q8-out", lambda parallelism: expected_q8()),
+            "winning_bids": ("winners", lambda parallelism: expected_winning_bids()),
+            "window_counts_out_of_order": ("windows", lambda parallelism: expected_window_counts(
+                out_of_order=True, parallelism=parallelism))}

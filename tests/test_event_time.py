@@ -56,7 +56,7 @@ def test_event_time_results_equal_the_expected_ones(name, parallelism, seed, mod
     p = BUILDERS[name](parallelism=parallelism, out=tmp_path / "out", mode=mode)
     result = sim_run(p, tmp_path / "chk", seed=seed)
     uid, expected = EXPECTED[name]
-    assert _output(tmp_path / "out", uid) == expected()
+    assert _output(tmp_path / "out", uid) == expected(parallelism)
     assert len(result.completed_epochs) >= 2  # windows closed across several epochs, not just the final one
 
 
@@ -64,7 +64,7 @@ def test_event_time_results_equal_the_expected_ones(name, parallelism, seed, mod
 def test_windows_without_local_aggregation(aggregate, tmp_path):
     p = BUILDERS["window_counts"](out=tmp_path / "out", aggregate=aggregate)
     sim_run(p, tmp_path / "chk", seed=5)
-    assert _output(tmp_path / "out", "windows") == EXPECTED["window_counts"][1]()
+    assert _output(tmp_path / "out", "windows") == EXPECTED["window_counts"][1](2)
 
 
 def _schedule(rng: random.Random, kills: int, horizon: float) -> FailureSchedule:
@@ -301,7 +301,8 @@ def test_time_reports_are_refused_without_event_time():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name,knobs", [("window_counts", dict(n=30_000, keys=40)),
                                         ("q8", dict(persons=4000, auctions=9000)),
-                                        ("winning_bids", dict(auctions=2000, bids=30_000))])
+                                        ("winning_bids", dict(auctions=2000, bids=30_000)),
+                                        ("window_counts_out_of_order", dict(n=30_000, keys=40))])
 def test_event_time_exactly_once_with_real_kills(tmp_path, name, knobs, mode):
     """5 SIGKILLs of worker processes while windows close: same committed output as the
     failure-free run, every epoch's state equal to the reference at its event time."""

@@ -14,9 +14,12 @@ Where the crash fell inside a Kafka transaction, ``read_uncommitted`` shows the 
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -256,3 +259,228 @@ def test_exactly_once_when_a_broker_dies(kafka3, tmp_path, mode):
         kafka3.restart(victim)
     assert res.completed_epochs
     assert check_running_counts(_committed(kafka3, out), range(N)) == []
+
+
+# ---------------------------------------------------------------- event time from Kafka timestamps
+
+WINDOW_S = 10.0
+MAX_DELAY_S = 3.0
+
+
+def _produce_out_of_order(kafka, topic: str, partitions: int, per_partition: int, base_ms: int):
+    """Records whose Kafka timestamps are out of order within each partition: each up to
+    ``MAX_DELAY_S`` behind the partition's pace, every 7th one 9 s behind (late). Returns
+    per partition the (key, timestamp ms) pairs in offset order (one idempotent producer)."""
+    import random
+
+    from confluent_kafka import Producer
+
+    rng = random.Random(5)
+    prod = Producer({"bootstrap.servers": kafka.bootstrap_servers, "log_level": 3, "linger.ms": 5,
+                     "enable.idempotence": True})
+    sent: dict[int, list[tuple[str, int]]] = {p: [] for p in range(partitions)}
+    for i in range(per_partition):
+        for part in range(partitions):
+            behind = 9000 if i % 7 == 6 else rng.randrange(0, int(MAX_DELAY_S * 1000))
+            ts = base_ms + i * 300 + part * 50 - behind
+            key = f"k{rng.randrange(KEYS)}"
+            prod.produce(topic, key=key, value=str(i), partition=part, timestamp=ts)
+            sent[part].append((key, ts))
+            prod.poll(0)
+    assert prod.flush(30) == 0
+    return sent
+
+
+def _expected_windows(sent) -> collections.Counter:
+    """The documented lateness rule, per partition in offset order: a record is late when its
+    second (time label) is below floor(newest earlier timestamp of its partition - max delay)."""
+    counts: collections.Counter = collections.Counter()
+    for records in sent.values():
+        newest = None
+        for key, ts_ms in records:
+            ts = ts_ms / 1000
+            if newest is not None and math.floor(ts) < math.floor(newest - MAX_DELAY_S):
+                continue
+            newest = ts if newest is None else max(newest, ts)
+            start = math.floor(ts / WINDOW_S) * WINDOW_S
+            counts[(key, start, start + WINDOW_S)] += 1
+    return collections.Counter({(k, s, e, v): 1 for (k, s, e), v in counts.items()})
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_kafka_timestamps_drive_per_partition_watermarks_exactly_once_with_a_kill(kafka, tmp_path, mode):
+    """``timestamps="kafka"`` with ``max_out_of_orderness``: event-time windows over three
+    out-of-order partitions, a worker killed mid-run; the output topic at read_committed
+    holds exactly the windows of the records the per-partition rule keeps."""
+    from epochstream import TumblingEventTimeWindows
+
+    src = new_topic(kafka, "times", 3)
+    out = new_topic(kafka, "wins", 1)
+    base_ms = int(time.time() * 1000) - 600_000
+    sent = _produce_out_of_order(kafka, src, 3, 400, base_ms)
+    p = make_pipeline("kafka-windows", mode=mode, interval=0.1, batch_size=16)
+    sink = KafkaSink(kafka.bootstrap_servers, out, staging=tmp_path / "staging")
+    (p.from_kafka(kafka.bootstrap_servers, src, end="latest", uid="src", timestamps="kafka",
+                  max_out_of_orderness=MAX_DELAY_S)
+     .map(lambda r: (r["key"].decode(), r["timestamp"] / 1000)).map(_slow)
+     .key_by(lambda r: r[0])
+     .window(TumblingEventTimeWindows.of(WINDOW_S, lambda r: r[1])).count(uid="win")
+     .sink(sink, uid="out"))
+    res = p.run("local", checkpoint_dir=tmp_path / "chk",
+                failures=FailureSchedule(kill_times=[0.4], kill_moments=["now"]))
+    assert res.restarts >= 1
+    got = collections.Counter(tuple(r) for r in _committed(kafka, out))
+    assert got == _expected_windows(sent)
+    late = sum(len(r) for r in sent.values()) - sum(v for (*_k, v) in _expected_windows(sent))
+    assert late > 0 and res.metrics["late_records_dropped"] >= late  # a replay drops its late records again
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_an_idle_partition_stops_holding_windows_back(kafka, tmp_path, mode):
+    """An unbounded source over two partitions, one of which never gets a record: without
+    ``idleness`` no window can close; with it the windows of the busy partition close while
+    the job runs."""
+    from epochstream import CheckpointConfig, FileSink, TumblingEventTimeWindows
+    from epochstream.backends.local import LocalCheckpointStorage
+
+    src = new_topic(kafka, "idle", 2)
+    base_ms = 1_000_000_000_000 + int(time.time() * 1000) % 1000  # any time, far from a window edge
+    from confluent_kafka import Producer
+
+    prod = Producer({"bootstrap.servers": kafka.bootstrap_servers, "log_level": 3})
+    for i in range(60):  # 30 s of event time on partition 0 only
+        prod.produce(src, key=b"k", value=str(i), partition=0, timestamp=base_ms + i * 500)
+    assert prod.flush(30) == 0
+    windows = {}
+    for idleness in (None, 0.3):
+        p = Pipeline(f"idle-{idleness}", parallelism=1, mode=mode, checkpoint=CheckpointConfig(interval=0.2))
+        (p.from_kafka(kafka.bootstrap_servers, src, uid="src", timestamps="kafka", max_out_of_orderness=0.0,
+                      idleness=idleness)
+         .key_by(lambda r: r["key"])
+         .window(TumblingEventTimeWindows.of(WINDOW_S, lambda r: r["timestamp"] / 1000)).count(uid="win")
+         .map(lambda r: [r[1], r[3]])
+         .sink(FileSink(tmp_path / f"out-{idleness}"), uid="out"))
+        res = p.run("local", checkpoint_dir=tmp_path / f"chk-{idleness}", duration=4.0)
+        manifest, _root = LocalCheckpointStorage(tmp_path / f"chk-{idleness}").latest()
+        assert manifest["sources"]["src"]["offsets"] == {"0": 60, "1": 0}, res.completed_epochs  # all read
+        windows[idleness] = FileSink(tmp_path / f"out-{idleness}").read()
+    assert windows[None] == []
+    assert len(windows[0.3]) >= 2 and all(count > 0 for _start, count in windows[0.3])
+
+
+# ---------------------------------------------------------------- partitions added while running
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_partitions_added_while_running_are_read_exactly_once(kafka, tmp_path, mode):
+    """An unbounded source over a topic of 2 partitions; 2 more are created mid-run
+    (``AdminClient.create_partitions``) and records go to all four; a worker is killed after
+    that. Every record's result is in the output at read_committed exactly once, and the
+    manifest holds offsets of the new partitions."""
+    import threading
+
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import NewPartitions
+
+    from epochstream.backends.kafka.client import admin
+    from epochstream.backends.local import LocalCheckpointStorage
+
+    first, second = 400, 600
+    src = new_topic(kafka, "grow", 2)
+    out = new_topic(kafka, "grown", 2)
+    produce(kafka, src, [(f"k{i % KEYS}", str(i)) for i in range(first)])
+
+    def grow():
+        client = admin(kafka.bootstrap_servers)
+        client.create_partitions([NewPartitions(src, 4)])[src].result(30)
+        prod = Producer({"bootstrap.servers": kafka.bootstrap_servers, "log_level": 3})
+        for i in range(first, first + second):
+            prod.produce(src, key=f"k{i % KEYS}", value=str(i), partition=i % 4)
+        assert prod.flush(30) == 0
+
+    p = make_pipeline("kafka-grow", mode=mode, interval=0.1, batch_size=16, parallelism=2)
+    sink = KafkaSink(kafka.bootstrap_servers, out, key=lambda r: r[0], staging=tmp_path / "staging")
+    (p.from_kafka(kafka.bootstrap_servers, src, uid="src", partition_discovery_interval=0.3)
+     .map(_as_pair)
+     .key_by(lambda r: r[0])
+     .process(RunningCount(emit_ids=True), uid="count")
+     .sink(sink, uid="out"))
+    grower = threading.Timer(1.5, grow)
+    grower.start()
+    try:
+        res = p.run("local", checkpoint_dir=tmp_path / "chk", duration=7.0,
+                    failures=FailureSchedule(kill_times=[4.0], kill_moments=["now"]))
+    finally:
+        grower.join()
+    assert res.restarts >= 1
+    assert check_running_counts(_committed(kafka, out), range(first + second)) == []
+    manifest, _root = LocalCheckpointStorage(tmp_path / "chk").latest()
+    assert set(manifest["sources"]["src"]["offsets"]) == {"0", "1", "2", "3"}
+
+
+# ---------------------------------------------------------------- an unreachable cluster on the sink side
+
+
+@pytest.mark.parametrize("guarantee", ["exactly-once", "at-least-once"])
+def test_sink_names_an_unreachable_cluster_and_commits_nothing(tmp_path, guarantee):
+    from epochstream.deploy.failures import JobFailedError
+
+    p = Pipeline("unreachable", parallelism=1, restart_attempts=0)
+    p.from_collection(list(range(10)), uid="src").sink(
+        KafkaSink("127.0.0.1:1", "out-topic", guarantee=guarantee, staging=tmp_path / "staging"), uid="out")
+    with pytest.raises(JobFailedError) as info:
+        p.run("sim", checkpoint_dir=tmp_path / "chk")
+    why = str(info.value)
+    assert "KafkaSinkError" in why and "'127.0.0.1:1'" in why and "'out-topic'" in why and "'out'" in why, why
+    assert not list((tmp_path / "chk").glob("chk-*"))  # no epoch completed
+
+
+# ---------------------------------------------------------------- epochstream chaos of a Kafka job
+
+
+def test_cli_chaos_accepts_a_kafka_job(kafka, tmp_path):
+    """``epochstream chaos --deployment local`` on Kafka -> keyed count -> Kafka: both runs write
+    fresh topics; the chaos run's topic at read_committed equals the failure-free run's, and at
+    read_uncommitted it shows the writes the killed attempts aborted."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    src = _fill(kafka, 3000)
+    out = new_topic(kafka, "chaos-out", 2)
+    job = tmp_path / "kafkajob.py"
+    job.write_text(textwrap.dedent(f'''
+        import time
+        from epochstream import KafkaSink, Pipeline
+        from epochstream.api.functions import KeyedProcessFunction
+        from epochstream.runtime.state import ValueStateDescriptor
+
+        class Count(KeyedProcessFunction):
+            def open(self, ctx):
+                self.n = ctx.state(ValueStateDescriptor("n", default=0))
+
+            def process(self, pair, ctx):
+                time.sleep(0.0005)
+                self.n.update(self.n.value() + 1)
+                yield [ctx.key, pair[1], self.n.value()]
+
+        def job():
+            p = Pipeline("kafka-chaos", parallelism=2, mode="aligned", checkpoint_interval=0.1)
+            (p.from_kafka({kafka.bootstrap_servers!r}, {src!r}, end="latest", uid="src")
+             .map(lambda r: (r["key"].decode(), int(r["value"])))
+             .key_by(lambda r: r[0]).process(Count(), uid="count")
+             .sink(KafkaSink({kafka.bootstrap_servers!r}, {out!r}, key=lambda r: r[0]), uid="out"))
+            return p
+    '''))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "epochstream.cli", "chaos", f"{job}:job", "--json", "--deployment",
+                           "local", "--kills", "2", "--seed", "3", "--workdir", str(tmp_path / "work")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] and doc["lost"] == 0 and doc["duplicated"] == 0, doc
+    assert doc["records_expected"] == doc["records_committed"] == 3000
+    assert doc["restarts"] >= 1, doc
+    assert set(doc["topics"]["out"]) == {"reference", "chaos"}

@@ -519,6 +519,60 @@ def cmd_state_query(args) -> int:
     return EXIT_OK
 
 
+def _writes_kafka(build) -> bool:
+    """The job's sinks are Kafka topics (then chaos compares the topics); mixed sinks are refused."""
+    try:
+        from .backends.kafka.chaos import kafka_sinks
+    except ImportError:  # no confluent-kafka: no Kafka sink either
+        return False
+    p = build()
+    kafka = kafka_sinks(p)
+    if kafka and len(kafka) != len(p.sinks):
+        others = sorted(set(p.sinks) - set(kafka))
+        raise UsageError(f"chaos checks a job whose sinks are all Kafka topics or all other sinks; this one mixes "
+                         f"Kafka sinks {sorted(kafka)} with {others}")
+    return bool(kafka)
+
+
+def _chaos_kafka(build, run, work, results: dict[str, Any], args) -> int:
+    """``epochstream chaos`` of a Kafka job: both runs into fresh topics, read at read_committed."""
+    from .backends.kafka.chaos import check_kafka_exactly_once
+    from .deploy.failures import JobFailedError
+
+    if args.duration is not None:
+        raise UsageError("chaos of a Kafka job compares whole output topics: give it a bounded input "
+                         "(from_kafka(end='latest')) and no --duration")
+    try:
+        report = check_kafka_exactly_once(build, run, work)
+    except JobFailedError as exc:
+        print(f"epochstream: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    chaos = results.get("chaos")
+    doc = report.to_json()
+    doc.update({
+        "restarts": chaos.restarts if chaos else 0,
+        "kills_requested": args.kills,
+        "failures_injected": chaos.metrics.get("failures_injected") if chaos else None,
+        "recovery_seconds": chaos.metrics.get("recovery_seconds", []) if chaos else [],
+        "completed_epochs": len(chaos.completed_epochs) if chaos else 0,
+        "deployment": args.deployment,
+        "seed": args.seed,
+        "workdir": str(work),
+        "failovers": [f["reason"].splitlines()[0] for f in chaos.metrics.get("failovers", [])] if chaos else [],
+    })
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(f"chaos {'PASS' if report.ok else 'FAIL'} (Kafka output at read_committed): {doc['restarts']} restarts "
+              f"after {doc['failures_injected']} injected failures")
+        print(f"  lost={report.lost} duplicated={report.duplicated} (committed {report.records_committed} of "
+              f"{report.records_expected} expected records; {report.aborted_visible} aborted records visible at "
+              f"read_uncommitted)")
+        for ex in report.examples[:5]:
+            print(f"  {ex}")
+    return EXIT_OK if report.ok else EXIT_VIOLATION
+
+
 def cmd_chaos(args) -> int:
     from .deploy.failures import JobFailedError
     from .deploy.restart import FixedDelayRestart
@@ -580,6 +634,8 @@ def cmd_chaos(args) -> int:
     from .deploy.lease import check_not_held
 
     check_not_held(open_storage(work), "run chaos in it")  # its runs would clear the holder's state
+    if _writes_kafka(build):
+        return _chaos_kafka(build, run, work, results, args)
     try:
         # runs cut by --duration stop at different points: compare per epoch, not whole outputs
         report = check_exactly_once(build, run, work, whole_output=args.duration is None, compare=args.compare)

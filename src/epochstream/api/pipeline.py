@@ -546,24 +546,34 @@ class Pipeline:
 
     # -- sources
     def from_collection(self, items: Sequence[Any], splits: int | None = None, uid: str | None = None,
-                        timestamps: Callable[[Any], float] | None = None) -> Stream:
+                        timestamps: Callable[[Any], float] | None = None,
+                        max_out_of_orderness: float | None = None, idleness: float | None = None) -> Stream:
         """A bounded, replayable source over a collection.
 
         ``splits`` fixes the number of splits; without it the source is elastic: a fresh start
         uses the job's parallelism, a restore keeps the checkpoint's split count.
-        ``timestamps``: the event time of a record (>= 0, not decreasing within a split);
-        giving it turns event time on (timers, windows; needs ``mode="tracker"``)."""
+        ``timestamps``: the event time of a record in seconds (>= 0); giving it turns event
+        time on (timers, windows). Without ``max_out_of_orderness`` timestamps must not
+        decrease within a split. ``max_out_of_orderness`` (seconds, Flink's
+        ``forBoundedOutOfOrderness``): a split's watermark is its newest timestamp minus this;
+        a record behind it is late, dropped and counted (``late_records_dropped``).
+        ``idleness`` (seconds, Flink's ``withIdleness``): a split with no record for that long
+        stops holding the watermark back until it brings records again. See
+        ``runtime.watermarks``."""
         source = CollectionSource(items, splits or self.parallelism, elastic=splits is None)
-        return self.from_source(source, uid=uid, name="collection", timestamps=timestamps)
+        return self.from_source(source, uid=uid, name="collection", timestamps=timestamps,
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
 
     def generate(
         self, fn: Callable[[int], Any], count: int | None = None, splits: int | None = None, uid: str | None = None,
         timestamps: Callable[[Any], float] | None = None,
+        max_out_of_orderness: float | None = None, idleness: float | None = None,
     ) -> Stream:
-        """Deterministic source: record i is ``fn(i)``; ``count=None`` is unbounded. ``splits``
-        and ``timestamps`` as in ``from_collection``."""
+        """Deterministic source: record i is ``fn(i)``; ``count=None`` is unbounded. ``splits``,
+        ``timestamps``, ``max_out_of_orderness`` and ``idleness`` as in ``from_collection``."""
         source = GeneratorSource(fn, count, splits or self.parallelism, elastic=splits is None)
-        return self.from_source(source, uid=uid, name="generate", timestamps=timestamps)
+        return self.from_source(source, uid=uid, name="generate", timestamps=timestamps,
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
 
     def from_dataframe(self, df, uid: str | None = None, path: str | None = None, records: str = "dict") -> Stream:
         """A bounded, replayable source over a Spark DataFrame: its partitions are the splits.
@@ -587,17 +597,20 @@ class Pipeline:
                                 uid=uid, name="rate")
 
     def from_parquet(self, path: Any, uid: str | None = None, columns: list[str] | None = None,
-                     timestamps: str | Callable[[Any], float] | None = None) -> Stream:
+                     timestamps: str | Callable[[Any], float] | None = None,
+                     max_out_of_orderness: float | None = None, idleness: float | None = None) -> Stream:
         """A bounded, replayable columnar source over Parquet files (a file, a folder of
         ``*.parquet`` or a list of files): every row group is a split (files in sorted path
         order). ``columns``: read only these. ``timestamps`` as in ``from_arrow``. The files
         must not change while the job's checkpoints need them. See ``deploy.sources.ParquetSource``."""
         from ..deploy.sources import ParquetSource
 
-        return self.from_source(ParquetSource(path, columns), uid=uid, name="parquet", timestamps=timestamps)
+        return self.from_source(ParquetSource(path, columns), uid=uid, name="parquet", timestamps=timestamps,
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
 
     def from_arrow(self, data: Any, num_splits: int | None = None, uid: str | None = None,
-                   timestamps: str | Callable[[Any], float] | None = None) -> Stream:
+                   timestamps: str | Callable[[Any], float] | None = None,
+                   max_out_of_orderness: float | None = None, idleness: float | None = None) -> Stream:
         """A bounded, replayable columnar source over a pyarrow Table, RecordBatch or list of
         RecordBatches (one schema): records travel as Arrow batches. Split s of n holds the
         contiguous rows [s * N // n, (s + 1) * N // n); without ``num_splits`` the source is
@@ -606,11 +619,13 @@ class Pipeline:
         from ..runtime.sources import ArrowSource
 
         source = ArrowSource(data, num_splits or self.parallelism, elastic=num_splits is None)
-        return self.from_source(source, uid=uid, name="arrow", timestamps=timestamps)
+        return self.from_source(source, uid=uid, name="arrow", timestamps=timestamps,
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
 
     def generate_batches(self, fn: Callable[[int, int], Any], count: int | None = None,
                          num_splits: int | None = None, uid: str | None = None, block_rows: int = 1024,
-                         timestamps: str | Callable[[Any], float] | None = None) -> Stream:
+                         timestamps: str | Callable[[Any], float] | None = None,
+                         max_out_of_orderness: float | None = None, idleness: float | None = None) -> Stream:
         """Vectorised deterministic source: ``fn(start, stop)`` returns a pyarrow RecordBatch of
         records [start, stop) (record i is row i; it must depend only on start and stop);
         ``count=None`` is unbounded. Rows are dealt to splits in blocks of ``block_rows``
@@ -620,14 +635,16 @@ class Pipeline:
 
         source = BatchGeneratorSource(fn, count, num_splits or self.parallelism, block_rows,
                                       elastic=num_splits is None)
-        return self.from_source(source, uid=uid, name="generate_batches", timestamps=timestamps)
+        return self.from_source(source, uid=uid, name="generate_batches", timestamps=timestamps,
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
 
     def from_kafka(self, bootstrap_servers: str, topics: Any, start: Any = "earliest", end: Any = None,
                    uid: str | None = None, group_id: str | None = None,
                    key_deserializer: Callable[[bytes | None], Any] | None = None,
                    value_deserializer: Callable[[bytes | None], Any] | None = None,
-                   timestamps: Callable[[Any], float] | None = None,
-                   settings: dict[str, Any] | None = None) -> Stream:
+                   timestamps: str | Callable[[Any], float] | None = None,
+                   settings: dict[str, Any] | None = None, max_out_of_orderness: float | None = None,
+                   idleness: float | None = None, partition_discovery_interval: float | None = 30.0) -> Stream:
         """A replayable source over Kafka topics (a name, a list, or a compiled regular
         expression): one split per partition, Kafka offsets in the epoch manifest, read at
         ``read_committed``. ``start``: ``"earliest"``, ``"latest"``, a timestamp in ms or
@@ -636,18 +653,33 @@ class Pipeline:
         with ``key``, ``value`` (bytes unless a deserializer is given), ``topic``,
         ``partition``, ``offset``, ``timestamp`` (ms) and ``headers``. Offsets are committed to
         ``group_id`` (default ``epochstream-<uid>``) after each epoch completes, for monitoring.
+        ``timestamps="kafka"``: the records' Kafka timestamps drive event time (in seconds:
+        ``timestamp / 1000``); or a function of a record (seconds). ``max_out_of_orderness``
+        and ``idleness`` (seconds) as in ``from_collection``: each partition has its own
+        watermark, the source's is the minimum over its partitions that are not idle.
+        ``partition_discovery_interval`` (seconds, Flink's ``partition.discovery.interval.ms``;
+        None: off): an unbounded source over one topic picks up partitions added while it
+        runs, each read from its beginning, dealt to subtask ``partition % parallelism``.
         Needs ``epochstream[kafka]``; see ``backends.kafka.source``."""
         from ..backends.kafka.source import KafkaSource
 
         uid = uid or f"kafka-{len(self._nodes)}"
         source = KafkaSource(bootstrap_servers, topics, start=start, end=end, group_id=group_id,
                              key_deserializer=key_deserializer, value_deserializer=value_deserializer,
-                             settings=settings)
+                             settings=settings, partition_discovery_interval=partition_discovery_interval)
         source.uid = uid
-        return self.from_source(source, uid=uid, name="kafka", timestamps=timestamps)
+        if timestamps == "kafka":
+            from ..backends.kafka.source import kafka_event_time
+
+            timestamps = kafka_event_time
+        return self.from_source(source, uid=uid, name="kafka", timestamps=timestamps,
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
 
     def from_source(self, source: Source, uid: str | None = None, name: str = "source",
-                    timestamps: str | Callable[[Any], float] | None = None) -> Stream:
+                    timestamps: str | Callable[[Any], float] | None = None,
+                    max_out_of_orderness: float | None = None, idleness: float | None = None) -> Stream:
+        """Any ``runtime.sources.Source``; ``timestamps``, ``max_out_of_orderness`` and
+        ``idleness`` as in ``from_collection`` (``timestamps`` may name a dict record's key)."""
         uid = uid or f"source-{len(self._nodes)}"
         source.uid = uid  # named in a columnar source's errors
         if isinstance(timestamps, str):  # a column: records are dicts when event time is on
@@ -656,6 +688,18 @@ class Pipeline:
             timestamps = operator.itemgetter(timestamps)
         if timestamps is not None:
             source.timestamp = timestamps
+        if max_out_of_orderness is not None or idleness is not None:
+            if timestamps is None:
+                raise ValueError(f"source {uid!r}: max_out_of_orderness and idleness need timestamps=...")
+            if idleness is not None and max_out_of_orderness is None:
+                max_out_of_orderness = 0.0  # Flink's forMonotonousTimestamps().withIdleness(...)
+            if not (isinstance(max_out_of_orderness, (int, float)) and max_out_of_orderness >= 0):
+                raise ValueError(f"source {uid!r}: max_out_of_orderness must be seconds >= 0, "
+                                 f"got {max_out_of_orderness!r}")
+            if idleness is not None and not (isinstance(idleness, (int, float)) and idleness > 0):
+                raise ValueError(f"source {uid!r}: idleness must be seconds > 0, got {idleness!r}")
+            source.max_out_of_orderness = float(max_out_of_orderness)
+            source.idleness = None if idleness is None else float(idleness)
         return self._add(OpKind.SOURCE, name, source, [], uid=uid)
 
     # -- building

@@ -118,6 +118,7 @@ def _result(pipeline, deployment: str, storage, driver, seconds: float):
     from .result import JobResult
 
     latest = storage.list_checkpoints()
+    tasks = task_metrics(driver.meters.as_dict()) if hasattr(driver, "meters") else {}
     return JobResult(
         job=pipeline.name,
         checkpoint_dir=str(storage.root),
@@ -137,7 +138,9 @@ def _result(pipeline, deployment: str, storage, driver, seconds: float):
             "run_seconds": driver.clock(),
             "service_traffic": driver.traffic.as_dict(),
             # per task: rows in and out, rates, busy / backpressured / idle ms/s (multi-process drivers)
-            "tasks": task_metrics(driver.meters.as_dict()) if hasattr(driver, "meters") else {},
+            "tasks": tasks,
+            # records sources dropped as late (max_out_of_orderness), replays counted again
+            "late_records_dropped": sum(t.get("late_records_dropped", 0) for t in tasks.values()),
             "deployment": deployment,
             "parallelism": driver.plan.parallelism,
             "mode": pipeline.mode,

@@ -23,7 +23,7 @@ from ..runtime.gate import Gate
 from ..runtime.messages import TaskId
 from ..runtime.task import Task, decode_channel_state
 from ..runtime.tracking import TaskTracking
-from ..snapshot.manifest import CheckpointError, channel_state_of, operator_state_parts
+from ..snapshot.manifest import CheckpointError, channel_state_of, operator_state_parts, source_max_timestamps
 from ..snapshot.rescale import redistribute
 from ..tracker.gate import FirmBoundGate
 from ..tracker.local import BatchIds, LocalTracker
@@ -48,9 +48,11 @@ def build_tasks(
     exactly_once = pipeline.mode != "at-least-once"
     start_epoch = restored.epoch + 1 if restored else 1
     offsets: dict[str, dict[int, int]] = {}
+    max_timestamps: dict[str, dict[int, float]] = {}
     if restored:
         for uid, s in restored.manifest["sources"].items():
             offsets[uid] = {int(k): int(v) for k, v in s["offsets"].items()}
+        max_timestamps = source_max_timestamps(restored.manifest)
     tasks: dict[TaskId, Task] = {}
     cfg = pipeline.checkpoint
     tracker_mode = pipeline.mode == "tracker"
@@ -87,7 +89,8 @@ def build_tasks(
                 gate.reset(start_epoch - 1)
         kind = LoopHeadTask if plan.chains[tid[0]].is_loop_head else Task
         task = tasks[tid] = kind(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets,
-                                 tracking, None if tracker_mode else slack, getattr(pipeline, "batching", None))
+                                 tracking, None if tracker_mode else slack, getattr(pipeline, "batching", None),
+                                 max_timestamps)
         if restored:
             _restore_channel_state(task, restored, pipeline.mode)
     return tasks

@@ -80,5 +80,5 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
         captured_at=capture.captured_at, operator_state=capture.operator_state,
         loop_log_records=capture.loop_log_records, loop_log_bytes=capture.loop_log_bytes, types=types,
         channel_state=capture.channel_state, channel_state_records=capture.channel_state_records,
-        channel_state_bytes=capture.channel_state_bytes,
+        channel_state_bytes=capture.channel_state_bytes, source_max_timestamps=capture.source_max_timestamps,
     )

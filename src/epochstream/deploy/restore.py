@@ -140,7 +140,10 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
         log.warning("restore from %s: %s", where, note)
     for uid, src in pipeline.sources.items():
         splits = source_splits(m, uid)
-        if splits is not None and splits != src.num_splits and not src.elastic:
+        if splits is not None and src.grows and splits > src.num_splits:
+            src.discover(0.0, force=True)  # partitions created since the pipeline was built
+        if splits is not None and splits != src.num_splits and not src.elastic and \
+                not (src.grows and splits < src.num_splits):
             raise CheckpointError(
                 f"{where}: source {uid!r} had {splits} splits, the source now has {src.num_splits}; offsets are "
                 f"kept per split, so the split count cannot change (build the source without splits= to adopt "
@@ -158,7 +161,10 @@ def resolve_sources(plan: PhysicalPlan, pipeline, restored: Restored | None) -> 
         want = source_splits(restored.manifest, uid) if restored else None
         if want is None:
             want = plan.parallelism if src.elastic else src.num_splits
-        if want != src.num_splits:
+        if src.grows and want > src.num_splits:
+            src.discover(0.0, force=True)
+        # a growing source keeps the splits it found since the checkpoint
+        if want != src.num_splits and not (src.grows and want < src.num_splits):
             if not src.elastic:
                 raise CheckpointError(f"source {uid!r} has {src.num_splits} splits, the checkpoint {want}")
             src.resplit(want)

@@ -143,6 +143,8 @@ class TaskCapture:
     channel_state: bytes = b""
     channel_state_records: int = 0
     channel_state_bytes: int = 0
+    #: source uid -> split -> newest timestamp read (bounded out-of-orderness; ``runtime.watermarks``)
+    source_max_timestamps: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

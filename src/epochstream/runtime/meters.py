@@ -32,8 +32,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-#: per task: (records in, records out, busy s, backpressured s, idle s), cumulative
-TaskCounts = tuple[int, int, float, float, float]
+#: per task: (records in, records out, busy s, backpressured s, idle s, late records dropped),
+#: cumulative
+TaskCounts = tuple[int, int, float, float, float, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +125,7 @@ class RunMeters:
         """The running attempt ended: its last counts join the run's totals."""
         for hist in self.history.values():
             for task, counts in hist[-1].tasks.items():
-                acc = self.base.setdefault(task, [0, 0, 0.0, 0.0, 0.0])
+                acc = self.base.setdefault(task, [0, 0, 0.0, 0.0, 0.0, 0])
                 for i, v in enumerate(counts):
                     acc[i] += v
         self.history.clear()
@@ -132,8 +133,9 @@ class RunMeters:
     def as_dict(self) -> dict[str, dict[str, Any]]:
         """Task key -> run totals (``records_in``, ``records_out``, ``busy_seconds``, ...) and,
         once a worker reported twice, ``window``: the change over the last ``window`` seconds
-        (``seconds`` of its clock and the same five counts)."""
-        names = ("records_in", "records_out", "busy_seconds", "backpressured_seconds", "idle_seconds")
+        (``seconds`` of its clock and the same six counts)."""
+        names = ("records_in", "records_out", "busy_seconds", "backpressured_seconds", "idle_seconds",
+                 "late_records_dropped")
         out: dict[str, dict[str, Any]] = {}
         for task, acc in self.base.items():
             out[task] = dict(zip(names, acc, strict=True))

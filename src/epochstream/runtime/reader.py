@@ -3,10 +3,13 @@
 Theory of operation. Splits are assigned by ``split % parallelism`` (``runtime.sources``);
 a reader keeps one offset per split, which is all a source's state, and reads the splits
 round robin, one split per ``read``. With event time every record gets a label
-``floor(ts / slack)``; labels must not decrease within a split, and ``read`` cuts its
-records into *runs* of one label so the task can flush between runs (a batch never spans
-two labels). The time a source can promise is one below the smallest label a split with
-records left can still produce (``END_OF_TIME`` once every split is exhausted).
+``floor(ts / slack)``, and ``read`` cuts its records into *runs* of one label so the task
+can flush between runs (a batch never spans two labels). The time a source can promise is
+one below the smallest label a split with records left can still produce (``END_OF_TIME``
+once every split is exhausted). By default labels must not decrease within a split; a
+source with ``max_out_of_orderness`` instead bounds each split's labels by its newest
+timestamp minus that delay, drops records below the bound as late, and leaves idle splits
+out of the promise (``runtime.watermarks``).
 
 Pure: no actions, no time. ``runtime.task.Task`` pushes the runs into its chain, counts
 them, and turns a grown time promise into a watermark or a tracker promise.
@@ -19,6 +22,7 @@ from typing import Any, Callable
 from .errors import EpochStreamError, SourceError, UserFunctionError
 from .messages import END_OF_TIME
 from .sources import Source
+from .watermarks import SplitWatermarks
 
 Run = tuple[int | None, list[Any]]
 """(time label, records): consecutive records of one label (None: event time is off)."""
@@ -28,17 +32,26 @@ class SplitReader:
     """Offsets and time labels of the splits one source subtask reads."""
 
     __slots__ = ("source", "uid", "splits", "offsets", "lengths", "_next_split", "timestamp", "slack", "last_read",
-                 "_split_label", "time_promised")
+                 "_split_label", "time_promised", "watermarks", "_owner", "_known", "_restored", "_restored_max")
 
     def __init__(self, source: Source, uid: str, splits: list[int], offsets: dict[int, int],
-                 slack: float | None) -> None:
+                 slack: float | None, max_timestamps: dict[int, float] | None = None,
+                 owner: tuple[int, int] | None = None) -> None:
         """``offsets``: restored offsets (a split without one starts at 0); ``slack``: seconds
-        per time label, or None to read without labels."""
+        per time label, or None to read without labels; ``max_timestamps``: restored newest
+        timestamp per split (bounded out-of-orderness); ``owner``: (subtask, parallelism), so
+        a growing source's new splits ``s`` with ``s % parallelism == subtask`` are read here."""
         self.source = source
         self.uid = uid
         self.splits = splits
+        self._owner = owner
+        #: the source's split count this reader has looked at (growing sources)
+        self._known = source.num_splits
+        #: restored offsets of every split (a split added later resumes from its own)
+        self._restored = dict(offsets)
+        self._restored_max = dict(max_timestamps or {})
         #: next offset to read per split; only grows
-        self.offsets: dict[int, int] = {s: int(offsets.get(s, source.start_offset(s))) for s in splits}
+        self.offsets: dict[int, int] = {s: self._first_offset(s) for s in splits}
         #: records per split (None: unbounded)
         self.lengths: dict[int, int | None] = {s: source.split_length(s) for s in splits}
         self._next_split = 0
@@ -51,17 +64,56 @@ class SplitReader:
         self._split_label: dict[int, int] = {}
         #: newest time label promised; only grows
         self.time_promised = -1
-        if timestamp is not None:
+        delay = getattr(source, "max_out_of_orderness", None)
+        #: bounded out-of-orderness: per-split watermarks (None: labels must not decrease)
+        self.watermarks: SplitWatermarks | None = None
+        if timestamp is not None and delay is not None:
+            assert slack is not None
+            self.watermarks = SplitWatermarks(slack, delay, splits, max_timestamps,
+                                              getattr(source, "idleness", None))
+        elif timestamp is not None:
             for s in splits:
                 first = source.read(s, self.offsets[s], 1)
                 if first:
                     self._split_label[s] = self._label(s, self.offsets[s], first[0])
 
+    def _first_offset(self, split: int) -> int:
+        restored = self._restored
+        if split in restored:
+            return int(restored[split])
+        if restored and self.source.grows:  # a restore, and the split is newer than the checkpoint
+            return int(self.source.discovered_start_offset(split))
+        return int(self.source.start_offset(split))
+
+    def _grow(self, now: float) -> None:
+        """A growing source: take the new splits this subtask owns, from their first offsets."""
+        source = self.source
+        source.discover(now)
+        if source.num_splits == self._known or self._owner is None:
+            return
+        subtask, parallelism = self._owner
+        for s in range(self._known, source.num_splits):
+            if s % parallelism == subtask and s not in self.offsets:
+                self.splits.append(s)
+                self.offsets[s] = self._first_offset(s)
+                self.lengths[s] = source.split_length(s)
+                if self.watermarks is not None:
+                    self.watermarks.add_split(s, self._restored_max.get(s))
+        self._known = source.num_splits
+
     def has_more(self) -> bool:
         return any(ln is None or self.offsets[s] < ln for s, ln in self.lengths.items())
 
-    def read(self, budget: int) -> list[Run]:
-        """Up to ``budget`` records of the next split that has some, as runs of one label."""
+    @property
+    def late_records(self) -> int:
+        """Records dropped as late so far (bounded out-of-orderness)."""
+        return 0 if self.watermarks is None else self.watermarks.late
+
+    def read(self, budget: int, now: float = 0.0) -> list[Run]:
+        """Up to ``budget`` records of the next split that has some, as runs of one label
+        (late records left out)."""
+        if self.source.grows:
+            self._grow(now)
         splits = self.splits
         for _ in range(len(splits)):
             split = splits[self._next_split % len(splits)]
@@ -86,16 +138,36 @@ class SplitReader:
             if records:
                 if self.timestamp is None:
                     return [(None, records)]
+                if self.watermarks is not None:
+                    self.watermarks.touched(split, now)
+                    return self._bounded_runs(split, offset, records)
                 return self._runs(split, offset, records)
         return []
 
-    def next_time_promise(self) -> int | None:
-        """The labels no split can send any more, if that grew since the last call."""
+    def next_time_promise(self, now: float = 0.0) -> int | None:
+        """The labels no split can send any more, if that grew since the last call. With
+        bounded out-of-orderness idle splits do not count; if every split with records left
+        is idle, the idle splits that brought records decide (``runtime.watermarks``)."""
         bound = END_OF_TIME
+        wm = self.watermarks
+        live = 0
+        quiet = END_OF_TIME  # the minimum over idle splits that brought records
         for s in self.splits:
             length = self.lengths[s]
             if length is None or self.offsets[s] < length:
-                bound = min(bound, self._split_label.get(s, 0) - 1)
+                if wm is None:
+                    bound = min(bound, self._split_label.get(s, 0) - 1)
+                elif wm.idle(s, now):
+                    if wm.seen(s):
+                        quiet = min(quiet, wm.bound(s) - 1)
+                    continue
+                else:
+                    bound = min(bound, wm.bound(s) - 1)
+                live += 1
+        if wm is not None and not live and self.has_more():  # every split idle
+            if quiet == END_OF_TIME:
+                return None  # none brought a record: nothing is known
+            bound = quiet
         if bound <= self.time_promised:
             return None
         self.time_promised = bound
@@ -112,7 +184,8 @@ class SplitReader:
                 raise EpochStreamError(
                     f"source {self.uid!r} split {split} offset {offset + i}: timestamp {self._timestamp(r)!r} "
                     f"(time label {label}) is before label {last} of an earlier record; event timestamps must not "
-                    f"decrease within a split (sort each split by time, or use more splits)"
+                    f"decrease within a split (sort each split by time, use more splits, or give the source "
+                    f"max_out_of_orderness=<seconds>)"
                 )
             if label != run_label:
                 runs.append((run_label, records[start:i]))
@@ -120,6 +193,41 @@ class SplitReader:
             last = label
         runs.append((run_label, records[start:]))
         self._split_label[split] = last
+        return runs
+
+    def _bounded_runs(self, split: int, offset: int, records: list[Any]) -> list[Run]:
+        """Runs of one label of the records that are not late (bounded out-of-orderness),
+        as slices of ``records`` between label changes and late records."""
+        wm = self.watermarks
+        assert wm is not None and self.slack is not None
+        slack, promised = self.slack, self.time_promised
+        # ``SplitWatermarks.admit`` inlined (the per-record path): a label at or below ``floor``
+        # is late; a newer timestamp raises the split's bound
+        floor = max(wm.bound(split) - 1, promised)
+        newest, delay, late = wm.max_ts[split], wm.max_delay, 0
+        runs: list[Run] = []
+        start, run_label = 0, None
+        for i, r in enumerate(records):
+            ts = self._checked_timestamp(split, offset + i, r)
+            label = int(ts // slack)
+            if label <= floor:
+                late += 1
+                if run_label is not None and i > start:
+                    runs.append((run_label, records[start:i]))
+                start, run_label = i + 1, None
+                continue
+            if ts > newest:
+                newest = ts
+                b = int((ts - delay) // slack) - 1
+                if b > floor:
+                    floor = b
+            if label != run_label:
+                if run_label is not None and i > start:
+                    runs.append((run_label, records[start:i]))
+                run_label, start = label, i
+        if run_label is not None and len(records) > start:
+            runs.append((run_label, records[start:]))
+        wm.advance(split, newest, late)
         return runs
 
     def _timestamp(self, record: Any) -> Any:
@@ -130,11 +238,14 @@ class SplitReader:
             raise UserFunctionError(f"timestamp function of source {self.uid!r} failed", exc, record=record) from exc
 
     def _label(self, split: int, offset: int, record: Any) -> int:
+        assert self.slack is not None
+        return int(self._checked_timestamp(split, offset, record) // self.slack)
+
+    def _checked_timestamp(self, split: int, offset: int, record: Any) -> float:
         ts = self._timestamp(record)
         if not isinstance(ts, (int, float)) or ts < 0:
             raise EpochStreamError(
                 f"source {self.uid!r} split {split} offset {offset}: the timestamp function returned {ts!r}; "
                 f"event timestamps must be numbers >= 0"
             )
-        assert self.slack is not None
-        return int(ts // self.slack)
+        return ts

@@ -24,11 +24,28 @@ class Source:
     num_splits: int = 1
     #: event time of a record (set by ``Pipeline.from_source(timestamps=...)``), or None
     timestamp: Callable[[Any], Any] | None = None
+    #: seconds a record may come behind the newest of its split (None: not at all; set by
+    #: ``Pipeline.from_source(max_out_of_orderness=...)``; ``runtime.watermarks``)
+    max_out_of_orderness: float | None = None
+    #: seconds without records after which a split stops holding the watermark back (None: never)
+    idleness: float | None = None
     #: the split count was not chosen by the user: a fresh start sets it to the parallelism,
     #: a restore to the checkpoint's count
     elastic: bool = False
     #: the uid of the source operator (set by ``Pipeline.from_source``), named in errors
     uid: str | None = None
+    #: splits may be added while the job runs (``discover``; a Kafka topic's new partitions):
+    #: new splits get the next indices, a checkpoint may hold fewer splits than the source has
+    grows: bool = False
+
+    def discover(self, now: float, force: bool = False) -> None:
+        """Look for new splits (a growing source, at most once per its interval unless
+        ``force``) and add them at the end: ``num_splits`` grows, nothing else changes."""
+
+    def discovered_start_offset(self, split: int) -> int:
+        """Where a split that a restored checkpoint does not name starts (a growing source:
+        it was created after the checkpoint, so from its beginning)."""
+        return self.start_offset(split)
 
     def resplit(self, num_splits: int) -> None:
         """Change the number of splits (elastic sources only, before the job reads anything).

@@ -74,10 +74,13 @@ class Task:
         tracking: TaskTracking | None = None,
         event_time_slack: float | None = None,
         batching: BatchPolicy | None = None,
+        source_max_timestamps: dict[str, dict[int, float]] | None = None,
     ) -> None:
         """``tracking``: None (aligned modes) or a ``TaskTracking`` (trAcker mode, which
         carries the event-time slack); ``event_time_slack``: the aligned modes' (watermarks);
-        ``batching``: when output leaves (``runtime.batching``; default: every step)."""
+        ``batching``: when output leaves (``runtime.batching``; default: every step);
+        ``source_max_timestamps``: restored newest timestamp per source uid and split
+        (bounded out-of-orderness: the split watermarks resume there)."""
         self.plan = plan
         self.id = task_id
         self.chain = chain
@@ -145,7 +148,8 @@ class Task:
             source: Source = node.payload
             assert node.uid is not None, f"source node {node.name!r} has no uid"
             splits = [s for s in range(source.num_splits) if s % plan.parallelism == task_id[1]]
-            self.reader = SplitReader(source, node.uid, splits, (source_offsets or {}).get(node.uid, {}), slack)
+            self.reader = SplitReader(source, node.uid, splits, (source_offsets or {}).get(node.uid, {}), slack,
+                                      (source_max_timestamps or {}).get(node.uid), (task_id[1], plan.parallelism))
             self._source_push = chain.entry[node.id]
 
     # ------------------------------------------------------------ events in
@@ -202,6 +206,11 @@ class Task:
         return self.reader.offsets if self.reader is not None else {}
 
     @property
+    def late_records(self) -> int:
+        """Records its source dropped as late (bounded out-of-orderness; ``runtime.watermarks``)."""
+        return self.reader.late_records if self.reader is not None else 0
+
+    @property
     def records_out(self) -> int:
         """Rows this task put out so far (channels and sinks; ``runtime.meters``)."""
         return self.chain.records_out
@@ -231,7 +240,7 @@ class Task:
             self._end_epoch(self.triggers.popleft(), 0.0, now, actions)
         if read_source:
             clock, push = self.clock, self._source_push
-            runs = reader.read(budget)
+            runs = reader.read(budget, now)
             split, offset = reader.last_read
             for label, records in runs:
                 if label is not None and label != clock.out_time:
@@ -250,7 +259,7 @@ class Task:
             else:  # nothing more will fill the buffers
                 self._flush(actions)
             if reader.timestamp is not None:
-                bound = reader.next_time_promise()
+                bound = reader.next_time_promise(now)
                 if bound is not None:  # after the batches it covers
                     self._flush(actions)
                     clock.time_log.append((bound, now))
@@ -557,8 +566,10 @@ class Task:
         keyed, sinks, operator_state = self.chain.capture(epoch, self.incremental, self.full_every)
         reader = self.reader
         offsets = {reader.uid: dict(reader.offsets)} if reader is not None else {}
+        max_ts = {reader.uid: reader.watermarks.state()} if reader is not None and reader.watermarks else {}
         held = sum(len(m) for _c, m in self.held if type(m) is Batch)
-        capture = TaskCapture(self.id, epoch, keyed, sinks, offsets, waited, held, now, operator_state)
+        capture = TaskCapture(self.id, epoch, keyed, sinks, offsets, waited, held, now, operator_state,
+                              source_max_timestamps=max_ts)
         if emit:
             actions.append(Snapshot(capture))
         aligned = epoch in self.aligned_epochs

@@ -101,6 +101,8 @@ class AckInfo:
     channel_state: builtins.bytes = b""
     channel_state_records: int = 0
     channel_state_bytes: int = 0
+    #: source uid -> split -> newest timestamp read (bounded out-of-orderness)
+    source_max_timestamps: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 class ManifestBuilder:
@@ -157,6 +159,9 @@ class ManifestBuilder:
                 st["parts"][str(info.task[1])] = base64.b64encode(data).decode("ascii")
             for src, offs in info.offsets.items():
                 sources.setdefault(src, {"offsets": {}})["offsets"].update({str(k): v for k, v in offs.items()})
+            for src, stamps in info.source_max_timestamps.items():  # where the split watermarks resume
+                sources.setdefault(src, {"offsets": {}}).setdefault("max_timestamps", {}).update(
+                    {str(k): v for k, v in stamps.items()})
             metrics["bytes"] += info.bytes
             metrics["files"] += len(info.files)
             metrics["alignment_seconds_max"] = max(metrics["alignment_seconds_max"], info.alignment_seconds)
@@ -289,6 +294,8 @@ def _check_shape(m: dict[str, Any]) -> None:
     for uid, src in m["sources"].items():
         for split, offset in src["offsets"].items():
             int(split), int(offset)
+        for split, ts in src.get("max_timestamps", {}).items():
+            int(split), float(ts)
         if int(src.get("splits", len(src["offsets"]))) < len(src["offsets"]):
             raise ValueError(f"source {uid!r}: more offsets than splits")
     for task, entry in m.get("channel_state", {}).items():
@@ -306,6 +313,13 @@ def source_splits(m: dict[str, Any], uid: str) -> int | None:
     if src is None:
         return None
     return int(src.get("splits", len(src["offsets"])))
+
+
+def source_max_timestamps(m: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """Source uid -> split -> newest timestamp read, from a (validated) manifest: where each
+    split's watermark resumes (bounded out-of-orderness; empty for other sources)."""
+    return {uid: {int(k): float(v) for k, v in src["max_timestamps"].items()}
+            for uid, src in m["sources"].items() if src.get("max_timestamps")}
 
 
 def operator_state_parts(m: dict[str, Any], uid: str) -> dict[str, tuple[str, dict[int, bytes]]]:

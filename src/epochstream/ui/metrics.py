@@ -117,6 +117,8 @@ class JobCollector(Collector):
             ("backPressuredTimeMsPerSecond", "Milliseconds per second the task could not put out its output "
              "(throttled, or waiting for a link's credit)", "backpressured_ms_per_second"),
             ("idleTimeMsPerSecond", "Milliseconds per second the task had nothing to do", "idle_ms_per_second"),
+            ("numLateRecordsDropped", "Records the task's source dropped as late (behind its split's watermark, "
+             "max_out_of_orderness) over the run", "late_records_dropped"),
         ]
         between_epochs = {task: series[-1] for task, series in d["task_rates"].items()
                           if series and series[-1] is not None}

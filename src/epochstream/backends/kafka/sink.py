@@ -241,27 +241,39 @@ class KafkaSink(TransactionalSink):
         return f"{self.transactional_id_prefix}{uid}"
 
     def start(self, uid: str, job: str, manifest: dict[str, Any] | None) -> None:
-        """Before an attempt's first write: check the broker's transaction timeout, start the
+        """Before an attempt's first write: check that the cluster is reachable and has the
+        topic (every guarantee), then (exactly-once) the broker's transaction timeout, start the
         transactional producer (aborting any transaction of this sink still open) and read the
-        marker."""
+        marker. An unreachable cluster is a ``KafkaSinkError`` naming the sink, the bootstrap
+        servers and the topic, before anything of the attempt is written or committed."""
+        self._check_topic(uid)
         if self.guarantee != "exactly-once":
             return
-        ck = confluent()
         limit = broker_config(self.bootstrap_servers, "transaction.max.timeout.ms", self._client_settings())
         if limit is not None and int(limit) < self.transaction_timeout * 1000:
             raise ConfigurationError(
                 f"sink {uid!r} to topic {self.topic!r}: the broker's transaction.max.timeout.ms is {limit} ms, below "
                 f"the sink's transaction_timeout of {self.transaction_timeout * 1000:.0f} ms (the longest a commit's "
                 f"transaction may stay open); raise the broker setting or lower transaction_timeout")
-        md = ck.admin.AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 3,
-                                   **self._client_settings()}).list_topics(self.topic, timeout=10)
+        self.release()
+        self._open(uid)
+        self._marker[uid] = self.read_marker(uid)
+
+    def _check_topic(self, uid: str) -> None:
+        """The cluster answers and has the topic, or a ``KafkaSinkError`` naming both."""
+        ck = confluent()
+        try:
+            md = ck.admin.AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 3,
+                                       **self._client_settings()}).list_topics(self.topic, timeout=10)
+        except ck.KafkaException as exc:
+            raise KafkaSinkError(
+                f"sink {uid!r} to topic {self.topic!r}: cannot reach the Kafka cluster at {self.bootstrap_servers!r} "
+                f"within 10s ({exc.args[0] if exc.args else exc}); nothing of this attempt was written or committed"
+            ) from None
         tm = md.topics.get(self.topic)
         if tm is None or tm.error is not None:
             raise KafkaSinkError(f"sink {uid!r}: topic {self.topic!r} does not exist at {self.bootstrap_servers} "
                                  f"({tm.error if tm is not None else 'unknown topic'})")
-        self.release()
-        self._open(uid)
-        self._marker[uid] = self.read_marker(uid)
 
     def _open(self, uid: str) -> None:
         """The transactional producer (``init_transactions`` aborts any transaction of this
@@ -365,8 +377,10 @@ class KafkaSink(TransactionalSink):
 
     def recover(self, uid: str, committed: Iterable[str], epoch: int | None = None) -> None:
         """Re-produce the restored epoch if the manifest has it and Kafka does not; delete
-        staged output no manifest names."""
+        staged output no manifest names. The other guarantees stage nothing: they only check
+        that the cluster is reachable and has the topic (``start`` does it for exactly-once)."""
         if self.guarantee != "exactly-once":
+            self._check_topic(uid)
             return
         keep = sorted(committed, key=_staged_order)
         if epoch is not None and keep:

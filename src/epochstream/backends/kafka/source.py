@@ -2,8 +2,11 @@
 
 Theory of operation. When the pipeline is built (``Pipeline.from_kafka``) the source asks the
 cluster for the partitions of its topics (a list, or a regular expression) and pins them as
-its splits, sorted by (topic, partition); their count is then fixed for the life of the job's
-state, as for every source. It resolves ``start`` (``"earliest"``, ``"latest"``, a
+its splits, sorted by (topic, partition). An unbounded source over one topic then grows: every
+``partition_discovery_interval`` seconds each reader looks for new partitions (``discover``);
+partition i is split i, so every worker numbers them alike, and a new one is read from its
+beginning by subtask ``i % parallelism``. Other sources keep the split count they were built
+with, as every source does. It resolves ``start`` (``"earliest"``, ``"latest"``, a
 timestamp in milliseconds, or offsets per partition) and ``end`` (None: unbounded;
 ``"latest"``: the partitions' ends at build time, Flink's ``setBounded``; or offsets) to
 offsets per split at the same moment, so a replay of a fresh start reads the same records.
@@ -30,6 +33,10 @@ from ...runtime.errors import UserFunctionError
 from ...runtime.sources import Source
 from .client import KafkaSourceError, confluent, holds_clients, topic_metadata
 
+#: seconds between looks for new partitions by default (Flink's ``partition.discovery.interval.ms``
+#: is 5 minutes; a shorter look costs one metadata request per worker)
+DISCOVERY_INTERVAL = 30.0  # from_kafka(partition_discovery_interval=...) defaults to it
+
 #: how long a worker waits for the first fetch of a split when asked for records at an offset
 #: it is not at (a seek); afterwards reads never wait
 _SEEK_WAIT = 0.05
@@ -48,6 +55,13 @@ def _split_key(key: Any, topics: list[str]) -> tuple[str, int]:
     return topics[0], int(key)
 
 
+def kafka_event_time(record: Any) -> Any:
+    """A record's Kafka timestamp in seconds (``from_kafka(timestamps="kafka")``); None if the
+    producer set none (the reader then names the record)."""
+    ts = record["timestamp"]
+    return None if ts is None else ts / 1000.0
+
+
 class KafkaSource(Source):
     """Kafka topics as a replayable source (see the module docstring)."""
 
@@ -55,7 +69,8 @@ class KafkaSource(Source):
                  start: Any = "earliest", end: Any = None, group_id: str | None = None,
                  key_deserializer: Callable[[bytes | None], Any] | None = None,
                  value_deserializer: Callable[[bytes | None], Any] | None = None,
-                 settings: dict[str, Any] | None = None, timeout: float = 10.0) -> None:
+                 settings: dict[str, Any] | None = None, timeout: float = 10.0,
+                 partition_discovery_interval: float | None = DISCOVERY_INTERVAL) -> None:
         confluent()
         self.bootstrap_servers = bootstrap_servers
         self.settings = dict(settings or {})
@@ -83,14 +98,64 @@ class KafkaSource(Source):
             self.partitions += [(t, p) for p in sorted(tm.partitions)]
         self.topics = names
         self.num_splits = len(self.partitions)
+        #: splits known when the source was built (``start`` applies to them)
+        self._built_splits = self.num_splits
         self.elastic = False
         self.start_offsets = self._resolve(start, "start")
         self.end_offsets: list[int] | None = None if end is None else self._resolve(end, "end")
+        if partition_discovery_interval is not None and not partition_discovery_interval > 0:
+            raise ValueError(f"from_kafka: partition_discovery_interval must be seconds > 0 or None, got "
+                             f"{partition_discovery_interval!r}")
+        #: seconds between looks for new partitions (None: never); only an unbounded source over
+        #: one named topic grows (a split's index is then its partition, on every worker alike)
+        self.discovery_interval = partition_discovery_interval if end is None else None
+        self.grows = self.discovery_interval is not None and len(names) == 1 and not isinstance(topics, re.Pattern)
+        self._last_discovery: float | None = None
         self._consumers: dict[int, Any] = {}
         self._positions: dict[int, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_consumers": {}, "_positions": {}}
+        return {**self.__dict__, "_consumers": {}, "_positions": {}, "_last_discovery": None}
+
+    # ------------------------------------------------------------ partition discovery
+    def discover(self, now: float, force: bool = False) -> None:
+        """Add the topic's partitions created since the last look (at most once per
+        ``discovery_interval`` unless ``force``). Split i is partition i of the one topic, so
+        every worker numbers them alike without asking anyone; a new partition starts from its
+        beginning (it was created after the job started). A failed look is retried next time."""
+        if not self.grows:
+            return
+        last = self._last_discovery
+        if last is None and not force:
+            self._last_discovery = now  # the first look waits one interval: the build just looked
+            return
+        assert self.discovery_interval is not None
+        if not force and last is not None and now - last < self.discovery_interval:
+            return
+        self._last_discovery = now
+        topic = self.topics[0]
+        try:
+            md = topic_metadata(self.bootstrap_servers, f"source {self.uid!r}", self.settings, self.timeout)
+        except KafkaSourceError:
+            return  # the broker is away for now: the readers notice it themselves
+        tm = md.topics.get(topic)
+        if tm is None or tm.error is not None:
+            return
+        for p in sorted(tm.partitions):
+            if p >= self.num_splits and p == len(self.partitions):
+                self.partitions.append((topic, p))
+                self.start_offsets.append(0)  # resolved lazily: ``discovered_start_offset``
+                self.num_splits += 1
+
+    def discovered_start_offset(self, split: int) -> int:
+        """The beginning of a partition created after the job started (its low watermark)."""
+        ck = confluent()
+        consumer = ck.Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": "epochstream-resolve",
+                                "enable.auto.commit": False, "log_level": 3, **self.settings})
+        try:
+            return self._watermarks(consumer, self.partitions[split])[0]
+        finally:
+            consumer.close()
 
     def __repr__(self) -> str:
         return f"KafkaSource({self.bootstrap_servers!r}, {self.topics!r}, {self.num_splits} partitions)"
@@ -144,6 +209,8 @@ class KafkaSource(Source):
 
     # ------------------------------------------------------------ the Source interface
     def start_offset(self, split: int) -> int:
+        if split >= self._built_splits:  # discovered while running: from its beginning
+            return self.discovered_start_offset(split)
         return self.start_offsets[split]
 
     def split_length(self, split: int) -> int | None:
