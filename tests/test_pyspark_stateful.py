@@ -56,10 +56,14 @@ class Harness:
         self.epoch = 0
 
     def feed(self, *records) -> list[dict]:
+        """One micro-batch: the batch, then (``micro_batch="epoch"``, the default) the calls for
+        what the operator kept, as event time makes it run them before a timer fires."""
         recs = list(records)
         if self.source == "arrow":
-            return rows_of(self.op.process_batch(pa.RecordBatch.from_pylist(recs), None, self.ctx))
-        return rows_of(self.op.process_batch(recs, [self.op.key_of(r) for r in recs], self.ctx))
+            out = rows_of(self.op.process_batch(pa.RecordBatch.from_pylist(recs), None, self.ctx))
+        else:
+            out = rows_of(self.op.process_batch(recs, [self.op.key_of(r) for r in recs], self.ctx))
+        return out + rows_of(self.op.drain_input(self.ctx))
 
     def bound(self) -> list[dict]:
         self.epoch += 1
@@ -83,6 +87,8 @@ class Harness:
 
 def rows_of(out) -> list[dict]:
     """A wrapper's output as rows: pandas output leaves as one RecordBatch per input batch."""
+    if out is None:
+        return []
     return out if isinstance(out, list) else out.to_pylist(maps_as_pydicts="strict")
 
 
@@ -826,7 +832,10 @@ def test_group_state_nested_struct_is_a_row_and_a_namedtuple_is_accepted():
     assert seen == [(1, "z", 5)]
 
 
-def test_pandas_output_leaves_as_one_record_batch_per_input_batch():
+@pytest.mark.parametrize("micro_batch", ["batch", "epoch"])
+def test_pandas_output_leaves_as_one_record_batch_per_micro_batch(micro_batch):
+    """``"batch"``: one RecordBatch per input batch; ``"epoch"``: nothing until the bound,
+    then one RecordBatch of the epoch's output."""
     class Echo(StatefulProcessor):
         def init(self, handle):
             pass
@@ -835,9 +844,13 @@ def test_pandas_output_leaves_as_one_record_batch_per_input_batch():
             for pdf in rows:
                 yield pd.DataFrame({"k": pdf["k"], "id": pdf["id"]})
 
-    h = Harness(lambda c: TransformWithState(Echo(), "k string, id long", "none", "k", clock=c))
+    h = Harness(lambda c: TransformWithState(Echo(), "k string, id long", "none", "k", clock=c,
+                                             micro_batch=micro_batch))
     recs = [{"k": "ab"[i % 2], "id": i} for i in range(6)]
     out = h.op.process_batch(recs, [h.op.key_of(r) for r in recs], h.ctx)
+    if micro_batch == "epoch":
+        assert out is None
+        out = h.op.on_epoch_end(1, h.ctx)
     assert isinstance(out, pa.RecordBatch) and out.num_rows == 6
     assert sorted(out.to_pylist(), key=lambda r: r["id"]) == recs
 
@@ -942,7 +955,8 @@ def test_initial_state_seeds_each_key_once_before_its_rows():
                 yield pd.DataFrame({"k": [key[0]], "n": [n]})
 
     seeds = pa.table({"k": ["a", "a", "b"], "n": [10, 5, 20]})
-    op = TransformWithState(Seeded(), "k string, n long", "processingtime", "k", clock=Clock(), initial_state=seeds)
+    op = TransformWithState(Seeded(), "k string, n long", "processingtime", "k", clock=Clock(), initial_state=seeds,
+                            micro_batch="batch")
     state = HeapKeyedState("op", lambda k: 0, (0, 0))
     backend = OperatorStateBackend("op", 0)
     ctx = Context(state, 0, 1, "op", None, backend)
@@ -985,8 +999,8 @@ def test_late_rows_are_judged_against_the_watermark_as_of_the_previous_epochs_st
     op = TransformWithState(Sess(), "k string, t long, wm long", "eventtime", "k", event_time="t", clock=Clock())
     op.open(ctx)
 
-    def feed(k, t):
-        return rows_of(op.process_batch([{"k": k, "t": t}], [(k,)], ctx))
+    def feed(k, t):  # a micro-batch: kept, then run (as before a timer fires)
+        return rows_of(op.process_batch([{"k": k, "t": t}], [(k,)], ctx)) + rows_of(op.drain_input(ctx))
 
     assert feed("a", 1_000) == [{"k": "a", "t": 1_000, "wm": 0}]
     fired: list = []

@@ -94,6 +94,11 @@ class TimerService:
             else:
                 on_timer(ts)
 
+    def due(self, watermark: float) -> bool:
+        """Whether ``advance`` to ``watermark`` may fire a timer (deleted timers may still
+        count: their heap entries go when popped)."""
+        return watermark > self.watermark and bool(self._heap) and self._heap[0][0] < watermark
+
     def _register(self, timestamp: float, kind: str) -> None:
         if not self.enabled:
             raise RuntimeError(
