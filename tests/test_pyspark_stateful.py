@@ -182,6 +182,103 @@ def test_one_call_per_key_per_batch_with_the_rows_of_that_key_in_arrival_order(s
     assert calls == [(("b",), [[1, 3]]), (("a",), [[2]])]
 
 
+class Spy(StatefulProcessor):
+    """Logs each ``handleInputRows`` call: the key and the ids of each frame it got."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def init(self, handle):
+        pass
+
+    def handleInputRows(self, key, rows, timerValues):
+        self.calls.append((key, [list(f["id"]) for f in rows]))
+        yield pd.DataFrame({"k": [key[0]], "n": [len(self.calls)]})
+
+
+def feed_batches(h: Harness, batches: list[list[dict]], kinds: list[str]) -> list[dict]:
+    """``process_batch`` per batch (as the chain hands them over, no drain between)."""
+    out: list[dict] = []
+    for recs, kind in zip(batches, kinds, strict=True):
+        if kind == "arrow":
+            out += rows_of(h.op.process_batch(pa.RecordBatch.from_pylist(recs), None, h.ctx))
+        else:
+            out += rows_of(h.op.process_batch(recs, [h.op.key_of(r) for r in recs], h.ctx))
+    return out
+
+
+EPOCH_INPUT = [[{"k": "b", "id": 1}, {"k": "a", "id": 2}], [{"k": "b", "id": 3}, {"k": "c", "id": 4}],
+               [{"k": "a", "id": 5}, {"k": "b", "id": 6}]]
+
+
+@pytest.mark.parametrize("kinds", [["rows"] * 3, ["arrow"] * 3, ["rows", "arrow", "rows"]])
+def test_one_call_per_key_per_epoch_with_all_its_rows_in_arrival_order(kinds):
+    """Spark's granularity (``micro_batch="epoch"``, the default): nothing is called while the
+    epoch's batches arrive; at the bound each key gets one call with every row it got in the
+    epoch, keys in first-appearance order. Consecutive batches of one kind make one frame per
+    key; a change between rows and Arrow starts another frame of the same iterator."""
+    calls: list = []
+    h = Harness(tws(Spy(calls), "none"))
+    assert feed_batches(h, EPOCH_INPUT, kinds) == [] and calls == []
+    out = h.bound()
+    ids = {k: [i for frame in frames for i in frame] for (k,), frames in calls}
+    assert [k for (k,), _ in calls] == ["b", "a", "c"]
+    assert ids == {"b": [1, 3, 6], "a": [2, 5], "c": [4]}
+    assert sorted(r["k"] for r in out) == ["a", "b", "c"]
+    frames = dict((k, f) for (k,), f in calls)
+    if kinds[0] == kinds[1] == kinds[2]:
+        assert frames["b"] == [[1, 3, 6]]
+    else:  # rows, then Arrow, then rows: three runs
+        assert frames["b"] == [[1], [3], [6]]
+    # the next epoch starts empty
+    assert h.bound() == [] and len(calls) == 3
+
+
+def test_micro_batch_batch_calls_once_per_key_per_runtime_batch():
+    """The former granularity, selectable: each runtime batch runs its calls at once."""
+    calls: list = []
+    h = Harness(tws(Spy(calls), "none", micro_batch="batch"))
+    out = feed_batches(h, EPOCH_INPUT, ["rows"] * 3)
+    assert [(k, f) for (k,), f in calls] == [("b", [[1]]), ("a", [[2]]), ("b", [[3]]), ("c", [[4]]),
+                                               ("a", [[5]]), ("b", [[6]])]
+    assert len(out) == 6 and h.bound() == []
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_max_rows_per_trigger_runs_the_calls_early(source):
+    """Once ``max_rows_per_trigger`` rows wait, their calls run (a micro-batch cut short) and
+    the output leaves with that batch; the rest waits for the bound."""
+    calls: list = []
+    h = Harness(tws(Spy(calls), "none", max_rows_per_trigger=4))
+    out = feed_batches(h, EPOCH_INPUT, [source] * 3)
+    assert [(k, sum(f, [])) for (k,), f in calls] == [("b", [1, 3]), ("a", [2]), ("c", [4])]
+    assert sorted(r["k"] for r in out) == ["a", "b", "c"]
+    out = h.bound()
+    assert [(k, sum(f, [])) for (k,), f in calls[3:]] == [("a", [5]), ("b", [6])]
+    assert sorted(r["k"] for r in out) == ["a", "b"]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_group_state_gets_one_call_per_key_per_epoch_and_timeouts_after_it(source):
+    """applyInPandasWithState: one call per key at the bound with every frame of the epoch;
+    a key without data in the epoch times out after the data, as in Spark's micro-batch."""
+    h = Harness(group_state())
+    feed_batches(h, [[{"k": "a"}, {"k": "b"}]], [source])
+    assert sorted((r["k"], r["n"]) for r in h.bound()) == [("a", 1), ("b", 1)]
+    h.clock.ms += 50
+    assert feed_batches(h, [[{"k": "a"}], [{"k": "a"}]], [source] * 2) == []
+    h.clock.ms += 100  # b's timeout (1 100) is below the batch time: b times out, a does not
+    assert sorted((r["k"], r["n"]) for r in h.bound()) == [("a", 3), ("b", -1)]
+
+
+def test_micro_batch_arguments_are_checked():
+    with pytest.raises(ValueError, match="micro_batch must be 'epoch'"):
+        TransformWithState(Spy([]), "k string, n long", "none", "k", micro_batch="trigger")
+    with pytest.raises(ValueError, match="max_rows_per_trigger must be an int >= 1"):
+        ApplyInPandasWithState(counter, "k string, n long", "n long", "Update", GroupStateTimeout.NoTimeout, "k",
+                               max_rows_per_trigger=0)
+
+
 @pytest.mark.parametrize("input_schema", [None, "a long, b string, t timestamp, x double, y long"])
 def test_an_arrow_batch_reaches_the_user_as_its_rows_do(input_schema):
     """The columnar path hands each key the frame the row path makes of that key's rows:
