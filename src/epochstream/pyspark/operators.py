@@ -11,8 +11,9 @@ the epoch, keys in first-appearance order, rows in arrival order; then timeouts 
 as Spark runs them after the micro-batch's data. The output joins the epoch, so an
 exactly-once sink shows it at the same commit as before. ``max_rows_per_trigger`` bounds
 what is kept: once that many rows wait the calls run early (a micro-batch cut short, like
-Kafka's ``maxOffsetsPerTrigger``). Before event time fires a timer the waiting rows are
-processed, so a timer never overtakes the data it follows. ``micro_batch="batch"`` calls
+Kafka's ``maxOffsetsPerTrigger``). Before job-wide event time moves (a timestamped source) the
+waiting rows are processed, so the timers they register below the new watermark fire with it
+and a timer never overtakes the data it follows. ``micro_batch="batch"`` calls
 the user once per key per runtime batch (the records one upstream subtask sent in one step)
 instead: output leaves as soon as the batch is processed, in more, smaller calls.
 
@@ -159,7 +160,7 @@ class _Keyed:
     they came, or dicts key -> rows (the row path, late rows already dropped: the late
     threshold moves only at epoch bounds). ``micro_batch="epoch"`` keeps the segments of the
     epoch in ``_pending`` and runs them at the bound (``on_epoch_end``), when event time is
-    about to fire a timer (``drain_input``) or once ``max_rows_per_trigger`` rows wait;
+    about to move (``drain_input``) or once ``max_rows_per_trigger`` rows wait;
     ``"batch"`` runs each runtime batch at once.
     """
 
@@ -328,9 +329,10 @@ class _Keyed:
         return [to_pandas(p, self._arrow_in) if type(p) is list else p for p in parts]
 
     def drain_input(self, ctx) -> Any:
-        """Event time is about to fire timers here (``ChainRuntime.fire_timers``): run the
-        calls for the rows kept so far first, so a timer follows the data it came after, as
-        it did when every runtime batch ran at once. Its output, or None."""
+        """Job-wide event time is about to move here (``ChainRuntime.fire_timers``): run the
+        calls for the rows kept so far first, so the timers they register below the new
+        watermark fire with it and a timer follows the data it came after, as when every
+        runtime batch ran at once. Its output, or None."""
         if not self._pending:
             return None
         return self._guard(self.label, self._drain_output, ctx)

@@ -528,9 +528,10 @@ class ChainRuntime:
         watermark = float("inf") if label >= END_OF_TIME else (label + 1) * slack
         for fn, ctx, timers, down, uid in self.timed:
             # a function that keeps input for one call per key (the PySpark wrappers' epoch
-            # micro-batch) runs it before a timer fires: a timer follows the data before it
+            # micro-batch) runs it before event time moves: the timers that data registers
+            # below the new watermark fire now, and every timer follows the data before it
             drain = getattr(fn, "drain_input", None)
-            if drain is not None and timers.due(watermark):
+            if drain is not None and timers.advances(watermark):
                 try:
                     drained = drain(ctx)
                 except Exception as exc:

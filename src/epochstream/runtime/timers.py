@@ -94,10 +94,10 @@ class TimerService:
             else:
                 on_timer(ts)
 
-    def due(self, watermark: float) -> bool:
-        """Whether ``advance`` to ``watermark`` may fire a timer (deleted timers may still
-        count: their heap entries go when popped)."""
-        return watermark > self.watermark and bool(self._heap) and self._heap[0][0] < watermark
+    def advances(self, watermark: float) -> bool:
+        """Whether ``advance`` to ``watermark`` moves event time (and so may fire timers,
+        including ones that input not yet processed would register)."""
+        return watermark > self.watermark
 
     def _register(self, timestamp: float, kind: str) -> None:
         if not self.enabled:
