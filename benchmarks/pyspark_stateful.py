@@ -239,7 +239,8 @@ def keyed_count_pipeline(keys: int, rows: int, args, sink, func=count, extra: di
         ids = pa.array(range(start, stop), pa.int64())
         return pa.record_batch({"id": ids, "k": pc.subtract(ids, pc.multiply(pc.divide(ids, keys), keys))})
 
-    p = Pipeline("keyed-count", parallelism=2, max_parallelism=128, checkpoint=CheckpointConfig(interval=1.0),
+    p = Pipeline("keyed-count", parallelism=2, max_parallelism=128,
+                 checkpoint=CheckpointConfig(interval=getattr(args, "interval", 1.0)),
                  batch_size=args.batch_size, **(extra or {}))
     (p.generate_batches(events, count=rows, num_splits=2, uid="events", block_rows=args.batch_size)
       .apply_in_pandas_with_state(func, "k long, c long", "c long", "Update", GroupStateTimeout.NoTimeout,
@@ -265,7 +266,8 @@ def es_keyed_count(keys: int, rows: int, args, micro_batch: str = "epoch") -> di
     extra, label = batching_kwargs(args)
     cut = cut_kwargs(args, micro_batch)
     cut_label = ", ".join(f"{k}={v}" for k, v in cut.items())
-    variant = (f"local p=2, 1 s epochs, generate_batches {args.batch_size}" + (f", {label}" if label else "")
+    variant = (f"local p=2, {args.interval:g} s epochs, generate_batches {args.batch_size}"
+               + (f", {label}" if label else "")
                + (f", {cut_label}" if cut_label else ""))
     with tempfile.TemporaryDirectory(prefix="es-keyed-count-") as tmp:
         logs = Path(tmp) / "logs"
@@ -645,6 +647,8 @@ def main() -> None:
     ap.add_argument("--no-real-time", action="store_true", help="skip the Real-time Mode comparison")
     ap.add_argument("--profile", action="store_true", help="also cProfile the epochstream keyed count")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--interval", type=float, default=1.0,
+                    help="epochstream keyed count: checkpoint interval (seconds between epochs)")
     ap.add_argument("--name", default="pyspark_stateful", help="base name of the CSV and PNG written")
     ap.add_argument("--micro-batch", default="epoch",
                     help="epochstream keyed count: comma list of the wrapper's micro_batch cuts (epoch, batch)")
