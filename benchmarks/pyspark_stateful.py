@@ -48,7 +48,11 @@ also writes a cProfile of the epochstream keyed count (simulator: one process, t
 code). Not a test: nothing asserts timings.
 
     python benchmarks/pyspark_stateful.py [--quick] [--keys 100,10000] [--batch-size 65536]
-        [--batch-rows N --batch-linger S] [--no-processor] [--no-real-time] [--profile]
+        [--batch-rows N --batch-linger S] [--micro-batch epoch,batch] [--max-rows-per-trigger N]
+        [--name pyspark_stateful] [--no-processor] [--no-real-time] [--profile]
+
+``--micro-batch`` runs the epochstream keyed count once per cut (``epoch``: one call per key
+per epoch, Spark's granularity, the default; ``batch``: one per key per runtime batch).
 """
 
 from __future__ import annotations
@@ -229,27 +233,47 @@ def epoch_latencies(res) -> list[float]:
 # ---------------------------------------------------------------- epochstream
 
 
-def keyed_count_pipeline(keys: int, rows: int, args, sink, func=count, extra: dict | None = None) -> Pipeline:
+def keyed_count_pipeline(keys: int, rows: int, args, sink, func=count, extra: dict | None = None,
+                         micro_batch: str = "epoch") -> Pipeline:
     def events(start: int, stop: int):
         ids = pa.array(range(start, stop), pa.int64())
         return pa.record_batch({"id": ids, "k": pc.subtract(ids, pc.multiply(pc.divide(ids, keys), keys))})
 
-    p = Pipeline("keyed-count", parallelism=2, max_parallelism=128, checkpoint=CheckpointConfig(interval=1.0),
+    p = Pipeline("keyed-count", parallelism=2, max_parallelism=128,
+                 checkpoint=CheckpointConfig(interval=getattr(args, "interval", 1.0)),
                  batch_size=args.batch_size, **(extra or {}))
     (p.generate_batches(events, count=rows, num_splits=2, uid="events", block_rows=args.batch_size)
       .apply_in_pandas_with_state(func, "k long, c long", "c long", "Update", GroupStateTimeout.NoTimeout,
-                                  key="k", uid="count")
+                                  key="k", uid="count", **cut_kwargs(args, micro_batch))
       .sink(sink, uid="out"))
     return p
 
 
-def es_keyed_count(keys: int, rows: int, args) -> dict:
+def cut_kwargs(args, micro_batch: str) -> dict:
+    """``micro_batch``/``max_rows_per_trigger`` for the wrapper, if it takes them."""
+    from epochstream.api.pipeline import Stream
+
+    params = inspect.signature(Stream.apply_in_pandas_with_state).parameters
+    if "micro_batch" not in params:
+        return {}
+    kw: dict = {"micro_batch": micro_batch}
+    if args.max_rows_per_trigger is not None:
+        kw["max_rows_per_trigger"] = args.max_rows_per_trigger
+    return kw
+
+
+def es_keyed_count(keys: int, rows: int, args, micro_batch: str = "epoch") -> dict:
     extra, label = batching_kwargs(args)
-    variant = f"local p=2, 1 s epochs, generate_batches {args.batch_size}" + (f", {label}" if label else "")
+    cut = cut_kwargs(args, micro_batch)
+    cut_label = ", ".join(f"{k}={v}" for k, v in cut.items())
+    variant = (f"local p=2, {args.interval:g} s epochs, generate_batches {args.batch_size}"
+               + (f", {label}" if label else "")
+               + (f", {cut_label}" if cut_label else ""))
     with tempfile.TemporaryDirectory(prefix="es-keyed-count-") as tmp:
         logs = Path(tmp) / "logs"
         logs.mkdir()
-        p = keyed_count_pipeline(keys, rows, args, ProbeSink(str(logs), "count"), extra=extra)
+        p = keyed_count_pipeline(keys, rows, args, ProbeSink(str(logs), "count"), extra=extra,
+                                 micro_batch=micro_batch)
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
         res = p.run(deployment="local", checkpoint_dir=str(Path(tmp) / "chk"))
@@ -623,6 +647,13 @@ def main() -> None:
     ap.add_argument("--no-real-time", action="store_true", help="skip the Real-time Mode comparison")
     ap.add_argument("--profile", action="store_true", help="also cProfile the epochstream keyed count")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--interval", type=float, default=1.0,
+                    help="epochstream keyed count: checkpoint interval (seconds between epochs)")
+    ap.add_argument("--name", default="pyspark_stateful", help="base name of the CSV and PNG written")
+    ap.add_argument("--micro-batch", default="epoch",
+                    help="epochstream keyed count: comma list of the wrapper's micro_batch cuts (epoch, batch)")
+    ap.add_argument("--max-rows-per-trigger", type=int, default=None,
+                    help="epochstream keyed count: the wrapper's max_rows_per_trigger (default: its own)")
     args = ap.parse_args()
     quick = args.quick
     defaults = {"es_rows": "1000000,150000" if quick else "10000000,1000000", "spark_rows_per_batch": 1_500_000,
@@ -650,10 +681,11 @@ def main() -> None:
         spark = spark_session()
         if not args.no_keyed_count:
             for keys in key_counts:  # interleaved, so machine noise hits both alike
-                log(f"keyed count, {keys} keys: epochstream, {es_rows[keys]:,} rows ...")
-                results.append(es_keyed_count(keys, es_rows[keys], args))
-                r = results[-1]
-                log(f"  -> {r['rows_per_s']:,.0f} rows/s steady, p99 epoch {r['latency_p99_ms']:.0f} ms")
+                for micro_batch in args.micro_batch.split(","):
+                    log(f"keyed count, {keys} keys: epochstream ({micro_batch}), {es_rows[keys]:,} rows ...")
+                    results.append(es_keyed_count(keys, es_rows[keys], args, micro_batch))
+                    r = results[-1]
+                    log(f"  -> {r['rows_per_s']:,.0f} rows/s steady, p99 epoch {r['latency_p99_ms']:.0f} ms")
                 log(f"keyed count, {keys} keys: Spark, {args.skip_batches} + {args.spark_batches} batches ...")
                 results.append(spark_keyed_count(spark, keys, args, work))
                 log(f"  -> {results[-1]['rows_per_s']:,.0f} rows/s, p50 batch {results[-1]['latency_p50_ms']:.0f} ms")
@@ -683,16 +715,17 @@ def main() -> None:
     log(f"end: {uptime_end}")
 
     fields = list(results[0]) if results else []
-    with open(out / "pyspark_stateful.csv", "w", newline="") as f:
+    csv_path, png_path = out / f"{args.name}.csv", out / f"{args.name}.png"
+    with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in results:
             w.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
-    with open(out / "pyspark_stateful.csv", "a") as f:
+    with open(csv_path, "a") as f:
         f.write(f"# command: {' '.join(sys.argv)}\n# uptime at start: {uptime}\n# uptime at end: {uptime_end}\n")
     summary(results)
-    plot(results, out / "pyspark_stateful.png")
-    print(f"wrote {out / 'pyspark_stateful.csv'} and {out / 'pyspark_stateful.png'}")
+    plot(results, png_path)
+    print(f"wrote {csv_path} and {png_path}")
 
 
 def summary(results: list[dict]) -> None:

@@ -40,6 +40,11 @@ from pipelines import ROCKSDB_TEST_DIR, committed_output, without_fsync
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("aligned", "tracker")
+#: the exactly-once modes the oracle runs the wrappers in under failures in the simulator
+ALL_MODES = ("aligned", "unaligned", "tracker")
+#: how the wrappers cut calls: (micro_batch, max_rows_per_trigger); ("epoch", 7) runs the
+#: calls early whenever 7 rows wait (the memory bound), so an epoch's rows take several rounds
+CUTS = (("epoch", 1_000_000), ("epoch", 7), ("batch", 1_000_000))
 #: the input as dict rows, or as Arrow batches (the wrappers' columnar path)
 SOURCES = ("rows", "arrow")
 FAR = 10**13  # a timer this far in the future never fires
@@ -107,8 +112,10 @@ def records(n: int, keys: int = 5) -> list[dict]:
 
 
 def tally_pipeline(*, n=200, parallelism=2, mode="aligned", interval=0.0005, batch_size=8, splits=6,
-                   out=None, which="tws", incremental=True, source="rows", state_backend_type="hashmap") -> Pipeline:
-    """``source``: ``"rows"`` (dicts) or ``"arrow"`` (Arrow batches: the wrappers' columnar path)."""
+                   out=None, which="tws", incremental=True, source="rows", state_backend_type="hashmap",
+                   cut=CUTS[0]) -> Pipeline:
+    """``source``: ``"rows"`` (dicts) or ``"arrow"`` (Arrow batches: the wrappers' columnar path);
+    ``cut``: the wrappers' ``(micro_batch, max_rows_per_trigger)``."""
     p = Pipeline(f"pyspark-{which}", parallelism=parallelism, max_parallelism=128, mode=mode,
                  checkpoint=CheckpointConfig(interval=interval, incremental=incremental,
                                              state_backend_type=state_backend_type, rocksdb_dir=ROCKSDB_TEST_DIR),
@@ -119,10 +126,12 @@ def tally_pipeline(*, n=200, parallelism=2, mode="aligned", interval=0.0005, bat
         s = p.from_collection(records(n), splits=splits, uid="input")
     if which in ("tws", "tws-init"):
         s = s.transform_with_state(Tally(), "k string, n long", "processingtime", key="k", clock="pipeline",
-                                   uid="tally", initial_state=SEEDS if which == "tws-init" else None)
+                                   uid="tally", initial_state=SEEDS if which == "tws-init" else None,
+                                   micro_batch=cut[0], max_rows_per_trigger=cut[1])
     else:
         s = s.apply_in_pandas_with_state(group_count, "k string, n long", "n long", "Update",
-                                         GroupStateTimeout.NoTimeout, key="k", clock="pipeline", uid="tally")
+                                         GroupStateTimeout.NoTimeout, key="k", clock="pipeline", uid="tally",
+                                         micro_batch=cut[0], max_rows_per_trigger=cut[1])
     s.sink(FileSink(out if out is not None else Path("/nonexistent/placeholder")), uid="out")
     return p
 
@@ -143,16 +152,16 @@ def assert_ok(report) -> None:
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("which", ["tws", "group_state", "tws-init"])
 @settings(max_examples=4, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(0, 3),
        batch_size=st.sampled_from([1, 8, 32]), incremental=st.booleans(),
        points=st.sets(st.sampled_from(["before_manifest", "after_manifest", "mid_commit", "recovery"]), max_size=2),
-       backend=STATE_BACKENDS)
+       backend=STATE_BACKENDS, cut=st.sampled_from(CUTS))
 def test_exactly_once_under_failures_in_the_simulator(tmp_path_factory, mode, which, source, seed, parallelism,
-                                                      kills, batch_size, incremental, points, backend):
+                                                      kills, batch_size, incremental, points, backend, cut):
     import random
 
     rng = random.Random(seed)
@@ -164,7 +173,7 @@ def test_exactly_once_under_failures_in_the_simulator(tmp_path_factory, mode, wh
         return sim_run(p, chk, seed=seed, failures=schedule if failing else None)
 
     build = partial(tally_pipeline, mode=mode, which=which, parallelism=parallelism, batch_size=batch_size,
-                    incremental=incremental, source=source, state_backend_type=backend)
+                    incremental=incremental, source=source, state_backend_type=backend, cut=cut)
     assert_ok(check_exactly_once(build, run, tmp_path_factory.mktemp("eo")))
 
 
@@ -187,6 +196,46 @@ def test_the_oracle_sees_wrapped_state(tmp_path):
 
     report = check_exactly_once(partial(tally_pipeline, parallelism=2), run, tmp_path)
     assert report.restarts >= 1 and report.mismatched_state > 0, report.to_json()
+
+
+# ---------------------------------------------------------------- calls per key per epoch
+
+
+def call_log(key, pdf_iter, state):
+    """One output row per call: the key and how many rows the call got."""
+    rows = sum(len(pdf) for pdf in pdf_iter)
+    state.update(((state.get[0] if state.exists else 0) + rows,))
+    yield pd.DataFrame({"k": [key[0]], "rows": [rows]})
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("micro_batch", ["epoch", "batch"])
+def test_one_call_per_key_per_epoch_through_the_runtime(tmp_path, mode, micro_batch):
+    """Through the tasks (aligned, unaligned and tracker epoch ends): with ``"epoch"`` each
+    epoch's committed output has one call per key with all of the key's rows of that epoch;
+    ``"batch"`` (the former cut) calls a key several times per epoch, which this test tells
+    apart."""
+    import collections as co
+
+    from epochstream.oracle import _lines_by_epoch
+
+    p = Pipeline("calls", parallelism=2, max_parallelism=128, mode=mode,
+                 checkpoint=CheckpointConfig(interval=0.003), batch_size=4)
+    (p.from_collection(records(400), splits=4, uid="input")
+      .apply_in_pandas_with_state(call_log, "k string, rows long", "n long", "Append", GroupStateTimeout.NoTimeout,
+                                  key="k", micro_batch=micro_batch, uid="calls")
+      .sink(FileSink(tmp_path / "out"), uid="out"))
+    sim_run(p, tmp_path / "chk")
+    by_epoch = _lines_by_epoch(tmp_path / "out")
+    calls = {e: co.Counter(json.loads(line)["k"] for line, n in lines.items() for _ in range(n))
+             for e, lines in by_epoch.items()}
+    rows = sum(json.loads(line)["rows"] * n for lines in by_epoch.values() for line, n in lines.items())
+    assert rows == 400 and len(by_epoch) >= 2, by_epoch
+    most = max(c for per_key in calls.values() for c in per_key.values())
+    if micro_batch == "epoch":
+        assert most == 1, calls
+    else:
+        assert most > 1, calls
 
 
 # ---------------------------------------------------------------- job-wide event time (timestamped sources)
@@ -244,7 +293,7 @@ def session_input(n_keys: int = 12, per_key: int = 20) -> list[dict]:
 
 
 def session_pipeline(*, parallelism=2, which="tws", out=None, batch_size=8, interval=0.0005,
-                     mode="tracker", state_backend_type="hashmap") -> Pipeline:
+                     mode="tracker", state_backend_type="hashmap", cut=CUTS[0]) -> Pipeline:
     p = Pipeline(f"sessions-{which}", parallelism=parallelism, max_parallelism=128, mode=mode,
                  checkpoint=CheckpointConfig(interval=interval, state_backend_type=state_backend_type,
                                              rocksdb_dir=ROCKSDB_TEST_DIR), batch_size=batch_size, restart_attempts=30,
@@ -252,32 +301,37 @@ def session_pipeline(*, parallelism=2, which="tws", out=None, batch_size=8, inte
     s = p.from_collection(session_input(), splits=3, uid="events", timestamps=lambda r: r["t"])
     if which == "tws":
         s = s.transform_with_state(Sessions(), "k string, n long, end long", "EventTime", key="k", event_time="t",
-                                   uid="sessions")
+                                   uid="sessions", micro_batch=cut[0], max_rows_per_trigger=cut[1])
     else:
         s = s.apply_in_pandas_with_state(session_timeout, "k string, n long, end long", "n long, last long", "Append",
-                                         GroupStateTimeout.EventTimeTimeout, key="k", event_time="t", uid="sessions")
+                                         GroupStateTimeout.EventTimeTimeout, key="k", event_time="t", uid="sessions",
+                                         micro_batch=cut[0], max_rows_per_trigger=cut[1])
     s.sink(FileSink(out if out is not None else Path("/nonexistent/placeholder")), uid="out")
     return p
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cut", CUTS)
+@pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("which", ["tws", "group_state"])
-def test_event_time_timers_fire_from_job_wide_event_time(tmp_path, which, mode):
+def test_event_time_timers_fire_from_job_wide_event_time(tmp_path, which, mode, cut):
     """A timestamped source: every session is emitted once, with all of its events, from the
     job-wide event time (the trAcker's time bounds, or aligned watermarks), the last ones at
-    the end of input."""
-    p = session_pipeline(which=which, out=tmp_path / "out", mode=mode)
+    the end of input; rows kept for the epoch's calls are processed before a timer fires."""
+    p = session_pipeline(which=which, out=tmp_path / "out", mode=mode, cut=cut)
     sim_run(p, tmp_path / "chk")
     got = sorted((r["k"], r["n"], r["end"]) for r in committed_output(tmp_path / "out"))
     assert got == sorted((f"s{k}", 20, 1_000_000 + k * 8_000 + 300 * 19 + 10_000) for k in range(12))
 
 
+# not "unaligned": with event-time timers the oracle reports mismatched state in unaligned mode even
+# without a failure, on the code before the per-epoch calls too (seed 0, parallelism 2): left open
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("which", ["tws", "group_state"])
 @settings(max_examples=3, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(1, 3), backend=STATE_BACKENDS)
-def test_event_time_timers_are_exactly_once(tmp_path_factory, which, mode, seed, parallelism, kills, backend):
+@given(seed=st.integers(0, 2**32 - 1), parallelism=st.integers(1, 3), kills=st.integers(1, 3), backend=STATE_BACKENDS,
+       cut=st.sampled_from(CUTS))
+def test_event_time_timers_are_exactly_once(tmp_path_factory, which, mode, seed, parallelism, kills, backend, cut):
     """The oracle's reference replays the timers up to each epoch's recorded event time."""
     import random
 
@@ -287,7 +341,8 @@ def test_event_time_timers_are_exactly_once(tmp_path_factory, which, mode, seed,
     def run(p, chk, failing):
         return sim_run(p, chk, seed=seed, failures=schedule if failing else None)
 
-    build = partial(session_pipeline, which=which, parallelism=parallelism, mode=mode, state_backend_type=backend)
+    build = partial(session_pipeline, which=which, parallelism=parallelism, mode=mode, state_backend_type=backend,
+                    cut=cut)
     assert_ok(check_exactly_once(build, run, tmp_path_factory.mktemp("eo-et")))
 
 
@@ -339,7 +394,7 @@ def test_a_savepoint_taken_at_parallelism_2_restores_at_parallelism_3(tmp_path, 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["tws", "group_state", "tws-init"])
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_exactly_once_with_real_kills_on_the_local_driver(tmp_path, mode, source, which):
     runs = {}
 

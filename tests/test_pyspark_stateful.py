@@ -56,10 +56,14 @@ class Harness:
         self.epoch = 0
 
     def feed(self, *records) -> list[dict]:
+        """One micro-batch: the batch, then (``micro_batch="epoch"``, the default) the calls for
+        what the operator kept, as event time makes it run them before a timer fires."""
         recs = list(records)
         if self.source == "arrow":
-            return rows_of(self.op.process_batch(pa.RecordBatch.from_pylist(recs), None, self.ctx))
-        return rows_of(self.op.process_batch(recs, [self.op.key_of(r) for r in recs], self.ctx))
+            out = rows_of(self.op.process_batch(pa.RecordBatch.from_pylist(recs), None, self.ctx))
+        else:
+            out = rows_of(self.op.process_batch(recs, [self.op.key_of(r) for r in recs], self.ctx))
+        return out + rows_of(self.op.drain_input(self.ctx))
 
     def bound(self) -> list[dict]:
         self.epoch += 1
@@ -83,6 +87,8 @@ class Harness:
 
 def rows_of(out) -> list[dict]:
     """A wrapper's output as rows: pandas output leaves as one RecordBatch per input batch."""
+    if out is None:
+        return []
     return out if isinstance(out, list) else out.to_pylist(maps_as_pydicts="strict")
 
 
@@ -174,6 +180,103 @@ def test_one_call_per_key_per_batch_with_the_rows_of_that_key_in_arrival_order(s
     h = Harness(tws(Spy(), "none"), source)
     h.feed({"k": "b", "id": 1}, {"k": "a", "id": 2}, {"k": "b", "id": 3})
     assert calls == [(("b",), [[1, 3]]), (("a",), [[2]])]
+
+
+class Spy(StatefulProcessor):
+    """Logs each ``handleInputRows`` call: the key and the ids of each frame it got."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def init(self, handle):
+        pass
+
+    def handleInputRows(self, key, rows, timerValues):
+        self.calls.append((key, [list(f["id"]) for f in rows]))
+        yield pd.DataFrame({"k": [key[0]], "n": [len(self.calls)]})
+
+
+def feed_batches(h: Harness, batches: list[list[dict]], kinds: list[str]) -> list[dict]:
+    """``process_batch`` per batch (as the chain hands them over, no drain between)."""
+    out: list[dict] = []
+    for recs, kind in zip(batches, kinds, strict=True):
+        if kind == "arrow":
+            out += rows_of(h.op.process_batch(pa.RecordBatch.from_pylist(recs), None, h.ctx))
+        else:
+            out += rows_of(h.op.process_batch(recs, [h.op.key_of(r) for r in recs], h.ctx))
+    return out
+
+
+EPOCH_INPUT = [[{"k": "b", "id": 1}, {"k": "a", "id": 2}], [{"k": "b", "id": 3}, {"k": "c", "id": 4}],
+               [{"k": "a", "id": 5}, {"k": "b", "id": 6}]]
+
+
+@pytest.mark.parametrize("kinds", [["rows"] * 3, ["arrow"] * 3, ["rows", "arrow", "rows"]])
+def test_one_call_per_key_per_epoch_with_all_its_rows_in_arrival_order(kinds):
+    """Spark's granularity (``micro_batch="epoch"``, the default): nothing is called while the
+    epoch's batches arrive; at the bound each key gets one call with every row it got in the
+    epoch, keys in first-appearance order. Consecutive batches of one kind make one frame per
+    key; a change between rows and Arrow starts another frame of the same iterator."""
+    calls: list = []
+    h = Harness(tws(Spy(calls), "none"))
+    assert feed_batches(h, EPOCH_INPUT, kinds) == [] and calls == []
+    out = h.bound()
+    ids = {k: [i for frame in frames for i in frame] for (k,), frames in calls}
+    assert [k for (k,), _ in calls] == ["b", "a", "c"]
+    assert ids == {"b": [1, 3, 6], "a": [2, 5], "c": [4]}
+    assert sorted(r["k"] for r in out) == ["a", "b", "c"]
+    frames = dict((k, f) for (k,), f in calls)
+    if kinds[0] == kinds[1] == kinds[2]:
+        assert frames["b"] == [[1, 3, 6]]
+    else:  # rows, then Arrow, then rows: three runs
+        assert frames["b"] == [[1], [3], [6]]
+    # the next epoch starts empty
+    assert h.bound() == [] and len(calls) == 3
+
+
+def test_micro_batch_batch_calls_once_per_key_per_runtime_batch():
+    """The former granularity, selectable: each runtime batch runs its calls at once."""
+    calls: list = []
+    h = Harness(tws(Spy(calls), "none", micro_batch="batch"))
+    out = feed_batches(h, EPOCH_INPUT, ["rows"] * 3)
+    assert [(k, f) for (k,), f in calls] == [("b", [[1]]), ("a", [[2]]), ("b", [[3]]), ("c", [[4]]),
+                                               ("a", [[5]]), ("b", [[6]])]
+    assert len(out) == 6 and h.bound() == []
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_max_rows_per_trigger_runs_the_calls_early(source):
+    """Once ``max_rows_per_trigger`` rows wait, their calls run (a micro-batch cut short) and
+    the output leaves with that batch; the rest waits for the bound."""
+    calls: list = []
+    h = Harness(tws(Spy(calls), "none", max_rows_per_trigger=4))
+    out = feed_batches(h, EPOCH_INPUT, [source] * 3)
+    assert [(k, sum(f, [])) for (k,), f in calls] == [("b", [1, 3]), ("a", [2]), ("c", [4])]
+    assert sorted(r["k"] for r in out) == ["a", "b", "c"]
+    out = h.bound()
+    assert [(k, sum(f, [])) for (k,), f in calls[3:]] == [("a", [5]), ("b", [6])]
+    assert sorted(r["k"] for r in out) == ["a", "b"]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_group_state_gets_one_call_per_key_per_epoch_and_timeouts_after_it(source):
+    """applyInPandasWithState: one call per key at the bound with every frame of the epoch;
+    a key without data in the epoch times out after the data, as in Spark's micro-batch."""
+    h = Harness(group_state())
+    feed_batches(h, [[{"k": "a"}, {"k": "b"}]], [source])
+    assert sorted((r["k"], r["n"]) for r in h.bound()) == [("a", 1), ("b", 1)]
+    h.clock.ms += 50
+    assert feed_batches(h, [[{"k": "a"}], [{"k": "a"}]], [source] * 2) == []
+    h.clock.ms += 100  # b's timeout (1 100) is below the batch time: b times out, a does not
+    assert sorted((r["k"], r["n"]) for r in h.bound()) == [("a", 3), ("b", -1)]
+
+
+def test_micro_batch_arguments_are_checked():
+    with pytest.raises(ValueError, match="micro_batch must be 'epoch'"):
+        TransformWithState(Spy([]), "k string, n long", "none", "k", micro_batch="trigger")
+    with pytest.raises(ValueError, match="max_rows_per_trigger must be an int >= 1"):
+        ApplyInPandasWithState(counter, "k string, n long", "n long", "Update", GroupStateTimeout.NoTimeout, "k",
+                               max_rows_per_trigger=0)
 
 
 @pytest.mark.parametrize("input_schema", [None, "a long, b string, t timestamp, x double, y long"])
@@ -826,7 +929,10 @@ def test_group_state_nested_struct_is_a_row_and_a_namedtuple_is_accepted():
     assert seen == [(1, "z", 5)]
 
 
-def test_pandas_output_leaves_as_one_record_batch_per_input_batch():
+@pytest.mark.parametrize("micro_batch", ["batch", "epoch"])
+def test_pandas_output_leaves_as_one_record_batch_per_micro_batch(micro_batch):
+    """``"batch"``: one RecordBatch per input batch; ``"epoch"``: nothing until the bound,
+    then one RecordBatch of the epoch's output."""
     class Echo(StatefulProcessor):
         def init(self, handle):
             pass
@@ -835,9 +941,13 @@ def test_pandas_output_leaves_as_one_record_batch_per_input_batch():
             for pdf in rows:
                 yield pd.DataFrame({"k": pdf["k"], "id": pdf["id"]})
 
-    h = Harness(lambda c: TransformWithState(Echo(), "k string, id long", "none", "k", clock=c))
+    h = Harness(lambda c: TransformWithState(Echo(), "k string, id long", "none", "k", clock=c,
+                                             micro_batch=micro_batch))
     recs = [{"k": "ab"[i % 2], "id": i} for i in range(6)]
     out = h.op.process_batch(recs, [h.op.key_of(r) for r in recs], h.ctx)
+    if micro_batch == "epoch":
+        assert out is None
+        out = h.op.on_epoch_end(1, h.ctx)
     assert isinstance(out, pa.RecordBatch) and out.num_rows == 6
     assert sorted(out.to_pylist(), key=lambda r: r["id"]) == recs
 
@@ -942,7 +1052,8 @@ def test_initial_state_seeds_each_key_once_before_its_rows():
                 yield pd.DataFrame({"k": [key[0]], "n": [n]})
 
     seeds = pa.table({"k": ["a", "a", "b"], "n": [10, 5, 20]})
-    op = TransformWithState(Seeded(), "k string, n long", "processingtime", "k", clock=Clock(), initial_state=seeds)
+    op = TransformWithState(Seeded(), "k string, n long", "processingtime", "k", clock=Clock(), initial_state=seeds,
+                            micro_batch="batch")
     state = HeapKeyedState("op", lambda k: 0, (0, 0))
     backend = OperatorStateBackend("op", 0)
     ctx = Context(state, 0, 1, "op", None, backend)
@@ -985,8 +1096,8 @@ def test_late_rows_are_judged_against_the_watermark_as_of_the_previous_epochs_st
     op = TransformWithState(Sess(), "k string, t long, wm long", "eventtime", "k", event_time="t", clock=Clock())
     op.open(ctx)
 
-    def feed(k, t):
-        return rows_of(op.process_batch([{"k": k, "t": t}], [(k,)], ctx))
+    def feed(k, t):  # a micro-batch: kept, then run (as before a timer fires)
+        return rows_of(op.process_batch([{"k": k, "t": t}], [(k,)], ctx)) + rows_of(op.drain_input(ctx))
 
     assert feed("a", 1_000) == [{"k": "a", "t": 1_000, "wm": 0}]
     fired: list = []

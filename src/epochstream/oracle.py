@@ -335,6 +335,10 @@ class Reference:
                 res = fn.process_batch(records, [key_fn(r) for r in records], ctx)
                 # a wrapper's pandas output is one RecordBatch: rows of it, as the chain makes them
                 out = [] if res is None else res if type(res) is list else to_rows(res)
+                drain = getattr(fn, "drain_input", None)
+                if drain is not None:  # it keeps input for one call per key per epoch: run it now
+                    res = drain(ctx)
+                    out += [] if res is None else res if type(res) is list else to_rows(res)
                 records = ()
             else:
                 out = []

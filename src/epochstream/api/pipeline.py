@@ -220,6 +220,8 @@ class Stream:
         rows: str = "pandas",
         clock: Any = None,
         initial_state: Any = None,
+        micro_batch: str = "epoch",
+        max_rows_per_trigger: int = 1_000_000,
         uid: str | None = None,
     ) -> "Stream":
         """Run a ``pyspark.sql.streaming.StatefulProcessor`` unchanged, grouped by the
@@ -227,12 +229,15 @@ class Stream:
         (``rows="row"``: ``transformWithState`` with Rows). Records in are dicts or Rows;
         records out are dicts of ``output_schema``. ``initial_state`` (Spark's ``initialState``: a
         pandas DataFrame, Arrow table or Spark DataFrame with the key columns) is handed to
-        ``handleInitialState`` once per key before its rows, in the job's first run only. See
-        docs/PYSPARK.md."""
+        ``handleInitialState`` once per key before its rows, in the job's first run only.
+        ``micro_batch``: ``"epoch"`` (one ``handleInputRows`` per key per epoch with all its
+        rows, Spark's call per micro-batch; run early once ``max_rows_per_trigger`` rows wait)
+        or ``"batch"`` (one per key per runtime batch). See docs/PYSPARK.md."""
         from ..pyspark.operators import TransformWithState
 
         op = TransformWithState(processor, output_schema, time_mode, _key_columns(key), output_mode, event_time,
-                                watermark_delay_ms, input_schema, rows, clock, initial_state)
+                                watermark_delay_ms, input_schema, rows, clock, initial_state, micro_batch,
+                                max_rows_per_trigger)
         name = type(processor).__name__
         return self.key_by(op.grouping_key()).process(op, uid=uid, name=name)
 
@@ -249,14 +254,18 @@ class Stream:
         watermark_delay_ms: int = 0,
         input_schema: Any = None,
         clock: Any = None,
+        micro_batch: str = "epoch",
+        max_rows_per_trigger: int = 1_000_000,
         uid: str | None = None,
     ) -> "Stream":
         """Run an ``applyInPandasWithState`` function ``func(key, pdf_iter, state)`` with
-        PySpark's ``GroupState`` unchanged, grouped by the ``key`` column(s). See docs/PYSPARK.md."""
+        PySpark's ``GroupState`` unchanged, grouped by the ``key`` column(s); ``micro_batch``
+        and ``max_rows_per_trigger`` as for ``transform_with_state``. See docs/PYSPARK.md."""
         from ..pyspark.operators import ApplyInPandasWithState
 
         op = ApplyInPandasWithState(func, output_schema, state_schema, output_mode, timeout_conf, _key_columns(key),
-                                    event_time, watermark_delay_ms, input_schema, clock)
+                                    event_time, watermark_delay_ms, input_schema, clock, micro_batch,
+                                    max_rows_per_trigger)
         name = getattr(func, "__name__", "apply_in_pandas_with_state")
         return self.key_by(op.grouping_key()).process(op, uid=uid, name=name)
 

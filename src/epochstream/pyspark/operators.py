@@ -2,26 +2,32 @@
 (``transformWithStateInPandas`` / ``transformWithState``) and an ``applyInPandasWithState``
 function with its ``GroupState``.
 
-Grouping. The runtime hands a keyed operator one batch at a time (the records one
-upstream subtask sent on one channel in one step, at most ``batch_size``). The operator
-groups the batch by grouping key, keeping first-appearance order of keys and arrival order
-within a key, and calls the user once per key per batch with one pandas DataFrame (built
-through Arrow). Spark calls it once per key per micro-batch and partition, with every row
-of that key in the trigger. A key therefore gets more, smaller calls here; a processor
-whose result depends on how rows are cut into calls sees a different cut (as it does in
-Spark when the trigger changes).
+Grouping (``micro_batch``). Spark calls the user once per key per micro-batch and
+partition, with every row of that key in the trigger. An epoch is Spark's micro-batch, so by
+default (``micro_batch="epoch"``) the operator keeps the runtime batches it is handed (Arrow
+RecordBatches as they came, rows grouped per key) and at the epoch's bound, before its state
+is captured, calls the user once per key with an iterator over all of that key's frames of
+the epoch, keys in first-appearance order, rows in arrival order; then timeouts and timers,
+as Spark runs them after the micro-batch's data. The output joins the epoch, so an
+exactly-once sink shows it at the same commit as before. ``max_rows_per_trigger`` bounds
+what is kept: once that many rows wait the calls run early (a micro-batch cut short, like
+Kafka's ``maxOffsetsPerTrigger``). Before job-wide event time moves (a timestamped source) the
+waiting rows are processed, so the timers they register below the new watermark fire with it
+and a timer never overtakes the data it follows. ``micro_batch="batch"`` calls
+the user once per key per runtime batch (the records one upstream subtask sent in one step)
+instead: output leaves as soon as the batch is processed, in more, smaller calls.
 
-Time. ``batch_time_ms`` is read once per batch and once per epoch bound from ``clock``
-(default: the wall clock in ms, as Spark's batch timestamp), and stays fixed while that
-batch runs. Expired timers (and applyInPandasWithState timeouts) fire after the batch's
-data, as Spark fires them after the micro-batch's data, and at every epoch bound, so a
-quiet key still times out (Spark runs no-data micro-batches for that). Event time: the
-job's own event time drives timers where a source has timestamps (the trAcker's time bounds,
-or aligned watermarks). Otherwise the watermark advances only at epoch bounds, to ``max
-event time seen - delay`` (Spark: at micro-batch boundaries); rows at or below it are
-dropped as late, event-time timers fire when it reaches them. That maximum is kept per key
-in keyed state (``$eventTime``), so it is snapshotted and rescales with the keys; a
-subtask's watermark is then the maximum over its own keys (see docs/PYSPARK.md).
+Time. ``batch_time_ms`` is read once per micro-batch (its calls) and once per epoch bound
+from ``clock`` (default: the wall clock in ms, as Spark's batch timestamp), and stays fixed
+while they run. Expired timers (and applyInPandasWithState timeouts) fire after the
+micro-batch's data, as Spark fires them, and at every epoch bound, so a quiet key still
+times out (Spark runs no-data micro-batches for that). Event time: the job's own event time
+drives timers where a source has timestamps (the trAcker's time bounds, or aligned
+watermarks). Otherwise the watermark advances only at epoch bounds, to ``max event time
+seen - delay`` (Spark: at micro-batch boundaries); rows at or below it are dropped as late,
+event-time timers fire when it reaches them. That maximum is kept per key in keyed state
+(``$eventTime``), so it is snapshotted and rescales with the keys; a subtask's watermark is
+then the maximum over its own keys (see docs/PYSPARK.md).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from ..graph.plan import ColumnKey
-from ..runtime.columns import to_rows
+from ..runtime.columns import concat, to_rows
 from ..runtime.errors import UserFunctionError
 from ..runtime.state import ListStateDescriptor, ValueStateDescriptor
 from ..runtime.timers import TimerService
@@ -65,6 +71,11 @@ GROUP_STATE = "$groupState"
 LATE_WATERMARK = "$lateWatermark"
 #: union operator state of a TransformWithState with an initial state: set once it was read
 INITIAL_STATE_DONE = "$initialStateDone"
+#: what one user call per key covers: every row of the key in an epoch (Spark's micro-batch),
+#: or in one runtime batch
+MICRO_BATCHES = ("epoch", "batch")
+#: rows a subtask of a wrapper keeps for its per-epoch calls before it runs them early
+DEFAULT_MAX_ROWS_PER_TRIGGER = 1_000_000
 
 
 def initial_table(data: Any, key_columns: tuple[str, ...], label: str) -> Any:
@@ -140,10 +151,17 @@ class _Keyed:
 
     Columnar input. The chain hands ``process_batch`` a RecordBatch as it came
     (``takes_record_batches``) instead of making rows of it: it is grouped by the key columns
-    with Arrow and each key's rows reach the user as one pandas DataFrame
+    with Arrow and each key's rows reach the user as a pandas DataFrame
     (``schema.pandas_groups``), converted as the row path converts them. Where rows are
     needed anyway (an ``event_time`` column: late rows are dropped row by row; Row-mode
     ``transform_with_state``) the batch becomes rows once and takes the row path.
+
+    Micro-batches. What one round of calls covers is a list of *segments*: RecordBatches as
+    they came, or dicts key -> rows (the row path, late rows already dropped: the late
+    threshold moves only at epoch bounds). ``micro_batch="epoch"`` keeps the segments of the
+    epoch in ``_pending`` and runs them at the bound (``on_epoch_end``), when event time is
+    about to move (``drain_input``) or once ``max_rows_per_trigger`` rows wait;
+    ``"batch"`` runs each runtime batch at once.
     """
 
     #: the chain passes RecordBatches to ``process_batch`` whole (keys: None)
@@ -162,7 +180,17 @@ class _Keyed:
         event_time: str | None,
         watermark_delay_ms: int,
         clock: Any,
+        micro_batch: str = "epoch",
+        max_rows_per_trigger: int = DEFAULT_MAX_ROWS_PER_TRIGGER,
     ) -> None:
+        if micro_batch not in MICRO_BATCHES:
+            raise ValueError(f"micro_batch must be 'epoch' (one call per key per epoch, as Spark per micro-batch) "
+                             f"or 'batch' (one per key per runtime batch), got {micro_batch!r}")
+        if isinstance(max_rows_per_trigger, bool) or not isinstance(max_rows_per_trigger, int) \
+                or max_rows_per_trigger < 1:
+            raise ValueError(f"max_rows_per_trigger must be an int >= 1, got {max_rows_per_trigger!r}")
+        self.micro_batch = micro_batch
+        self.max_rows_per_trigger = max_rows_per_trigger
         self.key_columns = (key,) if isinstance(key, str) else tuple(key)
         if not self.key_columns or not all(isinstance(c, str) for c in self.key_columns):
             raise ValueError(f"key must name one or more columns, got {key!r}")
@@ -218,6 +246,97 @@ class _Keyed:
     def _pandas_groups(self, batch: Any, what: str) -> list[tuple[tuple, Any]]:
         return pandas_groups(batch, self.key_columns, self._arrow_in, what)
 
+    # ------------------------------------------------------------ micro-batches
+    #: whether a RecordBatch reaches the user without becoming rows (each operator decides)
+    _columns_in: bool
+    #: segments kept for the epoch's calls (``micro_batch="epoch"``) and their rows (set by open)
+    _pending: list[Any]
+    _pending_rows: int
+    #: the kept segments' calls and the output as the chain takes it (each operator's)
+    _drain_output: Callable[[Any], Any]
+
+    def _segment(self, records: Any, keys: list[Any] | None) -> Any:
+        """One runtime batch as a segment: a RecordBatch as it came, or its rows per key."""
+        if type(records) is not list:
+            if self._columns_in:
+                return records
+            records, keys = self._rows_of(records)
+        assert keys is not None, "rows come with their keys"
+        return self._group(records, keys)
+
+    def _buffer(self, records: Any, keys: list[Any] | None) -> bool:
+        """Keep a runtime batch for the epoch's calls; whether ``max_rows_per_trigger`` rows
+        now wait. Rows of consecutive row batches share one dict, so a key gets one frame
+        for them; consecutive RecordBatches of one schema are grouped as one (``_by_key``)."""
+        seg = self._segment(records, keys)
+        pending = self._pending
+        if type(seg) is dict:
+            last = pending[-1] if pending else None
+            if type(last) is dict:
+                for k, rows in seg.items():
+                    have = last.get(k)
+                    if have is None:
+                        last[k] = rows
+                    else:
+                        have.extend(rows)
+            elif seg:
+                pending.append(seg)
+            self._pending_rows += len(records)
+        elif seg.num_rows:
+            pending.append(seg)
+            self._pending_rows += seg.num_rows
+        return self._pending_rows >= self.max_rows_per_trigger
+
+    def _take_pending(self) -> list[Any]:
+        segments, self._pending, self._pending_rows = self._pending, [], 0
+        return segments
+
+    def _by_key(self, segments: list[Any]) -> dict[Any, list[Any]]:
+        """Each key's data over ``segments``, keys in first-appearance order, a key's parts in
+        arrival order: pandas frames (a run of RecordBatches of one schema is concatenated and
+        grouped once, so a key gets one frame for the run) or lists of row dicts."""
+        per_key: dict[Any, list[Any]] = {}
+        run: list[Any] = []
+
+        def group_run() -> None:
+            if run:
+                for key, pdf in self._pandas_groups(concat(run), self.label):
+                    parts = per_key.get(key)
+                    if parts is None:
+                        per_key[key] = [pdf]
+                    else:
+                        parts.append(pdf)
+                run.clear()
+
+        for seg in segments:
+            if type(seg) is dict:
+                group_run()
+                for key, rows in seg.items():
+                    parts = per_key.get(key)
+                    if parts is None:
+                        per_key[key] = [rows]
+                    else:
+                        parts.append(rows)
+            else:
+                if run and seg.schema != run[0].schema:
+                    group_run()
+                run.append(seg)
+        group_run()
+        return per_key
+
+    def _frames(self, parts: list[Any]) -> list[Any]:
+        """A key's parts as pandas frames (row lists become one frame each, through Arrow)."""
+        return [to_pandas(p, self._arrow_in) if type(p) is list else p for p in parts]
+
+    def drain_input(self, ctx) -> Any:
+        """Job-wide event time is about to move here (``ChainRuntime.fire_timers``): run the
+        calls for the rows kept so far first, so the timers they register below the new
+        watermark fire with it and a timer follows the data it came after, as when every
+        runtime batch ran at once. Its output, or None."""
+        if not self._pending:
+            return None
+        return self._guard(self.label, self._drain_output, ctx)
+
     # the key function routes records to subtasks; the same tuple is the grouping key
     def key_of(self, record: Any) -> tuple:
         if isinstance(record, dict):
@@ -232,6 +351,8 @@ class _Keyed:
 
     def _open_common(self, ctx) -> None:
         self.ctx = ctx
+        self._pending = []
+        self._pending_rows = 0
         #: the runtime's TimerService when the job has event time (a timestamped source: trAcker
         #: bounds or aligned watermarks); timers then fire from it instead of the epoch-bound watermark
         timers = getattr(ctx, "timers", None)
@@ -359,10 +480,13 @@ class TransformWithState(_Keyed):
         rows: str = "pandas",
         clock: Any = None,
         initial_state: Any = None,
+        micro_batch: str = "epoch",
+        max_rows_per_trigger: int = DEFAULT_MAX_ROWS_PER_TRIGGER,
     ) -> None:
         from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 
-        super().__init__(key, output_schema, input_schema, event_time, watermark_delay_ms, clock)
+        super().__init__(key, output_schema, input_schema, event_time, watermark_delay_ms, clock, micro_batch,
+                         max_rows_per_trigger)
         if not isinstance(processor, StatefulProcessor):
             raise TypeError(f"transform_with_state needs a pyspark StatefulProcessor, got {type(processor).__name__}")
         mode = str(time_mode).lower()
@@ -387,6 +511,7 @@ class TransformWithState(_Keyed):
         #: pandas output leaves as one RecordBatch per input batch (rows made of it downstream
         #: carry maps as dicts, ``runtime.columns.to_rows``)
         self._columnar_out = rows == "pandas"
+        self._columns_in = event_time is None and rows == "pandas"
         #: event-time timers fire from the trAcker's time bounds where the pipeline has them
         self.uses_event_time = mode == "eventtime"
 
@@ -453,68 +578,72 @@ class TransformWithState(_Keyed):
 
     # ------------------------------------------------------------ data
     def process(self, value: Any, ctx) -> Any:
-        return self.process_batch([value], [ctx.key], ctx)
+        """One record as a micro-batch of its own (per-record callers: the oracle's sequential
+        reference); anything kept for the epoch runs first."""
+        return self._guard("handleInputRows", self._process_one, value, ctx)
+
+    def _process_one(self, value: Any, ctx) -> Any:
+        key = ctx.key
+        out = self._drain(ctx)
+        ctx.set_current_key(key)
+        out.extend(self._micro_batch([self._segment([value], [key])], ctx))
+        return self._emit(out)
 
     def process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
-        """One input batch: records, or one RecordBatch of the output schema in pandas mode
-        (the frames the user yielded, concatenated; records when the schema has a map)."""
+        """One input batch. ``micro_batch="epoch"``: kept for the epoch's calls (nothing out
+        unless ``max_rows_per_trigger`` rows wait); ``"batch"``: its calls run now. Output:
+        records, or one RecordBatch of the output schema in pandas mode (the frames the user
+        yielded, concatenated; records when the schema has a map)."""
         return self._guard("handleInputRows", self._process_batch, records, keys, ctx)
 
     def _process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
-        if type(records) is not list:  # a RecordBatch
-            if self.event_time is None and self.rows == "pandas":
-                return self._process_columns(records, ctx)
-            records, keys = self._rows_of(records)
-        assert keys is not None, "rows come with their keys"
+        if self.micro_batch == "batch":
+            return self._emit(self._micro_batch([self._segment(records, keys)], ctx))
+        if self._buffer(records, keys):
+            return self._emit(self._drain(ctx))
+        return None
+
+    def _drain(self, ctx) -> list[Any]:
+        segments = self._take_pending()
+        return self._micro_batch(segments, ctx) if segments else []
+
+    def _drain_output(self, ctx) -> Any:
+        return self._emit(self._drain(ctx))
+
+    def _micro_batch(self, segments: list[Any], ctx) -> list[Any]:
+        """One ``handleInputRows`` per key over ``segments`` (an iterator of all its frames,
+        or Rows), then the timers that expired, as Spark runs a micro-batch."""
         if self.time_mode != "none":
             self.batch_time_ms = self._now(ctx)
-        groups = self._group(records, keys)
         out: list[Any] = []
         tv = self._timer_values()
         handle_rows = self.processor.handleInputRows
         self.phase = "INITIALIZED"
-        for key, rows in groups.items():
+        pandas = self.rows == "pandas"
+        for key, parts in self._by_key(segments).items():
             ctx.set_current_key(key)
-            if self.rows == "pandas":
-                data: Iterator[Any] = iter([to_pandas(rows, self._arrow_in)])
+            if pandas:
+                data: Iterator[Any] = iter(self._frames(parts))
             else:
-                data = iter([Row(**r) for r in rows])
+                data = iter([Row(**r) for rows in parts for r in rows])
             result = handle_rows(key, data, tv)
             if result is not None:
                 out.extend(self._outputs(result, "handleInputRows"))
         self._fire_timers(out)
-        return self._emit(out)
+        return out
 
-    def _process_columns(self, batch: Any, ctx) -> Any:
-        """``process_batch`` of a RecordBatch: one ``handleInputRows`` call per key, as for rows."""
-        if self.time_mode != "none":
-            self.batch_time_ms = self._now(ctx)
-        batches: list[Any] = []
-        tv = self._timer_values()
-        handle_rows = self.processor.handleInputRows
-        label = f"{self.label}.handleInputRows"
-        self.phase = "INITIALIZED"
-        for key, pdf in self._pandas_groups(batch, self.label):
-            ctx.set_current_key(key)
-            result = handle_rows(key, iter([pdf]), tv)
-            if result is not None:
-                batches.extend(take_frames(result, self.output_schema, self._arrow_out, label))
-        self._fire_timers(batches)
-        return self._emit(batches)
-
-    def on_epoch_end(self, epoch: int, ctx) -> list[dict]:
+    def on_epoch_end(self, epoch: int, ctx) -> Any:
         return self._guard("handleExpiredTimer", self._on_epoch_end, epoch, ctx)
 
-    def _on_epoch_end(self, epoch: int, ctx) -> list[dict]:
+    def _on_epoch_end(self, epoch: int, ctx) -> Any:
+        out = self._drain(ctx)  # the epoch's micro-batch, before its state is captured
         if self.event_time is not None:  # the watermark moves in every time mode (Spark: withWatermark)
             self._advance_watermark()
-        if self.time_mode == "none":
-            return []
-        self.batch_time_ms = self._now(ctx)
-        out: list[Any] = []
-        self._fire_timers(out)
-        self._purge_expired()
-        return self._records(out)
+        if self.time_mode != "none":
+            self.batch_time_ms = self._now(ctx)
+            self._fire_timers(out)
+            self._purge_expired()
+        return self._emit(out)
 
     def _outputs(self, result: Iterable[Any], what: str) -> list[Any]:
         """What one user call yielded: RecordBatches (pandas mode) or records (Row mode)."""
@@ -618,10 +747,13 @@ class ApplyInPandasWithState(_Keyed):
         watermark_delay_ms: int = 0,
         input_schema=None,
         clock: Any = None,
+        micro_batch: str = "epoch",
+        max_rows_per_trigger: int = DEFAULT_MAX_ROWS_PER_TRIGGER,
     ) -> None:
         from pyspark.sql.streaming.state import GroupStateTimeout
 
-        super().__init__(key, output_schema, input_schema, event_time, watermark_delay_ms, clock)
+        super().__init__(key, output_schema, input_schema, event_time, watermark_delay_ms, clock, micro_batch,
+                         max_rows_per_trigger)
         if not callable(func):
             raise TypeError(f"apply_in_pandas_with_state needs a function (key, pdf_iter, state), got {func!r}")
         if str(output_mode).lower() not in OUTPUT_MODES:
@@ -635,6 +767,7 @@ class ApplyInPandasWithState(_Keyed):
         self.func = func
         self.label = getattr(func, "__name__", "func")
         self._columnar_out = True
+        self._columns_in = event_time is None
         self.state_schema = struct_schema(state_schema, "state schema")
         self.output_mode = str(output_mode).lower()
         self.timeout_conf = timeout_conf
@@ -668,50 +801,62 @@ class ApplyInPandasWithState(_Keyed):
         self._hpush(self._heap, (ts, self._seq, key))
 
     def process(self, value: Any, ctx) -> Any:
-        return self.process_batch([value], [ctx.key], ctx)
+        """One record as a micro-batch of its own (per-record callers: the oracle's sequential
+        reference); anything kept for the epoch runs first."""
+        return self._guard(self.label, self._process_one, value, ctx)
+
+    def _process_one(self, value: Any, ctx) -> Any:
+        key = ctx.key
+        out = self._drain(ctx)
+        ctx.set_current_key(key)
+        out.extend(self._micro_batch([self._segment([value], [key])], ctx))
+        return concat_output(out, self._arrow_out, self._columnar_out)
 
     def process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
-        """One input batch: one RecordBatch of the output schema (the frames the function
-        yielded, concatenated; records when the schema has a map)."""
+        """One input batch. ``micro_batch="epoch"``: kept for the epoch's calls (nothing out
+        unless ``max_rows_per_trigger`` rows wait); ``"batch"``: its calls run now. Output: one
+        RecordBatch of the output schema (the frames the function yielded, concatenated;
+        records when the schema has a map)."""
         return self._guard(self.label, self._process_batch, records, keys, ctx)
 
     def _process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
-        if type(records) is not list:  # a RecordBatch
-            if self.event_time is None:
-                return self._process_columns(records, ctx)
-            records, keys = self._rows_of(records)
-        assert keys is not None, "rows come with their keys"
-        self.batch_time_ms = self._now(ctx)
-        groups = self._group(records, keys)
-        out: list[Any] = []
-        for key, rows in groups.items():
-            ctx.set_current_key(key)
-            out.extend(self._call(key, iter([to_pandas(rows, self._arrow_in)]), timed_out=False))
-        self._time_out(out, skip=groups)
+        if self.micro_batch == "batch":
+            out = self._micro_batch([self._segment(records, keys)], ctx)
+        elif self._buffer(records, keys):
+            out = self._drain(ctx)
+        else:
+            return None
         return concat_output(out, self._arrow_out, self._columnar_out)
 
-    def _process_columns(self, batch: Any, ctx) -> Any:
-        """``process_batch`` of a RecordBatch: one call per key, then timeouts, as for rows."""
-        self.batch_time_ms = self._now(ctx)
-        batches: list[Any] = []
-        seen = set()
-        for key, pdf in self._pandas_groups(batch, self.label):
-            ctx.set_current_key(key)
-            seen.add(key)
-            batches.extend(self._call(key, iter([pdf]), timed_out=False))
-        self._time_out(batches, skip=seen)
-        return concat_output(batches, self._arrow_out, self._columnar_out)
+    def _drain(self, ctx) -> list[Any]:
+        segments = self._take_pending()
+        return self._micro_batch(segments, ctx) if segments else []
 
-    def on_epoch_end(self, epoch: int, ctx) -> list[dict]:
-        return self._guard(self.label, self._on_epoch_end, epoch, ctx)
+    def _drain_output(self, ctx) -> Any:
+        return concat_output(self._drain(ctx), self._arrow_out, self._columnar_out)
 
-    def _on_epoch_end(self, epoch: int, ctx) -> list[dict]:
+    def _micro_batch(self, segments: list[Any], ctx) -> list[Any]:
+        """One call per key over ``segments`` (an iterator of all its frames), then the
+        timeouts of keys without data, as Spark runs a micro-batch."""
         self.batch_time_ms = self._now(ctx)
         out: list[Any] = []
+        per_key = self._by_key(segments)
+        for key, parts in per_key.items():
+            ctx.set_current_key(key)
+            out.extend(self._call(key, iter(self._frames(parts)), timed_out=False))
+        self._time_out(out, skip=per_key)
+        return out
+
+    def on_epoch_end(self, epoch: int, ctx) -> Any:
+        return self._guard(self.label, self._on_epoch_end, epoch, ctx)
+
+    def _on_epoch_end(self, epoch: int, ctx) -> Any:
+        out = self._drain(ctx)  # the epoch's micro-batch, before its state is captured
+        self.batch_time_ms = self._now(ctx)
         if self.event_time is not None:
             self._advance_watermark()
         self._time_out(out, skip={})
-        return batches_to_records(out, self._arrow_out)
+        return concat_output(out, self._arrow_out, self._columnar_out)
 
     def _call(self, key: Any, data, timed_out: bool) -> list[Any]:
         """Call the function for ``key``, write its state back; its output as RecordBatches."""

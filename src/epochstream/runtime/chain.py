@@ -29,7 +29,17 @@ from ..graph.keygroups import (
 )
 from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, Chain, ColumnKey, Node, PhysicalPlan
-from .columns import as_record_batch, concat, even_slices, from_rows, key_columns, keys_of, split_by_code, to_rows
+from .columns import (
+    as_record_batch,
+    concat,
+    even_slices,
+    from_rows,
+    is_columnar_batch,
+    key_columns,
+    keys_of,
+    split_by_code,
+    to_rows,
+)
 from .context import Context
 from .errors import SchemaError, UserFunctionError
 from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
@@ -519,6 +529,17 @@ class ChainRuntime:
         """Event time reached time label ``label``: fire the timers it passes."""
         watermark = float("inf") if label >= END_OF_TIME else (label + 1) * slack
         for fn, ctx, timers, down, uid in self.timed:
+            # a function that keeps input for one call per key (the PySpark wrappers' epoch
+            # micro-batch) runs it before event time moves: the timers that data registers
+            # below the new watermark fire now, and every timer follows the data before it
+            drain = getattr(fn, "drain_input", None)
+            if drain is not None and timers.advances(watermark):
+                try:
+                    drained = drain(ctx)
+                except Exception as exc:
+                    raise UserFunctionError(f"process {uid!r} failed", exc, key=ctx.key) from exc
+                if drained is not None and len(drained):
+                    down(drained, None)
             out: list[Any] = []
 
             def on_timer(ts: float, fn: Any = fn, ctx: Any = ctx, out: list[Any] = out) -> None:
@@ -560,15 +581,18 @@ class ChainRuntime:
     def end_epoch(self, epoch: int) -> None:
         """Run the ``on_epoch_end(epoch, ctx)`` hooks at the bound of ``epoch``, before the
         task's flush and capture: their output belongs to ``epoch`` and their state changes
-        are in its snapshot (timers that fire at an epoch bound, TTL clean-up)."""
-        for fn, ctx, down, label in self._epoch_hooks:
+        are in its snapshot (timers that fire at an epoch bound, TTL clean-up, input kept for
+        one call per key per epoch). Upstream hooks run first (operators are compiled from the
+        chain's end), so what one emits reaches the next before that one's bound. A hook
+        returns records or one RecordBatch."""
+        for fn, ctx, down, label in reversed(self._epoch_hooks):
             try:
                 out = fn.on_epoch_end(epoch, ctx)
             except Exception as exc:
                 raise UserFunctionError(f"on_epoch_end of {label!r} failed at epoch {epoch}", exc,
                                         subtask=self.subtask) from exc
-            if out:
-                down(list(out), None)
+            if out is not None and len(out):
+                down(out if type(out) is list or is_columnar_batch(out) else list(out), None)
 
     def capture(
         self, epoch: int, incremental: bool, full_every: int

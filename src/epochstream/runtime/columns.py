@@ -25,6 +25,11 @@ def is_columnar(records: Any) -> bool:
     return type(records) is not list
 
 
+def is_columnar_batch(value: Any) -> bool:
+    """Whether ``value`` is an Arrow RecordBatch (what columnar operators pass on)."""
+    return hasattr(value, "schema") and hasattr(value, "num_rows") and hasattr(value, "column")
+
+
 def to_rows(batch: Any) -> list[Any]:
     """The rows of a RecordBatch as dicts (column name -> Python value), map values as dicts
     as Spark and pandas users get them (Arrow's default is a list of key-value pairs); a map

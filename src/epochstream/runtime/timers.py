@@ -92,6 +92,11 @@ class TimerService:
             else:
                 on_timer(ts)
 
+    def advances(self, watermark: float) -> bool:
+        """Whether ``advance`` to ``watermark`` moves event time (and so may fire timers,
+        including ones that input not yet processed would register)."""
+        return watermark > self.watermark
+
     def _register(self, timestamp: float, kind: str) -> None:
         if not self.enabled:
             raise RuntimeError(
