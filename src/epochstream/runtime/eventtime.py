@@ -25,7 +25,7 @@ from .errors import ProtocolError
 class EventClock:
     """Watermark arithmetic and the output label of one task."""
 
-    __slots__ = ("slack", "out_time", "_channel_wm", "watermark", "time_log")
+    __slots__ = ("slack", "out_time", "_channel_wm", "watermark", "time_log", "_replayed")
 
     def __init__(self, slack: float | None, channels: Iterable[int]) -> None:
         #: seconds per time label (None: the pipeline has no event time)
@@ -39,6 +39,11 @@ class EventClock:
         #: newest entries (label, now): a source promised the label, or the task fired timers
         #: up to it (window latency = fire time - promise time; benchmarks/window_latency.py)
         self.time_log: deque[tuple[int, float]] = deque(maxlen=4096)
+        #: channels whose watermark came from restored channel state (unaligned mode): the
+        #: restored sender may announce that watermark again (it was sent before the cut, and
+        #: a source recomputes its bound from the records after it), so one that does not grow
+        #: is a repeat, not an error, until the channel's watermark grows past it
+        self._replayed: set[int] = set()
 
     def on_watermark(self, channel: int, label: int) -> int | None:
         """``Watermark(label)`` was taken from ``channel``: the task's new watermark if it grew.
@@ -48,11 +53,21 @@ class EventClock:
         (True, 3, 5)
         """
         if label <= self._channel_wm[channel]:
+            if channel in self._replayed:
+                return None
             raise ProtocolError("EventClock", f"watermark {self._channel_wm[channel]} on channel {channel}",
                                 f"Watermark({label})", "watermarks must increase per channel")
         self._channel_wm[channel] = label
+        self._replayed.discard(channel)
         low = min(self._channel_wm.values())
         if low <= self.watermark:
             return None
         self.watermark = low
+        return low
+
+    def replayed(self, channel: int, label: int) -> int | None:
+        """``Watermark(label)`` of ``channel`` replayed from restored channel state: taken like
+        any other, and its sender may send it again once (``on_watermark``)."""
+        low = self.on_watermark(channel, label)
+        self._replayed.add(channel)
         return low

@@ -130,6 +130,8 @@ class Task:
         self._cursor: tuple[int, Batch, int] | None = None
         #: whether the cursor's unprocessed rows are already channel state of the pending epoch
         self._cursor_recorded = False
+        #: channel -> watermarks of restored channel state still queued (``_on_watermark``)
+        self._replays: dict[int, int] = {}
         policy = batching or BatchPolicy()
         #: the batching policy: a channel holding ``batch_rows`` rows is sent at the end of a
         #: step, the rest once its oldest row waited ``linger`` seconds (0: every step sends all)
@@ -167,6 +169,8 @@ class Task:
                                     "not an input channel of this task")
             msg: Message = Watermark(label) if records is None and label is not None else \
                 Batch(self.epoch, records, keys)
+            if type(msg) is Watermark:  # its sender may announce it again (``EventClock.replayed``)
+                self._replays[channel] = self._replays.get(channel, 0) + 1
             self.mailbox.append((channel, msg))
 
     def trigger(self, epoch: int, aligned: bool = False) -> None:
@@ -476,7 +480,15 @@ class Task:
     def _on_watermark(self, channel: int, label: int, now: float, actions: list[TaskAction]) -> None:
         """Aligned modes: fire the timers and forward when the input's watermark grows."""
         clock = self.clock
-        low = clock.on_watermark(channel, label)
+        replays = self._replays.get(channel)
+        if replays:  # the first watermarks of this channel come from restored channel state
+            if replays == 1:
+                del self._replays[channel]
+            else:
+                self._replays[channel] = replays - 1
+            low = clock.replayed(channel, label)
+        else:
+            low = clock.on_watermark(channel, label)
         if low is None:
             return
         self._flush(actions)
