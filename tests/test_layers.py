@@ -24,7 +24,9 @@ ALLOWED = {
     "tracker": {"runtime", "graph"},
     "loops": {"runtime", "graph"},
     "snapshot": {"runtime"},
-    "backends": {"snapshot", "runtime"},
+    # graph is the bottom layer: key groups and canonical keys (a keyed-state backend lays its
+    # keys out by key group)
+    "backends": {"snapshot", "runtime", "graph"},
     "deploy": {"graph", "runtime", "alignment", "tracker", "loops", "snapshot", "backends", "ui"},
     # the dashboard, /metrics and the status line: documents from status dicts and manifests (the
     # servers that carry them are deploy's and the CLI's)

@@ -100,8 +100,8 @@ def _drop_a_record_on_replay(mp) -> None:
     real = SplitReader.read
     done: set[int] = {0}
 
-    def read(self, budget):
-        runs = real(self, budget)
+    def read(self, budget, *args, **kwargs):
+        runs = real(self, budget, *args, **kwargs)
         if flag["restored"] not in done and runs and runs[0][1]:
             done.add(flag["restored"])
             label, records = runs[0]
