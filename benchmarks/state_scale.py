@@ -45,6 +45,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.throughput import _worker_rss_mb  # noqa: E402
 from epochstream import (  # noqa: E402
     CheckpointConfig,
     DiscardingSink,
@@ -96,27 +97,6 @@ def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     i = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
     return xs[i]
-
-
-def _worker_rss_mb() -> dict[int, float]:
-    """Resident set size (MB) of every child process of this one (the local driver's workers)."""
-    me = os.getpid()
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) != me:  # ppid
-                continue
-            with open(f"/proc/{entry}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        out[int(entry)] = int(line.split()[1]) / 1024.0
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
 
 
 def _run_sampled(p: Pipeline, **kw: Any) -> tuple[Any, float, list[float]]:
