@@ -534,6 +534,20 @@ def _writes_kafka(build) -> bool:
     return bool(kafka)
 
 
+def _chaos_fields(chaos, args, work) -> dict[str, Any]:
+    """What both chaos reports (Kafka topics or the oracle) say about the chaos run itself."""
+    return {
+        "kills_requested": args.kills,
+        "failures_injected": chaos.metrics.get("failures_injected") if chaos else None,
+        "recovery_seconds": chaos.metrics.get("recovery_seconds", []) if chaos else [],
+        "completed_epochs": len(chaos.completed_epochs) if chaos else 0,
+        "deployment": args.deployment,
+        "seed": args.seed,
+        "workdir": str(work),
+        "failovers": [f["reason"].splitlines()[0] for f in chaos.metrics.get("failovers", [])] if chaos else [],
+    }
+
+
 def _chaos_kafka(build, run, work, results: dict[str, Any], args) -> int:
     """``epochstream chaos`` of a Kafka job: both runs into fresh topics, read at read_committed."""
     from .backends.kafka.chaos import check_kafka_exactly_once
@@ -551,14 +565,7 @@ def _chaos_kafka(build, run, work, results: dict[str, Any], args) -> int:
     doc = report.to_json()
     doc.update({
         "restarts": chaos.restarts if chaos else 0,
-        "kills_requested": args.kills,
-        "failures_injected": chaos.metrics.get("failures_injected") if chaos else None,
-        "recovery_seconds": chaos.metrics.get("recovery_seconds", []) if chaos else [],
-        "completed_epochs": len(chaos.completed_epochs) if chaos else 0,
-        "deployment": args.deployment,
-        "seed": args.seed,
-        "workdir": str(work),
-        "failovers": [f["reason"].splitlines()[0] for f in chaos.metrics.get("failovers", [])] if chaos else [],
+        **_chaos_fields(chaos, args, work),
     })
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -645,20 +652,13 @@ def cmd_chaos(args) -> int:
     chaos = results.get("chaos")
     doc = report.to_json()
     doc.update({
-        "kills_requested": args.kills,
-        "failures_injected": chaos.metrics.get("failures_injected") if chaos else None,
-        "recovery_seconds": chaos.metrics.get("recovery_seconds", []) if chaos else [],
         # kill i caused failover i (one kill per attempt); its recovery is failure -> all workers ready.
         # Padded with None: the last kill may have no recovery (run ended or failed first), so not strict
         "kills": [dict(k, recovery_seconds=rec) for k, rec in zip(
             chaos.metrics.get("kills", []), chaos.metrics.get("recovery_seconds", []) + [None] * args.kills,
             strict=False)]
         if chaos else [],
-        "completed_epochs": len(chaos.completed_epochs) if chaos else 0,
-        "deployment": args.deployment,
-        "seed": args.seed,
-        "workdir": str(work),
-        "failovers": [f["reason"].splitlines()[0] for f in chaos.metrics.get("failovers", [])] if chaos else [],
+        **_chaos_fields(chaos, args, work),
     })
     if args.json:
         print(json.dumps(doc, indent=1))
