@@ -144,7 +144,8 @@ def test_the_restart_count_is_published_while_restarting(tmp_path):
     from epochstream.deploy.failures import FailureSchedule
     from pipelines import running_count
 
-    p = running_count(n=3000, parallelism=1, interval=0.05, out=tmp_path / "out")
+    # paced (>= 3 s) so epoch 2 always commits before the input ends, however fast the machine
+    p = running_count(n=3000, parallelism=1, interval=0.05, source_delay=0.001, out=tmp_path / "out")
     p.restart_strategy = FixedDelayRestart(attempts=2, delay=3.0)
     info: dict = {}
     started = threading.Event()
