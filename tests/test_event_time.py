@@ -46,7 +46,7 @@ def _output(out: Path, uid: str) -> collections.Counter:
 # ================================================================ end to end (sim)
 
 
-MODES = ["aligned", "tracker"]
+MODES = ["aligned", "tracker", "unaligned"]
 
 
 @pytest.mark.parametrize("mode", MODES + ["at-least-once"])

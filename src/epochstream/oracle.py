@@ -16,7 +16,9 @@ The sequential reference runs the logical graph in one thread with fresh copies 
 user functions: the semantics the job promises, with no epochs, channels or failures.
 With event time, the reference fires each operator's timers up to the time label the
 manifest of epoch n records for it, after epoch n's records (timers commute with records
-of later timestamps, as in Flink), and all of them at the end of bounded input.
+of later timestamps, as in Flink), and all of them at the end of bounded input. In unaligned
+mode the subtasks of one operator snapshot at different event times (a marker overtakes
+watermarks too), so each key's timers fire up to the label of the subtask that held the key.
 
 Cycles. The reference runs a loop to its fixpoint: records move through a FIFO work list,
 so every chunk of input (and everything it feeds back) is processed before the next. In
@@ -48,11 +50,12 @@ import copy
 import os
 import tempfile
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from .graph.cycles import back_edges
-from .graph.keygroups import canonical_key
+from .graph.keygroups import assign_key_to_operator, canonical_key
 from .graph.kinds import OpKind
 from .graph.plan import Node, PhysicalPlan, topological_order, uid_of
 from .recorded_order import read_orders, record_id, record_order
@@ -69,6 +72,36 @@ if TYPE_CHECKING:  # the sinks module imports backends, which the oracle loads o
 
 # ---------------------------------------------------------------- sequential reference
 
+
+
+@dataclass(frozen=True)
+class SubtaskTime:
+    """How far event time got in each subtask of one operator at a committed epoch."""
+
+    parallelism: int
+    max_parallelism: int
+    labels: dict[int, int]  # subtask -> time label
+
+    def watermark(self, slack: float, key: Any) -> float:
+        """The watermark the subtask holding ``key`` had reached."""
+        subtask = assign_key_to_operator(key, self.max_parallelism, self.parallelism)
+        label = self.labels.get(subtask)
+        return float("-inf") if label is None else (label + 1) * slack
+
+
+def manifest_event_time(manifest: dict[str, Any]) -> tuple[dict[str, int], dict[str, SubtaskTime]]:
+    """A committed epoch's event time per operator (the lowest of its subtasks') and per
+    subtask, as ``Reference.feed`` takes them."""
+    low: dict[str, int] = {}
+    per_subtask: dict[str, SubtaskTime] = {}
+    p, max_p = int(manifest["parallelism"]), int(manifest["max_parallelism"])
+    for uid, op in manifest["operators"].items():
+        if "event_time" not in op:
+            continue
+        low[uid] = op["event_time"]
+        if op.get("event_time_subtasks"):
+            per_subtask[uid] = SubtaskTime(p, max_p, {int(k): int(v) for k, v in op["event_time_subtasks"].items()})
+    return low, per_subtask
 
 
 class Reference:
@@ -113,9 +146,12 @@ class Reference:
                 self.states[n.uid] = state
                 self.fns[n.id] = (fn, ctx)
 
-    def feed(self, offsets: dict[str, dict[int, int]] | None, event_time: dict[str, int] | None = None) -> None:
+    def feed(self, offsets: dict[str, dict[int, int]] | None, event_time: dict[str, int] | None = None,
+             subtask_time: dict[str, SubtaskTime] | None = None) -> None:
         """Advance every source to ``offsets`` (None: to the end of bounded sources), then
-        fire timers up to ``event_time`` (operator uid -> time label; all at the end)."""
+        fire timers up to ``event_time`` (operator uid -> time label; all at the end). With
+        ``subtask_time`` (``manifest_event_time``), each key's timers fire up to the label of
+        the subtask that held the key."""
         for n in self.nodes.values():
             if n.kind != OpKind.SOURCE:
                 continue
@@ -149,7 +185,12 @@ class Reference:
                     out.extend(res)
 
             watermark = float("inf") if label >= END_OF_TIME else (label + 1) * self.slack
-            timers.advance(label, watermark, on_timer)
+            per_subtask = None if offsets is None else (subtask_time or {}).get(uid_of(node))
+            if per_subtask is not None and len(set(per_subtask.labels.values())) > 1:
+                ceiling = (max(per_subtask.labels.values()) + 1) * self.slack
+                timers.advance_keys(label, watermark, partial(per_subtask.watermark, self.slack), ceiling, on_timer)
+            else:
+                timers.advance(label, watermark, on_timer)
             if out:
                 for consumer, i in self.consumers[nid]:
                     self._push(consumer, out, i)
@@ -666,7 +707,7 @@ def check_run(pipeline, storage, sink_root: Path, expected_output: dict[str, col
     for epoch in storage.list_checkpoints():
         manifest, root = storage.load_manifest(epoch)
         offsets = {uid: {int(k): int(v) for k, v in s["offsets"].items()} for uid, s in manifest["sources"].items()}
-        ref.feed(offsets, {uid: op["event_time"] for uid, op in manifest["operators"].items() if "event_time" in op})
+        ref.feed(offsets, *manifest_event_time(manifest))
         ref_states = ref.state()
         report.epochs_checked += 1
         report.channel_state_records += manifest["metrics"].get("channel_state_records", 0)
@@ -834,7 +875,7 @@ def check_run_recorded(pipeline, logs: dict[str, str], storage, sink_root: Any,
         _follow_all(ref, orders, previous, epoch)
         previous = epoch
         offsets = {uid: {int(k): int(v) for k, v in s["offsets"].items()} for uid, s in manifest["sources"].items()}
-        ref.feed(offsets, {uid: op["event_time"] for uid, op in manifest["operators"].items() if "event_time" in op})
+        ref.feed(offsets, *manifest_event_time(manifest))
         unexpected, waiting = ref.settle()
         _note_unexpected(report, f"epoch {epoch}", unexpected)
         report.epochs_checked += 1

@@ -92,6 +92,37 @@ class TimerService:
             else:
                 on_timer(ts)
 
+    def advance_keys(self, label: int, watermark: float, watermark_of: Callable[[Any], float], ceiling: float,
+                     on_timer: Callable[[float], None]) -> None:
+        """Fire each key's timers below that key's own watermark (``watermark_of(key)``, at most
+        ``ceiling``); everywhere, event time is complete up to ``label`` (``watermark``). The
+        oracle's reference replays subtasks whose snapshots saw different event times
+        (unaligned mode) this way."""
+        self._state.event_time = label
+        floor = max(self.watermark, watermark)
+        heap, keys, timers = self._heap, self._keys, self._timers
+        held: list[tuple[float, int, Any]] = []
+        while heap and heap[0][0] < ceiling:
+            entry = heapq.heappop(heap)
+            ts, _seq, key = entry
+            own = watermark_of(key)
+            if ts >= own:
+                held.append(entry)  # this key's subtask had not reached ``ts`` yet
+                continue
+            keys.key = key
+            if not timers.contains(ts):
+                continue
+            kind = timers.get(ts)
+            self._timers.remove(ts)
+            if kind == EXPIRE:
+                self._drop_key(key)
+            else:
+                self.watermark = max(floor, own)  # what the key's subtask saw when it fired
+                on_timer(ts)
+        self.watermark = floor
+        for entry in held:
+            heapq.heappush(heap, entry)
+
     def advances(self, watermark: float) -> bool:
         """Whether ``advance`` to ``watermark`` moves event time (and so may fire timers,
         including ones that input not yet processed would register)."""

@@ -144,6 +144,8 @@ class ManifestBuilder:
                     entry.setdefault("types", {}).update(declared)
                 if op in info.event_time:  # how far event time got in this epoch (the oracle replays it)
                     entry["event_time"] = min(entry.get("event_time", info.event_time[op]), info.event_time[op])
+                    # per subtask too: unaligned snapshots of one operator see different event times
+                    entry.setdefault("event_time_subtasks", {})[str(info.task[1])] = info.event_time[op]
                 for link in chain:
                     link_ack = info if link == epoch else self.acks.get((task, link))
                     ref = None if link_ack is None else next((f for f in link_ack.files if f.operator == op), None)
