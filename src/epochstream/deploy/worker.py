@@ -99,6 +99,10 @@ ROWS_EVERY = 0.005
 STEP_BUDGET = 4096  # records per task step
 #: debloating: seconds of work a consuming task's step aims at (at least one message)
 STEP_SECONDS = 0.05
+#: unaligned mode: seconds of work a step aims at. Its tasks cut messages there, so this is
+#: how long an overtaking marker waits per hop (0.05 s gave epochs of 0.23 s at 10x
+#: backpressure, 0.01 s 0.06 s, at the same throughput: benchmarks/backpressure.py)
+CUT_SECONDS = 0.01
 #: unaligned mode, before the first measurement: rows a consuming step takes (it cuts messages
 #: there, so a marker waits for at most this much work even behind a very slow operator)
 FIRST_CUT = 256
@@ -304,6 +308,7 @@ class WorkerLoop:
         overtaking = any(t.overtakes for t in self.others)
         self.step_meter = self.debloat or (Debloater(DEFAULT_TARGET, pipeline.batch_rows) if overtaking else None)
         self._first_budget = FIRST_CUT if overtaking else STEP_BUDGET
+        self._step_seconds = CUT_SECONDS if overtaking else STEP_SECONDS
         self._meter_at = 0.0
         self._rows_at = 0.0
         #: the last count of the backlog's rows: (over the bound, under a quarter of it), and
@@ -420,7 +425,8 @@ class WorkerLoop:
             # the batches a function sees are unchanged), so triggers, markers and deliveries
             # are not kept waiting behind a long step of a slow operator
             meter = self.step_meter
-            budget = STEP_BUDGET if meter is None else meter.rows_in(STEP_SECONDS, STEP_BUDGET, self._first_budget)
+            budget = STEP_BUDGET if meter is None else \
+                meter.rows_in(self._step_seconds, STEP_BUDGET, self._first_budget)
             now = clock()
             times.round_end(now, self.blocked, self.pending)  # the last round: its steps and its wait
             if beat.due(now):  # from the loop itself: a loop that stops turning goes silent
