@@ -9,6 +9,6 @@ PY=${PYTHON:-python3}
 # and mypy ([tool.mypy]: basic for the package, strict for the sans-IO core); any error fails the run
 "$PY" -m ruff check .
 "$PY" -m mypy src/epochstream
-"$PY" -m pytest -q "$@"
+"$PY" -m pytest -q --durations=15 "$@"
 # exit code 5 = "no tests collected": the slow suite must exist, so that is a failure too
-"$PY" -m pytest -q -m slow "$@"
+"$PY" -m pytest -q -m slow --durations=30 "$@"

@@ -153,7 +153,7 @@ def test_rows_not_batches_are_counted_in_the_simulator(tmp_path):
     assert sum(v["records_in"] for v in rest.values()) == sum(v["records_out"] for v in rest.values()) == 400
 
 
-@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+@pytest.mark.parametrize("mode", ["aligned", "tracker", "unaligned"])
 def test_offline_dashboard_equals_the_manifests(tmp_path, mode):
     p = running_count(n=400, keys=5, out=tmp_path / "out", parallelism=2, max_parallelism=8, mode=mode)
     r = sim_run(p, tmp_path / "chk", seed=3)
@@ -169,6 +169,9 @@ def test_offline_dashboard_equals_the_manifests(tmp_path, mode):
         assert doc["job"]["state"] == "FINISHED" and doc["job"]["mode"] == mode
         assert [e["epoch"] for e in doc["epochs"]] == [m["epoch"] for m in manifests]
         assert [e["bytes"] for e in doc["epochs"]] == [m["metrics"]["bytes"] for m in manifests]
+        assert [e["channel_state_bytes"] for e in doc["epochs"]] == \
+            [m["metrics"]["channel_state_bytes"] for m in manifests]
+        assert (mode == "unaligned") == any(e["channel_state_bytes"] for e in doc["epochs"])  # the markers overtook
         assert [c["epoch"] for c in doc["checkpoints"]] == [m["epoch"] for m in manifests]
         assert doc["epochs"][-1]["tasks"].keys() == manifests[-1]["metrics"]["tasks"].keys()
         sources = [c for c in doc["graph"]["chains"] if c["source"]]
@@ -182,6 +185,7 @@ def test_offline_dashboard_equals_the_manifests(tmp_path, mode):
         assert m[("epochstream_numberOfCompletedCheckpoints", ())] == len(manifests)
         assert m[("epochstream_lastCompletedCheckpointId", ())] == manifests[-1]["epoch"]
         assert m[("epochstream_lastCheckpointSize", ())] == manifests[-1]["metrics"]["bytes"]
+        assert m[("epochstream_lastCheckpointPersistedData", ())] == manifests[-1]["metrics"]["channel_state_bytes"]
         hold = "epochstream_tracker_holdTime" if mode == "tracker" else "epochstream_checkpointAlignmentTime"
         assert {dict(k[1])["task"] for k in m if k[0] == hold} == set(manifests[-1]["metrics"]["tasks"])
 

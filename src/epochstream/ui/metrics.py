@@ -58,6 +58,8 @@ class JobCollector(Collector):
             ("lastCheckpointDuration", "Milliseconds from the last completed epoch's trigger to its commit",
              _ms(job["last_epoch_seconds"])),
             ("lastCheckpointSize", "Bytes of state files the last completed epoch wrote", job["last_epoch_bytes"] or 0),
+            ("lastCheckpointPersistedData", "Bytes of in-flight records (channel state) the last completed epoch "
+             "wrote: unaligned mode, 0 otherwise", job["last_epoch_channel_state_bytes"] or 0),
             ("numRestarts", "Failovers (restarts) of this run", job["restarts"]),
             ("uptime", "Milliseconds since the run began", _ms(job["duration_seconds"])),
             ("numRecordsIn", "Records the sources read: those completed epochs cover while the job runs, the "

@@ -48,6 +48,9 @@ def epoch_row(entry: dict[str, Any]) -> dict[str, Any]:
         "commit_seconds": entry.get("commit_seconds"),
         "duration_seconds": entry.get("trigger_to_commit_seconds", to_manifest),
         "held_records": entry.get("held_records", 0),
+        # unaligned mode: records the markers overtook, written with the snapshot
+        "channel_state_records": entry.get("channel_state_records", 0),
+        "channel_state_bytes": entry.get("channel_state_bytes", 0),
         "tasks": entry.get("tasks", {}),
         "service_messages": entry.get("service_messages", {}),
         "service_messages_total": entry.get("service_messages_total", 0),
@@ -145,6 +148,7 @@ def dashboard(status: dict[str, Any], graph: dict[str, Any] | None, checkpoints:
             "last_epoch": last["epoch"] if last else None,
             "last_epoch_seconds": last["duration_seconds"] if last else None,
             "last_epoch_bytes": last["bytes"] if last else None,
+            "last_epoch_channel_state_bytes": last["channel_state_bytes"] if last else None,
         },
         "graph": graph,
         "epochs": rows,

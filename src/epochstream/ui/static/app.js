@@ -84,7 +84,10 @@ function render(d) {
   const kinds = [...new Set(done.flatMap((e) => Object.keys(e.service_messages || {})))]
     .filter((k) => tracker ? k !== "markers" : k !== "tracker").sort();
   chart("c-traffic", kinds, xs, kinds.map((k) => done.map((e) => (e.service_messages || {})[k] || 0)));
-  chart("c-bytes", ["bytes"], xs, [done.map((e) => e.bytes)], {bars: true});
+  const unaligned = done.some((e) => e.channel_state_bytes);
+  chart("c-bytes", unaligned ? ["state", "channel state"] : ["bytes"], xs,
+    unaligned ? [done.map((e) => e.bytes), done.map((e) => e.channel_state_bytes || 0)] : [done.map((e) => e.bytes)],
+    {bars: !unaligned});  // two series as lines: bars would hide each other
 
   taskTable(d);
   const tk = Object.entries(d.traffic).filter(([k]) => tracker || !TRACKER_KINDS.includes(k));
@@ -95,9 +98,10 @@ function render(d) {
     d.checkpoints.slice().reverse().map((c) => [[c.epoch], [c.status, "l"], [c.kind, "l"],
       [c.status === "completed" ? (c.incremental ? "incremental" : "full") : "-", "l"], [c.bytes], [c.files],
       [fmt(c.duration_seconds, 3)], [c.error || "", "err"]]));
-  table("epochs", [["epoch"], ["state", "l"], ["kind", "l"], ["records"], ["duration (s)"], [tracker ? "hold max (s)" : "alignment max (s)"], ["bytes"], ["reason", "l"]],
+  table("epochs", [["epoch"], ["state", "l"], ["kind", "l"], ["records"], ["duration (s)"], [tracker ? "hold max (s)" : "alignment max (s)"], ["bytes"], ["channel state (records)"], ["reason", "l"]],
     d.epochs.slice(-30).reverse().map((e) => [[e.epoch], [e.state, "l"], [e.kind || "", "l"], [fmt(e.records)],
-      [fmt(e.duration_seconds, 3)], [fmt(e.alignment_seconds_max, 4)], [fmt(e.bytes)], [e.reason || "", "err"]]));
+      [fmt(e.duration_seconds, 3)], [fmt(e.alignment_seconds_max, 4)], [fmt(e.bytes)],
+      [fmt(e.channel_state_records || 0)], [e.reason || "", "err"]]));
   $("updated").textContent = (d.live ? "live, updated " : "finished job, read from its manifests at ") + new Date().toLocaleTimeString();
   document.body.dataset.epochs = String(done.length);
 }
