@@ -249,7 +249,7 @@ def shot(driver, tmp_path: Path, name: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+@pytest.mark.parametrize("mode", ["aligned", "tracker", "unaligned"])
 def test_dashboard_in_a_real_browser(tmp_path, monkeypatch, browser, mode):
     monkeypatch.setenv("EPOCHSTREAM_HOME", str(tmp_path / "home"))
     d = browser
@@ -286,6 +286,8 @@ def test_dashboard_in_a_real_browser(tmp_path, monkeypatch, browser, mode):
         assert shown and {int(e) for e in shown} <= \
             {c["epoch"] for c in committed} | set(range(1, after["completed-epochs"] + 1))
         assert len(d.find_elements("css selector", "#graph .chain")) == 2
+        headers = d.execute_script("return [...document.querySelectorAll('#epochs th')].map((h) => h.textContent)")
+        assert "channel state (records)" in headers, headers
         assert len(d.find_elements("css selector", ".uplot")) == 8  # every chart drawn
         # the view of the job's own mode first, then the other, then back
         title = d.find_element("id", "t-per-task")
