@@ -10,8 +10,9 @@ so every run lasts about ``--seconds``. ``--skew`` sends half of all records to 
 (its subtask is the bottleneck).
 
 ``--driver spark`` runs the same on the spark driver (one ``local[p+1]`` session for every
-run). Per mode (``aligned``, ``tracker`` and any other exactly-once mode the build has, e.g.
-``unaligned``) and buffer debloating on or off (``Pipeline(buffer_debloat_target=)``), the
+run). Per mode (``aligned``, ``tracker``, ``unaligned``, and ``aligned-timeout``: aligned with
+Flink's aligned-checkpoint-timeout, ``--aligned-timeout`` seconds, default 0.2) and buffer
+debloating on or off (``Pipeline(buffer_debloat_target=)``), the
 job master's epoch log gives per completed epoch:
 
 * ``trigger_to_commit_s``: trigger until the manifest is written plus the commits after it;
@@ -103,8 +104,14 @@ def total_records(args: argparse.Namespace, k: float) -> int:
     return int(args.rate / max(k, 1.0) * args.seconds)
 
 
+#: the benchmark's name for aligned mode with Flink's aligned-checkpoint-timeout (``--aligned-timeout``)
+ALIGNED_TIMEOUT = "aligned-timeout"
+
+
 def build(args: argparse.Namespace, mode: str, debloat: bool, k: float) -> Pipeline:
-    p = Pipeline(f"backpressure-{mode}", parallelism=args.parallelism, mode=mode, batch_rows=args.batch_rows,
+    timeout = args.aligned_timeout if mode == ALIGNED_TIMEOUT else None
+    p = Pipeline(f"backpressure-{mode}", parallelism=args.parallelism, mode="aligned" if timeout else mode,
+                 batch_rows=args.batch_rows, aligned_timeout=timeout,
                  checkpoint=CheckpointConfig(interval=args.interval, incremental=True))
     if hasattr(p, "buffer_debloat_target"):
         p.buffer_debloat_target = args.debloat_target if debloat else None
@@ -246,7 +253,7 @@ def plot(table: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    exactly_once = [m for m in MODES if m != "at-least-once"]
+    exactly_once = [m for m in MODES if m != "at-least-once"] + [ALIGNED_TIMEOUT]
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rate", type=float, default=20000, help="rows/s of the rate source")
     ap.add_argument("--seconds", type=float, default=20, help="about how long each run lasts")
@@ -266,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                     "created on first use), checkpoints aligned and unaligned, in the same run")
     ap.add_argument("--pyflink-bundle-size", type=int, default=0,
                     help="python.fn-execution.bundle.size of the PyFlink runs (0: Flink's default)")
+    ap.add_argument("--aligned-timeout", type=float, default=0.2,
+                    help=f"seconds of alignment before a task goes unaligned (mode {ALIGNED_TIMEOUT})")
     ap.add_argument("--warmup-epochs", type=int, default=1, help="epochs per run the summary leaves out (warm-up)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--name", default="backpressure")

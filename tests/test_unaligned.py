@@ -102,6 +102,22 @@ def test_with_a_timeout_epochs_start_aligned_and_switch_when_alignment_lasts_too
     assert g.switch_deadline() is None
 
 
+def test_with_a_timeout_the_clock_starts_when_a_marker_is_seen_queued():
+    """Flink's announcement: under backpressure every channel's marker waits behind a queue,
+    so no channel blocks; the timeout still runs from the first marker seen in the mailbox."""
+    g = UnalignedGate([0, 1], aligned_timeout=0.5)
+    assert g.switch_deadline() is None
+    g.announce(1, now=10.0)
+    g.announce(1, now=10.2)  # a later sighting does not move the clock
+    g.announce(2, now=10.1)  # nor one of a later epoch
+    assert g.switch_deadline() == 10.5 and g.switch(10.4) is None
+    assert g.switch(10.5) == (1, 0.5) and g.pending == 1 and not g.arrived
+    assert g.may_overtake(0, 1) and g.may_overtake(1, 1), "the queued markers overtake now"
+    assert g.on_marker(1, 1, now=10.6) is None and g.on_marker(0, 1, now=10.6) is None
+    assert g.take_completed() == 1 and g.switch_deadline() is None
+    g.check_invariants()
+
+
 def test_a_savepoint_never_switches_to_unaligned():
     g = UnalignedGate([0, 1], aligned_timeout=0.0)
     g.on_aligned_marker(0, 1, now=1.0, forced=True)
@@ -292,6 +308,32 @@ def test_a_task_whose_alignment_times_out_snapshots_unaligned(tmp_path):
     assert decode(snap.keyed[0])["count"] == {"j": 1}
     assert [recs for _c, recs, _k, _w in decode_channel_state(snap.channel_state)] == [[("j", 2)]]
     assert sorted(emitted(acts)) == [("j", 1, 1), ("j", 2, 2), ("k", 2, 1)]
+
+
+def test_a_task_whose_markers_wait_behind_queues_switches_after_the_timeout(tmp_path):
+    """Both channels' markers queued behind data (backpressure): nothing blocks, and the task
+    switches ``aligned_timeout`` after it first saw a marker; the records ahead of the markers
+    are channel state."""
+    p, plan, _tasks = build(tmp_path, mode="aligned")
+    p.aligned_timeout = 0.5
+    t = build_tasks(p, plan, None, LocalCheckpointStorage(tmp_path / "chk2"), None)[(2, 0)]
+    c_a, c_b = plan.inputs[(2, 0)]
+    for ch, key in ((c_a, "k"), (c_b, "j")):
+        t.receive(ch, kbatch(1, [(key, 1)]))
+        t.receive(ch, kbatch(1, [(key, 2)]))
+        t.receive(ch, Marker(1))
+    acts = t.step(1.0, budget=1)  # ("k", 1) processed; the markers are seen queued
+    assert t.flush_deadline() == 1.5 and not any(isinstance(a, Snapshot) for a in acts)
+    acts += t.step(1.5, budget=1)  # the switch: snapshot of epoch 1, the markers overtake
+    while t.has_input():
+        acts += t.step(2.0)
+        t.check_invariants()
+    (snap,) = [a.capture for a in acts if isinstance(a, Snapshot)]
+    assert snap.epoch == 1 and snap.alignment_seconds == 0.5
+    assert decode(snap.keyed[0])["count"] == {"k": 1}
+    assert sorted(r for _c, recs, _k, _w in decode_channel_state(snap.channel_state) for r in recs) == \
+        [("j", 1), ("j", 2), ("k", 2)]
+    assert sorted(emitted(acts)) == [("j", 1, 1), ("j", 2, 2), ("k", 1, 1), ("k", 2, 2)]
 
 
 # ---------------------------------------------------------------- messages cut by the step budget

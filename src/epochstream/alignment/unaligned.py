@@ -24,11 +24,15 @@ One epoch's channel state is recorded at a time: a marker n + 1 is taken only on
 capture is complete (``may_overtake``); until then it waits in the mailbox in FIFO order.
 
 Aligned with a timeout (Flink's ``aligned-checkpoint-timeout``, ``aligned_timeout``): every
-epoch starts aligned (markers in FIFO order, channels blocked as their marker arrives); a task
-whose alignment of epoch n lasts ``aligned_timeout`` seconds switches to unaligned for n
-(``switch``): it snapshots at once, the blocked channels count as arrived (everything before
-their markers is processed), the held records go back to the mailbox, and on the other
-channels the records before marker n become channel state as above.
+epoch starts aligned (markers in FIFO order, channels blocked as their marker arrives). The
+clock starts when the task first *sees* a marker n in its mailbox (``announce``), wherever it
+is queued, as Flink (1.14 on) announces a barrier to the receiver while it still waits behind
+data: under backpressure every channel's marker may sit behind a queue, and an alignment
+measured from the first marker at the head would never start. ``aligned_timeout`` seconds
+later the task switches to unaligned for n (``switch``): it snapshots at once, the blocked
+channels count as arrived (everything before their markers is processed), the held records
+go back to the mailbox, the queued markers n overtake, and on the other channels the records
+before marker n become channel state as above.
 
 Savepoints (and final epochs: a stop with savepoint is one) are aligned, as in Flink: their
 markers say so (``Marker.aligned``), are taken in
@@ -78,6 +82,8 @@ class UnalignedGate:
         #: an aligned (savepoint) epoch: channels whose marker arrived (blocked) and since when
         self.blocked: set[int] = set()
         self.aligning_since = 0.0
+        #: (epoch, when a marker of it was first seen queued) for the epoch aligning next
+        self.announced: tuple[int, float] | None = None
 
     # ------------------------------------------------------------ Gate
     @property
@@ -103,27 +109,47 @@ class UnalignedGate:
         self.owed.clear()
         self._completed = None
         self.blocked.clear()
+        self.announced = None
 
     def aligns(self, epoch: int) -> bool:
         """Is an (unforced) marker ``epoch`` taken aligned, in FIFO order? (aligned with a timeout)"""
         return self.aligned_timeout is not None and self.pending is None and self._completed is None
 
+    def announce(self, epoch: int, now: float) -> None:
+        """A (not forced) marker ``epoch`` is queued in the mailbox: the timeout runs from now."""
+        if self.aligned_timeout is not None and self.announced is None and epoch == self.last_started + 1 \
+                and self.pending is None and self._completed is None and not (self.blocked and self.forced):
+            self.announced = (epoch, now)
+
+    def _since(self) -> float | None:
+        """When the epoch aligning next began to wait: its announcement, or its first blocked channel."""
+        if self.forced and self.blocked:
+            return None
+        since = self.aligning_since if self.blocked else None
+        if self.announced is not None and self.announced[0] == self.last_started + 1:
+            since = self.announced[1] if since is None else min(since, self.announced[1])
+        return since
+
     def switch_deadline(self) -> float | None:
         """When the epoch aligning now switches to unaligned (None: it never does)."""
-        if not self.blocked or self.forced or self.aligned_timeout is None:
+        if self.aligned_timeout is None or self.pending is not None or self._completed is not None:
             return None
-        return self.aligning_since + self.aligned_timeout
+        since = self._since()
+        return None if since is None else since + self.aligned_timeout
 
     def switch(self, now: float) -> tuple[int, float] | None:
-        """If the alignment timed out: start its epoch unaligned now; (epoch, seconds aligned)."""
+        """If the alignment timed out: start its epoch unaligned now; (epoch, seconds waited)."""
         due = self.switch_deadline()
         if due is None or now < due:
             return None
+        since = self._since()
+        assert since is not None
         epoch = self.last_started + 1
         self.pending = self.last_started = epoch
         self.arrived = set(self.blocked)
         self.blocked.clear()
-        return epoch, now - self.aligning_since
+        self.announced = None
+        return epoch, now - since
 
     def on_aligned_marker(self, channel: int, epoch: int, now: float,
                           forced: bool = True) -> tuple[int, float] | None:
@@ -142,6 +168,7 @@ class UnalignedGate:
             return None
         self.blocked.clear()
         self.last_started = epoch
+        self.announced = None
         return epoch, now - self.aligning_since
 
     # ------------------------------------------------------------ overtaking

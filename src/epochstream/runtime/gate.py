@@ -117,6 +117,15 @@ class Overtaking(Gate, Protocol):
         """Aligned with a timeout: is marker ``epoch`` taken aligned (the epoch starts aligned)?"""
         ...
 
+    @property
+    def aligned_timeout(self) -> float | None:
+        """Seconds an epoch may wait aligned before it switches (None: unaligned from the start)."""
+        ...
+
+    def announce(self, epoch: int, now: float) -> None:
+        """A marker ``epoch`` is queued in the mailbox (aligned with a timeout: the clock starts)."""
+        ...
+
     def switch_deadline(self) -> float | None:
         """When the alignment going on switches to unaligned (None: never)."""
         ...

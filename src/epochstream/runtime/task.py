@@ -389,6 +389,10 @@ class Task:
         gate = self._overtaking
         assert gate is not None, f"task {self.id}: scanning for markers without an overtaking gate"
         items = list(self.mailbox)
+        if gate.aligned_timeout is not None:  # the timeout runs from the first queued marker seen
+            for _channel, msg in items:
+                if type(msg) is Marker and not msg.aligned:
+                    gate.announce(msg.epoch, now)
         taken = True
         while taken:
             taken = False
