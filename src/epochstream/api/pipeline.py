@@ -396,8 +396,8 @@ class Pipeline:
     ahead of it, which are stored with the snapshot as channel state; exactly-once, nothing
     waits under backpressure; a restore with channel state keeps the parallelism).
     ``aligned_timeout`` (seconds; Flink's ``aligned-checkpoint-timeout``), in mode ``aligned``
-    or ``unaligned``: every epoch starts aligned and a task whose alignment lasts longer
-    switches to unaligned for that epoch (None: mode ``aligned`` never switches, mode
+    or ``unaligned``: every epoch starts aligned and a task whose epoch waits longer (from the
+    first marker it sees queued) switches to unaligned for that epoch (None: mode ``aligned`` never switches, mode
     ``unaligned`` is unaligned from the first marker).
     ``checkpoint_interval`` in seconds (None: only the final epoch of a bounded job, and
     epochs asked for on demand).
