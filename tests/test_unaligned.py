@@ -242,6 +242,25 @@ def test_restore_of_channel_state_at_another_parallelism_names_the_way_out(tmp_p
         check_compatible(plan, p, Restored(3, manifest, tmp_path, tmp_path / "chk-3"), False)
 
 
+def test_channel_state_of_a_changed_graph_is_a_checkpoint_error_with_the_way_out(tmp_path):
+    """Channel ids the task does not have (the graph changed since the snapshot): a clear
+    CheckpointError, not a protocol failure."""
+    import base64
+    import pickle
+
+    from epochstream.deploy.assembly import _restore_channel_state
+
+    p, plan, tasks = build(tmp_path, mode="unaligned")
+    blob = pickle.dumps([pickle.dumps((9_999, [("k", 1)], None, None))])
+    manifest = {"job": p.name, "epoch": 3, "parallelism": 1, "max_parallelism": plan.max_parallelism,
+                "operators": {}, "sources": {}, "sinks": {}, "metrics": {"channel_state_records": 1},
+                "channel_state": {"2.0": {"records": 1, "bytes": len(blob),
+                                          "data": base64.b64encode(blob).decode("ascii")}}}
+    assert decode_channel_state(blob) == [(9_999, [("k", 1)], None, None)]
+    with pytest.raises(CheckpointError, match="graph changed.*take a savepoint"):
+        _restore_channel_state(tasks[(2, 0)], Restored(3, manifest, tmp_path, tmp_path / "chk-3"), "unaligned")
+
+
 # ---------------------------------------------------------------- kills while channel state is replayed
 
 

@@ -19,6 +19,7 @@ from ..graph.plan import PhysicalPlan
 from ..loops.task import LoopHeadTask
 from ..runtime.chain import ChainRuntime
 from ..runtime.context import Context
+from ..runtime.errors import ProtocolError
 from ..runtime.gate import Gate
 from ..runtime.messages import TaskId
 from ..runtime.task import Task, decode_channel_state
@@ -109,7 +110,13 @@ def _restore_channel_state(task: Task, restored: Restored, mode: str) -> None:
         entries = decode_channel_state(blob)
     except Exception as exc:
         raise CheckpointError(f"{restored.path}: channel state of task {task.id} cannot be read: {exc!r}") from None
-    task.restore_channel_state(entries)
+    try:
+        task.restore_channel_state(entries)
+    except ProtocolError as exc:  # the job's graph changed: channel ids no longer match
+        raise CheckpointError(
+            f"{restored.path}: the channel state of task {task.id} names input channels this job does not have "
+            f"({exc}); the pipeline's graph changed since the unaligned snapshot. Restore it with the graph it was "
+            f"taken with, take a savepoint (savepoints hold no channel state) and restore that") from None
 
 
 def _restore_chain(chain: ChainRuntime, restored: Restored, storage, parallelism: int, subtask: int) -> None:
