@@ -111,21 +111,35 @@ class Costs:
     agent: float = 0.0  # one report or promise folded by the agent
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How the trAcker batches (see the module docstring): the local trackers' flush interval,
+    whether a promise flushes at once, whether NEOSS to a worker coalesce on the wire."""
+
+    flush_interval: float = 0.005
+    flush_on_promise: bool = True
+    coalesce_neoss: bool = False
+    pass_through: bool = False
+
+
 def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: str, granularity: int | None,
-        costs: Costs, limit: float | None) -> dict:
+        costs: Costs, limit: float | None, batching: Batching = Batching()) -> dict:
     """One run at ``rate`` records/s for the whole job."""
     clock = Clock()
     probe = Probe(clock, limit)
     interval = None if granularity is None else granularity / rate
     p = Pipeline(f"rr-{n_maps}", parallelism=workers, mode=mode, batch_size=1, restart_attempts=0,
                  checkpoint=CheckpointConfig(interval=interval, max_concurrent=1_000_000, num_retained=1),
-                 tracker=TrackerConfig(aggregate=True, flush_interval=0.005, flush_count=1000))
+                 tracker=TrackerConfig(aggregate=True, flush_interval=batching.flush_interval, flush_count=1000,
+                                       flush_on_promise=batching.flush_on_promise,
+                                       pass_through=batching.pass_through))
     s = p.generate(Stamp(clock), count=records, uid="src")
     for k in range(n_maps - 1):
         s = s.key_by(_key).map(_identity, name=f"map{k}")
     s.key_by(_key).map(probe, name="probe").sink(DiscardingSink(), uid="sink")
     cfg = SimConfig(source_rate=rate / workers, source_batch=1, check_invariants=False, worker_cores=cores,
-                    message_cost=costs.step, record_cost=0.0, report_cost=costs.report, agent_cost=costs.agent)
+                    message_cost=costs.step, record_cost=0.0, report_cost=costs.report, agent_cost=costs.agent,
+                    coalesce_neoss=batching.coalesce_neoss)
     t0 = time.perf_counter()
     overloaded = False
     with tempfile.TemporaryDirectory(prefix="es-sustain-") as chk:
@@ -200,6 +214,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="not sustained either: a median above this x the setup's median at its lowest rate")
     ap.add_argument("--costs", default="measured",
                     help="'measured' (calibrated now), or step,report,agent in microseconds (e.g. 5,0.5,20)")
+    ap.add_argument("--flush-interval", type=float, default=0.005,
+                    help="trAcker: the local trackers' flush interval in seconds (FlameStream: 5 ms)")
+    ap.add_argument("--promise-timer", action="store_true",
+                    help="trAcker: a promise waits for the next timed flush (FlameStream's heartbeats) instead of "
+                         "flushing its local tracker at once")
+    ap.add_argument("--coalesce-neoss", action="store_true",
+                    help="trAcker: NEOSS to a worker join its bundle still on the wire (one message per worker in "
+                         "flight)")
+    ap.add_argument("--pass-through", action="store_true",
+                    help="trAcker: stateless maps process later epochs at once (only the sink's chain waits for "
+                         "NEOSS), as FlameStream's maps do")
+    ap.add_argument("--batched", action="store_true",
+                    help="trAcker: FlameStream's batching, all three: --promise-timer --coalesce-neoss --pass-through")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="run every rate, also after the first one that is not sustained (the table of medians)")
     ap.add_argument("--quick", action="store_true", help="RR-10 on 5 workers, fewer rates and records")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--name", default="sustainable_throughput", help="file name of the CSV and PNG, without suffix")
@@ -222,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RR-{args.graph_size}, {args.workers} workers x {args.cores} cores; costs: {costs.step * 1e6:.2f} us "
           f"per task step, trAcker {costs.report * 1e6:.2f} us per SND/RCV event and "
           f"{costs.agent * 1e6:.2f} us per report at the agent", flush=True)
+    if args.batched:
+        args.promise_timer = args.coalesce_neoss = args.pass_through = True
+    batching = Batching(args.flush_interval, not args.promise_timer, args.coalesce_neoss, args.pass_through)
+    print(f"trAcker batching: flush every {batching.flush_interval * 1000:g} ms, promises "
+          f"{'at once' if batching.flush_on_promise else 'on the timer'}, NEOSS "
+          f"{'coalesced per worker' if batching.coalesce_neoss else 'one bundle per agent step'}, maps "
+          f"{'pass later epochs through' if batching.pass_through else 'hold later epochs'}", flush=True)
     setups = [s for s in SETUPS if not args.setups or s[0] in args.setups.split(",")]
     rows: list[dict] = []
     total, k = len(setups) * len(rates), 0
@@ -232,10 +268,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{k}/{total}] {label} at {rate:g}/s ...", end=" ", flush=True)
             records = max(args.min_records, int(rate * args.seconds))
             tracked = costs if mode == "tracker" else Costs(step=costs.step)
-            row = run(args.graph_size, args.workers, args.cores, rate, records, mode, g, tracked, args.cut)
+            row = run(args.graph_size, args.workers, args.cores, rate, records, mode, g, tracked, args.cut, batching)
             row = {"setup": label, "mode": mode, "granularity": g or 0, "graph_size": args.graph_size,
                    "workers": args.workers, "cores": args.cores, "step_us": costs.step * 1e6,
-                   "report_us": tracked.report * 1e6, "agent_us": tracked.agent * 1e6, **row}
+                   "report_us": tracked.report * 1e6, "agent_us": tracked.agent * 1e6,
+                   "flush_ms": batching.flush_interval * 1000 if mode == "tracker" else "",
+                   "promise_timer": (not batching.flush_on_promise) if mode == "tracker" else "",
+                   "coalesce_neoss": batching.coalesce_neoss if mode == "tracker" else "",
+                   "pass_through": batching.pass_through if mode == "tracker" else "", **row}
             base = row["p50_ms"] if base is None else base
             # a queue that filled at once does not grow over the run: a median far above the setup's
             # own at its lowest rate is overload too
@@ -244,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"p50 {row['p50_ms']:.2f} ms p99 {row['p99_ms']:.2f} ms, latency x{row['growth']:.2f} over the run"
                   f"{' (overloaded, cut short)' if row['overloaded'] else ''} [{row['wall_s']}s]")
-            if not row["sustained"]:  # higher rates only queue more
+            if not row["sustained"] and not args.keep_going:  # higher rates only queue more
                 k += len(rates) - rates.index(rate) - 1
                 break
     out = Path(args.out)
@@ -254,9 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         wr.writeheader()
         wr.writerows(rows)
     sustained = {}
-    for label, _m, _g in setups:
-        ok = [r["rate"] for r in rows if r["setup"] == label and r["sustained"]]
-        sustained[label] = max(ok) if ok else 0.0
+    for label, _m, _g in setups:  # the highest rate below which every rate was sustained
+        sustained[label] = 0.0
+        for r in rows:
+            if r["setup"] == label:
+                if not r["sustained"]:
+                    break
+                sustained[label] = r["rate"]
     ref = sustained.get("no tracking") or float("nan")
     print(f"\nsustainable throughput (latency grows at most {args.growth}x over a run), simulator")
     print(f"  {'setup':<14} {'records/s':>10} {'x no tracking':>14}")

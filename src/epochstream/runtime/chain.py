@@ -564,6 +564,12 @@ class ChainRuntime:
             state.close()
 
     @property
+    def stateless(self) -> bool:
+        """Nothing of this chain is in a snapshot or bound to an epoch: no keyed or operator
+        state, no sink, no event-time timers, no epoch-end hooks."""
+        return not (self.states or self.operator_states or self.sink_writers or self.timed or self._epoch_hooks)
+
+    @property
     def records_out(self) -> int:
         """Rows put out: drained onto output channels or taken by this chain's sinks."""
         return self.out.rows_out + self.records_sunk
