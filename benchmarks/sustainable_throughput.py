@@ -159,7 +159,7 @@ def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: 
             "virtual_s": round(driver.now, 4), "wall_s": round(time.perf_counter() - t0, 2)}
 
 
-def calibrate() -> Costs:
+def calibrate(batching: Batching = Batching()) -> Costs:
     """This machine's costs, measured now in this process as CPU time (so other processes' load
     does not inflate them): a task step
     on one record (wall time of ``Task.step`` over a small job without tracking), a local
@@ -192,7 +192,7 @@ def calibrate() -> Costs:
     report = timeit.Timer(lambda: tr.snd(12345, 1, 0), timer=time.thread_time).timeit(100_000) / 100_000
     real, folded = timing(agent_mod.TrackingAgent, "receive", lambda a: max(1, len(a[0].reports) + len(a[0].promises)))
     try:
-        run(10, 5, 2, 2000.0, 300, "tracker", 1, Costs(), None)
+        run(10, 5, 2, 2000.0, 300, "tracker", 1, Costs(), None, batching)  # messages as big as the runs
     finally:
         agent_mod.TrackingAgent.receive = real  # type: ignore[method-assign]
     return Costs(step=steps[0] / max(1, steps[1]), report=report, agent=folded[0] / max(1, folded[1]))
@@ -243,17 +243,17 @@ def main(argv: list[str] | None = None) -> int:
         steps = (500, 2000, 8000, 32000, 128000, 512000) if args.quick else (
             250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 256000, 512000)
         rates = [float(r) for r in steps]
+    if args.batched:
+        args.promise_timer = args.coalesce_neoss = args.pass_through = True
+    batching = Batching(args.flush_interval, not args.promise_timer, args.coalesce_neoss, args.pass_through)
     if args.costs == "measured":
-        costs = calibrate()
+        costs = calibrate(batching)
     else:
         step, report, agent = (float(x) * 1e-6 for x in args.costs.split(","))
         costs = Costs(step, report, agent)
     print(f"RR-{args.graph_size}, {args.workers} workers x {args.cores} cores; costs: {costs.step * 1e6:.2f} us "
           f"per task step, trAcker {costs.report * 1e6:.2f} us per SND/RCV event and "
           f"{costs.agent * 1e6:.2f} us per report at the agent", flush=True)
-    if args.batched:
-        args.promise_timer = args.coalesce_neoss = args.pass_through = True
-    batching = Batching(args.flush_interval, not args.promise_timer, args.coalesce_neoss, args.pass_through)
     print(f"trAcker batching: flush every {batching.flush_interval * 1000:g} ms, promises "
           f"{'at once' if batching.flush_on_promise else 'on the timer'}, NEOSS "
           f"{'coalesced per worker' if batching.coalesce_neoss else 'one bundle per agent step'}, maps "

@@ -1,8 +1,8 @@
 """How the trAcker batches at fine granularity (paper 000 Fig. 13b; FlameStream's LocalAcker).
 
 * pass-through (``TrackerConfig.pass_through``): a stateless chain processes a record of a later
-  epoch at once and gives its output the record's epoch; a chain with state or a sink still holds
-  it until NEOSS (the firm bound);
+  epoch at once, gives its output the record's epoch and sinks it into that epoch's writer; a
+  chain with state still holds it until NEOSS (the firm bound);
 * NEOSS coalescing (``SimConfig.coalesce_neoss``): notes to a worker join its bundle on the wire.
 
 The promise-on-the-timer rule of the local tracker is tested in test_tracker.py; the exactly-once
@@ -15,13 +15,17 @@ import epochstream as es
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.assembly import build_tasks
 from epochstream.deploy.sim import SimConfig, SimDriver
-from epochstream.runtime.messages import Batch, Send
+from epochstream.runtime.messages import Batch, Send, Snapshot
 from epochstream.tracker.local import LocalTracker
 from pipelines import committed_output
 
 
 def _identity(r):
     return r
+
+
+def _sum(a, b):
+    return a + b
 
 
 def _rr(tmp_path, pass_through: bool, n: int = 40, interval: float = 0.0002) -> es.Pipeline:
@@ -53,14 +57,36 @@ def test_a_stateless_chain_passes_a_later_epoch_through_and_a_sink_holds_it(tmp_
     sink = next(t for tid, t in tasks.items() if "out" in [plan.nodes[n].uid for n in plan.chains[tid[0]].nodes]
                 and tid[1] == 0)
     assert m1.out_epoch == 1 and not m1.gate.firm
-    assert sink.out_epoch is None and sink.gate.firm
+    assert sink.out_epoch == 1 and not sink.gate.firm
     # epoch 1 is still open at both (no NEOSS yet); a record of epoch 3 arrives
     m1.receive(m1.inputs[0], Batch(3, ["x"], None, id=12345))
     sends = [a for a in m1.step(0.0) if type(a) is Send]
     assert [(a.message.epoch, a.message.records) for a in sends] == [(3, ["x"])]
     assert m1.epoch == 1  # its own epochs still end on NEOSS only
-    sink.receive(sink.inputs[0], Batch(3, ["x"], None, id=678))
-    assert sink.step(0.0) == [] and len(sink.held) == 1
+    # the sink takes records of epochs 3 and 2, in that order, each into its epoch's writer
+    sink.receive(sink.inputs[0], Batch(3, ["c"], None, id=678))
+    sink.receive(sink.inputs[0], Batch(2, ["b"], None, id=679))
+    sink.step(0.0, budget=1)
+    sink.step(0.0, budget=1)
+    assert not sink.held and sink.records_in == 2
+    sink.on_neoss(2)  # epochs 1 and 2 end: their captures hold only their own records
+    snaps = [a.capture for a in sink.step(0.0) if type(a) is Snapshot]
+    assert [(c.epoch, [list(s.records) for s in c.sinks]) for c in snaps] == [(1, [[]]), (2, [['"b"']])]
+    sink.on_neoss(3)
+    (snap,) = [a.capture for a in sink.step(0.0) if type(a) is Snapshot]
+    assert (snap.epoch, [list(s.records) for s in snap.sinks]) == (3, [['"c"']])
+
+
+def test_a_stateful_chain_still_holds_a_later_epoch(tmp_path):
+    p = es.Pipeline("pt-state", parallelism=1, mode="tracker", tracker=es.TrackerConfig(pass_through=True))
+    p.from_collection(list(range(4)), uid="src").key_by(_identity).reduce(_sum, uid="sum") \
+        .sink(es.FileSink(tmp_path / "out"), uid="out")
+    plan = p.plan()
+    tasks = build_tasks(p, plan, None, LocalCheckpointStorage(tmp_path / "chk"), None, trackers={0: LocalTracker(0)})
+    (t,) = [t for t in tasks.values() if not t.is_source]
+    assert t.out_epoch is None and t.gate.firm
+    t.receive(t.inputs[0], Batch(3, [1], [1], id=12345))
+    assert t.step(0.0) == [] and len(t.held) == 1
 
 
 def test_without_pass_through_every_chain_holds_a_later_epoch(tmp_path):

@@ -92,9 +92,10 @@ class TrackerConfig:
     #: boundaries should be multiples of it; smaller means finer labels, more reports.
     time_slack: float = 1.0
     flush_on_promise: bool = True
-    #: stateless chains (no state, sink, timers or epoch hooks; not in a loop) hold nothing back:
-    #: they process records of any epoch at once and pass each record's epoch on to its output,
-    #: so only stateful operators and sinks wait for NEOSS (FlameStream's maps never wait)
+    #: stateless chains (no keyed or operator state, timers or epoch hooks; not in a loop) hold
+    #: nothing back: they process records of any epoch at once, pass each record's epoch on to
+    #: its output and sink it into that epoch's writer, so only stateful operators wait for
+    #: NEOSS (FlameStream's maps never wait, and its output barrier buffers by time)
     pass_through: bool = False
 
     def __post_init__(self) -> None:

@@ -185,13 +185,18 @@ class Task:
 
     def pass_through(self) -> None:
         """trAcker mode, a stateless chain (``TrackerConfig.pass_through``): process every record at
-        once, whatever its epoch, and give its output the record's epoch. Nothing here is in a
-        snapshot, so the order of epochs does not matter to it; the batches keep their epochs
-        (the agent's assumption A1), so the NEOSS downstream stay what they were. The gate
-        must be soft (``FirmBoundGate(firm=False)``): it still closes each epoch on NEOSS."""
+        once, whatever its epoch, and give its output the record's epoch. Only its sinks' output
+        is in a snapshot, and each sink keeps one writer per epoch (``ChainRuntime.bucket_sinks``),
+        so the order of epochs does not matter to it; the batches keep their epochs (the agent's
+        assumption A1), so the NEOSS downstream stay what they were. The gate must be soft
+        (``FirmBoundGate(firm=False)``): it still closes each epoch on NEOSS, and the capture of
+        epoch n takes the sinks' epoch-n writers, complete because NEOSS(n) comes after the RCV
+        of every record of epoch <= n."""
         if self.exactly_once or self.reader is not None:
             raise ValueError(f"task {self.id}: pass-through needs a soft gate and no source")
         self.out_epoch = self.epoch
+        self.chain.bucket_sinks()
+        self.chain.set_epoch(self.epoch)
 
     def on_neoss(self, epoch: int | TimeNote) -> None:
         """The tracking agent's NEOSS(epoch) or ``WindowEnd`` for this task's segment (trAcker mode)."""
