@@ -12,6 +12,15 @@ is stopped as overloaded (the simulator would otherwise queue records forever), 
 sweep stops at its first rate that is not sustained: higher rates only queue more. The
 *sustainable throughput* of a setup is its highest sustained rate.
 
+In trAcker mode a run must also keep up with its epochs: the median time from an epoch's trigger to its bound
+at the last task may not grow either (with ``--pass-through`` records flow while the tracking falls behind, so
+the record latency alone would not show an overloaded agent).
+
+Batching (``--batched``, or each flag alone): promises ride the local trackers' timed flush
+(``TrackerConfig.flush_on_promise=False``), stateless chains and the sink pass later epochs through
+(``TrackerConfig.pass_through``: only stateful chains wait for NEOSS), and NEOSS to a worker coalesce on
+the wire (``SimConfig.coalesce_neoss``): FlameStream's LocalAcker, maps and output barrier.
+
 Setups, as in the paper: no tracking (no epochs at all), the trAcker at granularity 1 (an epoch
 per record, aggregated local trackers) and markers (barrier alignment) at granularity 1, 10 and
 50 records per epoch. Granularity g cuts an epoch every g records of the whole job.
@@ -111,21 +120,35 @@ class Costs:
     agent: float = 0.0  # one report or promise folded by the agent
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How the trAcker batches (see the module docstring): the local trackers' flush interval,
+    whether a promise flushes at once, whether NEOSS to a worker coalesce on the wire."""
+
+    flush_interval: float = 0.005
+    flush_on_promise: bool = True
+    coalesce_neoss: bool = False
+    pass_through: bool = False
+
+
 def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: str, granularity: int | None,
-        costs: Costs, limit: float | None) -> dict:
+        costs: Costs, limit: float | None, batching: Batching = Batching()) -> dict:
     """One run at ``rate`` records/s for the whole job."""
     clock = Clock()
     probe = Probe(clock, limit)
     interval = None if granularity is None else granularity / rate
     p = Pipeline(f"rr-{n_maps}", parallelism=workers, mode=mode, batch_size=1, restart_attempts=0,
                  checkpoint=CheckpointConfig(interval=interval, max_concurrent=1_000_000, num_retained=1),
-                 tracker=TrackerConfig(aggregate=True, flush_interval=0.005, flush_count=1000))
+                 tracker=TrackerConfig(aggregate=True, flush_interval=batching.flush_interval, flush_count=1000,
+                                       flush_on_promise=batching.flush_on_promise,
+                                       pass_through=batching.pass_through))
     s = p.generate(Stamp(clock), count=records, uid="src")
     for k in range(n_maps - 1):
         s = s.key_by(_key).map(_identity, name=f"map{k}")
     s.key_by(_key).map(probe, name="probe").sink(DiscardingSink(), uid="sink")
     cfg = SimConfig(source_rate=rate / workers, source_batch=1, check_invariants=False, worker_cores=cores,
-                    message_cost=costs.step, record_cost=0.0, report_cost=costs.report, agent_cost=costs.agent)
+                    message_cost=costs.step, record_cost=0.0, report_cost=costs.report, agent_cost=costs.agent,
+                    coalesce_neoss=batching.coalesce_neoss)
     t0 = time.perf_counter()
     overloaded = False
     with tempfile.TemporaryDirectory(prefix="es-sustain-") as chk:
@@ -140,12 +163,23 @@ def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: 
     third = max(1, len(seen) // 3)  # the first third warms up (no epoch has been cut yet): middle against last
     growth = (statistics.median(seen[-third:]) / statistics.median(seen[third:2 * third] or seen)
               if seen else float("inf"))
+    # the epochs' side: seconds from an epoch's trigger to its bound at the last task (pass-through lets
+    # records flow while the tracking falls behind, so the record latency alone would not show it)
+    ends: dict[int, float] = {}
+    for epoch, _task, secs in driver.bound_latency:
+        ends[epoch] = max(ends.get(epoch, 0.0), secs)
+    bounds = [ends[e] for e in sorted(ends)]
+    b3 = max(1, len(bounds) // 3)
+    bound_growth = (statistics.median(bounds[-b3:]) / max(1e-9, statistics.median(bounds[b3:2 * b3] or bounds))
+                    if bounds else 0.0)
     return {"rate": rate, "records_done": len(seen), "overloaded": overloaded, "growth": round(growth, 3),
+            "epochs": len(bounds), "bound_p50_ms": statistics.median(bounds) * 1000 if bounds else 0.0,
+            "bound_growth": round(bound_growth, 3), "input_s": round(records / rate, 4),
             "p50_ms": statistics.median(lat) * 1000, "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000,
             "virtual_s": round(driver.now, 4), "wall_s": round(time.perf_counter() - t0, 2)}
 
 
-def calibrate() -> Costs:
+def calibrate(batching: Batching = Batching()) -> Costs:
     """This machine's costs, measured now in this process as CPU time (so other processes' load
     does not inflate them): a task step
     on one record (wall time of ``Task.step`` over a small job without tracking), a local
@@ -178,7 +212,7 @@ def calibrate() -> Costs:
     report = timeit.Timer(lambda: tr.snd(12345, 1, 0), timer=time.thread_time).timeit(100_000) / 100_000
     real, folded = timing(agent_mod.TrackingAgent, "receive", lambda a: max(1, len(a[0].reports) + len(a[0].promises)))
     try:
-        run(10, 5, 2, 2000.0, 300, "tracker", 1, Costs(), None)
+        run(10, 5, 2, 2000.0, 300, "tracker", 1, Costs(), None, batching)  # messages as big as the runs
     finally:
         agent_mod.TrackingAgent.receive = real  # type: ignore[method-assign]
     return Costs(step=steps[0] / max(1, steps[1]), report=report, agent=folded[0] / max(1, folded[1]))
@@ -200,6 +234,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="not sustained either: a median above this x the setup's median at its lowest rate")
     ap.add_argument("--costs", default="measured",
                     help="'measured' (calibrated now), or step,report,agent in microseconds (e.g. 5,0.5,20)")
+    ap.add_argument("--flush-interval", type=float, default=0.005,
+                    help="trAcker: the local trackers' flush interval in seconds (FlameStream: 5 ms)")
+    ap.add_argument("--promise-timer", action="store_true",
+                    help="trAcker: a promise waits for the next timed flush (FlameStream's heartbeats) instead of "
+                         "flushing its local tracker at once")
+    ap.add_argument("--coalesce-neoss", action="store_true",
+                    help="trAcker: NEOSS to a worker join its bundle still on the wire (one message per worker in "
+                         "flight)")
+    ap.add_argument("--pass-through", action="store_true",
+                    help="trAcker: stateless maps process later epochs at once (only the sink's chain waits for "
+                         "NEOSS), as FlameStream's maps do")
+    ap.add_argument("--batched", action="store_true",
+                    help="trAcker: FlameStream's batching, all three: --promise-timer --coalesce-neoss --pass-through")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="run every rate, also after the first one that is not sustained (the table of medians)")
     ap.add_argument("--quick", action="store_true", help="RR-10 on 5 workers, fewer rates and records")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--name", default="sustainable_throughput", help="file name of the CSV and PNG, without suffix")
@@ -214,14 +263,21 @@ def main(argv: list[str] | None = None) -> int:
         steps = (500, 2000, 8000, 32000, 128000, 512000) if args.quick else (
             250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 256000, 512000)
         rates = [float(r) for r in steps]
+    if args.batched:
+        args.promise_timer = args.coalesce_neoss = args.pass_through = True
+    batching = Batching(args.flush_interval, not args.promise_timer, args.coalesce_neoss, args.pass_through)
     if args.costs == "measured":
-        costs = calibrate()
+        costs = calibrate(batching)
     else:
         step, report, agent = (float(x) * 1e-6 for x in args.costs.split(","))
         costs = Costs(step, report, agent)
     print(f"RR-{args.graph_size}, {args.workers} workers x {args.cores} cores; costs: {costs.step * 1e6:.2f} us "
           f"per task step, trAcker {costs.report * 1e6:.2f} us per SND/RCV event and "
           f"{costs.agent * 1e6:.2f} us per report at the agent", flush=True)
+    print(f"trAcker batching: flush every {batching.flush_interval * 1000:g} ms, promises "
+          f"{'at once' if batching.flush_on_promise else 'on the timer'}, NEOSS "
+          f"{'coalesced per worker' if batching.coalesce_neoss else 'one bundle per agent step'}, maps "
+          f"{'pass later epochs through' if batching.pass_through else 'hold later epochs'}", flush=True)
     setups = [s for s in SETUPS if not args.setups or s[0] in args.setups.split(",")]
     rows: list[dict] = []
     total, k = len(setups) * len(rates), 0
@@ -232,19 +288,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{k}/{total}] {label} at {rate:g}/s ...", end=" ", flush=True)
             records = max(args.min_records, int(rate * args.seconds))
             tracked = costs if mode == "tracker" else Costs(step=costs.step)
-            row = run(args.graph_size, args.workers, args.cores, rate, records, mode, g, tracked, args.cut)
+            row = run(args.graph_size, args.workers, args.cores, rate, records, mode, g, tracked, args.cut, batching)
             row = {"setup": label, "mode": mode, "granularity": g or 0, "graph_size": args.graph_size,
                    "workers": args.workers, "cores": args.cores, "step_us": costs.step * 1e6,
-                   "report_us": tracked.report * 1e6, "agent_us": tracked.agent * 1e6, **row}
+                   "report_us": tracked.report * 1e6, "agent_us": tracked.agent * 1e6,
+                   "flush_ms": batching.flush_interval * 1000 if mode == "tracker" else "",
+                   "promise_timer": (not batching.flush_on_promise) if mode == "tracker" else "",
+                   "coalesce_neoss": batching.coalesce_neoss if mode == "tracker" else "",
+                   "pass_through": batching.pass_through if mode == "tracker" else "", **row}
             base = row["p50_ms"] if base is None else base
             # a queue that filled at once does not grow over the run: a median far above the setup's
             # own at its lowest rate is overload too
             row["sustained"] = (not row["overloaded"] and row["growth"] <= args.growth
-                                and row["p50_ms"] <= args.saturated * base)
+                                and row["p50_ms"] <= args.saturated * base
+                                and (mode != "tracker" or row["bound_growth"] <= args.growth))
             rows.append(row)
-            print(f"p50 {row['p50_ms']:.2f} ms p99 {row['p99_ms']:.2f} ms, latency x{row['growth']:.2f} over the run"
+            print(f"p50 {row['p50_ms']:.2f} ms p99 {row['p99_ms']:.2f} ms, latency x{row['growth']:.2f} over the run, "
+                  f"epoch bound p50 {row['bound_p50_ms']:.2f} ms x{row['bound_growth']:.2f}, "
+                  f"{row['virtual_s']:.3f} s for {row['input_s']:.3f} s of input"
                   f"{' (overloaded, cut short)' if row['overloaded'] else ''} [{row['wall_s']}s]")
-            if not row["sustained"]:  # higher rates only queue more
+            if not row["sustained"] and not args.keep_going:  # higher rates only queue more
                 k += len(rates) - rates.index(rate) - 1
                 break
     out = Path(args.out)
@@ -254,9 +317,13 @@ def main(argv: list[str] | None = None) -> int:
         wr.writeheader()
         wr.writerows(rows)
     sustained = {}
-    for label, _m, _g in setups:
-        ok = [r["rate"] for r in rows if r["setup"] == label and r["sustained"]]
-        sustained[label] = max(ok) if ok else 0.0
+    for label, _m, _g in setups:  # the highest rate below which every rate was sustained
+        sustained[label] = 0.0
+        for r in rows:
+            if r["setup"] == label:
+                if not r["sustained"]:
+                    break
+                sustained[label] = r["rate"]
     ref = sustained.get("no tracking") or float("nan")
     print(f"\nsustainable throughput (latency grows at most {args.growth}x over a run), simulator")
     print(f"  {'setup':<14} {'records/s':>10} {'x no tracking':>14}")

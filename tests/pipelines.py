@@ -526,15 +526,16 @@ def sim_run(
     failures: FailureSchedule | None = None,
     restore: str | None = None,
     source_rate: float = SOURCE_RATE,
+    sim: SimConfig | None = None,
     **kwargs: Any,
 ):
-    """``pipeline.run`` in the simulator with the tests' source rate; returns the JobResult."""
+    """``pipeline.run`` in the simulator with the tests' source rate (or ``sim``); returns the JobResult."""
     return pipeline.run(
         deployment="sim",
         checkpoint_dir=str(checkpoint_dir),
         restore=restore,
         seed=seed,
-        sim=SimConfig(source_rate=source_rate),
+        sim=sim or SimConfig(source_rate=source_rate),
         failures=failures,
         **kwargs,
     )

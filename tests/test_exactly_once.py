@@ -51,7 +51,7 @@ import epochstream.deploy.driver as driver_module
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.backends.sinks import FileSink
 from epochstream.deploy.restore import Restored
-from epochstream.deploy.sim import FailureSchedule
+from epochstream.deploy.sim import FailureSchedule, SimConfig
 from epochstream.oracle import OracleReport, check_exactly_once
 from pipelines import (
     BUILDERS,
@@ -123,6 +123,10 @@ class Chaos:
     sink_format: str = "jsonl"
     #: where keyed state lives while the job runs (``CheckpointConfig.state_backend_type``)
     state_backend_type: str = "hashmap"
+    #: tracker mode: promises ride the local trackers' timed flush (0.3 ms), stateless chains pass
+    #: later epochs through and NEOSS to a worker coalesce on the wire (``TrackerConfig.flush_on_promise``,
+    #: ``TrackerConfig.pass_through``, ``SimConfig.coalesce_neoss``)
+    tracker_batching: bool = False
 
     def knobs(self) -> dict:
         return dict(
@@ -201,6 +205,7 @@ def chaos(
         batch_linger=draw(batch_linger),
         sink_format=draw(sink_format),
         state_backend_type=draw(state_backend_type),
+        tracker_batching=draw(st.booleans()),
     )
 
 
@@ -226,11 +231,18 @@ def oracle(builder, c: Chaos, workdir: Path, mode: str = "aligned", sabotage=Non
         with pytest.MonkeyPatch.context() as mp:
             if failing and sabotage is not None:
                 sabotage(mp)
-            return sim_run(p, chk, seed=c.seed, failures=c.schedule() if failing else None, source_rate=RATE)
+            sim = None
+            if c.tracker_batching and mode == "tracker":
+                p.tracker = replace(p.tracker, flush_interval=0.0003, flush_on_promise=False, pass_through=True)
+                sim = SimConfig(source_rate=RATE, coalesce_neoss=True)
+            return sim_run(p, chk, seed=c.seed, failures=c.schedule() if failing else None, source_rate=RATE,
+                           sim=sim)
 
     report = check_exactly_once(partial(builder, mode=mode, **c.knobs()), run, workdir, compare=compare)
     note(f"scenario: {c}")
     note(f"report: {report.to_json()}")
+    if mode == "tracker":
+        event(f"tracker batching: {c.tracker_batching}")
     event(f"failures scheduled: {min(c.failures, 4)}{'+' if c.failures >= 4 else ''}")
     event(f"restarts: {min(report.restarts, 4)}{'+' if report.restarts >= 4 else ''}")
     event(f"epochs checked: {'1' if report.epochs_checked <= 1 else '2-4' if report.epochs_checked <= 4 else '5+'}")

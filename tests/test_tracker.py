@@ -218,6 +218,42 @@ def test_a_promise_is_due_at_once_and_travels_after_the_reports_before_it():
         t.promise(0, 5, now=0.0, source="src-0")
 
 
+def test_with_promises_on_the_timer_an_epoch_per_record_costs_one_message_per_interval():
+    """Granularity 1 (paper 000 Fig. 13b): a source ends an epoch after every record. With
+    ``flush_on_promise=False`` the promises ride the timed flush, as FlameStream's heartbeats do:
+    one message per flush interval carrying the newest promise and every report before it, not
+    one message per record. (With promises urgent, the same script sends one per record.)"""
+    def script(flush_on_promise: bool) -> list:
+        t = LocalTracker("w", flush_interval=0.005, flush_count=None, flush_on_promise=flush_on_promise)
+        out = []
+        for i in range(1, 1001):  # 1,000 records in 0.1 s, an epoch each
+            now = i * 0.0001
+            t.snd(i, i, 1)
+            t.promise(0, i, now=now, source="src-0")
+            out += t.poll(now)
+        return out + t.flush(0.2)
+
+    timed = script(False)
+    assert len(timed) <= 0.1 / 0.005 + 1
+    assert [p.epoch for m in timed for p in m.promises][-1] == 1000
+    assert sum(r.snd for m in timed for r in m.reports) == 1000
+    promised = 0
+    for m in timed:  # each message carries the SNDs of every epoch it promises
+        promised = max([promised, *(p.epoch for p in m.promises)])
+        assert all(r.epoch <= promised for r in m.reports)
+    assert len(script(True)) == 1000
+
+
+def test_a_promise_stays_urgent_without_a_flush_interval():
+    """No timer would ever flush it: the promise flushes at once whatever ``flush_on_promise`` says."""
+    t = LocalTracker("w", flush_interval=None, flush_count=100, flush_on_promise=False)
+    t.promise(0, 1, now=0.0)
+    assert t.due(0.0)
+    t = LocalTracker("w", flush_interval=0.5, flush_count=100, flush_on_promise=False)
+    t.promise(0, 1, now=0.0)
+    assert not t.due(0.0) and t.next_deadline(0.0) == 0.5
+
+
 def test_without_aggregation_every_event_is_one_message_in_order():
     t = LocalTracker("w", aggregate=False)
     t.snd(3, 1, 2)
@@ -543,7 +579,7 @@ class Dataflow:
 
     def __init__(self, seed: int, *, workers: int = 3, epochs: int = 3, aggregate: bool = True,
                  flush_count: int | None = 8, flush_interval: float | None = 0.004, emits: int = 3,
-                 max_ttl: int = 3, chain_rule: bool = True) -> None:
+                 max_ttl: int = 3, chain_rule: bool = True, flush_on_promise: bool = True) -> None:
         self.rng = rng = random.Random(seed)
         self.epochs, self.emits, self.max_ttl, self.chain_rule = epochs, emits, max_ttl, chain_rule
         vertices, edges, sources = random_graph(rng)
@@ -556,7 +592,8 @@ class Dataflow:
         self.procs = [p for v in vertices if v not in self.sources for p in self.instances[v]]
         self.source_procs = [p for v in sources for p in self.instances[v]]
         self.trackers = {
-            w: LocalTracker(w, aggregate=aggregate, flush_count=flush_count, flush_interval=flush_interval)
+            w: LocalTracker(w, aggregate=aggregate, flush_count=flush_count, flush_interval=flush_interval,
+                            flush_on_promise=flush_on_promise)
             for w in range(workers)
         }
         processes = {s: [p for p in self.procs if self.seg.segment_of[p[0]] == s] for s in range(len(self.seg))}
@@ -741,14 +778,16 @@ dataflow_params = dict(
     flush_interval=st.one_of(st.none(), st.floats(0.0, 0.02)),
     emits=st.integers(1, 6),
     max_ttl=st.integers(0, 4),
+    flush_on_promise=st.booleans(),
 )
 
 
-def _dataflow_property(seed, workers, epochs, aggregate, flush_count, flush_interval, emits, max_ttl) -> None:
+def _dataflow_property(seed, workers, epochs, aggregate, flush_count, flush_interval, emits, max_ttl,
+                       flush_on_promise) -> None:
     if flush_count is None and flush_interval is None:
         flush_interval = 0.001
     df = Dataflow(seed, workers=workers, epochs=epochs, aggregate=aggregate, flush_count=flush_count,
-                  flush_interval=flush_interval, emits=emits, max_ttl=max_ttl)
+                  flush_interval=flush_interval, emits=emits, max_ttl=max_ttl, flush_on_promise=flush_on_promise)
     df.run()
     df.check_safety()
     df.check_monotone()

@@ -80,7 +80,9 @@ class CheckpointConfig:
 class TrackerConfig:
     """trAcker mode's local trackers: XOR-fold SND/RCV reports per (segment, epoch) and flush
     every ``flush_interval`` seconds or ``flush_count`` events; ``aggregate=False`` sends one
-    report per event (the paper's "without optimisation")."""
+    report per event (the paper's "without optimisation"). ``flush_on_promise=False``: a
+    source's promise waits for the next timed flush instead of flushing at once (FlameStream's
+    LocalAcker; one message per interval when epochs are a few records long)."""
 
     aggregate: bool = True
     flush_interval: float | None = 0.005
@@ -89,6 +91,12 @@ class TrackerConfig:
     #: a record's coarse time label is floor(timestamp / time_slack). Window and timer
     #: boundaries should be multiples of it; smaller means finer labels, more reports.
     time_slack: float = 1.0
+    flush_on_promise: bool = True
+    #: stateless chains (no keyed or operator state, timers or epoch hooks; not in a loop) hold
+    #: nothing back: they process records of any epoch at once, pass each record's epoch on to
+    #: its output and sink it into that epoch's writer, so only stateful operators wait for
+    #: NEOSS (FlameStream's maps never wait, and its output barrier buffers by time)
+    pass_through: bool = False
 
     def __post_init__(self) -> None:
         if not self.time_slack > 0:

@@ -62,7 +62,10 @@ def build_tasks(
     event_time = uses_event_time(pipeline)
     slack = pipeline.tracker.time_slack if event_time else None
     if tracker_mode:
-        seg_of = build_segments(*chain_graph(plan)).segment_of
+        segmentation = build_segments(*chain_graph(plan))
+        seg_of, cyclic = segmentation.segment_of, segmentation.cyclic
+        #: stateless chains process records of any epoch at once (``Task.pass_through``)
+        pass_through = pipeline.tracker.pass_through and not event_time
     keyed_state = keyed_state_factory(cfg)  # hashmap (None) or rocksdb
     for tid in plan.tasks:
         if worker is not None and plan.worker_of(tid) != worker:
@@ -77,7 +80,9 @@ def build_tasks(
         if tracker_mode:
             if trackers is None:
                 raise ValueError("build_tasks: trAcker mode needs each worker's LocalTracker (trackers=...)")
-            gate = FirmBoundGate(seg_of[tid[0]], last_closed=start_epoch - 1)
+            through = pass_through and chain.stateless and not cyclic[seg_of[tid[0]]] \
+                and not plan.chains[tid[0]].is_source and not plan.chains[tid[0]].is_loop_head
+            gate = FirmBoundGate(seg_of[tid[0]], last_closed=start_epoch - 1, firm=not through)
             out_segment = {ch: seg_of[plan.channels[ch].dst[0]] for chans in plan.outputs[tid] for ch in chans}
             tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(ids_seed(attempt, tid)),
                                     slack)
@@ -92,6 +97,8 @@ def build_tasks(
         task = tasks[tid] = kind(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets,
                                  tracking, None if tracker_mode else slack, getattr(pipeline, "batching", None),
                                  max_timestamps)
+        if tracker_mode and not gate.exactly_once:
+            task.pass_through()
         if restored:
             _restore_channel_state(task, restored, pipeline.mode)
     return tasks

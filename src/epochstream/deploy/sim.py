@@ -80,6 +80,10 @@ class SimConfig:
     #: CPU of the tracking agent per report message: the agent is one process, so messages
     #: queue behind each other there (0 = the agent is never the bottleneck)
     agent_cost: float = 0.0
+    #: NEOSS of several agent steps to one worker travel as one bundle: notes join the worker's
+    #: bundle still on the wire (FlameStream hands min-time updates to each node's local acker,
+    #: which passes them on to its components); off = one bundle per agent step and worker
+    coalesce_neoss: bool = False
     #: the task itself writes its snapshot and processes nothing meanwhile (the blocking save of
     #: paper 000 §5.3.2); off = epochstream's asynchronous writer lane beside the task
     blocking_writes: bool = False
@@ -167,6 +171,8 @@ class _SimAttempt:
         if self.cfg.worker_cores is not None:
             self.cores = {w: [d.now] * self.cfg.worker_cores for w in range(self.plan.parallelism)}
         self.agent_busy = d.now
+        #: per worker, the NEOSS bundle on the wire that later notes may join (``coalesce_neoss``)
+        self.neoss_wire: dict[int, tuple[int, list[Any]]] = {}
         #: per worker, when its next pause starts (only with ``SimConfig.straggler_rate``)
         self.next_pause: dict[int, float] = {}
         self.pauses: dict[int, deque[tuple[float, float]]] = {}
@@ -279,8 +285,17 @@ class _SimAttempt:
             self.schedule_step(s.id)
 
     def _neoss(self, a: Neoss) -> None:
-        for w in range(self.plan.parallelism):  # one bundle per worker, FIFO per worker
-            self.push(self.fifo(("neoss", w), self.driver.now, self.cfg.net_delay), self._on_neoss, (w, a.notes))
+        """One bundle per worker, FIFO per worker. With ``SimConfig.coalesce_neoss`` the notes join
+        the worker's bundle still on the wire, if any (arriving with it, never after later notes):
+        one message per worker per link delay, however many agent steps produced notes."""
+        for w in range(self.plan.parallelism):
+            bundle = self.neoss_wire.get(w) if self.cfg.coalesce_neoss else None
+            if bundle is not None:
+                bundle[1].extend(a.notes)
+                continue
+            bundle = (w, list(a.notes))
+            self.neoss_wire[w] = bundle
+            self.push(self.fifo(("neoss", w), self.driver.now, self.cfg.net_delay), self._on_neoss, bundle)
 
     def _capture_full(self, a: CaptureFull) -> None:
         for st in self.tasks[a.task].chain.states.values():
@@ -419,6 +434,8 @@ class _SimAttempt:
 
     def _on_neoss(self, payload) -> None:
         w, notes = payload
+        if self.neoss_wire.get(w) is payload:
+            del self.neoss_wire[w]
         for chains, epoch in notes:
             for cid in chains:
                 dst = (cid, w)

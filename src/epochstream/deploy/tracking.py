@@ -105,7 +105,7 @@ def new_local_tracker(pipeline, worker: int, now: float) -> LocalTracker:
     """The local tracker of one worker, configured by the pipeline's ``TrackerConfig``."""
     cfg = pipeline.tracker
     return LocalTracker(worker, aggregate=cfg.aggregate, flush_interval=cfg.flush_interval,
-                        flush_count=cfg.flush_count, now=now)
+                        flush_count=cfg.flush_count, now=now, flush_on_promise=cfg.flush_on_promise)
 
 
 def ids_seed(attempt: str, tid: TaskId) -> int:

@@ -167,6 +167,8 @@ class ChainRuntime:
         self.operator_states: dict[str, OperatorStateBackend] = {}
         #: per sink uid: the writer collecting this subtask's output of the current epoch
         self.sink_writers: dict[str, Any] = {}
+        #: per sink uid: how to make its writer, and the (write, write_batch) its operator calls
+        self._sink_makers: dict[str, tuple[Callable[[], Any], list[Any]]] = {}
         #: rows this subtask's sinks took (with ``out.rows_out``, its numRecordsOut; ``runtime.meters``)
         self.records_sunk = 0
         self.functions: list[tuple[Any, Any]] = []  # (user fn, ctx) to open/close
@@ -382,15 +384,16 @@ class ChainRuntime:
 
             return op_flat_map
         if kind == OpKind.SINK:
-            make = getattr(fn, "writer", None)
-            writer = make() if make is not None else ListWriter()
+            make = getattr(fn, "writer", None) or ListWriter
+            writer = make()
             self.sink_writers[_uid(node)] = writer
-            write = writer.write
             # a columnar sink's writer takes a RecordBatch whole; row sinks get dict rows
-            write_batch = getattr(writer, "write_batch", None)
+            cell: list[Any] = [writer.write, getattr(writer, "write_batch", None)]  # ``bucket_sinks`` swaps them
+            self._sink_makers[_uid(node)] = (make, cell)
 
             def op_sink(records: Any, keys: list[Any] | None) -> None:
                 self.records_sunk += len(records)
+                write, write_batch = cell
                 try:
                     if type(records) is list:
                         write(records)
@@ -564,6 +567,24 @@ class ChainRuntime:
             state.close()
 
     @property
+    def stateless(self) -> bool:
+        """Nothing of this chain but its sinks' output is in a snapshot or bound to an epoch: no
+        keyed or operator state, no event-time timers, no epoch-end hooks (sinks can be
+        bucketed by epoch: ``bucket_sinks``)."""
+        return not (self.states or self.operator_states or self.timed or self._epoch_hooks)
+
+    def bucket_sinks(self) -> None:
+        """Every sink writes into a writer of the epoch last given to ``set_epoch`` and
+        ``capture(epoch)`` takes that epoch's writer: records of several epochs can be sunk in
+        any order (trAcker pass-through; FlameStream's output barrier buffers by time too)."""
+        for uid, (make, cell) in self._sink_makers.items():
+            if self.sink_writers[uid].take():
+                raise ValueError(f"sink {uid!r}: bucket_sinks after records were written")
+            buckets = EpochBuckets(make)
+            self.sink_writers[uid] = buckets
+            cell[0], cell[1] = buckets.write, buckets.write_batch
+
+    @property
     def records_out(self) -> int:
         """Rows put out: drained onto output channels or taken by this chain's sinks."""
         return self.out.rows_out + self.records_sunk
@@ -571,6 +592,9 @@ class ChainRuntime:
     def set_epoch(self, epoch: int) -> None:
         for ctx in self.contexts:
             ctx.epoch = epoch
+        for w in self.sink_writers.values():
+            if type(w) is EpochBuckets:
+                w.epoch = epoch
 
     def set_now(self, now: float) -> None:
         """The driver's time of the current step (virtual in the simulator), for functions
@@ -598,7 +622,8 @@ class ChainRuntime:
         self, epoch: int, incremental: bool, full_every: int
     ) -> tuple[tuple[KeyedCapture, ...], tuple[SinkCapture, ...], tuple[tuple[str, str, str, bytes], ...]]:
         keyed = tuple(s.capture(epoch, incremental, full_every) for s in self.states.values())
-        sinks = tuple(SinkCapture(uid, epoch, w.take()) for uid, w in self.sink_writers.items())
+        sinks = tuple(SinkCapture(uid, epoch, w.take_epoch(epoch) if type(w) is EpochBuckets else w.take())
+                      for uid, w in self.sink_writers.items())
         ops = tuple((uid, name, mode, data) for uid, b in self.operator_states.items()
                     for name, mode, data in b.capture())
         return keyed, sinks, ops
@@ -630,6 +655,40 @@ def _key_is_key_group(key: int) -> int:
 
 def _discard(records: Any, keys: list[Any] | None) -> None:
     return None
+
+
+class EpochBuckets:
+    """A sink's writers, one per epoch (``ChainRuntime.bucket_sinks``): ``write`` goes to the
+    writer of ``epoch``; ``take_epoch(n)`` hands over epoch n's output and drops its writer."""
+
+    __slots__ = ("make", "epoch", "buckets")
+
+    def __init__(self, make: Callable[[], Any], epoch: int = 0) -> None:
+        self.make = make
+        self.epoch = epoch
+        #: epoch -> its writer, for the epochs written and not yet taken
+        self.buckets: dict[int, Any] = {}
+
+    def _writer(self) -> Any:
+        w = self.buckets.get(self.epoch)
+        if w is None:
+            w = self.buckets[self.epoch] = self.make()
+        return w
+
+    def write(self, records: list[Any]) -> None:
+        self._writer().write(records)
+
+    def write_batch(self, batch: Any) -> None:
+        w = self._writer()
+        wb = getattr(w, "write_batch", None)
+        if wb is not None:
+            wb(batch)
+        else:
+            w.write(to_rows(batch))
+
+    def take_epoch(self, epoch: int) -> Any:
+        w = self.buckets.pop(epoch, None)
+        return (w if w is not None else self.make()).take()
 
 
 class ListWriter:

@@ -88,6 +88,9 @@ class Task:
         self.exactly_once = gate.exactly_once
         #: epoch of the records this task processes now; only grows
         self.epoch = start_epoch
+        #: trAcker pass-through (``pass_through``): the epoch of the output being buffered, that of the
+        #: input that caused it; None: output takes ``epoch``
+        self.out_epoch: int | None = None
         self.incremental = incremental
         self.full_every = full_every
         self.inputs = plan.inputs[task_id]
@@ -179,6 +182,21 @@ class Task:
         self.triggers.append(epoch)
         if aligned:
             self.aligned_epochs.add(epoch)
+
+    def pass_through(self) -> None:
+        """trAcker mode, a stateless chain (``TrackerConfig.pass_through``): process every record at
+        once, whatever its epoch, and give its output the record's epoch. Only its sinks' output
+        is in a snapshot, and each sink keeps one writer per epoch (``ChainRuntime.bucket_sinks``),
+        so the order of epochs does not matter to it; the batches keep their epochs (the agent's
+        assumption A1), so the NEOSS downstream stay what they were. The gate must be soft
+        (``FirmBoundGate(firm=False)``): it still closes each epoch on NEOSS, and the capture of
+        epoch n takes the sinks' epoch-n writers, complete because NEOSS(n) comes after the RCV
+        of every record of epoch <= n."""
+        if self.exactly_once or self.reader is not None:
+            raise ValueError(f"task {self.id}: pass-through needs a soft gate and no source")
+        self.out_epoch = self.epoch
+        self.chain.bucket_sinks()
+        self.chain.set_epoch(self.epoch)
 
     def on_neoss(self, epoch: int | TimeNote) -> None:
         """The tracking agent's NEOSS(epoch) or ``WindowEnd`` for this task's segment (trAcker mode)."""
@@ -304,6 +322,10 @@ class Task:
                     cast(Overtaking, gate).recording(channel):
                 self._record_processed(channel, msg, actions)
             if type(msg) is Batch:
+                if self.out_epoch is not None and msg.epoch != self.out_epoch:
+                    self._flush(actions)  # a batch never spans two epochs
+                    self.out_epoch = msg.epoch
+                    self.chain.set_epoch(msg.epoch)
                 if labelled and msg.time != clock.out_time:
                     self._flush(actions)  # a batch never spans two time labels
                     clock.out_time = msg.time
@@ -545,7 +567,8 @@ class Task:
     def _flush(self, actions: list[TaskAction]) -> None:
         """Send all buffered output and account for the input that caused it."""
         self._pending_since = None
-        self.progress.flush(self.epoch, self.clock.out_time, self._received, actions)
+        epoch = self.epoch if self.out_epoch is None else self.out_epoch
+        self.progress.flush(epoch, self.clock.out_time, self._received, actions)
 
     def _flush_due(self, now: float, actions: list[TaskAction]) -> None:
         """The end of a step: send what the batching policy says is due. Without a linger that
@@ -567,7 +590,8 @@ class Task:
         if len(ready) == len(fill) or now - self._pending_since >= self.linger:
             self._flush(actions)
         elif ready:
-            self.progress.flush(self.epoch, self.clock.out_time, self._received, actions, only=ready)
+            epoch = self.epoch if self.out_epoch is None else self.out_epoch
+            self.progress.flush(epoch, self.clock.out_time, self._received, actions, only=ready)
 
     def _end_epoch(self, epoch: int, waited: float, now: float, actions: list[TaskAction]) -> None:
         """Epoch ``epoch`` ends here: snapshot, announce, and go on in ``epoch + 1``."""
@@ -592,7 +616,9 @@ class Task:
         self.aligned_epochs.discard(epoch)
         self.progress.epoch_ended(epoch, now, self.id if reader is not None else None, actions, aligned)
         self.epoch = epoch + 1
-        self.chain.set_epoch(self.epoch)
+        if self.out_epoch is not None:  # nothing is buffered (flushed above): the next input sets it
+            self.out_epoch = max(self.out_epoch, self.epoch)
+        self.chain.set_epoch(self.epoch if self.out_epoch is None else self.out_epoch)
         return capture
 
     def check_invariants(self) -> None:

@@ -7,8 +7,9 @@ associative and commutative, so the local tracker may fold any number of events 
 (segment, epoch) into one ``Report(segment, epoch, xor, snd, rcv)`` without losing
 anything the agent needs (paper 000 §4.1, "local tracking agent"; FlameStream's
 LocalAcker). ``poll(now)`` flushes when due: ``flush_count`` events recorded, or
-``flush_interval`` passed since the last flush, or a promise waiting. ``flush(now)``
-flushes now. A flush is one ``TrackerMessage``: one service message on the wire.
+``flush_interval`` passed since the last flush, or (with ``flush_on_promise``) a promise
+waiting. ``flush(now)`` flushes now. A flush is one ``TrackerMessage``: one service
+message on the wire.
 
 With ``aggregate=False`` nothing is folded: every event (and every promise) becomes its
 own message, and ``poll`` sends whatever is pending. That is the paper's "without
@@ -31,8 +32,13 @@ Promises. ``promise(segment, n, now)`` says this source sends no more batches of
 close epoch n downstream while one of them is unreported (the XOR of an empty slot is 0).
 The tracker guarantees it: a promise is always sent in a flush that also carries (or
 comes after) every event recorded before it, and the agent applies reports before
-promises. A pending promise makes the tracker due at once: notification latency starts
-at the promise.
+promises. With ``flush_on_promise`` (the default) a pending promise makes the tracker due
+at once: notification latency starts at the promise. Without it a promise waits for the
+next timed flush, as FlameStream's LocalAcker keeps a front's heartbeat until its 5 ms
+ping: a source that ends an epoch per record then costs one message per flush interval,
+not one per record (only the newest promise per source is kept; older ones are implied).
+Without a ``flush_interval`` a promise must not wait for events that may never come, so
+it stays urgent.
 
 Free local hops. A batch sent and processed on the same worker between two flushes
 folds to xor 0, snd == rcv; such a report tells the agent nothing and is dropped from the
@@ -111,6 +117,7 @@ class LocalTracker(FlushSchedule[TrackerMessage]):
         flush_interval: float | None = 0.005,
         flush_count: int | None = 1000,
         now: float = 0.0,
+        flush_on_promise: bool = True,
     ) -> None:
         if aggregate and flush_interval is None and flush_count is None:
             raise ValueError("LocalTracker: with aggregate=True set flush_interval or flush_count (or both)")
@@ -122,6 +129,8 @@ class LocalTracker(FlushSchedule[TrackerMessage]):
         self.aggregate = aggregate
         self.flush_interval = flush_interval
         self.flush_count = flush_count
+        #: a pending promise or confirmation flushes at once (else it rides the next timed flush)
+        self.flush_on_promise = flush_on_promise or flush_interval is None
         #: aggregated mode: (segment, epoch, dim) -> [xor, snd, rcv], in first-event order
         self._slots: dict[tuple[int, int, int], list[int]] = {}
         #: non-aggregated mode: every event and promise, in recording order
@@ -182,8 +191,11 @@ class LocalTracker(FlushSchedule[TrackerMessage]):
         return bool(self._slots or self._queue or self._promises or self._confirms or self.pending_events)
 
     def urgent(self) -> bool:
-        """Promises and confirmations, and every event without aggregation, leave at once."""
-        return not self.aggregate or bool(self._promises) or bool(self._confirms)
+        """Every event without aggregation leaves at once; promises and confirmations too
+        with ``flush_on_promise``."""
+        if not self.aggregate:
+            return True
+        return self.flush_on_promise and (bool(self._promises) or bool(self._confirms))
 
     # ------------------------------------------------------------ flushing
 
