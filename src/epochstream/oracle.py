@@ -62,7 +62,7 @@ from .runtime.messages import END_OF_TIME
 from .runtime.state import HeapKeyedState, OperatorStateBackend
 from .runtime.task import decode_channel_state
 from .runtime.timers import TimerService
-from .runtime.watermarks import SplitWatermarks
+from .runtime.watermarks import LateRecord, SplitWatermarks
 
 if TYPE_CHECKING:  # the sinks module imports backends, which the oracle loads only when it reads output
     from .backends.sinks import FileSink
@@ -166,6 +166,9 @@ class Reference:
         wm = self._watermarks.get(node.id)
         if wm is None:
             wm = self._watermarks[node.id] = SplitWatermarks(self.slack, delay, range(src.num_splits))
+        if src.late_output:  # late records go on to the side output, as the reader sends them
+            return [r if wm.admit(split, src.timestamp(r), int(src.timestamp(r) // self.slack), -1)
+                    else LateRecord(r) for r in records]
         return [r for r in records if wm.admit(split, src.timestamp(r), int(src.timestamp(r) // self.slack), -1)]
 
     def inject(self, node_id: int, edge: int, records: list[Any]) -> None:

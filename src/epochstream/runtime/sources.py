@@ -29,6 +29,9 @@ class Source:
     max_out_of_orderness: float | None = None
     #: seconds without records after which a split stops holding the watermark back (None: never)
     idleness: float | None = None
+    #: late records go on wrapped in ``LateRecord`` to a side output instead of being dropped
+    #: (set by ``Pipeline.from_source(late_records=...)``; ``runtime.watermarks``)
+    late_output: bool = False
     #: the split count was not chosen by the user: a fresh start sets it to the parallelism,
     #: a restore to the checkpoint's count
     elastic: bool = False

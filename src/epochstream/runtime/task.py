@@ -245,8 +245,8 @@ class Task:
         if read_source:
             clock, push = self.clock, self._source_push
             runs = reader.read(budget, now)
-            split, offset = reader.last_read
-            for label, records in runs:
+            split = reader.last_read[0]
+            for label, records, offset in runs:
                 if label is not None and label != clock.out_time:
                     self._flush(actions)  # a batch never spans two time labels
                     clock.out_time = label
@@ -255,9 +255,7 @@ class Task:
                 except UserFunctionError as exc:  # name the split and offset the record was read from
                     exc.locate(subtask=self.id[1], source=reader.uid, split=split, offset=offset, batch=records)
                     raise
-                n = len(records)
-                offset += n
-                self.records_in += n
+                self.records_in += len(records)
             if reader.has_more():
                 self._flush_due(now, actions)
             else:  # nothing more will fill the buffers
