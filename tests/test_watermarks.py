@@ -285,6 +285,25 @@ def test_a_sink_as_late_records_writes_them_under_the_sources_uid(tmp_path):
     assert sorted(tuple(r) for r in committed_output(tmp_path / "main")) == [(0, 10.0), (2, 11.0), (3, 12.0)]
 
 
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_records_a_window_drops_as_late_are_counted_in_the_metric(mode, tmp_path):
+    """``WindowAggregateFunction.late_records`` (a map moved a timestamp behind the window's
+    watermark) reaches ``late_records_dropped`` beside the source's drops, as Flink's window
+    operator counts ``numLateRecordsDropped``."""
+    from epochstream import TumblingEventTimeWindows
+
+    data = [(i, i * 0.3) for i in range(400)]
+    p = Pipeline("window-late", parallelism=1, mode=mode, batch_size=16)
+    (p.from_collection(data, timestamps=lambda r: r[1], uid="src")
+     .map(lambda r: (r[0], 0.0 if r[0] == 300 else r[1]))
+     .key_by(lambda r: 0)
+     .window(TumblingEventTimeWindows.of(10.0, lambda r: r[1])).count(uid="win")
+     .sink(FileSink(tmp_path / "o"), uid="o"))
+    result = sim_run(p, tmp_path / "chk", seed=0)
+    assert result.metrics["late_records_dropped"] == 1
+    assert sum(r[3] for r in committed_output(tmp_path / "o")) == 399
+
+
 def test_late_records_option_is_checked_when_the_pipeline_is_built():
     p = Pipeline("x")
     with pytest.raises(ValueError, match="needs max_out_of_orderness"):

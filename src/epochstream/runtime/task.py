@@ -211,8 +211,9 @@ class Task:
 
     @property
     def late_records(self) -> int:
-        """Records its source dropped as late (bounded out-of-orderness; ``runtime.watermarks``)."""
-        return self.reader.late_records if self.reader is not None else 0
+        """Records dropped as late: by its source (bounded out-of-orderness;
+        ``runtime.watermarks``) and by its window functions (behind their watermark)."""
+        return (self.reader.late_records if self.reader is not None else 0) + self.chain.late_records
 
     @property
     def records_out(self) -> int:
