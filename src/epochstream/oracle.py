@@ -128,9 +128,10 @@ class Reference:
                 target = offsets.get(uid_of(n), {})
             done = self.offsets.setdefault(uid_of(n), {})
             for split in range(src.num_splits):
-                start, stop = done.get(split, 0), target.get(split, 0)
+                first = src.start_offset(split)  # a Kafka source's resolved start
+                start, stop = done.get(split, first), target.get(split, first)
                 if stop > start:
-                    self._push(n, self._on_time(n, split, src.read(split, start, stop - start)))
+                    self._push(n, self._on_time(n, split, src.read_range(split, start, stop)))
                     done[split] = stop
         for nid in self.order:  # topological: timer output reaches later operators' timers in time
             timers = self.timers.get(nid)

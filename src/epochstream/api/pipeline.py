@@ -710,12 +710,18 @@ class Pipeline:
         None: off): an unbounded source over one topic picks up partitions added while it
         runs, each read from its beginning, dealt to subtask ``partition % parallelism``.
         Needs ``epochstream[kafka]``; see ``backends.kafka.source``."""
+        from ..backends.kafka.model import ModelKafkaSource, is_model
         from ..backends.kafka.source import KafkaSource
 
         uid = uid or f"kafka-{len(self._nodes)}"
-        source = KafkaSource(bootstrap_servers, topics, start=start, end=end, group_id=group_id,
-                             key_deserializer=key_deserializer, value_deserializer=value_deserializer,
-                             settings=settings, partition_discovery_interval=partition_discovery_interval)
+        source: Source
+        if is_model(bootstrap_servers):  # the simulator's in-memory cluster (backends.kafka.model)
+            source = ModelKafkaSource(bootstrap_servers, topics, start=start, end=end, group_id=group_id,
+                                      key_deserializer=key_deserializer, value_deserializer=value_deserializer)
+        else:
+            source = KafkaSource(bootstrap_servers, topics, start=start, end=end, group_id=group_id,
+                                 key_deserializer=key_deserializer, value_deserializer=value_deserializer,
+                                 settings=settings, partition_discovery_interval=partition_discovery_interval)
         source.uid = uid
         if timestamps == "kafka":
             from ..backends.kafka.source import kafka_event_time

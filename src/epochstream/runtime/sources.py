@@ -79,6 +79,11 @@ class Source:
         records = self.read(split, offset, count)
         return records, offset + len(records)
 
+    def read_range(self, split: int, start: int, stop: int) -> list[Any]:
+        """The records of ``split`` at offsets [start, stop) (the oracle's reference reads an
+        epoch's input with it; a source whose offsets have gaps cuts by offset)."""
+        return self.read(split, start, stop - start)
+
     @property
     def bounded(self) -> bool:
         return all(self.split_length(s) is not None for s in range(self.num_splits))
