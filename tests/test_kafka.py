@@ -440,6 +440,79 @@ def test_partitions_added_while_running_are_read_exactly_once(kafka, tmp_path, m
     assert set(manifest["sources"]["src"]["offsets"]) == {"0", "1", "2", "3"}
 
 
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_a_pattern_source_discovers_new_partitions_and_new_topics_exactly_once(kafka, tmp_path, mode):
+    """An unbounded source over a pattern matching two topics; mid-run one topic gets a third
+    partition and a new matching topic is created, records go to all of them, then a worker
+    is killed. Every record's result is in the output at read_committed exactly once, and the
+    manifest names its splits by (topic, partition) (``split_id``)."""
+    import threading
+    import uuid
+
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import NewPartitions
+
+    from epochstream.backends.kafka.client import admin
+    from epochstream.backends.kafka.source import split_id
+    from epochstream.backends.local import LocalCheckpointStorage
+
+    base = f"pat{uuid.uuid4().hex[:6]}"
+    a, b = new_topic(kafka, f"{base}-a", 2), new_topic(kafka, f"{base}-b", 1)
+    out = new_topic(kafka, "pat-out", 2)
+    first, second = 300, 450
+    produce(kafka, a, [(f"k{i % KEYS}", str(i)) for i in range(0, first, 2)])
+    produce(kafka, b, [(f"k{i % KEYS}", str(i)) for i in range(1, first, 2)])
+    created: list[str] = []
+
+    def grow():
+        client = admin(kafka.bootstrap_servers)
+        client.create_partitions([NewPartitions(a, 3)])[a].result(30)
+        created.append(new_topic(kafka, f"{base}-c", 2))
+        prod = Producer({"bootstrap.servers": kafka.bootstrap_servers, "log_level": 3})
+        for i in range(first, first + second):
+            topic, part = [(a, 2), (created[0], 0), (created[0], 1), (b, 0)][i % 4]
+            prod.produce(topic, key=f"k{i % KEYS}", value=str(i), partition=part)
+        assert prod.flush(30) == 0
+
+    p = make_pipeline("kafka-pattern", mode=mode, interval=0.1, batch_size=16, parallelism=2)
+    sink = KafkaSink(kafka.bootstrap_servers, out, key=lambda r: r[0], staging=tmp_path / "staging")
+    (p.from_kafka(kafka.bootstrap_servers, re.compile(rf"{base}-.*"), uid="src", partition_discovery_interval=0.3)
+     .map(_as_pair)
+     .key_by(lambda r: r[0])
+     .process(RunningCount(emit_ids=True), uid="count")
+     .sink(sink, uid="out"))
+    grower = threading.Timer(1.0, grow)
+    grower.start()
+    try:
+        res = p.run("local", checkpoint_dir=tmp_path / "chk", duration=6.0,
+                    failures=FailureSchedule(kill_times=[3.5], kill_moments=["now"]))
+    finally:
+        grower.join()
+    assert res.restarts >= 1
+    assert check_running_counts(_committed(kafka, out), range(first + second)) == []
+    manifest, _root = LocalCheckpointStorage(tmp_path / "chk").latest()
+    want = {(a, 0), (a, 1), (a, 2), (b, 0), (created[0], 0), (created[0], 1)}
+    assert set(manifest["sources"]["src"]["offsets"]) == {str(split_id(t, q)) for t, q in want}
+
+
+def test_an_older_multi_topic_checkpoint_keeps_its_split_ids(kafka):
+    """Checkpoints written before splits were named hold ids 0..n-1 in (topic, partition)
+    order for a multi-topic source: a restore reads them so, and the source does not grow."""
+    from epochstream.backends.kafka.source import KafkaSource, split_id
+
+    a, b = new_topic(kafka, "old-a", 2), new_topic(kafka, "old-b", 1)
+    src = KafkaSource(kafka.bootstrap_servers, [a, b])
+    assert src.named_splits and src.grows
+    assert src.split_ids() == [split_id(a, 0), split_id(a, 1), split_id(b, 0)]
+    assert {src.owner(s, 2) for s in src.split_ids()} == {0, 1}
+    src.adopt_checkpoint([str(split_id(a, 0))])  # a named checkpoint: nothing changes
+    assert src.named_splits
+    src.adopt_checkpoint(["0", "1", "2"])
+    assert not src.named_splits and not src.grows
+    assert src.partitions == {0: (a, 0), 1: (a, 1), 2: (b, 0)} and src.split_ids() == [0, 1, 2]
+    assert src.start_offsets == {0: 0, 1: 0, 2: 0}
+
+
 # ---------------------------------------------------------------- an unreachable cluster on the sink side
 
 

@@ -121,13 +121,13 @@ class Reference:
                 continue
             src = n.payload
             if offsets is None:
-                target = {s: src.split_length(s) for s in range(src.num_splits)}
+                target = {s: src.split_length(s) for s in src.split_ids()}
                 if any(v is None for v in target.values()):
                     raise ValueError(f"source {n.uid!r} is unbounded: the reference needs offsets")
             else:
                 target = offsets.get(uid_of(n), {})
             done = self.offsets.setdefault(uid_of(n), {})
-            for split in range(src.num_splits):
+            for split in src.split_ids():
                 first = src.start_offset(split)  # a Kafka source's resolved start
                 start, stop = done.get(split, first), target.get(split, first)
                 if stop > start:
@@ -166,7 +166,7 @@ class Reference:
             records = records.to_pylist()
         wm = self._watermarks.get(node.id)
         if wm is None:
-            wm = self._watermarks[node.id] = SplitWatermarks(self.slack, delay, range(src.num_splits))
+            wm = self._watermarks[node.id] = SplitWatermarks(self.slack, delay, src.split_ids())
         if src.late_output:  # late records go on to the side output, as the reader sends them
             return [r if wm.admit(split, src.timestamp(r), int(src.timestamp(r) // self.slack), -1)
                     else LateRecord(r) for r in records]

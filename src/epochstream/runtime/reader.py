@@ -34,7 +34,7 @@ class SplitReader:
 
     __slots__ = ("source", "uid", "splits", "offsets", "lengths", "_next_split", "timestamp", "slack", "last_read",
                  "_split_label", "time_promised", "watermarks", "_owner", "_known", "_restored", "_restored_max",
-                 "late_output", "late_sent")
+                 "late_output", "late_sent", "_seen")
 
     def __init__(self, source: Source, uid: str, splits: list[int], offsets: dict[int, int],
                  slack: float | None, max_timestamps: dict[int, float] | None = None,
@@ -42,13 +42,16 @@ class SplitReader:
         """``offsets``: restored offsets (a split without one starts at 0); ``slack``: seconds
         per time label, or None to read without labels; ``max_timestamps``: restored newest
         timestamp per split (bounded out-of-orderness); ``owner``: (subtask, parallelism), so
-        a growing source's new splits ``s`` with ``s % parallelism == subtask`` are read here."""
+        a growing source's new splits ``s`` with ``source.owner(s, parallelism) == subtask`` are
+        read here."""
         self.source = source
         self.uid = uid
         self.splits = splits
         self._owner = owner
         #: the source's split count this reader has looked at (growing sources)
         self._known = source.num_splits
+        #: the split ids this reader has looked at (growing sources)
+        self._seen = set(source.split_ids()) if source.grows else set()
         #: restored offsets of every split (a split added later resumes from its own)
         self._restored = dict(offsets)
         self._restored_max = dict(max_timestamps or {})
@@ -98,8 +101,11 @@ class SplitReader:
         if source.num_splits == self._known or self._owner is None:
             return
         subtask, parallelism = self._owner
-        for s in range(self._known, source.num_splits):
-            if s % parallelism == subtask and s not in self.offsets:
+        for s in source.split_ids():
+            if s in self._seen:
+                continue
+            self._seen.add(s)
+            if source.owner(s, parallelism) == subtask and s not in self.offsets:
                 self.splits.append(s)
                 self.offsets[s] = self._first_offset(s)
                 self.lengths[s] = source.split_length(s)

@@ -65,6 +65,15 @@ class Source:
         """Up to ``count`` records of ``split`` starting at ``offset``; [] when exhausted."""
         raise NotImplementedError
 
+    def split_ids(self) -> list[int]:
+        """The ids of the splits: 0..num_splits-1, unless a source names its splits (a Kafka
+        source over several topics: ids from (topic, partition), ``backends.kafka.source``)."""
+        return list(range(self.num_splits))
+
+    def owner(self, split: int, parallelism: int) -> int:
+        """The source subtask that reads ``split`` (``split % parallelism`` unless the source says)."""
+        return split % parallelism
+
     def split_length(self, split: int) -> int | None:
         """Records in the split, or None if unbounded."""
         raise NotImplementedError
@@ -86,7 +95,7 @@ class Source:
 
     @property
     def bounded(self) -> bool:
-        return all(self.split_length(s) is not None for s in range(self.num_splits))
+        return all(self.split_length(s) is not None for s in self.split_ids())
 
     def records_before(self, offsets: dict[int, int]) -> list[Any]:
         """All records before ``offsets`` (split -> offset): the input prefix an epoch names."""

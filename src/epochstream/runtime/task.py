@@ -149,7 +149,7 @@ class Task:
             node = plan.nodes[spec.heads[0]]
             source: Source = node.payload
             assert node.uid is not None, f"source node {node.name!r} has no uid"
-            splits = [s for s in range(source.num_splits) if s % plan.parallelism == task_id[1]]
+            splits = [s for s in source.split_ids() if source.owner(s, plan.parallelism) == task_id[1]]
             self.reader = SplitReader(source, node.uid, splits, (source_offsets or {}).get(node.uid, {}), slack,
                                       (source_max_timestamps or {}).get(node.uid), (task_id[1], plan.parallelism))
             self._source_push = chain.entry[node.id]
