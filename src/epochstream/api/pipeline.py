@@ -707,8 +707,11 @@ class Pipeline:
         and ``idleness`` (seconds) as in ``from_collection``: each partition has its own
         watermark, the source's is the minimum over its partitions that are not idle.
         ``partition_discovery_interval`` (seconds, Flink's ``partition.discovery.interval.ms``;
-        None: off): an unbounded source over one topic picks up partitions added while it
-        runs, each read from its beginning, dealt to subtask ``partition % parallelism``.
+        None: off): an unbounded source picks up partitions added while it runs (and, over a
+        pattern, new matching topics), each read from its beginning; over several topics or a
+        pattern splits are named by (topic, partition). ``late_records`` as in
+        ``from_collection``. ``bootstrap_servers="memory://<name>"``: the simulator's model of
+        a cluster (``backends.kafka.model``, ``deployment="sim"`` only).
         Needs ``epochstream[kafka]``; see ``backends.kafka.source``."""
         from ..backends.kafka.model import ModelKafkaSource, is_model
         from ..backends.kafka.source import KafkaSource
