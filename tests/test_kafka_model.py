@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from epochstream import FileSink, KafkaSink, Pipeline
+from epochstream.backends.kafka.chaos import check_kafka_exactly_once
 from epochstream.backends.kafka.model import ModelKafkaSink, ModelKafkaSource, model_cluster
 from epochstream.deploy.failures import FailureSchedule, InjectedFailure
 from epochstream.oracle import check_exactly_once
@@ -124,13 +125,13 @@ FAILURES = {
 }
 
 
-def _count_job(name: str, mode: str, staging: Path) -> tuple[Pipeline, KafkaSink]:
+def _count_job(name: str, mode: str, staging: Path, emit_ids: bool = True) -> tuple[Pipeline, KafkaSink]:
     p = make_pipeline("model-count", mode=mode, interval=0.001, batch_size=16)
     sink = KafkaSink(name, "out", key=lambda r: r[0], staging=staging)
     (p.from_kafka(name, "in", end="latest", uid="src")
      .map(_as_pair)
      .key_by(lambda r: r[0])
-     .process(RunningCount(emit_ids=True), uid="count")
+     .process(RunningCount(emit_ids=emit_ids), uid="count")
      .sink(sink, uid="out"))
     return p, sink
 
@@ -153,6 +154,31 @@ def test_model_sink_is_exactly_once_with_a_failure_at_each_commit_step(mode, fai
         assert len(raw) > len(got), "the crash inside the transaction left no aborted records"
     assert c.open_transactions() == []  # nothing lingers to hold read_committed consumers back
     assert c.committed_offset(sink.transactional_id("out"), "out", 0) == max(res.completed_epochs)
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_kafka_chaos_check_runs_a_model_job_in_the_simulator(mode, tmp_path):
+    """``epochstream chaos``'s Kafka check (both runs into fresh topics, compared read
+    committed) on a ``memory://`` job in the simulator, with a crash inside a transaction."""
+    name, _c = _cluster_with_input()
+    hooks: list[_CrashInTransaction] = []
+
+    def build():
+        # (key, n) without ids: the multiset of outputs does not depend on the interleaving
+        p, sink = _count_job(name, mode, tmp_path / "staging", emit_ids=False)
+        hooks.append(_CrashInTransaction())
+        sink.fail_hook = hooks[-1]
+        return p
+
+    def run(p, chk, failing):
+        if not failing:
+            hooks[-1].done = True  # the reference run fails nowhere
+        return sim_run(p, chk, seed=2, failures=FailureSchedule(kill_times=[0.004]) if failing else None)
+
+    report = check_kafka_exactly_once(build, run, tmp_path / "work")
+    assert report.ok, report.to_json()
+    assert report.records_committed == report.records_expected == N
+    assert report.aborted_visible > 0  # the crashed transaction's records, aborted
 
 
 # ---------------------------------------------------------------- the oracle over a Kafka source
