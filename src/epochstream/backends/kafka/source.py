@@ -216,9 +216,14 @@ class KafkaSource(Source):
             tm = md.topics.get(topic)
             if tm is None or tm.error is not None:
                 continue
+            # a partition without a leader yet (a topic just created) is taken at a later look:
+            # asking for its offsets now would block the worker's loop
+            ready = sorted(p for p, pm in tm.partitions.items() if getattr(pm, "leader", 0) >= 0)
+            if not ready:
+                continue
             if topic not in self.topics:
                 self.topics.append(topic)
-            for p in sorted(tm.partitions):
+            for p in ready:
                 if self.named_splits:
                     if split_id(topic, p) not in self.partitions:
                         self._add_split(-1, (topic, p))
@@ -249,7 +254,7 @@ class KafkaSource(Source):
         try:
             if isinstance(spec, dict):
                 given = {_split_key(k, self.topics): int(v) for k, v in spec.items()}
-                unknown = set(given) - set(self.partitions)
+                unknown = set(given) - set(self.partitions.values())
                 if unknown:
                     raise KafkaSourceError(f"source {self.uid!r}: {what} offsets name partitions the topics do not "
                                            f"have: {sorted(unknown)}")
