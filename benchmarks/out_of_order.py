@@ -8,7 +8,9 @@ read, as a source task does, with no operator behind it (the source's own cost):
 - ``bounded-ordered``: the same input with ``max_out_of_orderness=3`` s;
 - ``bounded-disordered``: each timestamp up to 2 s behind the pace (every label boundary
   is crossed back and forth, so runs are short);
-- ``bounded-late``: as disordered, and every 20th record 10 s behind (dropped as late).
+- ``bounded-late``: as disordered, and every 20th record 10 s behind (dropped as late);
+- ``bounded-late-side``: the same input with ``late_records=OutputTag(...)``: the late
+  records go on, wrapped, as runs of their own (the side output) instead of being dropped.
 
 Best of ``--repeat`` runs. Writes benchmarks/results/out_of_order.csv and .png and prints a
 table. Not a test; the machine is shared, so compare ratios within one run.
@@ -30,20 +32,23 @@ from epochstream.runtime.sources import CollectionSource
 HERE = Path(__file__).resolve().parent
 
 
-def inputs(n: int) -> dict[str, tuple[list[tuple[int, float]], float | None]]:
+def inputs(n: int) -> dict[str, tuple[list[tuple[int, float]], float | None, bool]]:
     rng = random.Random(1)
     ordered = [(i, i * 0.001) for i in range(n)]
     disordered = [(i, max(0.0, i * 0.001 - rng.uniform(0, 2))) for i in range(n)]
     late = [(i, max(0.0, t - 10.0)) if i % 20 == 19 else (i, t) for i, t in disordered]
-    return {"strict": (ordered, None), "bounded-ordered": (ordered, 3.0),
-            "bounded-disordered": (disordered, 3.0), "bounded-late": (late, 3.0)}
+    return {"strict": (ordered, None, False), "bounded-ordered": (ordered, 3.0, False),
+            "bounded-disordered": (disordered, 3.0, False), "bounded-late": (late, 3.0, False),
+            "bounded-late-side": (late, 3.0, True)}
 
 
-def measure(data: list[tuple[int, float]], delay: float | None, repeat: int) -> tuple[float, int, int]:
-    """(best seconds, runs of one label, records dropped as late)."""
+def measure(data: list[tuple[int, float]], delay: float | None, repeat: int,
+            side: bool = False) -> tuple[float, int, int]:
+    """(best seconds, runs of one label, records late: dropped, or sent on with ``side``)."""
     src = CollectionSource(data, 1)
     src.timestamp = lambda r: r[1]
     src.max_out_of_orderness = delay
+    src.late_output = side
     best, runs, late = float("inf"), 0, 0
     for _ in range(repeat):
         reader = SplitReader(src, "bench", [0], {}, 1.0)
@@ -53,7 +58,7 @@ def measure(data: list[tuple[int, float]], delay: float | None, repeat: int) -> 
             runs += len(reader.read(1024, 0.0))
             reader.next_time_promise(0.0)
         best = min(best, time.perf_counter() - t0)
-        late = reader.late_records
+        late = reader.late_sent if side else reader.late_records
     return best, runs, late
 
 
@@ -63,8 +68,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     rows = []
-    for name, (data, delay) in inputs(args.records).items():
-        secs, runs, late = measure(data, delay, args.repeat)
+    for name, (data, delay, side) in inputs(args.records).items():
+        secs, runs, late = measure(data, delay, args.repeat, side)
         rows.append({"case": name, "records": args.records, "seconds": round(secs, 4),
                      "records_per_second": round(args.records / secs), "runs": runs, "late": late})
     base = rows[0]["records_per_second"]

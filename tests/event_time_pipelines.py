@@ -22,6 +22,7 @@ from epochstream import (
     FileSink,
     KeyedProcessFunction,
     MapStateDescriptor,
+    OutputTag,
     Pipeline,
     TrackerConfig,
     TumblingEventTimeWindows,
@@ -73,18 +74,27 @@ def window_input(n: int, keys: int, seed: int = 1, out_of_order: bool = False) -
 
 def window_counts(parallelism: int = 2, n: int = 400, keys: int = 7, out: Path | None = None,
                   interval: float = 0.002, mode: str = "tracker", out_of_order: bool = False,
-                  **tracker: Any) -> Pipeline:
+                  late_side_output: bool = False, **tracker: Any) -> Pipeline:
     """``out_of_order``: the input of ``window_input(out_of_order=True)`` read with
-    ``max_out_of_orderness=MAX_DELAY`` (late records dropped)."""
+    ``max_out_of_orderness=MAX_DELAY`` (late records dropped, or with ``late_side_output``
+    sent to a side output, through a map, to the sink ``late``)."""
     p = _pipeline("window-counts", parallelism, interval, mode, **tracker)
     data = window_input(n, keys, out_of_order=out_of_order)
+    tag = OutputTag("late")
     s = p.from_collection(data, timestamps=lambda r: r[2], uid="events",
-                          max_out_of_orderness=MAX_DELAY if out_of_order else None)
+                          max_out_of_orderness=MAX_DELAY if out_of_order else None,
+                          late_records=tag if late_side_output else "drop")
+    if late_side_output:
+        s.get_side_output(tag).map(_mark_late).sink(_sink(out, "late"), uid="late")
     counts = s.key_by(lambda r: r[0]).window(TumblingEventTimeWindows.of(WINDOW, lambda r: r[2])).count(uid="win")
     counts.sink(_sink(out, "windows"), uid="windows")
     if out_of_order:  # every record the source keeps, so a wrongly kept late record shows in the output
         s.sink(_sink(out, "kept"), uid="kept")
     return p
+
+
+def _mark_late(record: tuple[str, int, float]) -> tuple[str, int, float, str]:
+    return (*record, "late")
 
 
 def on_time(records: list[tuple[str, int, float]], splits: int, max_delay: float) -> list[tuple[str, int, float]]:
@@ -230,12 +240,26 @@ def window_counts_out_of_order(**knobs: Any) -> Pipeline:
     return window_counts(out_of_order=True, **knobs)
 
 
+def window_counts_late_side_output(**knobs: Any) -> Pipeline:
+    """``window_counts`` over an out-of-order input, late records sent to a side output."""
+    return window_counts(out_of_order=True, late_side_output=True, **knobs)
+
+
+def expected_late(n: int = 400, keys: int = 7, parallelism: int = 2) -> collections.Counter:
+    """The side output's records: the input the ``on_time`` rule leaves out, marked by the map."""
+    data = window_input(n, keys, out_of_order=True)
+    kept = set(on_time(data, parallelism, MAX_DELAY))
+    return collections.Counter((*r, "late") for r in data if r not in kept)
+
+
 BUILDERS = {"window_counts": window_counts, "q8": q8, "winning_bids": winning_bids,
-            "window_counts_out_of_order": window_counts_out_of_order}
+            "window_counts_out_of_order": window_counts_out_of_order,
+            "window_counts_late_side_output": window_counts_late_side_output}
 #: name -> (sink uid, expected output given the parallelism: the out-of-order input's late
 #: records depend on which split each record is in)
 EXPECTED = {"window_counts": ("windows", lambda parallelism: expected_window_counts()),
             "q8": ("q8-out", lambda parallelism: expected_q8()),
             "winning_bids": ("winners", lambda parallelism: expected_winning_bids()),
             "window_counts_out_of_order": ("windows", lambda parallelism: expected_window_counts(
-                out_of_order=True, parallelism=parallelism))}
+                out_of_order=True, parallelism=parallelism)),
+            "window_counts_late_side_output": ("late", lambda parallelism: expected_late(parallelism=parallelism))}

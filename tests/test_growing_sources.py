@@ -49,7 +49,7 @@ class _Growing(Source):
 def _drain(reader: SplitReader) -> list[int]:
     out: list[int] = []
     for _ in range(8):
-        for _label, records in reader.read(100, 0.0):
+        for _label, records, _offset in reader.read(100, 0.0):
             out.extend(records)
     return out
 

@@ -104,8 +104,8 @@ def _drop_a_record_on_replay(mp) -> None:
         runs = real(self, budget, *args, **kwargs)
         if flag["restored"] not in done and runs and runs[0][1]:
             done.add(flag["restored"])
-            label, records = runs[0]
-            runs = [(label, records[1:]), *runs[1:]]
+            label, records, offset = runs[0]
+            runs = [(label, records[1:], offset + 1), *runs[1:]]
         return runs
 
     mp.setattr(SplitReader, "read", read)

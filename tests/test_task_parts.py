@@ -119,8 +119,8 @@ def test_watermarks_and_markers_wait_on_a_blocked_channel_but_never_at_the_firm_
 def test_reader_round_robins_its_splits_and_reports_exhaustion():
     src = CollectionSource(list(range(10)), num_splits=4)
     r = SplitReader(src, "src", [1, 3], {3: 1}, slack=None)  # subtask 1 of 2; split 3 restored at 1
-    assert r.read(10) == [(None, [1, 5, 9])]
-    assert r.read(10) == [(None, [7])]
+    assert r.read(10) == [(None, [1, 5, 9], 0)]
+    assert r.read(10) == [(None, [7], 1)]
     assert r.offsets == {1: 3, 3: 2} and not r.has_more()
     assert r.read(10) == []
 
@@ -130,10 +130,10 @@ def test_reader_cuts_runs_of_one_label_and_promises_below_the_smallest_next_labe
     src.timestamp = lambda ts: ts
     r = SplitReader(src, "src", [0], {}, slack=2.0)
     assert r.next_time_promise() is None  # label 0 is still to come: nothing to promise yet
-    assert r.read(4) == [(0, [0.5, 1.0]), (1, [2.5, 2.7])]
+    assert r.read(4) == [(0, [0.5, 1.0], 0), (1, [2.5, 2.7], 2)]
     assert r.next_time_promise() == 0  # split's newest label 1: labels <= 0 are done
     assert r.next_time_promise() is None  # no growth, no promise
-    assert r.read(4) == [(3, [6.0])]
+    assert r.read(4) == [(3, [6.0], 4)]
     assert r.next_time_promise() == END_OF_TIME  # exhausted
 
 

@@ -14,15 +14,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from epochstream import Pipeline
+from epochstream import FileSink, JobFailedError, OutputTag, Pipeline
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.runtime.reader import SplitReader
 from epochstream.runtime.sources import CollectionSource, Source
-from epochstream.runtime.watermarks import SplitWatermarks
+from epochstream.runtime.watermarks import LateRecord, SplitWatermarks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from event_time_pipelines import (  # noqa: E402
     MAX_DELAY,
+    expected_late,
     expected_window_counts,
     on_time,
     window_counts,
@@ -111,17 +112,18 @@ class _Feed(Source):
         return self.data[split][offset:offset + count]
 
 
-def _reader(feed: _Feed, delay: float, idleness: float | None, restored=None) -> SplitReader:
+def _reader(feed: _Feed, delay: float, idleness: float | None, restored=None, late_output=False) -> SplitReader:
     feed.timestamp = float
     feed.max_out_of_orderness = delay
     feed.idleness = idleness
+    feed.late_output = late_output
     return SplitReader(feed, "feed", list(range(feed.num_splits)), {}, 1.0, restored)
 
 
 def _drain(reader: SplitReader, now: float) -> list[float]:
     out = []
     for _ in range(reader.source.num_splits):
-        for _label, records in reader.read(100, now):
+        for _label, records, _offset in reader.read(100, now):
             out.extend(records)
     return out
 
@@ -134,11 +136,42 @@ def test_the_readers_inlined_rule_keeps_what_the_rule_keeps(ts, delay, cut):
     reader = _reader(feed, delay, None)
     kept: list[float] = []
     while reader.offsets[0] < len(ts):
-        for _label, records in reader.read(cut, 0.0):
+        for _label, records, _offset in reader.read(cut, 0.0):
             kept.extend(records)
     rule = SplitWatermarks(1.0, delay, [0])
     assert kept == [t for t in ts if rule.admit(0, t, int(t), -1)]
     assert reader.late_records == rule.late and reader.watermarks.state() == rule.state()
+
+
+@given(ts=stamps, delay=st.sampled_from([0.0, 1.5, 4.0]), cut=st.integers(1, 20))
+def test_a_side_output_reader_sends_on_exactly_the_late_records_above_every_promise(ts, delay, cut):
+    """With ``late_records=<tag>`` the reader keeps what the rule keeps and wraps what it
+    drops, in offset order; every run's offset is its first record's, and a late record's
+    label is above everything promised before it (so no watermark or trAcker promise breaks)."""
+    feed = _Feed(1)
+    feed.data[0] = list(ts)
+    reader = _reader(feed, delay, None, late_output=True)
+    rule = SplitWatermarks(1.0, delay, [0])
+    seen: list[float] = []
+    while reader.offsets[0] < len(ts):
+        promised = reader.time_promised
+        for label, records, offset in reader.read(cut, 0.0):
+            assert label > promised
+            for i, r in enumerate(records):
+                value = r.record if type(r) is LateRecord else r
+                assert value == ts[offset + i]  # the run's offset names its records
+                seen.append(r)
+        reader.next_time_promise(0.0)
+    want = [t if rule.admit(0, t, int(t), -1) else LateRecord(t) for t in ts]
+    assert seen == want
+    assert reader.late_records == 0 and reader.late_sent == rule.late
+
+
+def test_runs_name_their_offsets_after_dropped_late_records():
+    feed = _Feed(1)
+    feed.data[0] = [10.0, 2.0, 11.0, 3.0, 12.5]
+    reader = _reader(feed, 1.0, None)
+    assert reader.read(10, 0.0) == [(10, [10.0], 0), (11, [11.0], 2), (12, [12.5], 4)]
 
 
 def test_the_source_watermark_is_the_minimum_over_its_splits():
@@ -223,6 +256,82 @@ def test_late_records_are_dropped_counted_and_the_rest_counted_once(mode, parall
     late = n - len(kept)
     assert late > 0
     assert result.metrics["late_records_dropped"] == late  # no failures: nothing read twice
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_late_records_go_to_the_side_output_and_the_rest_to_the_windows(mode, tmp_path):
+    n, parallelism = 400, 2
+    p = window_counts(parallelism=parallelism, n=n, out=tmp_path / "out", mode=mode, out_of_order=True,
+                      late_side_output=True)
+    result = sim_run(p, tmp_path / "chk", seed=3)
+    got = collections.Counter(tuple(r) for r in committed_output(tmp_path / "out" / "windows"))
+    assert got == expected_window_counts(n, out_of_order=True, parallelism=parallelism)
+    late = collections.Counter(tuple(r) for r in committed_output(tmp_path / "out" / "late"))
+    assert late == expected_late(n, parallelism=parallelism) and late
+    kept = on_time(window_input(n, 7, out_of_order=True), parallelism, MAX_DELAY)
+    assert sorted(tuple(r) for r in committed_output(tmp_path / "out" / "kept")) == sorted(kept)
+    assert result.metrics["late_records_dropped"] == 0  # sent on, not dropped
+
+
+def test_a_sink_as_late_records_writes_them_under_the_sources_uid(tmp_path):
+    data = [(0, 10.0), (1, 2.0), (2, 11.0), (3, 12.0)]
+    p = Pipeline("late-sink", parallelism=1, mode="aligned")
+    s = p.from_collection(data, timestamps=lambda r: r[1], uid="src", max_out_of_orderness=1.0,
+                          late_records=FileSink(tmp_path / "late"))
+    s.sink(FileSink(tmp_path / "main"), uid="main")
+    assert "src-late" in p.sinks
+    sim_run(p, tmp_path / "chk", seed=0)
+    assert [tuple(r) for r in committed_output(tmp_path / "late")] == [(1, 2.0)]
+    assert sorted(tuple(r) for r in committed_output(tmp_path / "main")) == [(0, 10.0), (2, 11.0), (3, 12.0)]
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_records_a_window_drops_as_late_are_counted_in_the_metric(mode, tmp_path):
+    """``WindowAggregateFunction.late_records`` (a map moved a timestamp behind the window's
+    watermark) reaches ``late_records_dropped`` beside the source's drops, as Flink's window
+    operator counts ``numLateRecordsDropped``."""
+    from epochstream import TumblingEventTimeWindows
+
+    data = [(i, i * 0.3) for i in range(400)]
+    p = Pipeline("window-late", parallelism=1, mode=mode, batch_size=16)
+    (p.from_collection(data, timestamps=lambda r: r[1], uid="src")
+     .map(lambda r: (r[0], 0.0 if r[0] == 300 else r[1]))
+     .key_by(lambda r: 0)
+     .window(TumblingEventTimeWindows.of(10.0, lambda r: r[1])).count(uid="win")
+     .sink(FileSink(tmp_path / "o"), uid="o"))
+    result = sim_run(p, tmp_path / "chk", seed=0)
+    assert result.metrics["late_records_dropped"] == 1
+    assert sum(r[3] for r in committed_output(tmp_path / "o")) == 399
+
+
+def test_late_records_option_is_checked_when_the_pipeline_is_built():
+    p = Pipeline("x")
+    with pytest.raises(ValueError, match="needs max_out_of_orderness"):
+        p.from_collection([1.0], timestamps=float, late_records=OutputTag("late"))
+    with pytest.raises(ValueError, match="must be 'drop', an OutputTag or a sink"):
+        p.from_collection([1.0], timestamps=float, max_out_of_orderness=1.0, late_records="keep")
+    s = p.from_collection([1.0], timestamps=float, max_out_of_orderness=1.0, late_records=OutputTag("late"))
+    with pytest.raises(ValueError, match="no side output 'other'"):
+        s.get_side_output(OutputTag("other"))
+    assert s.get_side_output(OutputTag("late")) is s.get_side_output(OutputTag("late"))
+
+
+def test_a_user_function_error_names_the_offset_of_its_record_after_late_records(tmp_path):
+    """The offset the error names is the record's own, not shifted by the late records
+    dropped before it in the same read (the reader's runs carry their offsets)."""
+
+    def boom(r):
+        if r[0] == 5:
+            raise RuntimeError("boom")
+        return r
+
+    data = [(0, 10.0), (1, 2.0), (2, 3.0), (3, 11.0), (4, 1.0), (5, 12.0)]
+    p = Pipeline("late-offset", parallelism=1, mode="aligned")
+    p.restart_attempts = 0
+    s = p.from_collection(data, timestamps=lambda r: r[1], uid="src", max_out_of_orderness=1.0)
+    s.map(boom, name="boom").sink(FileSink(tmp_path / "o"), uid="o")
+    with pytest.raises(JobFailedError, match=r"read from source 'src' split 0 offset 5\)"):
+        sim_run(p, tmp_path / "chk", seed=0)
 
 
 def test_manifests_hold_each_splits_newest_timestamp(tmp_path):

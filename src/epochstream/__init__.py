@@ -2,7 +2,7 @@
 
 from .api.builtin import TumblingEventTimeWindows
 from .api.functions import KeyedBatchFunction, KeyedProcessFunction
-from .api.pipeline import CheckpointConfig, IterativeStream, KeyedStream, Pipeline, Stream, TrackerConfig
+from .api.pipeline import CheckpointConfig, IterativeStream, KeyedStream, OutputTag, Pipeline, Stream, TrackerConfig
 from .backends.kafka import KafkaSink, KafkaSource
 from .backends.sinks import DiscardingSink, FileSink
 from .deploy.failures import JobFailedError
@@ -21,7 +21,7 @@ __all__ = [
     "CheckpointConfig", "CheckpointError", "CollectionSource", "Context", "DiscardingSink", "EpochStreamError",
     "FileSink", "GeneratorSource", "IterativeStream", "JobFailedError", "JobResult", "KafkaSink", "KafkaSource",
     "KeyedBatchFunction",
-    "KeyedProcessFunction", "KeyedStream", "ListStateDescriptor", "MapStateDescriptor", "ParallelismError",
+    "KeyedProcessFunction", "KeyedStream", "ListStateDescriptor", "MapStateDescriptor", "OutputTag", "ParallelismError",
     "Pipeline", "SchemaError", "Source", "StateSerializationError", "Stream", "TrackerConfig",
     "TumblingEventTimeWindows", "TypeInformation", "Types", "UserFunctionError", "ValueStateDescriptor",
 ]

@@ -65,7 +65,7 @@ from .runtime.messages import END_OF_TIME
 from .runtime.state import HeapKeyedState, OperatorStateBackend
 from .runtime.task import decode_channel_state
 from .runtime.timers import TimerService
-from .runtime.watermarks import SplitWatermarks
+from .runtime.watermarks import LateRecord, SplitWatermarks
 
 if TYPE_CHECKING:  # the sinks module imports backends, which the oracle loads only when it reads output
     from .backends.sinks import FileSink
@@ -157,16 +157,17 @@ class Reference:
                 continue
             src = n.payload
             if offsets is None:
-                target = {s: src.split_length(s) for s in range(src.num_splits)}
+                target = {s: src.split_length(s) for s in src.split_ids()}
                 if any(v is None for v in target.values()):
                     raise ValueError(f"source {n.uid!r} is unbounded: the reference needs offsets")
             else:
                 target = offsets.get(uid_of(n), {})
             done = self.offsets.setdefault(uid_of(n), {})
-            for split in range(src.num_splits):
-                start, stop = done.get(split, 0), target.get(split, 0)
+            for split in src.split_ids():
+                first = src.start_offset(split)  # a Kafka source's resolved start
+                start, stop = done.get(split, first), target.get(split, first)
                 if stop > start:
-                    self._push(n, self._on_time(n, split, src.read(split, start, stop - start)))
+                    self._push(n, self._on_time(n, split, src.read_range(split, start, stop)))
                     done[split] = stop
         for nid in self.order:  # topological: timer output reaches later operators' timers in time
             timers = self.timers.get(nid)
@@ -206,7 +207,10 @@ class Reference:
             records = records.to_pylist()
         wm = self._watermarks.get(node.id)
         if wm is None:
-            wm = self._watermarks[node.id] = SplitWatermarks(self.slack, delay, range(src.num_splits))
+            wm = self._watermarks[node.id] = SplitWatermarks(self.slack, delay, src.split_ids())
+        if src.late_output:  # late records go on to the side output, as the reader sends them
+            return [r if wm.admit(split, src.timestamp(r), int(src.timestamp(r) // self.slack), -1)
+                    else LateRecord(r) for r in records]
         return [r for r in records if wm.admit(split, src.timestamp(r), int(src.timestamp(r) // self.slack), -1)]
 
     def inject(self, node_id: int, edge: int, records: list[Any]) -> None:

@@ -117,12 +117,38 @@ def _with(strategy: RestartStrategy, field: str, value: Any) -> RestartStrategy:
     return changed
 
 
+@dataclass(frozen=True)
+class OutputTag:
+    """Names a side output, as Flink's ``OutputTag("late-data", Types.STRING())``: give it to
+    a source as ``late_records=tag`` and take the stream with ``get_side_output(tag)``.
+    ``type_info`` is optional and only documents the records' type."""
+
+    tag_id: str
+    type_info: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tag_id, str) or not self.tag_id:
+            raise ValueError(f"OutputTag needs a non-empty name, got {self.tag_id!r}")
+
+
 class Stream:
     """A stream of records; each method adds an operator and returns the new stream."""
 
     def __init__(self, pipeline: "Pipeline", heads: list[Edge]) -> None:
         self._p = pipeline
         self._heads = heads
+        #: side outputs of the operator that made this stream (a source's late records)
+        self._side_outputs: dict[OutputTag, Stream] = {}
+
+    def get_side_output(self, tag: OutputTag) -> "Stream":
+        """The records sent to side output ``tag`` (Flink's ``getSideOutput``): a source's
+        late records when it was built with ``late_records=tag``."""
+        side = self._side_outputs.get(tag)
+        if side is None:
+            have = sorted(t.tag_id for t in self._side_outputs) or "none"
+            raise ValueError(f"this stream has no side output {tag.tag_id!r} (its side outputs: {have}); "
+                             f"pass late_records=OutputTag({tag.tag_id!r}) to its source")
+        return side
 
     # -- stateless transformations
     def map(self, fn: Callable[[Any], Any], name: str = "map") -> "Stream":
@@ -564,7 +590,8 @@ class Pipeline:
     # -- sources
     def from_collection(self, items: Sequence[Any], splits: int | None = None, uid: str | None = None,
                         timestamps: Callable[[Any], float] | None = None,
-                        max_out_of_orderness: float | None = None, idleness: float | None = None) -> Stream:
+                        max_out_of_orderness: float | None = None, idleness: float | None = None,
+                    late_records: Any = "drop") -> Stream:
         """A bounded, replayable source over a collection.
 
         ``splits`` fixes the number of splits; without it the source is elastic: a fresh start
@@ -574,23 +601,29 @@ class Pipeline:
         decrease within a split. ``max_out_of_orderness`` (seconds, Flink's
         ``forBoundedOutOfOrderness``): a split's watermark is its newest timestamp minus this;
         a record behind it is late, dropped and counted (``late_records_dropped``).
+        ``late_records``: ``"drop"`` (the default), an ``OutputTag`` (late records go to
+        ``get_side_output(tag)`` of the returned stream, Flink's ``sideOutputLateData``) or a
+        sink (they are written there, uid ``<uid>-late``).
         ``idleness`` (seconds, Flink's ``withIdleness``): a split with no record for that long
         stops holding the watermark back until it brings records again. See
         ``runtime.watermarks``."""
         source = CollectionSource(items, splits or self.parallelism, elastic=splits is None)
         return self.from_source(source, uid=uid, name="collection", timestamps=timestamps,
-                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness,
+                                late_records=late_records)
 
     def generate(
         self, fn: Callable[[int], Any], count: int | None = None, splits: int | None = None, uid: str | None = None,
         timestamps: Callable[[Any], float] | None = None,
         max_out_of_orderness: float | None = None, idleness: float | None = None,
+        late_records: Any = "drop",
     ) -> Stream:
         """Deterministic source: record i is ``fn(i)``; ``count=None`` is unbounded. ``splits``,
         ``timestamps``, ``max_out_of_orderness`` and ``idleness`` as in ``from_collection``."""
         source = GeneratorSource(fn, count, splits or self.parallelism, elastic=splits is None)
         return self.from_source(source, uid=uid, name="generate", timestamps=timestamps,
-                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness,
+                                late_records=late_records)
 
     def from_dataframe(self, df, uid: str | None = None, path: str | None = None, records: str = "dict") -> Stream:
         """A bounded, replayable source over a Spark DataFrame: its partitions are the splits.
@@ -615,7 +648,8 @@ class Pipeline:
 
     def from_parquet(self, path: Any, uid: str | None = None, columns: list[str] | None = None,
                      timestamps: str | Callable[[Any], float] | None = None,
-                     max_out_of_orderness: float | None = None, idleness: float | None = None) -> Stream:
+                     max_out_of_orderness: float | None = None, idleness: float | None = None,
+                    late_records: Any = "drop") -> Stream:
         """A bounded, replayable columnar source over Parquet files (a file, a folder of
         ``*.parquet`` or a list of files): every row group is a split (files in sorted path
         order). ``columns``: read only these. ``timestamps`` as in ``from_arrow``. The files
@@ -623,11 +657,13 @@ class Pipeline:
         from ..deploy.sources import ParquetSource
 
         return self.from_source(ParquetSource(path, columns), uid=uid, name="parquet", timestamps=timestamps,
-                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness,
+                                late_records=late_records)
 
     def from_arrow(self, data: Any, num_splits: int | None = None, uid: str | None = None,
                    timestamps: str | Callable[[Any], float] | None = None,
-                   max_out_of_orderness: float | None = None, idleness: float | None = None) -> Stream:
+                   max_out_of_orderness: float | None = None, idleness: float | None = None,
+                    late_records: Any = "drop") -> Stream:
         """A bounded, replayable columnar source over a pyarrow Table, RecordBatch or list of
         RecordBatches (one schema): records travel as Arrow batches. Split s of n holds the
         contiguous rows [s * N // n, (s + 1) * N // n); without ``num_splits`` the source is
@@ -637,12 +673,14 @@ class Pipeline:
 
         source = ArrowSource(data, num_splits or self.parallelism, elastic=num_splits is None)
         return self.from_source(source, uid=uid, name="arrow", timestamps=timestamps,
-                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness,
+                                late_records=late_records)
 
     def generate_batches(self, fn: Callable[[int, int], Any], count: int | None = None,
                          num_splits: int | None = None, uid: str | None = None, block_rows: int = 1024,
                          timestamps: str | Callable[[Any], float] | None = None,
-                         max_out_of_orderness: float | None = None, idleness: float | None = None) -> Stream:
+                         max_out_of_orderness: float | None = None, idleness: float | None = None,
+                    late_records: Any = "drop") -> Stream:
         """Vectorised deterministic source: ``fn(start, stop)`` returns a pyarrow RecordBatch of
         records [start, stop) (record i is row i; it must depend only on start and stop);
         ``count=None`` is unbounded. Rows are dealt to splits in blocks of ``block_rows``
@@ -653,7 +691,8 @@ class Pipeline:
         source = BatchGeneratorSource(fn, count, num_splits or self.parallelism, block_rows,
                                       elastic=num_splits is None)
         return self.from_source(source, uid=uid, name="generate_batches", timestamps=timestamps,
-                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness,
+                                late_records=late_records)
 
     def from_kafka(self, bootstrap_servers: str, topics: Any, start: Any = "earliest", end: Any = None,
                    uid: str | None = None, group_id: str | None = None,
@@ -661,7 +700,8 @@ class Pipeline:
                    value_deserializer: Callable[[bytes | None], Any] | None = None,
                    timestamps: str | Callable[[Any], float] | None = None,
                    settings: dict[str, Any] | None = None, max_out_of_orderness: float | None = None,
-                   idleness: float | None = None, partition_discovery_interval: float | None = 30.0) -> Stream:
+                   idleness: float | None = None, partition_discovery_interval: float | None = 30.0,
+                   late_records: Any = "drop") -> Stream:
         """A replayable source over Kafka topics (a name, a list, or a compiled regular
         expression): one split per partition, Kafka offsets in the epoch manifest, read at
         ``read_committed``. ``start``: ``"earliest"``, ``"latest"``, a timestamp in ms or
@@ -675,26 +715,37 @@ class Pipeline:
         and ``idleness`` (seconds) as in ``from_collection``: each partition has its own
         watermark, the source's is the minimum over its partitions that are not idle.
         ``partition_discovery_interval`` (seconds, Flink's ``partition.discovery.interval.ms``;
-        None: off): an unbounded source over one topic picks up partitions added while it
-        runs, each read from its beginning, dealt to subtask ``partition % parallelism``.
+        None: off): an unbounded source picks up partitions added while it runs (and, over a
+        pattern, new matching topics), each read from its beginning; over several topics or a
+        pattern splits are named by (topic, partition). ``late_records`` as in
+        ``from_collection``. ``bootstrap_servers="memory://<name>"``: the simulator's model of
+        a cluster (``backends.kafka.model``, ``deployment="sim"`` only).
         Needs ``epochstream[kafka]``; see ``backends.kafka.source``."""
+        from ..backends.kafka.model import ModelKafkaSource, is_model
         from ..backends.kafka.source import KafkaSource
 
         uid = uid or f"kafka-{len(self._nodes)}"
-        source = KafkaSource(bootstrap_servers, topics, start=start, end=end, group_id=group_id,
-                             key_deserializer=key_deserializer, value_deserializer=value_deserializer,
-                             settings=settings, partition_discovery_interval=partition_discovery_interval)
+        source: Source
+        if is_model(bootstrap_servers):  # the simulator's in-memory cluster (backends.kafka.model)
+            source = ModelKafkaSource(bootstrap_servers, topics, start=start, end=end, group_id=group_id,
+                                      key_deserializer=key_deserializer, value_deserializer=value_deserializer)
+        else:
+            source = KafkaSource(bootstrap_servers, topics, start=start, end=end, group_id=group_id,
+                                 key_deserializer=key_deserializer, value_deserializer=value_deserializer,
+                                 settings=settings, partition_discovery_interval=partition_discovery_interval)
         source.uid = uid
         if timestamps == "kafka":
             from ..backends.kafka.source import kafka_event_time
 
             timestamps = kafka_event_time
         return self.from_source(source, uid=uid, name="kafka", timestamps=timestamps,
-                                max_out_of_orderness=max_out_of_orderness, idleness=idleness)
+                                max_out_of_orderness=max_out_of_orderness, idleness=idleness,
+                                late_records=late_records)
 
     def from_source(self, source: Source, uid: str | None = None, name: str = "source",
                     timestamps: str | Callable[[Any], float] | None = None,
-                    max_out_of_orderness: float | None = None, idleness: float | None = None) -> Stream:
+                    max_out_of_orderness: float | None = None, idleness: float | None = None,
+                    late_records: Any = "drop") -> Stream:
         """Any ``runtime.sources.Source``; ``timestamps``, ``max_out_of_orderness`` and
         ``idleness`` as in ``from_collection`` (``timestamps`` may name a dict record's key)."""
         uid = uid or f"source-{len(self._nodes)}"
@@ -717,7 +768,30 @@ class Pipeline:
                 raise ValueError(f"source {uid!r}: idleness must be seconds > 0, got {idleness!r}")
             source.max_out_of_orderness = float(max_out_of_orderness)
             source.idleness = None if idleness is None else float(idleness)
-        return self._add(OpKind.SOURCE, name, source, [], uid=uid)
+        if isinstance(late_records, str) and late_records == "drop":
+            return self._add(OpKind.SOURCE, name, source, [], uid=uid)
+        if isinstance(late_records, str) or late_records is None:
+            raise ValueError(f"source {uid!r}: late_records must be 'drop', an OutputTag or a sink, "
+                             f"got {late_records!r}")
+        if max_out_of_orderness is None:
+            raise ValueError(f"source {uid!r}: late_records needs max_out_of_orderness=<seconds> (and timestamps=...)"
+                             f"; without it no record is late")
+        return self._with_late_output(self._add(OpKind.SOURCE, name, source, [], uid=uid), source, uid,
+                                      late_records)
+
+    def _with_late_output(self, raw: Stream, source: Source, uid: str, late_records: Any) -> Stream:
+        """The source's records split in two by chained operators: the on-time ones (the
+        returned stream) and the late ones, unwrapped, as its side output (``runtime.watermarks``)."""
+        from ..runtime.watermarks import is_on_time, late_only
+
+        source.late_output = True
+        main = raw.filter(is_on_time, name="on_time")
+        side = raw.flat_map(late_only, name="late_records")
+        if isinstance(late_records, OutputTag):
+            main._side_outputs[late_records] = side
+        else:
+            side.sink(late_records, uid=f"{uid}-late", name="late_records_sink")
+        return main
 
     # -- building
     def _add(self, kind: OpKind, name: str, payload: Any, inputs: list[Edge], uid: str | None = None) -> Stream:

@@ -34,6 +34,20 @@ def make_storage(checkpoint_dir: Any, state_backend: str = "files", compact_ever
     return open_storage(checkpoint_dir)
 
 
+def _refuse_models(pipeline, deployment: str) -> None:
+    """The in-memory Kafka model (``memory://``) lives in this process; other drivers' workers
+    are other processes and would each see an empty cluster."""
+    from ..runtime.errors import ConfigurationError
+
+    for what, items in (("source", pipeline.sources), ("sink", pipeline.sinks)):
+        for uid, obj in items.items():
+            servers = getattr(obj, "bootstrap_servers", None)
+            if isinstance(servers, str) and servers.startswith("memory://"):
+                raise ConfigurationError(f"{what} {uid!r} uses the in-memory Kafka model {servers!r}, which only the "
+                                         f"simulator runs (deployment='sim'); deployment={deployment!r} needs a real "
+                                         f"cluster")
+
+
 def run_pipeline(
     pipeline,
     deployment: str,
@@ -49,6 +63,8 @@ def run_pipeline(
     stop_with_savepoint: bool = False,
     **options: Any,
 ):
+    if deployment != "sim":
+        _refuse_models(pipeline, deployment)
     # the simulator is one deterministic thread: it compacts inline, where its fail points reach
     storage = make_storage(checkpoint_dir, pipeline.checkpoint.state_backend,
                            pipeline.checkpoint.delta_compact_every, compact_in_background=deployment != "sim")

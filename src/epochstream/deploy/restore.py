@@ -140,6 +140,7 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
         log.warning("restore from %s: %s", where, note)
     for uid, src in pipeline.sources.items():
         splits = source_splits(m, uid)
+        _adopt(src, m, uid)
         if splits is not None and src.grows and splits > src.num_splits:
             src.discover(0.0, force=True)  # partitions created since the pipeline was built
         if splits is not None and splits != src.num_splits and not src.elastic and \
@@ -152,12 +153,23 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
     return notes
 
 
+def _adopt(src: Any, manifest: dict[str, Any], uid: str) -> None:
+    """Let a source see the split ids the checkpoint holds offsets for (a Kafka source reads an
+    older checkpoint's ids as they were written: ``KafkaSource.adopt_checkpoint``)."""
+    adopt = getattr(src, "adopt_checkpoint", None)
+    entry = manifest.get("sources", {}).get(uid)
+    if adopt is not None and entry is not None:
+        adopt(entry.get("offsets", {}).keys())
+
+
 def resolve_sources(plan: PhysicalPlan, pipeline, restored: Restored | None) -> None:
     """Settle elastic sources' split counts: the checkpoint's on a restore, else the parallelism.
 
     Splits are then dealt to source subtasks by ``split % parallelism``, so a restore at
     another parallelism reassigns them with their offsets."""
     for uid, src in pipeline.sources.items():
+        if restored:
+            _adopt(src, restored.manifest, uid)
         want = source_splits(restored.manifest, uid) if restored else None
         if want is None:
             want = plan.parallelism if src.elastic else src.num_splits

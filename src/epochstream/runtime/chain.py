@@ -585,6 +585,13 @@ class ChainRuntime:
             cell[0], cell[1] = buckets.write, buckets.write_batch
 
     @property
+    def late_records(self) -> int:
+        """Records this subtask's window functions dropped as late (Flink's window
+        ``numLateRecordsDropped``; ``WindowAggregateFunction.late_records``)."""
+        counts = (getattr(fn, "late_records", 0) for fn, _ctx in self.functions)
+        return sum(c for c in counts if type(c) is int)
+
+    @property
     def records_out(self) -> int:
         """Rows put out: drained onto output channels or taken by this chain's sinks."""
         return self.out.rows_out + self.records_sunk

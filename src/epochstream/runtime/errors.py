@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .watermarks import LateRecord
+
 
 class EpochStreamError(Exception):
     """Base class of every epochstream error."""
@@ -67,7 +69,7 @@ class UserFunctionError(EpochStreamError):
             exact = False
             if self.record is not None and type(batch) is list:
                 for i, r in enumerate(batch):
-                    if r is self.record:
+                    if r is self.record or (type(r) is LateRecord and r.record is self.record):
                         offset, exact = offset + i, True
                         break
             self.origin = (source, split, offset, exact)

@@ -22,17 +22,19 @@ from typing import Any, Callable
 from .errors import EpochStreamError, SourceError, UserFunctionError
 from .messages import END_OF_TIME
 from .sources import Source
-from .watermarks import SplitWatermarks
+from .watermarks import LateRecord, SplitWatermarks
 
-Run = tuple[int | None, list[Any]]
-"""(time label, records): consecutive records of one label (None: event time is off)."""
+Run = tuple[int | None, list[Any], int]
+"""(time label, records, offset of the first): records of one label, consecutive in the split
+(None: event time is off); late records dropped between two runs are why the offset is there."""
 
 
 class SplitReader:
     """Offsets and time labels of the splits one source subtask reads."""
 
     __slots__ = ("source", "uid", "splits", "offsets", "lengths", "_next_split", "timestamp", "slack", "last_read",
-                 "_split_label", "time_promised", "watermarks", "_owner", "_known", "_restored", "_restored_max")
+                 "_split_label", "time_promised", "watermarks", "_owner", "_known", "_restored", "_restored_max",
+                 "late_output", "late_sent", "_seen")
 
     def __init__(self, source: Source, uid: str, splits: list[int], offsets: dict[int, int],
                  slack: float | None, max_timestamps: dict[int, float] | None = None,
@@ -40,13 +42,16 @@ class SplitReader:
         """``offsets``: restored offsets (a split without one starts at 0); ``slack``: seconds
         per time label, or None to read without labels; ``max_timestamps``: restored newest
         timestamp per split (bounded out-of-orderness); ``owner``: (subtask, parallelism), so
-        a growing source's new splits ``s`` with ``s % parallelism == subtask`` are read here."""
+        a growing source's new splits ``s`` with ``source.owner(s, parallelism) == subtask`` are
+        read here."""
         self.source = source
         self.uid = uid
         self.splits = splits
         self._owner = owner
         #: the source's split count this reader has looked at (growing sources)
         self._known = source.num_splits
+        #: the split ids this reader has looked at (growing sources)
+        self._seen = set(source.split_ids()) if source.grows else set()
         #: restored offsets of every split (a split added later resumes from its own)
         self._restored = dict(offsets)
         self._restored_max = dict(max_timestamps or {})
@@ -67,6 +72,10 @@ class SplitReader:
         delay = getattr(source, "max_out_of_orderness", None)
         #: bounded out-of-orderness: per-split watermarks (None: labels must not decrease)
         self.watermarks: SplitWatermarks | None = None
+        #: late records go on as ``LateRecord`` (a side output) instead of being dropped
+        self.late_output = source.late_output
+        #: late records sent to the side output so far
+        self.late_sent = 0
         if timestamp is not None and delay is not None:
             assert slack is not None
             self.watermarks = SplitWatermarks(slack, delay, splits, max_timestamps,
@@ -92,8 +101,11 @@ class SplitReader:
         if source.num_splits == self._known or self._owner is None:
             return
         subtask, parallelism = self._owner
-        for s in range(self._known, source.num_splits):
-            if s % parallelism == subtask and s not in self.offsets:
+        for s in source.split_ids():
+            if s in self._seen:
+                continue
+            self._seen.add(s)
+            if source.owner(s, parallelism) == subtask and s not in self.offsets:
                 self.splits.append(s)
                 self.offsets[s] = self._first_offset(s)
                 self.lengths[s] = source.split_length(s)
@@ -137,9 +149,11 @@ class SplitReader:
             self.last_read = (split, offset)
             if records:
                 if self.timestamp is None:
-                    return [(None, records)]
+                    return [(None, records, offset)]
                 if self.watermarks is not None:
                     self.watermarks.touched(split, now)
+                    if self.late_output:
+                        return self._runs_with_late(split, offset, records)
                     return self._bounded_runs(split, offset, records)
                 return self._runs(split, offset, records)
         return []
@@ -188,10 +202,10 @@ class SplitReader:
                     f"max_out_of_orderness=<seconds>)"
                 )
             if label != run_label:
-                runs.append((run_label, records[start:i]))
+                runs.append((run_label, records[start:i], offset + start))
                 run_label, start = label, i
             last = label
-        runs.append((run_label, records[start:]))
+        runs.append((run_label, records[start:], offset + start))
         self._split_label[split] = last
         return runs
 
@@ -213,7 +227,7 @@ class SplitReader:
             if label <= floor:
                 late += 1
                 if run_label is not None and i > start:
-                    runs.append((run_label, records[start:i]))
+                    runs.append((run_label, records[start:i], offset + start))
                 start, run_label = i + 1, None
                 continue
             if ts > newest:
@@ -223,11 +237,46 @@ class SplitReader:
                     floor = b
             if label != run_label:
                 if run_label is not None and i > start:
-                    runs.append((run_label, records[start:i]))
+                    runs.append((run_label, records[start:i], offset + start))
                 run_label, start = label, i
         if run_label is not None and len(records) > start:
-            runs.append((run_label, records[start:]))
+            runs.append((run_label, records[start:], offset + start))
         wm.advance(split, newest, late)
+        return runs
+
+    def _runs_with_late(self, split: int, offset: int, records: list[Any]) -> list[Run]:
+        """As ``_bounded_runs``, but a late record goes on as a run of its own: wrapped in
+        ``LateRecord``, labelled with the lowest label not yet promised for the split (its
+        bound, or one above the reader's promise), so no promise is broken."""
+        wm = self.watermarks
+        assert wm is not None and self.slack is not None
+        slack, promised = self.slack, self.time_promised
+        floor = max(wm.bound(split) - 1, promised)
+        newest, delay = wm.max_ts[split], wm.max_delay
+        runs: list[Run] = []
+        start, run_label = 0, None
+        for i, r in enumerate(records):
+            ts = self._checked_timestamp(split, offset + i, r)
+            label = int(ts // slack)
+            if label <= floor:
+                if run_label is not None and i > start:
+                    runs.append((run_label, records[start:i], offset + start))
+                runs.append((floor + 1, [LateRecord(r)], offset + i))
+                self.late_sent += 1
+                start, run_label = i + 1, None
+                continue
+            if ts > newest:
+                newest = ts
+                b = int((ts - delay) // slack) - 1
+                if b > floor:
+                    floor = b
+            if label != run_label:
+                if run_label is not None and i > start:
+                    runs.append((run_label, records[start:i], offset + start))
+                run_label, start = label, i
+        if run_label is not None and len(records) > start:
+            runs.append((run_label, records[start:], offset + start))
+        wm.advance(split, newest, 0)
         return runs
 
     def _timestamp(self, record: Any) -> Any:

@@ -29,6 +29,9 @@ class Source:
     max_out_of_orderness: float | None = None
     #: seconds without records after which a split stops holding the watermark back (None: never)
     idleness: float | None = None
+    #: late records go on wrapped in ``LateRecord`` to a side output instead of being dropped
+    #: (set by ``Pipeline.from_source(late_records=...)``; ``runtime.watermarks``)
+    late_output: bool = False
     #: the split count was not chosen by the user: a fresh start sets it to the parallelism,
     #: a restore to the checkpoint's count
     elastic: bool = False
@@ -62,6 +65,15 @@ class Source:
         """Up to ``count`` records of ``split`` starting at ``offset``; [] when exhausted."""
         raise NotImplementedError
 
+    def split_ids(self) -> list[int]:
+        """The ids of the splits: 0..num_splits-1, unless a source names its splits (a Kafka
+        source over several topics: ids from (topic, partition), ``backends.kafka.source``)."""
+        return list(range(self.num_splits))
+
+    def owner(self, split: int, parallelism: int) -> int:
+        """The source subtask that reads ``split`` (``split % parallelism`` unless the source says)."""
+        return split % parallelism
+
     def split_length(self, split: int) -> int | None:
         """Records in the split, or None if unbounded."""
         raise NotImplementedError
@@ -76,9 +88,14 @@ class Source:
         records = self.read(split, offset, count)
         return records, offset + len(records)
 
+    def read_range(self, split: int, start: int, stop: int) -> list[Any]:
+        """The records of ``split`` at offsets [start, stop) (the oracle's reference reads an
+        epoch's input with it; a source whose offsets have gaps cuts by offset)."""
+        return self.read(split, start, stop - start)
+
     @property
     def bounded(self) -> bool:
-        return all(self.split_length(s) is not None for s in range(self.num_splits))
+        return all(self.split_length(s) is not None for s in self.split_ids())
 
     def records_before(self, offsets: dict[int, int]) -> list[Any]:
         """All records before ``offsets`` (split -> offset): the input prefix an epoch names."""

@@ -152,7 +152,7 @@ class Task:
             node = plan.nodes[spec.heads[0]]
             source: Source = node.payload
             assert node.uid is not None, f"source node {node.name!r} has no uid"
-            splits = [s for s in range(source.num_splits) if s % plan.parallelism == task_id[1]]
+            splits = [s for s in source.split_ids() if source.owner(s, plan.parallelism) == task_id[1]]
             self.reader = SplitReader(source, node.uid, splits, (source_offsets or {}).get(node.uid, {}), slack,
                                       (source_max_timestamps or {}).get(node.uid), (task_id[1], plan.parallelism))
             self._source_push = chain.entry[node.id]
@@ -229,8 +229,9 @@ class Task:
 
     @property
     def late_records(self) -> int:
-        """Records its source dropped as late (bounded out-of-orderness; ``runtime.watermarks``)."""
-        return self.reader.late_records if self.reader is not None else 0
+        """Records dropped as late: by its source (bounded out-of-orderness;
+        ``runtime.watermarks``) and by its window functions (behind their watermark)."""
+        return (self.reader.late_records if self.reader is not None else 0) + self.chain.late_records
 
     @property
     def records_out(self) -> int:
@@ -263,8 +264,8 @@ class Task:
         if read_source:
             clock, push = self.clock, self._source_push
             runs = reader.read(budget, now)
-            split, offset = reader.last_read
-            for label, records in runs:
+            split = reader.last_read[0]
+            for label, records, offset in runs:
                 if label is not None and label != clock.out_time:
                     self._flush(actions)  # a batch never spans two time labels
                     clock.out_time = label
@@ -273,9 +274,7 @@ class Task:
                 except UserFunctionError as exc:  # name the split and offset the record was read from
                     exc.locate(subtask=self.id[1], source=reader.uid, split=split, offset=offset, batch=records)
                     raise
-                n = len(records)
-                offset += n
-                self.records_in += n
+                self.records_in += len(records)
             if reader.has_more():
                 self._flush_due(now, actions)
             else:  # nothing more will fill the buffers

@@ -26,6 +26,13 @@ idle split brings may then be behind time the reader already promised; it is lat
 (the reader drops it). Idleness depends on wall-clock time, so with idleness on the set of
 late records is no longer reproducible, as in Flink.
 
+A source built with ``late_records=OutputTag(...)`` (or a sink) keeps its late records
+instead: the reader sends each one on, wrapped in ``LateRecord`` and labelled with the
+split's current bound (a label nothing was promised for yet), and the two operators the API
+puts behind the source split the wrapped records (the side output) from the others. They
+are ordinary records from there on, in the epoch of the read, so a side output is as
+exactly-once as the main one, and the rule above decides which records go there.
+
 Sans-IO and pure: times come in as arguments.
 """
 
@@ -36,6 +43,38 @@ from typing import Iterable
 
 #: a split that saw no record yet: no timestamp bounds its labels
 NO_TIMESTAMP = -math.inf
+
+
+class LateRecord:
+    """A record the late-record rule judged late, on its way to the source's side output
+    (``late_records=OutputTag(...)``); the API's operators behind the source unwrap it."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: object) -> None:
+        self.record = record
+
+    def __reduce__(self) -> tuple[type, tuple[object]]:
+        return (LateRecord, (self.record,))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is LateRecord and other.record == self.record
+
+    def __hash__(self) -> int:
+        return hash(("LateRecord", self.record))
+
+    def __repr__(self) -> str:
+        return f"LateRecord({self.record!r})"
+
+
+def is_on_time(record: object) -> bool:
+    """The main output's filter behind a source with a late-record side output."""
+    return type(record) is not LateRecord
+
+
+def late_only(record: object) -> tuple[object, ...]:
+    """The side output's flat map behind a source with a late-record side output."""
+    return (record.record,) if isinstance(record, LateRecord) else ()
 
 
 class SplitWatermarks:

@@ -21,7 +21,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .client import admin
-from .sink import KafkaSink, read_topic
+from .model import is_model, model_cluster
+from .sink import KafkaSink
+from .sink import read_topic as _read_real_topic
+
+
+def read_topic(bootstrap_servers: str, topic: str, isolation: str = "read_committed") -> list[Any]:
+    """``sink.read_topic``, or the simulator model's ``KafkaModel.read`` for ``memory://``."""
+    if is_model(bootstrap_servers):
+        return model_cluster(bootstrap_servers).read(topic, isolation)
+    return _read_real_topic(bootstrap_servers, topic, isolation)
 
 
 @dataclass
@@ -53,11 +62,15 @@ def kafka_sinks(pipeline: Any) -> dict[str, KafkaSink]:
 
 def _fresh_topic(sink: KafkaSink, label: str, token: str) -> str:
     """A new topic beside the sink's, with its partition count (and the cluster's replication)."""
+    name = f"{sink.topic}-{label}-{token}"
+    if is_model(sink.bootstrap_servers):  # the simulator's model of a cluster
+        cluster = model_cluster(sink.bootstrap_servers)
+        cluster.create_topic(name, cluster.partitions(sink.topic))
+        return name
     from confluent_kafka.admin import NewTopic
 
     client = admin(sink.bootstrap_servers, sink._client_settings())
     md = client.list_topics(sink.topic, timeout=10).topics[sink.topic]
-    name = f"{sink.topic}-{label}-{token}"
     client.create_topics([NewTopic(name, num_partitions=max(1, len(md.partitions)))])[name].result(30)
     return name
 

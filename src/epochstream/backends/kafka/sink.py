@@ -105,6 +105,15 @@ class KafkaSink(TransactionalSink):
     librdkafka producer setting.
     """
 
+    def __new__(cls, bootstrap_servers: Any = None, *args: Any, **kwargs: Any) -> "KafkaSink":
+        """``bootstrap_servers="memory://<name>"``: the simulator's model of a cluster
+        (``backends.kafka.model.ModelKafkaSink``)."""
+        if cls is KafkaSink and isinstance(bootstrap_servers, str) and bootstrap_servers.startswith("memory://"):
+            from .model import ModelKafkaSink
+
+            return super().__new__(ModelKafkaSink)
+        return super().__new__(cls)
+
     def __init__(self, bootstrap_servers: str, topic: str, guarantee: str = "exactly-once",
                  key: Callable[[Any], Any] | None = None, value: Callable[[Any], Any] | None = None,
                  headers: Callable[[Any], Any] | None = None, partitioner: Callable[[Any], int] | None = None,
@@ -112,7 +121,8 @@ class KafkaSink(TransactionalSink):
                  transaction_timeout: float = 60.0, producer_settings: dict[str, Any] | None = None) -> None:
         if guarantee not in GUARANTEES:
             raise ValueError(f"KafkaSink: guarantee must be one of {GUARANTEES}, got {guarantee!r}")
-        confluent()
+        if not bootstrap_servers.startswith("memory://"):  # the simulator's model needs no client
+            confluent()
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.guarantee = guarantee

@@ -2,14 +2,22 @@
 
 Theory of operation. When the pipeline is built (``Pipeline.from_kafka``) the source asks the
 cluster for the partitions of its topics (a list, or a regular expression) and pins them as
-its splits, sorted by (topic, partition). An unbounded source over one topic then grows: every
-``partition_discovery_interval`` seconds each reader looks for new partitions (``discover``);
-partition i is split i, so every worker numbers them alike, and a new one is read from its
-beginning by subtask ``i % parallelism``. Other sources keep the split count they were built
-with, as every source does. It resolves ``start`` (``"earliest"``, ``"latest"``, a
-timestamp in milliseconds, or offsets per partition) and ``end`` (None: unbounded;
-``"latest"``: the partitions' ends at build time, Flink's ``setBounded``; or offsets) to
-offsets per split at the same moment, so a replay of a fresh start reads the same records.
+its splits, sorted by (topic, partition). An unbounded source then grows: every
+``partition_discovery_interval`` seconds each reader looks for new partitions (``discover``),
+and a new one is read from its beginning. Workers look on their own, at different moments, so
+a split's id must not depend on when it was found: over one named topic split i is partition
+i (as before, so old manifests restore), read by subtask ``i % parallelism``; over several
+topics or a pattern (where new matching topics are found too) a split's id is
+``split_id(topic, partition) = crc32(topic) * 2**20 + partition``, the same on every worker and
+in every run, and its reader is subtask ``(crc32(topic) + partition) % parallelism`` (Flink's
+``KafkaSourceEnumerator.getSplitOwner``: a topic's partitions spread from a topic-dependent
+start). Bounded sources and sources with discovery off keep the ids 0..n-1 in (topic,
+partition) order and the split count they were built with, as every source does; so does a
+restore of a checkpoint an older version wrote for several topics (``adopt_checkpoint``).
+It resolves ``start`` (``"earliest"``, ``"latest"``, a timestamp in milliseconds, or offsets
+per partition) and ``end`` (None: unbounded; ``"latest"``: the partitions' ends at build
+time, Flink's ``setBounded``; or offsets) to offsets per split at the same moment, so a
+replay of a fresh start reads the same records.
 
 A split's offset in the epoch manifest is the *Kafka offset* of the next record to read, not
 a count of records: transaction markers and compaction leave gaps, and the manifest then
@@ -27,6 +35,7 @@ recovery reads the manifest, never the group.
 from __future__ import annotations
 
 import re
+import zlib
 from typing import Any, Callable, Iterable
 
 from ...runtime.errors import UserFunctionError
@@ -53,6 +62,19 @@ def _split_key(key: Any, topics: list[str]) -> tuple[str, int]:
     if len(topics) != 1:
         raise ValueError(f"offsets of a multi-topic source are keyed by (topic, partition), got {key!r}")
     return topics[0], int(key)
+
+
+#: partitions per topic a named split id has room for (``split_id``)
+PARTITION_BITS = 20
+
+
+def split_id(topic: str, partition: int) -> int:
+    """The split id of (topic, partition) in a growing source over several topics or a
+    pattern: a pure function of the name, so every worker and every run agree on it."""
+    if not 0 <= partition < 1 << PARTITION_BITS:
+        raise KafkaSourceError(f"topic {topic!r} partition {partition}: a growing multi-topic source has room for "
+                               f"partitions below {1 << PARTITION_BITS}")
+    return (zlib.crc32(topic.encode("utf-8")) << PARTITION_BITS) | partition
 
 
 def kafka_event_time(record: Any) -> Any:
@@ -87,29 +109,36 @@ class KafkaSource(Source):
                                        f"{bootstrap_servers}")
         else:
             names = [topics] if isinstance(topics, str) else list(topics)
-        #: (topic, partition) per split
-        self.partitions: list[tuple[str, int]] = []
+        found: list[tuple[str, int]] = []
         for t in names:
             tm = md.topics.get(t)
             if tm is None or tm.error is not None:
                 missing = tm is None or tm.error.code() == confluent().KafkaError.UNKNOWN_TOPIC_OR_PART
                 why = "does not exist" if missing else str(tm.error)
                 raise KafkaSourceError(f"{what}: topic {t!r} {why} at {bootstrap_servers}")
-            self.partitions += [(t, p) for p in sorted(tm.partitions)]
+            found += [(t, p) for p in sorted(tm.partitions)]
+        #: the pattern new topics must match (discovery), None for named topics
+        self.pattern = topics if isinstance(topics, re.Pattern) else None
         self.topics = names
-        self.num_splits = len(self.partitions)
-        #: splits known when the source was built (``start`` applies to them)
-        self._built_splits = self.num_splits
-        self.elastic = False
-        self.start_offsets = self._resolve(start, "start")
-        self.end_offsets: list[int] | None = None if end is None else self._resolve(end, "end")
         if partition_discovery_interval is not None and not partition_discovery_interval > 0:
             raise ValueError(f"from_kafka: partition_discovery_interval must be seconds > 0 or None, got "
                              f"{partition_discovery_interval!r}")
-        #: seconds between looks for new partitions (None: never); only an unbounded source over
-        #: one named topic grows (a split's index is then its partition, on every worker alike)
+        #: seconds between looks for new partitions (None: never); only unbounded sources grow
         self.discovery_interval = partition_discovery_interval if end is None else None
-        self.grows = self.discovery_interval is not None and len(names) == 1 and not isinstance(topics, re.Pattern)
+        self.grows = self.discovery_interval is not None
+        #: split ids named by (topic, partition) (``split_id``): a growing source over several
+        #: topics or a pattern; else split i is the i-th partition in (topic, partition) order
+        self.named_splits = self.grows and (len(names) != 1 or self.pattern is not None)
+        #: (topic, partition) per split id
+        self.partitions: dict[int, tuple[str, int]] = {}
+        for i, tp in enumerate(found):
+            self._add_split(i, tp)
+        self.num_splits = len(self.partitions)
+        #: splits known when the source was built (``start`` applies to them)
+        self._built = set(self.partitions)
+        self.elastic = False
+        self.start_offsets = self._resolve(start, "start")
+        self.end_offsets: dict[int, int] | None = None if end is None else self._resolve(end, "end")
         self._last_discovery: float | None = None
         self._consumers: dict[int, Any] = {}
         self._positions: dict[int, int] = {}
@@ -117,12 +146,54 @@ class KafkaSource(Source):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_consumers": {}, "_positions": {}, "_last_discovery": None}
 
+    def _add_split(self, index: int, tp: tuple[str, int]) -> int:
+        """Register (topic, partition) under its split id; returns the id."""
+        sid = split_id(*tp) if self.named_splits else index
+        other = self.partitions.get(sid)
+        if other is not None and other != tp:  # two topic names with one crc32
+            raise KafkaSourceError(f"source {self.uid!r}: topics {other[0]!r} and {tp[0]!r} get the same split ids; "
+                                   f"read them with two from_kafka sources")
+        self.partitions[sid] = tp
+        return sid
+
+    def adopt_checkpoint(self, split_ids: Iterable[Any]) -> None:
+        """A restore: a checkpoint written before split ids were named (several topics, ids
+        0..n-1 in (topic, partition) order) is read with those ids, and the source does not
+        grow, as it did not then. Named ids are all >= 2**20 (a topic whose crc32 is 0 aside)."""
+        ids = [int(s) for s in split_ids]
+        if not self.named_splits or not ids or any(i >> PARTITION_BITS for i in ids):
+            return
+        order = sorted(self.partitions.values())
+        remap = {sid: order.index(tp) for sid, tp in self.partitions.items()}
+        self.named_splits = self.grows = False
+        self.discovery_interval = None
+        self.partitions = dict(enumerate(order))
+        self._built = {remap[s] for s in self._built}
+        self.start_offsets = {remap[s]: o for s, o in self.start_offsets.items()}
+        if self.end_offsets is not None:
+            self.end_offsets = {remap[s]: o for s, o in self.end_offsets.items()}
+
+    def split_ids(self) -> list[int]:
+        return list(self.partitions)
+
+    def owner(self, split: int, parallelism: int) -> int:
+        """The subtask that reads ``split``: ``split % parallelism``, or for named splits
+        ``(crc32(topic) + partition) % parallelism`` (see the module docstring)."""
+        if not self.named_splits:
+            return split % parallelism
+        return ((split >> PARTITION_BITS) + (split & ((1 << PARTITION_BITS) - 1))) % parallelism
+
+    def split_name(self, split: int) -> str:
+        topic, partition = self.partitions[split]
+        return f"{topic}:{partition}"
+
     # ------------------------------------------------------------ partition discovery
     def discover(self, now: float, force: bool = False) -> None:
-        """Add the topic's partitions created since the last look (at most once per
-        ``discovery_interval`` unless ``force``). Split i is partition i of the one topic, so
-        every worker numbers them alike without asking anyone; a new partition starts from its
-        beginning (it was created after the job started). A failed look is retried next time."""
+        """Add the partitions created since the last look (at most once per
+        ``discovery_interval`` unless ``force``): of the topics, and with a pattern of every
+        topic that matches it now. Split ids need no one's agreement (see the module
+        docstring); a new partition starts from its beginning (it was created after the job
+        started). A failed look is retried next time."""
         if not self.grows:
             return
         last = self._last_discovery
@@ -133,19 +204,32 @@ class KafkaSource(Source):
         if not force and last is not None and now - last < self.discovery_interval:
             return
         self._last_discovery = now
-        topic = self.topics[0]
         try:
             md = topic_metadata(self.bootstrap_servers, f"source {self.uid!r}", self.settings, self.timeout)
         except KafkaSourceError:
             return  # the broker is away for now: the readers notice it themselves
-        tm = md.topics.get(topic)
-        if tm is None or tm.error is not None:
-            return
-        for p in sorted(tm.partitions):
-            if p >= self.num_splits and p == len(self.partitions):
-                self.partitions.append((topic, p))
-                self.start_offsets.append(0)  # resolved lazily: ``discovered_start_offset``
-                self.num_splits += 1
+        topics = list(self.topics)
+        if self.pattern is not None:
+            topics += sorted(t for t in md.topics if t not in self.topics and self.pattern.fullmatch(t)
+                             and not t.startswith("__"))
+        for topic in topics:
+            tm = md.topics.get(topic)
+            if tm is None or tm.error is not None:
+                continue
+            # a partition without a leader yet (a topic just created) is taken at a later look:
+            # asking for its offsets now would block the worker's loop
+            ready = sorted(p for p, pm in tm.partitions.items() if getattr(pm, "leader", 0) >= 0)
+            if not ready:
+                continue
+            if topic not in self.topics:
+                self.topics.append(topic)
+            for p in ready:
+                if self.named_splits:
+                    if split_id(topic, p) not in self.partitions:
+                        self._add_split(-1, (topic, p))
+                elif p >= self.num_splits and p == len(self.partitions):  # one topic: split i is partition i
+                    self._add_split(p, (topic, p))
+        self.num_splits = len(self.partitions)
 
     def discovered_start_offset(self, split: int) -> int:
         """The beginning of a partition created after the job started (its low watermark)."""
@@ -161,7 +245,7 @@ class KafkaSource(Source):
         return f"KafkaSource({self.bootstrap_servers!r}, {self.topics!r}, {self.num_splits} partitions)"
 
     # ------------------------------------------------------------ building
-    def _resolve(self, spec: Any, what: str) -> list[int]:
+    def _resolve(self, spec: Any, what: str) -> dict[int, int]:
         """Offsets per split for ``start`` or ``end``."""
         ck = confluent()
         consumer = ck.Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": "epochstream-resolve",
@@ -170,27 +254,28 @@ class KafkaSource(Source):
         try:
             if isinstance(spec, dict):
                 given = {_split_key(k, self.topics): int(v) for k, v in spec.items()}
-                unknown = set(given) - set(self.partitions)
+                unknown = set(given) - set(self.partitions.values())
                 if unknown:
                     raise KafkaSourceError(f"source {self.uid!r}: {what} offsets name partitions the topics do not "
                                            f"have: {sorted(unknown)}")
-                out = []
-                for tp in self.partitions:
+                out = {}
+                for sid, tp in self.partitions.items():
                     if tp in given:
-                        out.append(given[tp])
+                        out[sid] = given[tp]
                     else:  # a partition the user left out: from its beginning (start) or end (end)
                         low, high = self._watermarks(consumer, tp)
-                        out.append(low if what == "start" else high)
+                        out[sid] = low if what == "start" else high
                 return out
             if spec in ("earliest", "latest"):
-                return [self._watermarks(consumer, tp)[0 if spec == "earliest" else 1] for tp in self.partitions]
+                return {sid: self._watermarks(consumer, tp)[0 if spec == "earliest" else 1]
+                        for sid, tp in self.partitions.items()}
             if isinstance(spec, (int, float)) and not isinstance(spec, bool) and what == "start":
-                tps = [ck.TopicPartition(t, p, int(spec)) for t, p in self.partitions]
+                tps = [ck.TopicPartition(t, p, int(spec)) for t, p in self.partitions.values()]
                 found = consumer.offsets_for_times(tps, timeout=self.timeout)
-                out = []
-                for tp, got in zip(self.partitions, found, strict=True):
+                out = {}
+                for (sid, tp), got in zip(self.partitions.items(), found, strict=True):
                     # no record at or after the time: start at the end
-                    out.append(got.offset if got.offset >= 0 else self._watermarks(consumer, tp)[1])
+                    out[sid] = got.offset if got.offset >= 0 else self._watermarks(consumer, tp)[1]
                 return out
             allowed = "'earliest', 'latest', a timestamp in ms or offsets" if what == "start" \
                 else "None, 'latest' or offsets"
@@ -209,7 +294,7 @@ class KafkaSource(Source):
 
     # ------------------------------------------------------------ the Source interface
     def start_offset(self, split: int) -> int:
-        if split >= self._built_splits:  # discovered while running: from its beginning
+        if split not in self._built:  # discovered while running: from its beginning
             return self.discovered_start_offset(split)
         return self.start_offsets[split]
 
@@ -290,11 +375,25 @@ class KafkaSource(Source):
         consumer.assign([ck.TopicPartition(topic, partition, offset)])
         self._positions[split] = offset
 
+    def read_range(self, split: int, start: int, stop: int) -> list[Any]:
+        """The records at Kafka offsets [start, stop): reads until the offset reaches ``stop``
+        (offsets have gaps: transaction markers, aborted records)."""
+        out: list[Any] = []
+        pos = start
+        while pos < stop:
+            got, after = self.read_next(split, pos, stop - pos)
+            out.extend(r for r in got if r["offset"] < stop)
+            if after == pos and not got:
+                continue  # not fetched yet
+            pos = after
+        return out
+
     def records_before(self, offsets: dict[int, int]) -> list[Any]:
         """Every record from the start offsets up to ``offsets`` (the input an epoch names)."""
         out: list[Any] = []
-        for split in range(self.num_splits):
-            pos, stop = self.start_offsets[split], int(offsets.get(split, self.start_offsets[split]))
+        for split in self.partitions:
+            first = self.start_offset(split)
+            pos, stop = first, int(offsets.get(split, first))
             while pos < stop:
                 got, pos2 = self.read_next(split, pos, min(10_000, stop - pos))
                 out.extend(r for r in got if r["offset"] < stop)
@@ -321,7 +420,7 @@ class KafkaSource(Source):
 
         ck = confluent()
         tps = [ck.TopicPartition(*self.partitions[int(s)], int(o)) for s, o in offsets.items()
-               if int(s) < self.num_splits]
+               if int(s) in self.partitions]
         if not tps:
             return
         # a short-lived client: the local driver forks workers from the master's process, and a
