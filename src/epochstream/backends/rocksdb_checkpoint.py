@@ -38,6 +38,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import uuid
@@ -52,6 +54,17 @@ if TYPE_CHECKING:
 HANDLE_FORMAT = "epochstream-rocksdb-checkpoint"
 #: the ``StateFileRef.format`` of an incremental RocksDB checkpoint
 FORMAT = "rocksdb"
+
+
+#: whether this process has opened a RocksDB (then it may read checkpoints itself; see
+#: ``rocksdb_reader``: a process that forks must not have)
+_USED_HERE = False
+
+
+def mark_used() -> None:
+    """This process opens RocksDB DBs (a keyed-state backend): it reads checkpoints in-process."""
+    global _USED_HERE
+    _USED_HERE = True
 
 
 class UploadMap:
@@ -195,26 +208,58 @@ def read_rows(store: ObjectStore, root: Any, ref: StateFileRef, handle_bytes: by
                                       f"of shared SST file {f_ref.path}")
             with open(os.path.join(folder, os.path.basename(name)), "wb") as out:
                 out.write(_verified(store, root, ref, f_ref))
-        import rocksdict as rd
-
-        opts = rd.Options(raw_mode=True)
-        table = rd.BlockBasedOptions()
-        table.set_block_cache(rd.Cache(8 << 20))
-        opts.set_block_based_table_factory(table)
-        db: Any
-        try:
-            db = rd.Rdict(folder, opts, access_type=rd.AccessType.read_only())
-        except Exception as exc:
-            raise CheckpointError(f"RocksDB checkpoint {root / ref.path} of operator {ref.operator!r} (epoch "
-                                  f"{ref.epoch}) cannot be opened: {exc}") from exc
-        try:
-            for dbk, raw in db.items(from_key=lo.to_bytes(2, "big")):
-                kg = int.from_bytes(dbk[:2], "big")
-                if kg > hi:
-                    break
-                n = int.from_bytes(raw[:4], "big")
-                yield kg, raw[4:4 + n], states[dbk[2:4]], raw[4 + n:]
-        finally:
-            db.close()
+        what = f"RocksDB checkpoint {root / ref.path} of operator {ref.operator!r} (epoch {ref.epoch})"
+        entries = _entries_here(folder, lo, hi, what) if _USED_HERE else _entries_apart(folder, lo, hi, what)
+        for dbk, raw in entries:
+            n = int.from_bytes(raw[:4], "big")
+            yield int.from_bytes(dbk[:2], "big"), raw[4:4 + n], states[dbk[2:4]], raw[4 + n:]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _entries_here(folder: str, lo: int, hi: int, what: str) -> Iterator[tuple[bytes, bytes]]:
+    """(DB key, DB value) of key groups lo..hi, read in this process (which uses RocksDB anyway)."""
+    import rocksdict as rd
+
+    opts = rd.Options(raw_mode=True)
+    table = rd.BlockBasedOptions()
+    table.set_block_cache(rd.Cache(8 << 20))
+    opts.set_block_based_table_factory(table)
+    db: Any
+    try:
+        db = rd.Rdict(folder, opts, access_type=rd.AccessType.read_only())
+    except Exception as exc:
+        raise CheckpointError(f"{what} cannot be opened: {exc}") from exc
+    try:
+        for dbk, raw in db.items(from_key=lo.to_bytes(2, "big")):
+            if int.from_bytes(dbk[:2], "big") > hi:
+                break
+            yield dbk, raw
+    finally:
+        db.close()
+
+
+def _entries_apart(folder: str, lo: int, hi: int, what: str) -> Iterator[tuple[bytes, bytes]]:
+    """The same, read by ``rocksdb_reader`` in a process of its own, so this process never
+    starts RocksDB's background threads (it may fork workers later)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rocksdb_reader.py")
+    proc = subprocess.Popen([sys.executable, script, folder, lo.to_bytes(2, "big").hex(), str(hi)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    out = proc.stdout
+    try:
+        while True:
+            head = out.read(4)
+            if not head:
+                break
+            key = out.read(int.from_bytes(head, "big"))
+            value = out.read(int.from_bytes(out.read(4), "big"))
+            yield key, value
+    finally:
+        out.close()
+        err = proc.stderr.read().decode(errors="replace") if proc.stderr is not None else ""
+        code = proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+    if code != 0:
+        raise CheckpointError(f"{what} cannot be read: {err.strip() or f'reader exited with {code}'}")

@@ -53,7 +53,7 @@ from ..runtime.state import (
     _KeyContext,
 )
 from ..runtime.types import TypeInformation, column_type, typed_column_name
-from .rocksdb_checkpoint import SstCapture, UploadMap
+from .rocksdb_checkpoint import SstCapture, UploadMap, mark_used
 
 _PICKLE = pickle.HIGHEST_PROTOCOL
 #: keyed-state backends a job can choose (Flink's ``state.backend.type``)
@@ -180,6 +180,7 @@ class RocksDBKeyedState:
         safe = re.sub(r"[^A-Za-z0-9_.]", "_", operator_uid)[:60]
         self.path = os.path.join(root, f"{os.getpid()}-{uuid.uuid4().hex[:12]}-{safe}-{key_group_range[0]}")
         rd = _rocksdict()
+        mark_used()
         try:
             os.makedirs(root, exist_ok=True)
             _sweep(root)
