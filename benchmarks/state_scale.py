@@ -104,7 +104,22 @@ def pct(xs: list[float], q: float) -> float:
     return xs[i]
 
 
-def _run_sampled(p: Pipeline, trace: list[tuple[float, int, float]] | None = None,
+def _private_mb(pid: int) -> float:
+    """Memory private to one process (MB; Private_Clean + Private_Dirty of smaps_rollup): unlike
+    RSS, not the pages a forked worker still shares with the job master (whose heap holds
+    whatever earlier runs of this benchmark left), so runs do not inherit each other's memory."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1])
+    except OSError:
+        return float("nan")
+    return total / 1024.0
+
+
+def _run_sampled(p: Pipeline, trace: list[tuple[float, int, float, float]] | None = None,
                  **kw: Any) -> tuple[Any, float, list[float]]:
     """Run ``p`` on the local driver: (result, wall seconds, peak RSS MB per worker process);
     ``trace`` gets (seconds since the start, worker pid, RSS MB) of every sample."""
@@ -118,7 +133,7 @@ def _run_sampled(p: Pipeline, trace: list[tuple[float, int, float]] | None = Non
             for pid, mb in _worker_rss_mb().items():
                 peaks[pid] = max(peaks.get(pid, 0.0), mb)
                 if trace is not None:
-                    trace.append((now, pid, mb))
+                    trace.append((now, pid, mb, _private_mb(pid)))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -139,11 +154,11 @@ def run_one(backend: str, args: argparse.Namespace, work: Path, state_type: str 
     label = (backend if state_type == "hashmap" else f"{backend}+{state_type}") + ("" if incremental else "-full")
     p = build(backend, args.keys, args.rate, args.seconds, args.interval, args.parallelism, state_type,
               args.rocksdb_memory_mb, incremental)
-    samples: list[tuple[float, int, float]] = []
+    samples: list[tuple[float, int, float, float]] = []
     result, wall, rss = _run_sampled(p, samples, checkpoint_dir=str(chk))
     if trace is not None:
-        trace += [{"backend": label, "keys": args.keys, "t_s": round(t, 2), "pid": pid, "rss_mb": round(mb, 1)}
-                  for t, pid, mb in samples]
+        trace += [{"backend": label, "keys": args.keys, "t_s": round(t, 2), "pid": pid, "rss_mb": round(mb, 1),
+                   "private_mb": round(priv, 1)} for t, pid, mb, priv in samples]
     check(backend, chk, args)
     restore_s = float("nan")
     if args.restore:  # the sources are exhausted: the restored run only reads the state back
@@ -238,12 +253,15 @@ def plot(rows: list[dict[str, Any]], path: Path, trace: list[dict[str, Any]] | N
     for b in dict.fromkeys(t["backend"] for t in trace or []):
         pts = [t for t in trace or [] if t["backend"] == b]
         by_t: dict[float, float] = {}
+        priv: dict[float, float] = {}
         for t in pts:  # the largest worker at each sample
             by_t[t["t_s"]] = max(by_t.get(t["t_s"], 0.0), t["rss_mb"])
-        cx.plot(list(by_t), list(by_t.values()), color=colors.get(b), label=b)
+            priv[t["t_s"]] = max(priv.get(t["t_s"], 0.0), t.get("private_mb", 0.0))
+        cx.plot(list(by_t), list(by_t.values()), color=colors.get(b), label=f"{b} RSS", alpha=0.5)
+        cx.plot(list(priv), list(priv.values()), color=colors.get(b), label=f"{b} private", linestyle="--")
     mem = next((r.get("rocksdb_memory_mb") for r in rows if r.get("rocksdb_memory_mb")), None)
     cx.set_xlabel("seconds since the run started")
-    cx.set_ylabel("RSS of the largest worker (MB)")
+    cx.set_ylabel("memory of the largest worker (MB)")
     cx.set_title("worker RSS over time" + (f" (rocksdb_memory_mb={mem} per subtask)" if mem else ""))
     for a in axes:
         a.legend()
@@ -295,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                     w.writeheader()
                     w.writerows(rows)
                 with open(out / f"{args.name}_rss.csv", "w", newline="") as f:
-                    w = csv.DictWriter(f, fieldnames=["backend", "keys", "t_s", "pid", "rss_mb"])
+                    w = csv.DictWriter(f, fieldnames=["backend", "keys", "t_s", "pid", "rss_mb", "private_mb"])
                     w.writeheader()
                     w.writerows(trace)
     finally:

@@ -239,27 +239,73 @@ def _entries_here(folder: str, lo: int, hi: int, what: str) -> Iterator[tuple[by
         db.close()
 
 
+class _Reader:
+    """A long-lived ``rocksdb_reader`` process; one request at a time (``lock``)."""
+
+    def __init__(self) -> None:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rocksdb_reader.py")
+        self.proc = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+
+    def alive(self) -> bool:
+        return self.pid == os.getpid() and self.proc.poll() is None
+
+    def entries(self, folder: str, lo: int, hi: int, what: str) -> Iterator[tuple[bytes, bytes]]:
+        stdin, out = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and out is not None
+        stdin.write(f"{folder}\t{lo.to_bytes(2, 'big').hex()}\t{hi}\n".encode())
+        stdin.flush()
+        done = False
+        try:
+            while True:
+                head = out.read(4)
+                if len(head) < 4:
+                    raise CheckpointError(f"{what} cannot be read: the reader process ended")
+                if head == _END:
+                    err = out.read(int.from_bytes(out.read(4), "big")).decode(errors="replace")
+                    done = True
+                    if err:
+                        raise CheckpointError(f"{what} cannot be read: {err}")
+                    return
+                key = out.read(int.from_bytes(head, "big"))
+                value = out.read(int.from_bytes(out.read(4), "big"))
+                yield key, value
+        finally:
+            while not done:  # the caller stopped early: drain the answer so the next request starts clean
+                head = out.read(4)
+                if len(head) < 4:
+                    break
+                if head == _END:
+                    out.read(int.from_bytes(out.read(4), "big"))
+                    break
+                out.read(int.from_bytes(head, "big"))
+                out.read(int.from_bytes(out.read(4), "big"))
+
+
+_END = b"\xff\xff\xff\xff"
+_reader: _Reader | None = None
+_reader_guard = threading.Lock()
+
+
 def _entries_apart(folder: str, lo: int, hi: int, what: str) -> Iterator[tuple[bytes, bytes]]:
-    """The same, read by ``rocksdb_reader`` in a process of its own, so this process never
-    starts RocksDB's background threads (it may fork workers later)."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rocksdb_reader.py")
-    proc = subprocess.Popen([sys.executable, script, folder, lo.to_bytes(2, "big").hex(), str(hi)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None
-    out = proc.stdout
+    """The same, read by the ``rocksdb_reader`` process, so this process never starts RocksDB's
+    background threads (it may fork workers later). A read while another is in progress (a
+    second thread, nested iteration) gets a reader of its own."""
+    global _reader
+    with _reader_guard:
+        if _reader is None or not _reader.alive():
+            _reader = _Reader()
+        reader = _reader
+    own = not reader.lock.acquire(blocking=False)
+    if own:
+        reader = _Reader()
+        reader.lock.acquire()
     try:
-        while True:
-            head = out.read(4)
-            if not head:
-                break
-            key = out.read(int.from_bytes(head, "big"))
-            value = out.read(int.from_bytes(out.read(4), "big"))
-            yield key, value
+        yield from reader.entries(folder, lo, hi, what)
     finally:
-        out.close()
-        err = proc.stderr.read().decode(errors="replace") if proc.stderr is not None else ""
-        code = proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
-    if code != 0:
-        raise CheckpointError(f"{what} cannot be read: {err.strip() or f'reader exited with {code}'}")
+        reader.lock.release()
+        if own:
+            if reader.proc.stdin is not None:
+                reader.proc.stdin.close()
+            reader.proc.wait()
