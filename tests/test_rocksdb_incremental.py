@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from epochstream.backends import open_storage
+from epochstream.backends import open_storage, rocksdb_checkpoint
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.backends.rocksdb_state import RocksDBKeyedState
 from epochstream.cli import build_parser
@@ -111,11 +111,19 @@ def test_a_damaged_or_missing_sst_file_is_named(tmp_path):
         list(storage.read_operator_rows(m, storage.root, "op"))
 
 
-def test_key_group_filter_reads_only_the_requested_range(tmp_path):
+@pytest.mark.parametrize("in_process", [True, False])
+def test_key_group_filter_reads_only_the_requested_range(tmp_path, monkeypatch, in_process):
+    """In a process that uses RocksDB, and through the reader process in one that does not (a
+    job master: it forks workers later); a read stopped early leaves the reader ready for the next."""
     storage, m, _ref = _one_checkpoint(tmp_path)
+    monkeypatch.setattr(rocksdb_checkpoint, "_USED_HERE", in_process)
     rows = list(storage.read_operator_rows(m, storage.root, "op", (4, 6)))
     assert rows and {r[0] for r in rows} == {4, 5, 6}
     assert sorted(pickle.loads(r[1]) for r in rows) == [k for k in range(500) if 4 <= k % 16 <= 6]
+    it = iter(storage.read_operator_rows(m, storage.root, "op"))
+    assert [next(it)[0] for _ in range(3)] == [0, 0, 0]
+    it.close()  # type: ignore[attr-defined]
+    assert len(list(storage.read_operator_rows(m, storage.root, "op"))) == 500
 
 
 def test_incremental_rocksdb_checkpoints_on_s3(s3_url, tmp_path):
