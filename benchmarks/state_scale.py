@@ -18,14 +18,19 @@ Per run also: records/s (records in / run wall time), the peak RSS of each worke
 (sampled every 0.2 s from /proc), and with ``--restore`` the wall time of a second run that
 restores the final checkpoint (its sources are exhausted: reading the state into the keyed-state
 backend is the work). ``--state-backend-types hashmap,rocksdb`` runs every checkpoint backend
-with each keyed-state backend (``CheckpointConfig.state_backend_type``; ``--rocksdb-memory-mb``).
+with each keyed-state backend (``CheckpointConfig.state_backend_type``; ``--rocksdb-memory-mb``),
+and ``--incremental-modes on,off`` each with incremental checkpoints (RocksDB: only new SST
+files uploaded, ``backends/rocksdb_checkpoint.py``) and without (every capture in full).
+Per epoch also ``checkpoint_bytes``: what the epoch wrote to checkpoint storage.
 
-Writes ``benchmarks/results/<name>.csv`` (one row per epoch) and ``<name>.png``;
-prints a summary table with p50/p99 per backend and the Delta/files ratio of the p99. Each
-run is checked: the final committed state holds every key's exact count. Not a test.
+Writes ``benchmarks/results/<name>.csv`` (one row per epoch), ``<name>_rss.csv`` (every
+worker's RSS every 0.2 s of every run) and ``<name>.png`` (trigger->commit, bytes written per
+epoch, worker RSS over time); prints a summary table with p50/p99 per backend and the
+Delta/files ratio of the p99. Each run is checked: the final committed state holds every
+key's exact count. Not a test.
 
     python benchmarks/state_scale.py [--keys 100000] [--rate 50000] [--seconds 40] [--backends files,delta]
-        [--state-backend-types hashmap,rocksdb] [--restore] [--name state_scale]
+        [--state-backend-types hashmap,rocksdb] [--incremental-modes on,off] [--restore] [--name state_scale]
 """
 
 from __future__ import annotations
@@ -77,9 +82,9 @@ class KeyOf:
 
 
 def build(backend: str, keys: int, rate: float, seconds: float, interval: float, parallelism: int,
-          state_type: str = "hashmap", memory_mb: int = 64) -> Pipeline:
+          state_type: str = "hashmap", memory_mb: int = 64, incremental: bool = True) -> Pipeline:
     p = Pipeline(f"state-scale-{backend}", parallelism=parallelism,
-                 checkpoint=CheckpointConfig(interval=interval, incremental=True, state_backend_type=state_type,
+                 checkpoint=CheckpointConfig(interval=interval, incremental=incremental, state_backend_type=state_type,
                                              rocksdb_memory_mb=memory_mb))
     p.checkpoint.state_backend = backend
     (
@@ -99,15 +104,36 @@ def pct(xs: list[float], q: float) -> float:
     return xs[i]
 
 
-def _run_sampled(p: Pipeline, **kw: Any) -> tuple[Any, float, list[float]]:
-    """Run ``p`` on the local driver: (result, wall seconds, peak RSS MB per worker process)."""
+def _private_mb(pid: int) -> float:
+    """Memory private to one process (MB; Private_Clean + Private_Dirty of smaps_rollup): unlike
+    RSS, not the pages a forked worker still shares with the job master (whose heap holds
+    whatever earlier runs of this benchmark left), so runs do not inherit each other's memory."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1])
+    except OSError:
+        return float("nan")
+    return total / 1024.0
+
+
+def _run_sampled(p: Pipeline, trace: list[tuple[float, int, float, float]] | None = None,
+                 **kw: Any) -> tuple[Any, float, list[float]]:
+    """Run ``p`` on the local driver: (result, wall seconds, peak RSS MB per worker process);
+    ``trace`` gets (seconds since the start, worker pid, RSS MB) of every sample."""
     peaks: dict[int, float] = {}
     stop = threading.Event()
+    start = time.perf_counter()
 
     def sample() -> None:
         while not stop.wait(0.2):
+            now = time.perf_counter() - start
             for pid, mb in _worker_rss_mb().items():
                 peaks[pid] = max(peaks.get(pid, 0.0), mb)
+                if trace is not None:
+                    trace.append((now, pid, mb, _private_mb(pid)))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -122,20 +148,25 @@ def _run_sampled(p: Pipeline, **kw: Any) -> tuple[Any, float, list[float]]:
     return result, wall, sorted(peaks.values(), reverse=True)
 
 
-def run_one(backend: str, args: argparse.Namespace, work: Path, state_type: str = "hashmap") -> list[dict[str, Any]]:
+def run_one(backend: str, args: argparse.Namespace, work: Path, state_type: str = "hashmap",
+            incremental: bool = True, trace: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     chk = work / f"chk-{backend}"
+    label = (backend if state_type == "hashmap" else f"{backend}+{state_type}") + ("" if incremental else "-full")
     p = build(backend, args.keys, args.rate, args.seconds, args.interval, args.parallelism, state_type,
-              args.rocksdb_memory_mb)
-    result, wall, rss = _run_sampled(p, checkpoint_dir=str(chk))
+              args.rocksdb_memory_mb, incremental)
+    samples: list[tuple[float, int, float, float]] = []
+    result, wall, rss = _run_sampled(p, samples, checkpoint_dir=str(chk))
+    if trace is not None:
+        trace += [{"backend": label, "keys": args.keys, "t_s": round(t, 2), "pid": pid, "rss_mb": round(mb, 1),
+                   "private_mb": round(priv, 1)} for t, pid, mb, priv in samples]
     check(backend, chk, args)
     restore_s = float("nan")
     if args.restore:  # the sources are exhausted: the restored run only reads the state back
         again = build(backend, args.keys, args.rate, args.seconds, args.interval, args.parallelism, state_type,
-                      args.rocksdb_memory_mb)
+                      args.rocksdb_memory_mb, incremental)
         _res, restore_s, _rss = _run_sampled(again, checkpoint_dir=str(chk), restore="latest")
     rows = []
     load1 = os.getloadavg()[0]
-    label = backend if state_type == "hashmap" else f"{backend}+{state_type}"
     for e in result.metrics.get("epochs", []):
         if e.get("state") != "completed":
             continue
@@ -146,6 +177,8 @@ def run_one(backend: str, args: argparse.Namespace, work: Path, state_type: str 
             "interval_s": args.interval, "parallelism": args.parallelism, "epoch": e["epoch"], "kind": e.get("kind"),
             "trigger_to_manifest_s": round(t2m, 4), "commit_s": round(commit, 4),
             "trigger_to_commit_s": round(t2m + commit, 4), "run_wall_s": round(wall, 2),
+            "incremental": incremental, "checkpoint_bytes": int(e.get("bytes", 0)),
+            "rocksdb_memory_mb": args.rocksdb_memory_mb if state_type == "rocksdb" else "",
             "records_in": result.records_in, "records_per_s": round(result.records_in / wall),
             "peak_rss_mb_per_worker": ";".join(f"{m:.0f}" for m in rss), "restore_run_s": round(restore_s, 2),
             "load1": round(load1, 2),
@@ -188,28 +221,51 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "mean": statistics.fmean(t2c) if t2c else float("nan"),
             "records_per_s": xs[0]["records_per_s"] if xs else 0, "rss": xs[0]["peak_rss_mb_per_worker"] if xs else "",
             "restore_s": xs[0]["restore_run_s"] if xs else float("nan"), "load1": xs[0]["load1"] if xs else 0.0,
+            "bytes_p50": pct([r["checkpoint_bytes"] for r in xs], 0.5),
+            "bytes_max": max((r["checkpoint_bytes"] for r in xs), default=0),
         })
     return out
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, trace: list[dict[str, Any]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    colors = {"files": "tab:blue", "delta": "tab:orange", "files+rocksdb": "tab:green", "delta+rocksdb": "tab:red"}
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    ax, bx, cx = axes
+    colors = {"files": "tab:blue", "delta": "tab:orange", "files+rocksdb": "tab:green", "delta+rocksdb": "tab:red",
+              "files+rocksdb-full": "tab:olive", "files-full": "tab:cyan"}
     for b, rep in dict.fromkeys((r["backend"], r.get("repeat", 0)) for r in rows):
         xs = [r for r in rows if r["backend"] == b and r.get("repeat", 0) == rep]
         ax.plot([r["epoch"] for r in xs], [r["trigger_to_commit_s"] for r in xs], marker="o", ms=3,
                 color=colors.get(b), alpha=0.8, label=f"{b} (run {int(rep) + 1})")
+        bx.plot([r["epoch"] for r in xs], [r.get("checkpoint_bytes", 0) / 2**20 for r in xs], marker="o", ms=3,
+                color=colors.get(b), alpha=0.8, label=b)
     ax.set_xlabel("epoch")
     ax.set_ylabel("trigger -> commit (s)")
     k = rows[0]["keys"] if rows else 0
     ax.set_title(f"keyed running count, {k:,} keys, local driver p={rows[0]['parallelism'] if rows else 0}")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    bx.set_xlabel("epoch")
+    bx.set_ylabel("checkpoint bytes written (MiB)")
+    bx.set_title("bytes written per epoch")
+    for b in dict.fromkeys(t["backend"] for t in trace or []):
+        pts = [t for t in trace or [] if t["backend"] == b]
+        by_t: dict[float, float] = {}
+        priv: dict[float, float] = {}
+        for t in pts:  # the largest worker at each sample
+            by_t[t["t_s"]] = max(by_t.get(t["t_s"], 0.0), t["rss_mb"])
+            priv[t["t_s"]] = max(priv.get(t["t_s"], 0.0), t.get("private_mb", 0.0))
+        cx.plot(list(by_t), list(by_t.values()), color=colors.get(b), label=f"{b} RSS", alpha=0.5)
+        cx.plot(list(priv), list(priv.values()), color=colors.get(b), label=f"{b} private", linestyle="--")
+    mem = next((r.get("rocksdb_memory_mb") for r in rows if r.get("rocksdb_memory_mb")), None)
+    cx.set_xlabel("seconds since the run started")
+    cx.set_ylabel("memory of the largest worker (MB)")
+    cx.set_title("worker RSS over time" + (f" (rocksdb_memory_mb={mem} per subtask)" if mem else ""))
+    for a in axes:
+        a.legend()
+        a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -225,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-backend-types", default="hashmap",
                     help="keyed-state backends to run each checkpoint backend with: hashmap, rocksdb or both")
     ap.add_argument("--rocksdb-memory-mb", type=int, default=64, help="rocksdb: memory bound per operator subtask")
+    ap.add_argument("--incremental-modes", default="on",
+                    help="incremental checkpoints: on, off or on,off (each keyed-state backend runs with each)")
     ap.add_argument("--restore", action="store_true", help="time a restore of each run's final checkpoint")
     ap.add_argument("--repeats", type=int, default=1, help="runs per backend, interleaved")
     ap.add_argument("--out", default=str(HERE / "results"))
@@ -233,17 +291,20 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    trace: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="state-scale-"))
     try:
         for rep in range(args.repeats):
-            combos = [(b, t) for t in args.state_backend_types.split(",") for b in args.backends.split(",")]
-            for b, state_type in combos:
-                got = run_one(b, args, work, state_type)
+            combos = [(b, t, inc == "on") for t in args.state_backend_types.split(",")
+                      for inc in args.incremental_modes.split(",") for b in args.backends.split(",")]
+            for b, state_type, incremental in combos:
+                got = run_one(b, args, work, state_type, incremental, trace)
                 for r in got:
                     r["repeat"] = rep
                 rows += got
                 g = got[0] if got else {}
-                print(f"{b}/{state_type} repeat {rep}: {len(got)} epochs, run {g.get('run_wall_s')} s, "
+                print(f"{b}/{state_type}{'' if incremental else '/full'} repeat {rep}: {len(got)} epochs, "
+                      f"run {g.get('run_wall_s')} s, "
                       f"{g.get('records_per_s')} records/s, peak RSS per worker {g.get('peak_rss_mb_per_worker')} MB, "
                       f"restore run {g.get('restore_run_s')} s, load {os.getloadavg()[0]:.1f}", flush=True)
                 shutil.rmtree(work / f"chk-{b}", ignore_errors=True)
@@ -251,21 +312,26 @@ def main(argv: list[str] | None = None) -> int:
                     w = csv.DictWriter(f, fieldnames=list(rows[0]))
                     w.writeheader()
                     w.writerows(rows)
+                with open(out / f"{args.name}_rss.csv", "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=["backend", "keys", "t_s", "pid", "rss_mb", "private_mb"])
+                    w.writeheader()
+                    w.writerows(trace)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = summary(rows)
-    print(f"\n{'backend':<14} {'epochs':>6} {'run s':>6} {'rec/s':>8} {'t->c p50':>9} {'t->c p99':>9} {'max':>7} "
-          f"{'commit p50':>10} {'commit p99':>10} {'t->manifest p50':>15} {'restore s':>9} {'load1':>5}  "
-          f"peak RSS MB/worker")
+    print(f"\n{'backend':<19} {'epochs':>6} {'run s':>6} {'rec/s':>8} {'t->c p50':>9} {'t->c p99':>9} {'max':>7} "
+          f"{'commit p50':>10} {'commit p99':>10} {'t->manifest p50':>15} {'MiB/epoch p50':>13} {'max':>7} "
+          f"{'restore s':>9} {'load1':>5}  peak RSS MB/worker")
     for r in table:
-        print(f"{r['backend']:<14} {r['epochs']:>6} {r['run_wall_s']:>6} {r['records_per_s']:>8} {r['t2c_p50']:>8.3f}s "
+        print(f"{r['backend']:<19} {r['epochs']:>6} {r['run_wall_s']:>6} {r['records_per_s']:>8} {r['t2c_p50']:>8.3f}s "
               f"{r['t2c_p99']:>8.3f}s {r['t2c_max']:>6.2f}s {r['commit_p50']:>9.3f}s {r['commit_p99']:>9.3f}s "
-              f"{r['t2m_p50']:>14.3f}s {r['restore_s']:>9} {r['load1']:>5}  {r['rss']}")
+              f"{r['t2m_p50']:>14.3f}s {r['bytes_p50'] / 2**20:>13.2f} {r['bytes_max'] / 2**20:>7.2f} "
+              f"{r['restore_s']:>9} {r['load1']:>5}  {r['rss']}")
     by = {r["backend"]: r for r in table}
     if "files" in by and "delta" in by:
         print(f"\nDelta / files trigger->commit: p50 {by['delta']['t2c_p50'] / by['files']['t2c_p50']:.2f}x, "
               f"p99 {by['delta']['t2c_p99'] / by['files']['t2c_p99']:.2f}x (target p99 <= 1.2x)")
-    plot(rows, out / f"{args.name}.png")
+    plot(rows, out / f"{args.name}.png", trace)
     print(f"wrote {out / (args.name + '.csv')} and {args.name}.png")
     return 0
 

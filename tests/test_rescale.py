@@ -187,6 +187,28 @@ def test_restored_state_sits_at_the_subtask_the_formula_names(tmp_path, p1, p2):
         assert tuple(f["key_group_range"]) == key_group_range(M, p2, f["subtask"])
 
 
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+@pytest.mark.parametrize("p1, p2, b2", [(2, 3, "rocksdb"), (3, 2, "hashmap")])
+def test_rescale_from_an_incremental_rocksdb_checkpoint(tmp_path, p1, p2, b2, mode):
+    """Restore a retained checkpoint (not a savepoint) whose RocksDB state is shared SST files at
+    another parallelism: each new subtask reads its key-group range out of the old subtasks'
+    SST files, on either backend, and the run ends with the reference state, nothing lost or doubled."""
+    out = tmp_path / "out"
+    sim_run(key_sum(out, p1, mode, backend="rocksdb"), tmp_path / "chk1", seed=2, duration=half(p1),
+            source_rate=SLOW_RATE)
+    m1, _root = LocalCheckpointStorage(tmp_path / "chk1").latest()
+    files = m1["operators"]["sum"]["files"]
+    assert files and all(f["format"] == "rocksdb" and f["shared"] for f in files), files
+    assert 0 < sum(m1["sources"]["src"]["offsets"].values()) < N, "phase 1 must stop mid-input"
+    sim_run(key_sum(out, p2, mode, backend=b2), tmp_path / "chk2", seed=3,
+            restore=str(tmp_path / "chk1" / f"chk-{m1['epoch']}"))
+    assert final_state(tmp_path / "chk2") == expected_state()
+    got = collections.Counter((r[0], r[1]) for _e, r in committed(out))
+    want = collections.Counter((f"k{k}", i + 1) for k in range(KEYS) for i in range(sum(
+        1 for j in range(N) if j % KEYS == k)))
+    assert got == want
+
+
 def test_source_splits_follow_the_parallelism(tmp_path):
     """An elastic source gets one split per subtask on a fresh start (no idle worker, even with
     a parallelism override), and keeps its splits, dealt by ``split % p``, on a restore."""

@@ -108,6 +108,8 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             p.checkpoint = replace(p.checkpoint, rocksdb_dir=args.rocksdb_dir)
         if getattr(args, "rocksdb_memory_mb", None) is not None:
             p.checkpoint = replace(p.checkpoint, rocksdb_memory_mb=args.rocksdb_memory_mb)
+        if getattr(args, "incremental", None) is not None:
+            p.checkpoint = replace(p.checkpoint, incremental=args.incremental)
         if getattr(args, "batch_rows", None) is not None:
             p.batch_rows = args.batch_rows
         if getattr(args, "batch_linger", None) is not None:
@@ -215,6 +217,10 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rocksdb-memory-mb", type=_number(int, 8), metavar="MB",
                     help="with --state-backend-type rocksdb: memory bound of each keyed operator subtask's DB "
                          "(block cache + write buffers; default 64)")
+    ap.add_argument("--incremental", action=argparse.BooleanOptionalAction, default=None,
+                    help="incremental checkpoints (default on): hashmap writes the keys changed since the last "
+                         "capture, rocksdb uploads only new SST files and shares the rest between checkpoints; "
+                         "--no-incremental writes every capture in full")
     ap.add_argument("--seed", type=int, default=0, help="seed of the simulator's schedule and of chaos")
     ap.add_argument("--duration", type=_number(float, 0, low_open=True),
                     help="stop after this many seconds with a final epoch (> 0)")
@@ -354,7 +360,10 @@ def cmd_checkpoints_list(args) -> int:
             "max_parallelism": m["max_parallelism"],
             "mode": m.get("mode"),
             "state_files": len(files),
-            "state_bytes": sum(f["bytes"] for f in files),
+            # what the checkpoint refers to (shared SST files included), and what its epoch uploaded
+            "state_bytes": sum(f["bytes"] + sum(s["bytes"] for s in f.get("shared", ())) for f in files),
+            "uploaded_bytes": sum(f.get("new_bytes", f["bytes"]) for f in files),
+            "shared_sst_files": sum(len(f.get("shared", ())) for f in files),
             "incremental_files": sum(1 for f in files if not f["full"]),
             "staged_outputs": sum(len(s["staged"]) for s in m["sinks"].values()),
             "sources": {u: s["offsets"] for u, s in m["sources"].items()},

@@ -35,6 +35,10 @@ class CheckpointConfig:
     timeout: float = 600.0
     tolerable_failed: int = 0
     num_retained: int = 3
+    #: incremental checkpoints: the heap writes the keys changed since the last capture (a chain
+    #: of files, full every ``full_every``); RocksDB (with the files state backend) uploads only
+    #: SST files no earlier capture uploaded and shares the rest (Flink's incremental RocksDB
+    #: checkpoints; ``backends.rocksdb_checkpoint``). False: every capture is written in full
     incremental: bool = True
     #: with incremental snapshots, every ``full_every``-th capture of an operator is full (compaction)
     full_every: int = 10

@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 
 METADATA = "_metadata.json"
 _CHK = re.compile(r"^chk-(\d+)$")
-_STATE_FILE = re.compile(r"e(\d+)-a.+\.parquet$")
+_STATE_FILE = re.compile(r"(?:^|/)e(\d+)-a[^/]+\.(?:parquet|sst|rocks\.json)$")
+#: files under ``shared/`` that retention manages (state files, shared SST files, RocksDB handles)
+_MANAGED = (".parquet", ".sst", ".rocks.json")
 _TMP_FILE = re.compile(r"(^|/)\.[^/]+\.tmp-\d+$")
 
 STATE_SCHEMA = pa.schema(
@@ -172,6 +174,12 @@ class ObjectCheckpointStorage(CheckpointStorage):
 
     def pre_commit(self, operator: str, subtask: int, epoch: int, attempt: str, rows: Iterable[Row],
                    key_group_range: tuple[int, int], full: bool) -> StateFileRef:
+        if getattr(rows, "native_format", None) == "rocksdb":  # an incremental RocksDB checkpoint
+            from . import rocksdb_checkpoint
+
+            prefix = self.state_path(operator, subtask, epoch, attempt)[:-len(".parquet")]
+            return rocksdb_checkpoint.upload(self.store, self.root, prefix, operator, subtask, epoch,
+                                             rows, key_group_range)  # type: ignore[arg-type]
         data, count = encode_state_counted(rows)
         rel = self.state_path(operator, subtask, epoch, attempt)
         self.store.put(self.root / rel, data)
@@ -181,6 +189,13 @@ class ObjectCheckpointStorage(CheckpointStorage):
 
     def read_state(self, ref: StateFileRef, root: Any = None) -> pa.Table:
         path = (self.root if root is None else root) / ref.path
+        data = self._verified_bytes(ref, path)
+        try:
+            return pq.read_table(pa.BufferReader(data))
+        except Exception as exc:  # verified bytes that still do not parse: say so
+            raise CheckpointError(f"state file {path} cannot be parsed: {exc}") from exc
+
+    def _verified_bytes(self, ref: StateFileRef, path: Any) -> bytes:
         try:
             data = self.store.get(path)
         except FileNotFoundError:
@@ -196,10 +211,7 @@ class ObjectCheckpointStorage(CheckpointStorage):
                 f"state file {path} of operator {ref.operator!r} (epoch {ref.epoch}) is damaged: its sha256 "
                 f"differs from the one the manifest recorded ({ref.sha256[:12]}...)"
             )
-        try:
-            return pq.read_table(pa.BufferReader(data))
-        except Exception as exc:  # verified bytes that still do not parse: say so
-            raise CheckpointError(f"state file {path} cannot be parsed: {exc}") from exc
+        return data
 
     # ------------------------------------------------------------ commit: manifests
     def checkpoint_dir(self, epoch: int) -> Any:
@@ -285,6 +297,13 @@ class ObjectCheckpointStorage(CheckpointStorage):
             lo, hi = ref.key_group_range
             if key_groups is not None and (hi < key_groups[0] or lo > key_groups[1]):
                 continue
+            if ref.format == "rocksdb":
+                from . import rocksdb_checkpoint
+
+                base = self.root if root is None else root
+                handle = self._verified_bytes(ref, base / ref.path)
+                yield from rocksdb_checkpoint.read_rows(self.store, base, ref, handle, key_groups)
+                continue
             table = self.read_state(ref, root)
             cols = [table.column(n).to_pylist() for n in ("key_group", "key", "state", "value")]
             for row in zip(*cols, strict=True):
@@ -313,7 +332,7 @@ class ObjectCheckpointStorage(CheckpointStorage):
         removed = 0
         for rel in list(self._shared_files()):
             m = _STATE_FILE.search(rel)
-            if not rel.endswith(".parquet") or rel in live or (m and int(m.group(1)) > keep_after):
+            if not rel.endswith(_MANAGED) or rel in live or (m and int(m.group(1)) > keep_after):
                 continue
             self.store.delete(self.root / rel)
             removed += 1
@@ -359,7 +378,8 @@ class ObjectCheckpointStorage(CheckpointStorage):
 
 
 def _live_files(retained: list[dict[str, Any]]) -> set[str]:
-    return {f["path"] for m in retained for op in m["operators"].values() for f in op["files"]}
+    return {p for m in retained for op in m["operators"].values() for f in op["files"]
+            for p in StateFileRef.from_json(f).paths()}
 
 
 #: rows per Parquet row group when a capture is encoded as it streams in

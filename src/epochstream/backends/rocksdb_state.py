@@ -53,6 +53,7 @@ from ..runtime.state import (
     _KeyContext,
 )
 from ..runtime.types import TypeInformation, column_type, typed_column_name
+from .rocksdb_checkpoint import SstCapture, UploadMap, mark_used
 
 _PICKLE = pickle.HIGHEST_PROTOCOL
 #: keyed-state backends a job can choose (Flink's ``state.backend.type``)
@@ -77,11 +78,14 @@ def keyed_state_factory(checkpoint: Any) -> KeyedStateFactory | None:
         raise ConfigurationError(f"state_backend_type must be one of {STATE_BACKEND_TYPES}, got {kind!r}")
     local_dir = getattr(checkpoint, "rocksdb_dir", None)
     memory_mb = int(getattr(checkpoint, "rocksdb_memory_mb", DEFAULT_MEMORY_MB))
+    # incremental SST checkpoints need an object store for the files; the Delta state backend
+    # commits rows (its tables are changelogs), so with it RocksDB captures rows as the heap does
+    sst = bool(getattr(checkpoint, "incremental", True)) and getattr(checkpoint, "state_backend", "files") == "files"
 
     def make(uid: str, key_group_of: Callable[[Any], int], key_group_range: tuple[int, int],
              key_type: TypeInformation | None = None) -> RocksDBKeyedState:
         return RocksDBKeyedState(uid, key_group_of, key_group_range, key_type, local_dir=local_dir,
-                                 memory_mb=memory_mb)
+                                 memory_mb=memory_mb, sst_incremental=sst)
 
     return make
 
@@ -146,7 +150,7 @@ class RocksDBKeyedState:
 
     def __init__(self, operator_uid: str, key_group_of: Callable[[Any], int], key_group_range: tuple[int, int],
                  key_type: TypeInformation | None = None, *, local_dir: str | None = None,
-                 memory_mb: int = DEFAULT_MEMORY_MB) -> None:
+                 memory_mb: int = DEFAULT_MEMORY_MB, sst_incremental: bool = False) -> None:
         if memory_mb < 8:
             raise RocksDBStateError(f"operator {operator_uid!r}: rocksdb_memory_mb must be >= 8, got {memory_mb}")
         self.operator_uid = operator_uid
@@ -160,6 +164,12 @@ class RocksDBKeyedState:
         self.force_full = True
         self.event_time: int | None = None
         self.memory_bytes = memory_mb << 20
+        #: incremental captures are RocksDB checkpoints whose new SST files alone are uploaded
+        #: (``rocksdb_checkpoint``), instead of rows of the keys written since the last capture
+        self.sst_incremental = sst_incremental
+        #: this DB's uploaded SST files (emptied when a capture must be full: nothing is reused)
+        self.uploads = UploadMap()
+        self.db_id = uuid.uuid4().hex[:12]
         #: DB key -> (table, key) written since the last capture (keys only: values stay in the DB)
         self.dirty: dict[bytes, tuple[_Table, Any]] = {}
         self._ck: Any = _MISSING  # the current key whose encoding is cached
@@ -170,6 +180,7 @@ class RocksDBKeyedState:
         safe = re.sub(r"[^A-Za-z0-9_.]", "_", operator_uid)[:60]
         self.path = os.path.join(root, f"{os.getpid()}-{uuid.uuid4().hex[:12]}-{safe}-{key_group_range[0]}")
         rd = _rocksdict()
+        mark_used()
         try:
             os.makedirs(root, exist_ok=True)
             _sweep(root)
@@ -348,10 +359,12 @@ class RocksDBKeyedState:
     def capture(self, epoch: int, incremental: bool = True, full_every: int = 10) -> KeyedCapture:
         """The heap backend's rows: the keys written since the last capture, or every entry of
         the DB when a full capture is due (same rule as ``HeapKeyedState.capture``)."""
+        checked = self.key_type is not None or any(t.type is not None for t in self.tables.values())
+        if incremental and self.sst_incremental:
+            return self._capture_sst(epoch, checked)
         full = not incremental or self.force_full or not self.chain or len(self.chain) >= full_every
         rows: list[tuple[int, bytes, str, bytes | None]] = []
         add = rows.append
-        checked = self.key_type is not None or any(t.type is not None for t in self.tables.values())
         captured: Any = rows
         if full and not checked:
             # streamed by the writer from a RocksDB checkpoint of this moment (later writes do not leak in)
@@ -384,6 +397,41 @@ class RocksDBKeyedState:
         types = tuple((t.name, t.type.to_json()) for t in self.tables.values() if t.type is not None)
         key_type = self.key_type
         return KeyedCapture(self.operator_uid, captured, full, tuple(self.chain), self.key_group_range, kinds,
+                            self.event_time, types, None if key_type is None else key_type.to_json())
+
+    def _capture_sst(self, epoch: int, checked: bool) -> KeyedCapture:
+        """An incremental RocksDB checkpoint: the DB's SST files at this bound, hard-linked;
+        the writer uploads those no earlier capture uploaded (``rocksdb_checkpoint.upload``).
+        Every capture is complete on its own (its chain is itself): the sharing is in the files."""
+        if checked:  # declared types are checked here, in the task, on what was written since
+            get = self._db.get
+            for dbk, (table, _key) in self.dirty.items():
+                raw = get(dbk)
+                if raw is not None:
+                    self._check_types(table, raw, int.from_bytes(raw[:4], "big"))
+        if self.force_full:  # a write failed or the DB is new: upload everything again
+            self.uploads.clear()
+            self.force_full = False
+        path = f"{self.path}-chk{epoch}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._rd.Checkpoint(self._db).create_checkpoint(path)
+        except Exception as exc:
+            shutil.rmtree(path, ignore_errors=True)
+            raise RocksDBStateError(f"operator {self.operator_uid!r}: cannot take a RocksDB checkpoint at epoch "
+                                    f"{epoch} under {path!r}: {exc}") from exc
+        try:
+            keys = int(self._db.property_int_value("rocksdb.estimate-num-keys") or 0)
+        except Exception:
+            keys = 0
+        changed = len(self.dirty)
+        self.dirty = {}
+        self.chain = [epoch]
+        states = {sid.hex(): t.name for sid, t in self._by_sid.items()}
+        captured = SstCapture(path, self.db_id, states, self.uploads, changed, keys)
+        kinds = tuple((t.name, t.kind) for t in self.tables.values())
+        types = tuple((t.name, t.type.to_json()) for t in self.tables.values() if t.type is not None)
+        key_type = self.key_type
+        return KeyedCapture(self.operator_uid, captured, False, (epoch,), self.key_group_range, kinds,
                             self.event_time, types, None if key_type is None else key_type.to_json())
 
     def _check_types(self, table: _Table, raw: bytes, n: int) -> None:

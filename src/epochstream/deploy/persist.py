@@ -72,7 +72,7 @@ def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
         kinds[kc.operator_uid] = dict(kc.kinds)
         if kc.types or kc.key_type is not None:
             types[kc.operator_uid] = dict(kc.types, **({"": kc.key_type} if kc.key_type is not None else {}))
-        size += ref.bytes
+        size += ref.written
     return AckInfo(
         capture.task, capture.epoch, tuple(files), chains, kinds, capture.offsets, staged, size,
         capture.alignment_seconds, time.perf_counter() - t0, capture.held_records,

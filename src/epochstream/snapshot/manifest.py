@@ -37,8 +37,29 @@ class IncompleteChainError(CheckpointError):
 
 
 @dataclass(frozen=True)
+class SharedFile:
+    """A file several checkpoints may refer to (an SST file of an incremental RocksDB
+    checkpoint): path relative to the storage root, size and sha256 of its bytes."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "bytes": self.bytes, "sha256": self.sha256}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "SharedFile":
+        return SharedFile(str(d["path"]), int(d["bytes"]), str(d["sha256"]))
+
+
+@dataclass(frozen=True)
 class StateFileRef:
-    """One written state file: rows of one keyed operator subtask captured at ``epoch``."""
+    """One written state file: rows of one keyed operator subtask captured at ``epoch``.
+
+    ``format`` is ``parquet`` (a file of rows) or ``rocksdb`` (``path`` is the handle of an
+    incremental RocksDB checkpoint and ``shared`` the SST files it needs, some uploaded by
+    earlier epochs; ``new_bytes`` is what this capture uploaded)."""
 
     operator: str
     subtask: int
@@ -49,9 +70,26 @@ class StateFileRef:
     rows: int
     bytes: int
     sha256: str
+    format: str = "parquet"
+    shared: tuple[SharedFile, ...] = ()
+    new_bytes: int | None = None
+
+    @property
+    def written(self) -> int:
+        """Bytes this capture wrote (the whole file, or the new SST files and the handle)."""
+        return self.bytes if self.new_bytes is None else self.new_bytes
+
+    def paths(self) -> list[str]:
+        """Every file this reference needs: the file itself and the shared files."""
+        return [self.path, *(f.path for f in self.shared)]
 
     def to_json(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.format != "parquet":
+            extra = {"format": self.format, "shared": [f.to_json() for f in self.shared],
+                     "new_bytes": self.written}
         return {
+            **extra,
             "operator": self.operator,
             "subtask": self.subtask,
             "epoch": self.epoch,
@@ -67,7 +105,9 @@ class StateFileRef:
     def from_json(d: dict[str, Any]) -> "StateFileRef":
         return StateFileRef(
             d["operator"], int(d["subtask"]), int(d["epoch"]), d["path"], tuple(d["key_group_range"]),
-            bool(d["full"]), int(d["rows"]), int(d["bytes"]), d["sha256"],
+            bool(d["full"]), int(d["rows"]), int(d["bytes"]), d["sha256"], str(d.get("format", "parquet")),
+            tuple(SharedFile.from_json(f) for f in d.get("shared", ())),
+            None if d.get("new_bytes") is None else int(d["new_bytes"]),
         )
 
 

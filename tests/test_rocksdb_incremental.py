@@ -1,0 +1,140 @@
+"""Incremental RocksDB checkpoints (``backends/rocksdb_checkpoint.py``): SST files uploaded once,
+shared by the checkpoints that need them, collected when none does, verified on restore.
+
+Exactly-once under failures (kills, fail points around the manifest, writers dying mid-upload)
+is in ``test_exactly_once.py::test_exactly_once_with_incremental_rocksdb_checkpoints``; rescaling
+from such a checkpoint in ``test_rescale.py::test_rescale_from_an_incremental_rocksdb_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+
+from epochstream.backends import open_storage, rocksdb_checkpoint
+from epochstream.backends.local import LocalCheckpointStorage
+from epochstream.backends.rocksdb_state import RocksDBKeyedState
+from epochstream.cli import build_parser
+from epochstream.runtime.state import ValueStateDescriptor
+from epochstream.snapshot.manifest import CheckpointError, StateFileRef
+from pipelines import ROCKSDB_TEST_DIR, check_running_counts, committed_output, running_count, sim_run, without_fsync
+
+N = 600
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_fsync():
+    with without_fsync():
+        yield
+
+
+def _rocks_refs(m: dict) -> list[StateFileRef]:
+    return [StateFileRef.from_json(f) for op in m["operators"].values() for f in op["files"]
+            if f.get("format") == "rocksdb"]
+
+
+def _job(tmp_path: Path, **knobs):
+    p = running_count(n=N, keys=11, out=tmp_path / "out", emit_ids=True, parallelism=2,
+                      state_backend_type="rocksdb", **knobs)
+    p.checkpoint.num_retained = 2
+    return p
+
+
+def test_sst_files_are_shared_between_epochs_and_collected_when_no_checkpoint_needs_them(tmp_path):
+    p = _job(tmp_path)
+    result = sim_run(p, tmp_path / "chk", seed=4)
+    assert len(result.completed_epochs) >= 6
+    assert check_running_counts(committed_output(tmp_path / "out" / "counts"), set(range(N))) == []
+    storage = LocalCheckpointStorage(tmp_path / "chk")
+    epochs = storage.list_checkpoints()
+    assert len(epochs) == 2, "retention keeps num_retained checkpoints"
+    manifests = [storage.load_manifest(e)[0] for e in epochs]
+    shared = [{f.path for r in _rocks_refs(m) for f in r.shared} for m in manifests]
+    assert shared[0] and shared[1]
+    assert shared[0] & shared[1], "consecutive checkpoints share SST files"
+    newest = _rocks_refs(manifests[1])
+    # the newest epoch uploaded less than it refers to: the rest was uploaded by earlier epochs
+    assert sum(r.written for r in newest) < sum(r.bytes + sum(f.bytes for f in r.shared) for r in newest)
+    # garbage collection: every SST file on disk is named by a retained checkpoint
+    on_disk = {s.relative_to(storage.root).as_posix() for s in storage.root.rglob("*.sst")}
+    assert on_disk == shared[0] | shared[1]
+    # and the files of the newest checkpoint give the committed state back
+    counts = collections.Counter()
+    for _kg, kb, _name, vb in storage.read_operator_rows(manifests[1], storage.root, "count"):
+        counts[pickle.loads(kb)] = pickle.loads(vb)
+    assert sum(counts.values()) == N
+
+
+def test_no_incremental_writes_rows_instead_of_sst_files(tmp_path):
+    sim_run(_job(tmp_path, incremental=False), tmp_path / "chk", seed=4)
+    m, _root = LocalCheckpointStorage(tmp_path / "chk").latest()
+    assert not _rocks_refs(m) and all(f["full"] for f in m["operators"]["count"]["files"])
+    assert not list((tmp_path / "chk").rglob("*.sst"))
+
+
+def test_cli_flag_switches_incremental_checkpoints():
+    ap = build_parser()
+    assert ap.parse_args(["run", "x:y", "--no-incremental"]).incremental is False
+    assert ap.parse_args(["run", "x:y", "--incremental"]).incremental is True
+    assert ap.parse_args(["run", "x:y"]).incremental is None
+
+
+def _one_checkpoint(tmp_path: Path) -> tuple[LocalCheckpointStorage, dict, StateFileRef]:
+    storage = LocalCheckpointStorage(tmp_path / "chk")
+    b = RocksDBKeyedState("op", lambda k: k % 16, (0, 15), local_dir=ROCKSDB_TEST_DIR, sst_incremental=True)
+    h = b.handle(ValueStateDescriptor("v"))
+    for k in range(500):
+        b.keys.key = k
+        h.update(k * 2)
+    kc = b.capture(1)
+    ref = storage.pre_commit("op", 0, 1, "t", kc.rows, kc.key_group_range, kc.full)
+    b.close()
+    return storage, {"operators": {"op": {"files": [ref.to_json()]}}}, ref
+
+
+def test_a_damaged_or_missing_sst_file_is_named(tmp_path):
+    storage, m, ref = _one_checkpoint(tmp_path)
+    rows = list(storage.read_operator_rows(m, storage.root, "op"))
+    assert sorted(pickle.loads(r[1]) for r in rows) == list(range(500))
+    assert {pickle.loads(r[3]) for r in rows if pickle.loads(r[1]) == 7} == {14}
+    sst = storage.root / ref.shared[0].path
+    data = sst.read_bytes()
+    sst.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    with pytest.raises(CheckpointError, match=re.escape(str(sst)) + ".*sha256"):
+        list(storage.read_operator_rows(m, storage.root, "op"))
+    sst.unlink()
+    with pytest.raises(CheckpointError, match=re.escape(str(sst)) + " of operator 'op' .*is missing"):
+        list(storage.read_operator_rows(m, storage.root, "op"))
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_key_group_filter_reads_only_the_requested_range(tmp_path, monkeypatch, in_process):
+    """In a process that uses RocksDB, and through the reader process in one that does not (a
+    job master: it forks workers later); a read stopped early leaves the reader ready for the next."""
+    storage, m, _ref = _one_checkpoint(tmp_path)
+    monkeypatch.setattr(rocksdb_checkpoint, "_USED_HERE", in_process)
+    rows = list(storage.read_operator_rows(m, storage.root, "op", (4, 6)))
+    assert rows and {r[0] for r in rows} == {4, 5, 6}
+    assert sorted(pickle.loads(r[1]) for r in rows) == [k for k in range(500) if 4 <= k % 16 <= 6]
+    it = iter(storage.read_operator_rows(m, storage.root, "op"))
+    assert [next(it)[0] for _ in range(3)] == [0, 0, 0]
+    it.close()  # type: ignore[attr-defined]
+    assert len(list(storage.read_operator_rows(m, storage.root, "op"))) == 500
+
+
+def test_incremental_rocksdb_checkpoints_on_s3(s3_url, tmp_path):
+    """The same files on S3 (moto's server): shared SST objects under ``shared/``, restore from them."""
+    p = _job(tmp_path)
+    sim_run(p, s3_url, seed=5, duration=0.004)
+    storage = open_storage(s3_url)
+    m, root = storage.latest()
+    refs = _rocks_refs(m)
+    assert refs and all(f.path.startswith("shared/") and f.path.endswith(".sst") for r in refs for f in r.shared)
+    consumed = sum(m["sources"]["src"]["offsets"].values())
+    assert 0 < consumed < N
+    sim_run(_job(tmp_path), s3_url + "-2", seed=6, restore=str(storage.checkpoint_dir(m["epoch"])))
+    assert check_running_counts(committed_output(tmp_path / "out" / "counts"), set(range(N))) == []
