@@ -138,3 +138,15 @@ def test_incremental_rocksdb_checkpoints_on_s3(s3_url, tmp_path):
     assert 0 < consumed < N
     sim_run(_job(tmp_path), s3_url + "-2", seed=6, restore=str(storage.checkpoint_dir(m["epoch"])))
     assert check_running_counts(committed_output(tmp_path / "out" / "counts"), set(range(N))) == []
+
+
+def test_the_local_driver_refuses_rocksdb_in_a_process_that_already_opened_one(tmp_path, monkeypatch):
+    """RocksDB's background threads do not survive fork: workers forked from a process that
+    opened a DB hang on their own DBs. A clear error instead of workers that stop heartbeating."""
+    from epochstream.runtime.errors import ConfigurationError
+
+    monkeypatch.setattr(rocksdb_checkpoint, "_USED_HERE", True)
+    p = running_count(n=50, out=tmp_path / "out", parallelism=2, state_backend_type="rocksdb")
+    with pytest.raises(ConfigurationError, match="do not survive fork.*fresh process"):
+        p.run(deployment="local", checkpoint_dir=str(tmp_path / "chk"))
+    assert not (tmp_path / "out").exists()  # nothing started

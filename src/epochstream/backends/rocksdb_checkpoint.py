@@ -67,6 +67,12 @@ def mark_used() -> None:
     _USED_HERE = True
 
 
+def used_here() -> bool:
+    """Has this process opened a RocksDB DB? Then a process it forks cannot use RocksDB: the
+    library's background threads do not survive ``fork``, and the child's DB waits for them."""
+    return _USED_HERE
+
+
 class UploadMap:
     """Local SST file name -> its upload, for one DB: shared by the backend (which empties it
     when the next capture must be full) and its captures' uploads (which fill it)."""

@@ -20,6 +20,7 @@ import signal
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..backends.rocksdb_checkpoint import used_here as rocksdb_used_here
 from ..runtime.errors import ConfigurationError
 from .cluster import ClusterDriver, WorkerGroup
 from .failures import Failover
@@ -85,6 +86,13 @@ class LocalDriver(ClusterDriver):
         super().__init__(pipeline, storage, seed, failures, parallelism, savepoint_dir=savepoint_dir,
                          stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start)
         self._ctx = mp.get_context("fork")
+        if getattr(pipeline.checkpoint, "state_backend_type", "hashmap") == "rocksdb" and rocksdb_used_here():
+            raise ConfigurationError(
+                "state_backend_type='rocksdb' on the local driver, in a process that has already opened a RocksDB "
+                "DB (a simulator run, or a query of RocksDB state in this process): the local driver forks its "
+                "workers, and RocksDB's background threads do not survive fork, so the workers' DBs would hang. "
+                "Run the job from a fresh process (e.g. `epochstream run`), or use state_backend_type='hashmap' "
+                "for the in-process run")
 
     def launch(self, restored, attempt: str) -> LocalGroup:
         p = self.plan.parallelism
