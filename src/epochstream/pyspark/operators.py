@@ -781,6 +781,7 @@ class ApplyInPandasWithState(_Keyed):
         import heapq
 
         self._open_common(ctx)
+        self._gs_fields: tuple[tuple[int, int], dict[str, Any]] | None = None
         self._state = ctx.state(ValueStateDescriptor(GROUP_STATE))
         self._heap: list[tuple[int, int, Any]] = []
         self._seq = 0
@@ -864,24 +865,14 @@ class ApplyInPandasWithState(_Keyed):
 
         stored = self._state.value()
         value, old_timeout = stored if stored is not None else (None, GroupState.NO_TIMESTAMP)
-        watermark = self.watermark_ms if self.event_time is not None else GroupState.NO_TIMESTAMP
-        gs = GroupState(
-            # pyspark annotates Row, but an undefined state (defined=False) holds None, as Spark's
-            # own serializer passes it (pyspark/sql/pandas/serializers.py, construct_state)
-            optionalValue=(group_state_row(value, self.state_schema)  # type: ignore[arg-type]
-                           if value is not None else None),
-            batchProcessingTimeMs=self.batch_time_ms,
-            eventTimeWatermarkMs=watermark,
-            timeoutConf=self.timeout_conf,
-            hasTimedOut=timed_out,
-            watermarkPresent=self.event_time is not None,
-            defined=value is not None,
-            updated=False,
-            removed=False,
-            timeoutTimestamp=GroupState.NO_TIMESTAMP,
-            keyAsUnsafe=b"",
-            valueSchema=self.state_schema,
-        )
+        gs = GroupState.__new__(GroupState)
+        fields = gs.__dict__
+        fields.update(self._group_state_fields())
+        if value is not None:
+            fields["_value"] = group_state_row(value, self.state_schema)
+            fields["_defined"] = True
+        if timed_out:
+            fields["_has_timed_out"] = True
         result = self.func(key, data, gs)
         records = [] if result is None else take_frames(result, self.output_schema, self._arrow_out,
                                                         self.label)
@@ -906,6 +897,38 @@ class ApplyInPandasWithState(_Keyed):
                 self._push(new_timeout, key)
 
         return records
+
+    def _group_state_fields(self) -> dict[str, Any]:
+        """The attributes PySpark's own ``GroupState.__init__`` gives an undefined, not timed
+        out state at the current batch time and watermark; ``_call`` copies them into each
+        key's GroupState (then sets the value), instead of running ``__init__`` per key. Made
+        by ``__init__`` itself once per batch time and watermark, so they are its own."""
+        from pyspark.sql.streaming.state import GroupState
+
+        watermark = self.watermark_ms if self.event_time is not None else GroupState.NO_TIMESTAMP
+        at = (self.batch_time_ms, watermark)
+        cached = self._gs_fields
+        if cached is not None and cached[0] == at:
+            return cached[1]
+        gs = GroupState(
+            # pyspark annotates Row, but an undefined state (defined=False) holds None, as Spark's
+            # own serializer passes it (pyspark/sql/pandas/serializers.py, construct_state)
+            optionalValue=None,  # type: ignore[arg-type]
+            batchProcessingTimeMs=self.batch_time_ms,
+            eventTimeWatermarkMs=watermark,
+            timeoutConf=self.timeout_conf,
+            hasTimedOut=False,
+            watermarkPresent=self.event_time is not None,
+            defined=False,
+            updated=False,
+            removed=False,
+            timeoutTimestamp=GroupState.NO_TIMESTAMP,
+            keyAsUnsafe=b"",
+            valueSchema=self.state_schema,
+        )
+        fields = dict(gs.__dict__)
+        self._gs_fields = (at, fields)
+        return fields
 
     def on_timer(self, timestamp: float, ctx) -> list[dict]:
         """Job-wide event time passed the current key's timeout ``timestamp`` (timestamped sources)."""
