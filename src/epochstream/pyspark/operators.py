@@ -32,7 +32,9 @@ then the maximum over its own keys (see docs/PYSPARK.md).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -103,6 +105,22 @@ def initial_table(data: Any, key_columns: tuple[str, ...], label: str) -> Any:
         raise SchemaError(f"initial_state of {label} lacks the grouping column(s) {missing} "
                           f"(its columns: {table.column_names})")
     return table
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a micro-batch's calls run (on again after,
+    if it was on). Each call makes a few hundred short-lived objects (the user's frames,
+    GroupStates, Rows) while thousands of the micro-batch's frames are alive, so generation-0
+    and -1 collections kept rescanning them: about a quarter of the CPU of a bound at 10,000
+    keys. Nothing is lost: cycles made meanwhile are collected after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _wall_clock_ms() -> int:
@@ -620,16 +638,17 @@ class TransformWithState(_Keyed):
         handle_rows = self.processor.handleInputRows
         self.phase = "INITIALIZED"
         pandas = self.rows == "pandas"
-        for key, parts in self._by_key(segments).items():
-            ctx.set_current_key(key)
-            if pandas:
-                data: Iterator[Any] = iter(self._frames(parts))
-            else:
-                data = iter([Row(**r) for rows in parts for r in rows])
-            result = handle_rows(key, data, tv)
-            if result is not None:
-                out.extend(self._outputs(result, "handleInputRows"))
-        self._fire_timers(out)
+        with _collector_paused():
+            for key, parts in self._by_key(segments).items():
+                ctx.set_current_key(key)
+                if pandas:
+                    data: Iterator[Any] = iter(self._frames(parts))
+                else:
+                    data = iter([Row(**r) for rows in parts for r in rows])
+                result = handle_rows(key, data, tv)
+                if result is not None:
+                    out.extend(self._outputs(result, "handleInputRows"))
+            self._fire_timers(out)
         return out
 
     def on_epoch_end(self, epoch: int, ctx) -> Any:
@@ -841,11 +860,12 @@ class ApplyInPandasWithState(_Keyed):
         timeouts of keys without data, as Spark runs a micro-batch."""
         self.batch_time_ms = self._now(ctx)
         out: list[Any] = []
-        per_key = self._by_key(segments)
-        for key, parts in per_key.items():
-            ctx.set_current_key(key)
-            out.extend(self._call(key, iter(self._frames(parts)), timed_out=False))
-        self._time_out(out, skip=per_key)
+        with _collector_paused():
+            per_key = self._by_key(segments)
+            for key, parts in per_key.items():
+                ctx.set_current_key(key)
+                out.extend(self._call(key, iter(self._frames(parts)), timed_out=False))
+            self._time_out(out, skip=per_key)
         return out
 
     def on_epoch_end(self, epoch: int, ctx) -> Any:
