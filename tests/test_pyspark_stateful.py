@@ -855,6 +855,32 @@ def test_frames_of_many_calls_convert_together_as_each_alone(picks):
     assert outcome(together) == outcome(alone)
 
 
+def test_each_keys_frame_is_its_rows_alone_with_a_0_based_index():
+    """``pandas_groups`` hands each key a view of one pandas conversion of the sorted batch:
+    equal to ``iloc[...].reset_index(drop=True)`` of it, and a key's frame changed in place
+    (or given a column) leaves every other key's frame as it was."""
+    from epochstream.pyspark.schema import pandas_groups, row_slicer
+
+    batch = pa.RecordBatch.from_pylist([{"k": i % 3, "v": float(i), "s": f"r{i}"} for i in range(10)])
+    groups = pandas_groups(batch, ["k"], None, "test")
+    assert [k for k, _ in groups] == [(0,), (1,), (2,)]
+    for (k,), pdf in groups:
+        want = pd.DataFrame({"k": [k] * len(range(k, 10, 3)), "v": [float(i) for i in range(k, 10, 3)],
+                             "s": [f"r{i}" for i in range(k, 10, 3)]})
+        pd.testing.assert_frame_equal(pdf, want)
+    first, second = groups[0][1], groups[1][1]
+    first["v"] += 100.0
+    first.loc[0, "s"] = "changed"
+    first["extra"] = 1
+    assert second["v"].tolist() == [1.0, 4.0, 7.0] and second["s"].tolist() == ["r1", "r4", "r7"]
+    assert list(second.columns) == ["k", "v", "s"]
+
+    df = pd.DataFrame({"a": range(6), "b": list("uvwxyz")})
+    cut = row_slicer(df)
+    for start, stop in [(0, 0), (0, 6), (2, 5), (5, 6)]:
+        pd.testing.assert_frame_equal(cut(start, stop), df.iloc[start:stop].reset_index(drop=True))
+
+
 def test_ddl_schemas_parse_without_a_jvm():
     assert parse_schema("a long, b string").simpleString() == "struct<a:bigint,b:string>"
     assert parse_schema("long").simpleString() == "bigint"

@@ -8,8 +8,9 @@ pandas through Arrow, as PySpark's Arrow serializers move them between the JVM a
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from pyspark.sql.types import (
     ArrayType,
@@ -263,11 +264,30 @@ def state_tuple(value: Any, schema: StructType, what: str) -> tuple:
     tuples too (so checkpoints hold plain Python), normalised through the schema."""
     if value is None:
         raise SchemaError(f"{what}: a state value cannot be None (Spark: ILLEGAL_STATE_STORE_VALUE.NULL_VALUE)")
+    t = type(value)
+    if (t is Row or t is tuple) and len(value) == len(schema.fields) and "__fields__" not in getattr(
+            value, "__dict__", ()) and all(type(x) in _PLAIN for x in value) and _atomic_fields(schema):
+        # what GroupState.update stores (an unnamed Row of plain values) for a schema of scalars:
+        # _plain would give the same tuple, at about 25 us a call
+        return tuple(value)
     if not isinstance(value, (tuple, list, dict, Row)) and not hasattr(value, "__dict__"):
         raise SchemaError(f"{what}: state values are tuples matching {schema.simpleString()}, "
                           f"got {type(value).__name__}")
     plain: tuple = _plain(value, schema, what)
     return plain
+
+
+#: scalar types ``_plain`` passes through unchanged
+_PLAIN = frozenset({int, float, str, bool, bytes, type(None)})
+
+
+def _atomic_fields(schema: StructType) -> bool:
+    """Whether no field of ``schema`` is a struct, array or map (cached on the schema object)."""
+    flag = schema.__dict__.get("_epochstream_atomic")
+    if flag is None:
+        flag = not any(isinstance(f.dataType, (StructType, ArrayType, MapType)) for f in schema.fields)
+        schema.__dict__["_epochstream_atomic"] = flag
+    return bool(flag)
 
 
 def state_value(stored: tuple, schema: StructType) -> tuple:
@@ -281,6 +301,10 @@ def state_value(stored: tuple, schema: StructType) -> tuple:
 def group_state_row(stored: tuple, schema: StructType) -> Any:
     """A stored ``GroupState`` value as Spark's ``state.get`` returns it: a ``Row`` of the
     state schema with named fields, nested structs as ``Row``s too."""
+    if _atomic_fields(schema):  # Row(**dict(zip(names, stored))) without the dict
+        row = tuple.__new__(Row, stored)
+        row.__fields__ = schema.names[:]
+        return row
     return _spark(stored, schema)
 
 
@@ -401,15 +425,38 @@ def pandas_groups(batch: Any, key_columns: Sequence[str], schema: Any, what: str
     out: list[tuple[tuple, Any]] = []
     start = 0
     if all(c.null_count == 0 for c in data.columns):
-        df = spark_pandas(data)
+        cut = row_slicer(spark_pandas(data))
         for code, end in zip(values, ends, strict=True):
-            out.append((keys[code], df.iloc[start:end].reset_index(drop=True)))
+            out.append((keys[code], cut(start, end)))
             start = end
     else:
         for code, end in zip(values, ends, strict=True):
             out.append((keys[code], spark_pandas(data.slice(start, end - start))))
             start = end
     return out
+
+
+def row_slicer(df: Any) -> Callable[[int, int], Any]:
+    """``cut(start, stop)``: rows ``start:stop`` of ``df`` as a DataFrame of their own with a
+    0-based RangeIndex, what ``df.iloc[start:stop].reset_index(drop=True)`` gives, as views of
+    ``df``'s blocks (the groups of a batch do not overlap, so no copy is needed). Through the
+    block manager where pandas has one: ``iloc`` and ``reset_index`` cost about 4x more per
+    key, which at 10K keys a micro-batch was a fifth of each call."""
+    import pandas as pd
+
+    mgr = getattr(df, "_mgr", None)
+    from_mgr = getattr(pd.DataFrame, "_from_mgr", None)
+    if mgr is None or from_mgr is None or not hasattr(mgr, "get_slice") or not hasattr(mgr, "set_axis") \
+            or mgr.ndim != 2:
+        return lambda start, stop: df.iloc[start:stop].reset_index(drop=True)
+    get_slice, range_index = mgr.get_slice, pd.RangeIndex
+
+    def cut(start: int, stop: int) -> Any:
+        part = get_slice(slice(start, stop), axis=1)
+        part.set_axis(1, range_index(stop - start))
+        return from_mgr(part, axes=part.axes)
+
+    return cut
 
 
 def frames_to_records(frames: Iterable[Any], schema: StructType, arrow_out, what: str) -> list[dict]:
@@ -465,21 +512,35 @@ def take_frames(frames: Iterable[Any], schema: StructType, arrow_out, what: str)
     import pandas as pd
 
     out: list[Any] = []
-    names = schema.names
+    names = tuple(schema.names)
     for df in frames:
         if not isinstance(df, pd.DataFrame):
             raise SchemaError(f"{what} must yield pandas DataFrames, got {type(df).__name__}")
         if len(df) == 0:
             continue
+        layout = _layout(df)
+        try:
+            named = _named_columns(layout[0], names)
+        except TypeError:  # an unhashable label
+            named = False
+        if named:
+            out.append(Frame(df, schema, what, layout))
+            continue
         labels = df.columns
         if all(isinstance(c, str) for c in labels) and labels.is_unique:
             missing = [n for n in names if n not in labels]
-            if missing:
-                raise SchemaError(f"{what}: output frame lacks column(s) {missing} of schema {schema.simpleString()}")
-            out.append(Frame(df, schema, what, _layout(df)))
-        else:
-            out.extend(frames_to_batches([df], schema, arrow_out, what))
+            raise SchemaError(f"{what}: output frame lacks column(s) {missing} of schema {schema.simpleString()}")
+        out.extend(frames_to_batches([df], schema, arrow_out, what))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _named_columns(labels: tuple, names: tuple) -> bool:
+    """Whether a frame with column ``labels`` matches the schema ``names`` by name: string
+    labels, each once, every name among them. Cached: a function yields frames of the same
+    columns call after call."""
+    return all(isinstance(c, str) for c in labels) and len(set(labels)) == len(labels) \
+        and all(n in labels for n in names)
 
 
 def _layout(df: Any) -> tuple:
@@ -507,7 +568,12 @@ def batches_of(items: list[Any], arrow_out) -> list[Any]:
     run: list[Frame] = []
 
     def flush() -> None:
-        if len(run) > 1:
+        if len(run) > 1 and _numpy_layout(run[0].layout):
+            try:
+                out.append(_stack_frames(run, arrow_out))
+            except SchemaError:
+                out.extend(_frame_batch(f.df, f.schema, arrow_out, f.what) for f in run)
+        elif len(run) > 1:
             with warnings.catch_warnings():  # all-NA columns: the dtype is the schema's anyway
                 warnings.simplefilter("ignore", FutureWarning)
                 merged = pd.concat([f.df for f in run], ignore_index=True, copy=False)
@@ -529,6 +595,36 @@ def batches_of(items: list[Any], arrow_out) -> list[Any]:
             out.append(it)
     flush()
     return out
+
+
+def _numpy_layout(layout: tuple) -> bool:
+    """Whether every column of a ``Frame.layout`` is a plain numpy dtype (no extension types)."""
+    import numpy as np
+
+    return all(type(d) is not object and isinstance(d, np.dtype) for d in layout[1])
+
+
+def _stack_frames(run: list[Frame], arrow_out) -> Any:
+    """Frames of one numpy layout -> one RecordBatch: each schema column's values of all the
+    frames joined with ``numpy.concatenate`` and converted once, as ``pd.concat`` then
+    ``_frame_batch`` would (same dtypes, so the same values), without ``pd.concat``'s per-frame
+    index and block work, which at one one-row frame per key cost about as much as the call."""
+    import numpy as np
+    import pyarrow as pa
+
+    first = run[0]
+    labels = first.layout[0]
+    at = [labels.index(n) for n in first.schema.names]
+    try:
+        columns = [[f.df._mgr.iget_values(i) for f in run] for i in at]
+    except AttributeError:  # a pandas without the block manager accessor
+        columns = [[f.df.iloc[:, i].to_numpy() for f in run] for i in at]
+    try:
+        arrays = [pa.array(np.concatenate(parts), type=field.type, from_pandas=True, safe=True)
+                  for parts, field in zip(columns, arrow_out, strict=True)]
+        return pa.RecordBatch.from_arrays(arrays, schema=arrow_out)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as exc:
+        raise SchemaError(f"{first.what}: output does not fit schema {first.schema.simpleString()}: {exc}") from exc
 
 
 def _frame_batch(df: Any, schema: StructType, arrow_out, what: str) -> Any:
