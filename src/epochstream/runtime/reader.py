@@ -152,9 +152,7 @@ class SplitReader:
                     return [(None, records, offset)]
                 if self.watermarks is not None:
                     self.watermarks.touched(split, now)
-                    if self.late_output:
-                        return self._runs_with_late(split, offset, records)
-                    return self._bounded_runs(split, offset, records)
+                    return self._bounded_runs(split, offset, records, bool(self.late_output))
                 return self._runs(split, offset, records)
         return []
 
@@ -209,9 +207,12 @@ class SplitReader:
         self._split_label[split] = last
         return runs
 
-    def _bounded_runs(self, split: int, offset: int, records: list[Any]) -> list[Run]:
+    def _bounded_runs(self, split: int, offset: int, records: list[Any], side: bool = False) -> list[Run]:
         """Runs of one label of the records that are not late (bounded out-of-orderness),
-        as slices of ``records`` between label changes and late records."""
+        as slices of ``records`` between label changes and late records. ``side`` (a late
+        side output): a late record goes on as a run of its own, wrapped in ``LateRecord``
+        and labelled with the lowest label not yet promised for the split (its bound, or one
+        above the reader's promise), so no promise is broken; else it is dropped and counted."""
         wm = self.watermarks
         assert wm is not None and self.slack is not None
         slack, promised = self.slack, self.time_promised
@@ -225,9 +226,13 @@ class SplitReader:
             ts = self._checked_timestamp(split, offset + i, r)
             label = int(ts // slack)
             if label <= floor:
-                late += 1
                 if run_label is not None and i > start:
                     runs.append((run_label, records[start:i], offset + start))
+                if side:
+                    runs.append((floor + 1, [LateRecord(r)], offset + i))
+                    self.late_sent += 1
+                else:
+                    late += 1
                 start, run_label = i + 1, None
                 continue
             if ts > newest:
@@ -242,41 +247,6 @@ class SplitReader:
         if run_label is not None and len(records) > start:
             runs.append((run_label, records[start:], offset + start))
         wm.advance(split, newest, late)
-        return runs
-
-    def _runs_with_late(self, split: int, offset: int, records: list[Any]) -> list[Run]:
-        """As ``_bounded_runs``, but a late record goes on as a run of its own: wrapped in
-        ``LateRecord``, labelled with the lowest label not yet promised for the split (its
-        bound, or one above the reader's promise), so no promise is broken."""
-        wm = self.watermarks
-        assert wm is not None and self.slack is not None
-        slack, promised = self.slack, self.time_promised
-        floor = max(wm.bound(split) - 1, promised)
-        newest, delay = wm.max_ts[split], wm.max_delay
-        runs: list[Run] = []
-        start, run_label = 0, None
-        for i, r in enumerate(records):
-            ts = self._checked_timestamp(split, offset + i, r)
-            label = int(ts // slack)
-            if label <= floor:
-                if run_label is not None and i > start:
-                    runs.append((run_label, records[start:i], offset + start))
-                runs.append((floor + 1, [LateRecord(r)], offset + i))
-                self.late_sent += 1
-                start, run_label = i + 1, None
-                continue
-            if ts > newest:
-                newest = ts
-                b = int((ts - delay) // slack) - 1
-                if b > floor:
-                    floor = b
-            if label != run_label:
-                if run_label is not None and i > start:
-                    runs.append((run_label, records[start:i], offset + start))
-                run_label, start = label, i
-        if run_label is not None and len(records) > start:
-            runs.append((run_label, records[start:], offset + start))
-        wm.advance(split, newest, 0)
         return runs
 
     def _timestamp(self, record: Any) -> Any:
