@@ -182,8 +182,9 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
                          "offer its parallelism in barrier task slots before the job fails (0: fail at once; "
                          "like Flink's slot.request.timeout; default 300)")
     ap.add_argument("--aligned-timeout", type=_number(float, 0), metavar="SECONDS",
-                    help="epochs start aligned; a task aligning longer switches to unaligned for that epoch "
-                         "(Flink's execution.checkpointing.aligned-checkpoint-timeout; --mode aligned or unaligned)")
+                    help="epochs start aligned; a task whose epoch waits longer (from the first marker it sees "
+                         "queued) switches to unaligned for that epoch (Flink's "
+                         "execution.checkpointing.aligned-checkpoint-timeout; --mode aligned or unaligned)")
     ap.add_argument("--mode", metavar="MODE",
                     help="one of: aligned, tracker, unaligned, at-least-once (aligned: barrier alignment, the "
                          "default; tracker: trAcker firm bounds; unaligned: markers overtake queued records, "
