@@ -227,13 +227,11 @@ def _entries_here(folder: str, lo: int, hi: int, what: str) -> Iterator[tuple[by
     """(DB key, DB value) of key groups lo..hi, read in this process (which uses RocksDB anyway)."""
     import rocksdict as rd
 
-    opts = rd.Options(raw_mode=True)
-    table = rd.BlockBasedOptions()
-    table.set_block_cache(rd.Cache(8 << 20))
-    opts.set_block_based_table_factory(table)
+    from .rocksdb_reader import open_read_only
+
     db: Any
     try:
-        db = rd.Rdict(folder, opts, access_type=rd.AccessType.read_only())
+        db = open_read_only(rd, folder)
     except Exception as exc:
         raise CheckpointError(f"{what} cannot be opened: {exc}") from exc
     try:
