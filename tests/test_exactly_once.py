@@ -761,19 +761,24 @@ def _sst_uploads_die(at: frozenset[int]):
             if calls[0] not in at:
                 return real(store, root, *args, **kwargs)
             puts = [0]
-            real_put = store.put
+            real_put, real_put_file = store.put, store.put_file
 
-            def put(loc, data):
-                puts[0] += 1
-                if puts[0] > 1:
-                    raise OSError(f"injected: writer killed during upload {calls[0]}")
-                real_put(loc, data)
+            def dying(write):
+                def wrapped(loc, data):
+                    puts[0] += 1
+                    if puts[0] > 1:
+                        raise OSError(f"injected: writer killed during upload {calls[0]}")
+                    write(loc, data)
+                return wrapped
 
-            mp.setattr(store, "put", put)
+            # SST files go through put_file (streamed), the handle through put
+            mp.setattr(store, "put", dying(real_put))
+            mp.setattr(store, "put_file", dying(real_put_file))
             try:
                 return real(store, root, *args, **kwargs)
             finally:
                 mp.setattr(store, "put", real_put)
+                mp.setattr(store, "put_file", real_put_file)
 
         mp.setattr(rocksdb_checkpoint, "upload", upload)
 

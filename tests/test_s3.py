@@ -9,6 +9,7 @@ conditional manifest PUT are the production code paths.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,13 @@ import pytest
 
 from epochstream import FileSink
 from epochstream.backends import location, open_objects, open_storage
-from epochstream.backends.objects import METADATA, ObjectExistsError, StorageAccessError, StorageError
+from epochstream.backends.objects import (
+    METADATA,
+    ObjectExistsError,
+    ObjectMissingError,
+    StorageAccessError,
+    StorageError,
+)
 from epochstream.backends.s3 import S3CheckpointStorage, S3Objects, S3Options, S3Path
 from epochstream.backends.sinks import STAGING
 from epochstream.snapshot.manifest import FORMAT, FORMAT_VERSION, CheckpointError
@@ -284,6 +291,27 @@ def test_manifest_put_whose_response_is_lost_commits_exactly_once(s3_url, fault_
     assert wait_for(lambda: fault_proxy.count("PUT", "_metadata") == 2)
     assert sorted(s for meth, p, s, _a in fault_proxy.log if meth == "PUT" and "_metadata" in p) == [200, 412]
     assert {k: v for k, v in storage.load_manifest(7)[0].items() if k != "checksum"} == m
+
+
+def test_files_stream_whole_and_a_dropped_transfer_starts_again(s3_url, fault_proxy, tmp_path):
+    """``put_file``/``get_file`` (RocksDB's SST files, streamed rather than held in memory): a file
+    of several read chunks goes up and comes back whole, a dropped PUT or GET is sent again from
+    the file's start, and a missing object is named."""
+    store = S3Objects(s3_url, S3Options(endpoint_url=fault_proxy.url, **FAST))
+    src = tmp_path / "big.sst"
+    src.write_bytes(os.urandom(3 << 20))
+    fault_proxy.add(Fault("PUT", r"/big\.sst$", "reset", times=1))
+    fault_proxy.add(Fault("GET", r"/big\.sst$", "reset", times=1))
+    loc = store.root / "files" / "big.sst"
+    store.put_file(loc, src)
+    back = tmp_path / "back.sst"
+    back.write_bytes(b"stale bytes a retry must not keep")
+    store.get_file(loc, back)
+    assert back.read_bytes() == src.read_bytes()
+    assert fault_proxy.count("PUT", r"/big\.sst$", "reset") == 1
+    assert fault_proxy.count("GET", r"/big\.sst$", "reset") == 1
+    with pytest.raises(ObjectMissingError, match="none.sst does not exist"):
+        store.get_file(store.root / "files" / "none.sst", tmp_path / "none.sst")
 
 
 def test_missing_object_is_not_retried(s3_url, fault_proxy):

@@ -86,3 +86,23 @@ def test_storage_full_error_names_the_path_and_the_way_out(tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []  # neither the object nor its temporary file
     store.put(tmp_path / "x.bin", b"abc")  # space is free again
     assert (tmp_path / "x.bin").read_bytes() == b"abc"
+
+
+def test_a_streamed_file_on_a_full_device_leaves_nothing_and_goes_whole_once_space_is_free(tmp_path, monkeypatch):
+    """``put_file`` (RocksDB's SST files, copied in chunks) fails like ``put`` on a full device,
+    and once space is free the object is the file, byte for byte."""
+    src = tmp_path / "src" / "000012.sst"
+    src.parent.mkdir()
+    src.write_bytes(bytes(range(256)) * (3 * local_store.COPY_CHUNK // 256 + 7))  # several chunks
+    store = local_store.LocalObjects(tmp_path / "store")
+    dest = store.root / "shared" / "000012.sst"
+    monkeypatch.setattr(local_store, "open", _FullDevice(1, 2), raising=False)
+    with pytest.raises(StorageFullError, match=rf"000012\.sst \({src.stat().st_size} bytes\)"):
+        store.put_file(dest, src)
+    assert not dest.parent.exists() or list(dest.parent.iterdir()) == []
+    store.put_file(dest, src)
+    back = tmp_path / "back.sst"
+    store.get_file(dest, back)
+    assert back.read_bytes() == src.read_bytes() == dest.read_bytes()
+    with pytest.raises(local_store.ObjectMissingError, match="none.sst does not exist"):
+        store.get_file(dest.parent / "none.sst", tmp_path / "none.sst")

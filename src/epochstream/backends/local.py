@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 from ..snapshot.manifest import CheckpointError, StateFileRef
 from .base import Row
@@ -46,17 +46,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: bytes per read when a file is copied into the store (large files are never held whole)
+COPY_CHUNK = 1 << 20
+
 #: errors that mean the device or the quota is full
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _write_tmp(path: Path, data: bytes) -> Path:
-    """``data`` in a temporary file beside ``path``; a failed write (a full disk) removes it."""
+def _write_tmp(path: Path, data: bytes | BinaryIO) -> Path:
+    """``data`` (bytes, or a file read in chunks) in a temporary file beside ``path``; a failed
+    write (a full disk) removes it."""
     tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            f.write(data)
+            if isinstance(data, bytes):
+                f.write(data)
+            else:
+                shutil.copyfileobj(data, f, COPY_CHUNK)
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
@@ -64,7 +71,7 @@ def _write_tmp(path: Path, data: bytes) -> Path:
         if exc.errno not in _FULL:
             raise
         raise StorageFullError(
-            exc.errno, f"no space left writing {path} ({len(data)} bytes): {exc.strerror or exc}; free space on "
+            exc.errno, f"no space left writing {path} ({_size(data)} bytes): {exc.strerror or exc}; free space on "
                        f"its device (or raise the quota): completed checkpoints are intact, and the job resumes "
                        f"from the latest one once writes succeed") from exc
     except BaseException:
@@ -73,7 +80,11 @@ def _write_tmp(path: Path, data: bytes) -> Path:
     return tmp
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def _size(data: bytes | BinaryIO) -> int:
+    return len(data) if isinstance(data, bytes) else os.fstat(data.fileno()).st_size
+
+
+def atomic_write(path: Path, data: bytes | BinaryIO) -> None:
     """Write ``data`` so that ``path`` holds either nothing, the old bytes, or all new bytes."""
     tmp = _write_tmp(path, data)
     try:
@@ -107,6 +118,18 @@ class LocalObjects(ObjectStore):
 
     def put(self, loc: Path, data: bytes) -> None:
         atomic_write(loc, data)
+
+    def put_file(self, loc: Path, path: str | os.PathLike[str]) -> None:
+        with open(path, "rb") as f:
+            atomic_write(loc, f)
+
+    def get_file(self, loc: Path, path: str | os.PathLike[str]) -> None:
+        try:
+            shutil.copyfile(loc, path)
+        except FileNotFoundError:
+            if not loc.exists():
+                raise ObjectMissingError(f"{loc} does not exist") from None
+            raise
 
     def put_new(self, loc: Path, data: bytes) -> None:
         tmp = _write_tmp(loc, data)

@@ -116,6 +116,19 @@ class ObjectStore(ABC):
     def get(self, loc: Any) -> bytes:
         """The object's bytes; ``ObjectMissingError`` if there is none."""
 
+    def put_file(self, loc: Any, path: str | os.PathLike[str]) -> None:
+        """``put`` of a local file's bytes. Stores override it to stream, so that a large file
+        (a RocksDB SST file of 64 MB) is never held in memory whole."""
+        with open(path, "rb") as f:
+            self.put(loc, f.read())
+
+    def get_file(self, loc: Any, path: str | os.PathLike[str]) -> None:
+        """Copy the object into the local file ``path`` (streamed where the store can);
+        ``ObjectMissingError`` if there is none."""
+        data = self.get(loc)
+        with open(path, "wb") as f:
+            f.write(data)
+
     @abstractmethod
     def exists(self, loc: Any) -> bool:
         """Whether an object is stored under exactly ``loc``."""

@@ -130,6 +130,16 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _file_sha(path: str) -> tuple[int, str]:
+    """Size and sha256 of a local file, read in chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
 def upload(store: ObjectStore, root: Any, prefix: str, operator: str, subtask: int, epoch: int,
            capture: SstCapture, key_group_range: tuple[int, int]) -> StateFileRef:
     """Upload a capture's new SST files and its handle (``prefix`` is ``shared/<op>/<subtask>/e<epoch>-a<attempt>``)."""
@@ -143,17 +153,18 @@ def upload(store: ObjectStore, root: Any, prefix: str, operator: str, subtask: i
     private: dict[str, str] = {}
     new_bytes = 0
     for name in names:
-        with open(os.path.join(capture.path, name), "rb") as f:
-            data = f.read()
-        if not name.endswith(".sst"):
-            private[name] = base64.b64encode(data).decode("ascii")
+        path = os.path.join(capture.path, name)
+        if not name.endswith(".sst"):  # CURRENT, MANIFEST, OPTIONS: small, kept in the handle
+            with open(path, "rb") as f:
+                private[name] = base64.b64encode(f.read()).decode("ascii")
             continue
         ref = capture.uploads.get(name)
         if ref is None:
             rel = f"{prefix}-{capture.db_id}-{name}"
-            store.put(root / rel, data)
-            new_bytes += len(data)
-            ref = capture.uploads.add(name, SharedFile(rel, len(data), _sha(data)))
+            size, sha = _file_sha(path)
+            store.put_file(root / rel, path)  # streamed: an SST file is never held in memory whole
+            new_bytes += size
+            ref = capture.uploads.add(name, SharedFile(rel, size, sha))
         shared.append(ref)
         local[ref.path] = name
     handle = json.dumps({"format": HANDLE_FORMAT, "db": capture.db_id, "states": capture.states,
@@ -167,20 +178,21 @@ def upload(store: ObjectStore, root: Any, prefix: str, operator: str, subtask: i
                         format=FORMAT, shared=tuple(shared), new_bytes=new_bytes + len(handle))
 
 
-def _verified(store: ObjectStore, root: Any, ref: StateFileRef, f: SharedFile) -> bytes:
+def _download_verified(store: ObjectStore, root: Any, ref: StateFileRef, f: SharedFile, dest: str) -> None:
+    """Download a shared SST file to ``dest`` (streamed) and check its size and sha256."""
     path = root / f.path
     what = f"shared SST file {path} of operator {ref.operator!r} (epoch {ref.epoch})"
     try:
-        data = store.get(path)
+        store.get_file(path, dest)
     except FileNotFoundError:
         raise CheckpointError(f"{what} is missing") from None
-    if len(data) != f.bytes:
-        raise CheckpointError(f"{what} is damaged: expected {f.bytes} bytes, found {len(data)} (truncated or "
+    size, sha = _file_sha(dest)
+    if size != f.bytes:
+        raise CheckpointError(f"{what} is damaged: expected {f.bytes} bytes, found {size} (truncated or "
                               f"overwritten)")
-    if _sha(data) != f.sha256:
+    if sha != f.sha256:
         raise CheckpointError(f"{what} is damaged: its sha256 differs from the one the manifest recorded "
                               f"({f.sha256[:12]}...)")
-    return data
 
 
 def read_rows(store: ObjectStore, root: Any, ref: StateFileRef, handle_bytes: bytes,
@@ -212,8 +224,7 @@ def read_rows(store: ObjectStore, root: Any, ref: StateFileRef, handle_bytes: by
             if name is None:
                 raise CheckpointError(f"RocksDB checkpoint handle {root / ref.path} does not name the local file "
                                       f"of shared SST file {f_ref.path}")
-            with open(os.path.join(folder, os.path.basename(name)), "wb") as out:
-                out.write(_verified(store, root, ref, f_ref))
+            _download_verified(store, root, ref, f_ref, os.path.join(folder, os.path.basename(name)))
         what = f"RocksDB checkpoint {root / ref.path} of operator {ref.operator!r} (epoch {ref.epoch})"
         entries = _entries_here(folder, lo, hi, what) if _USED_HERE else _entries_apart(folder, lo, hi, what)
         for dbk, raw in entries:

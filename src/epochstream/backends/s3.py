@@ -253,6 +253,25 @@ class S3Objects(ObjectStore):
     def put(self, loc: S3Path, data: bytes) -> None:
         self._call("PUT", loc, lambda: self.client.put_object(Bucket=loc.bucket, Key=loc.key, Body=data))
 
+    def put_file(self, loc: S3Path, path: str | os.PathLike[str]) -> None:
+        def put() -> Any:
+            with open(path, "rb") as f:  # reopened per attempt: a retry sends the file from its start
+                return self.client.put_object(Bucket=loc.bucket, Key=loc.key, Body=f)
+
+        self._call("PUT", loc, put)  # one PutObject, streamed from the file: all or nothing, as ``put``
+
+    def get_file(self, loc: S3Path, path: str | os.PathLike[str]) -> None:
+        def fetch() -> None:
+            body = self.client.get_object(Bucket=loc.bucket, Key=loc.key)["Body"]
+            try:
+                with open(path, "wb") as f:  # a retry starts the file afresh
+                    for chunk in body.iter_chunks(1 << 20):  # checks the length, as read() does
+                        f.write(chunk)
+            finally:
+                body.close()
+
+        self._call("GET", loc, fetch)
+
     def put_new(self, loc: S3Path, data: bytes) -> None:
         try:
             self._call("conditional PUT", loc, lambda: self.client.put_object(
