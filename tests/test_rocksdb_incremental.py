@@ -158,3 +158,49 @@ def test_the_local_driver_refuses_rocksdb_in_a_process_that_already_opened_one(t
     with pytest.raises(ConfigurationError, match="do not survive fork.*fresh process"):
         p.run(deployment="local", checkpoint_dir=str(tmp_path / "chk"))
     assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_a_restore_opens_the_checkpoint_as_its_db_and_the_next_capture_uploads_only_new_files(tmp_path):
+    """Flink's RocksDB restore: the checkpoint's files become the DB (no rows re-inserted), key
+    groups outside the new range are deleted, and when the checkpoint is the job's own the files
+    are shared on: the first capture after the restore uploads only what was written since."""
+    storage, m, ref1 = _one_checkpoint(tmp_path)
+    assert storage.native_checkpoint(m, storage.root, "op", (0, 15)) is not None
+    # a range that the one file does not cover, or rows, are read as rows instead
+    assert storage.native_checkpoint({"operators": {"op": {"files": []}}}, storage.root, "op", (0, 15)) is None
+    assert storage.native_checkpoint(m, storage.root, "op", (8, 20)) is None
+
+    def restored(key_groups, reuse):
+        b = RocksDBKeyedState("op", lambda k: k % 16, key_groups, local_dir=ROCKSDB_TEST_DIR, sst_incremental=True)
+        ref, handle, base = storage.native_checkpoint(m, storage.root, "op", key_groups)
+        b.restore_checkpoint(storage.store, base, ref, handle, {"v": "value"}, reuse_files=reuse)
+        return b
+
+    b = restored((0, 15), reuse=True)
+    assert b.as_dict() == {"v": {k: k * 2 for k in range(500)}}
+    h = b.handle(ValueStateDescriptor("v"))
+    w = b.handle(ValueStateDescriptor("w"))  # a state declared after the restore gets a fresh id
+    for k in range(3):
+        b.keys.key = k
+        h.update(-k)
+        w.update("new")
+    kc = b.capture(2)
+    ref2 = storage.pre_commit("op", 0, 2, "t", kc.rows, kc.key_group_range, kc.full)
+    old = {f.path for f in ref1.shared}
+    assert old <= {f.path for f in ref2.shared}, "the restored checkpoint's SST files are shared on"
+    uploaded = ref2.new_bytes - ref2.bytes  # less its handle
+    assert 0 < uploaded == sum(f.bytes for f in ref2.shared if f.path not in old)
+    m2 = {"operators": {"op": {"files": [ref2.to_json()]}}}
+    rows = {(name, pickle.loads(kb)): pickle.loads(vb) for _kg, kb, name, vb in
+            storage.read_operator_rows(m2, storage.root, "op")}
+    assert rows == {**{("v", k): k * 2 for k in range(500)}, **{("v", k): -k for k in range(3)},
+                    **{("w", k): "new" for k in range(3)}}
+    b.close()
+
+    # rescaled: only key groups 4..6 are left; not the job's own files: the next capture is full
+    part = restored((4, 6), reuse=False)
+    assert part.as_dict() == {"v": {k: k * 2 for k in range(500) if 4 <= k % 16 <= 6}}
+    kc = part.capture(3)
+    ref3 = storage.pre_commit("op", 0, 3, "t", kc.rows, kc.key_group_range, kc.full)
+    assert not old & {f.path for f in ref3.shared} and ref3.full
+    part.close()

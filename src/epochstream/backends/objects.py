@@ -323,6 +323,26 @@ class ObjectCheckpointStorage(CheckpointStorage):
                 if key_groups is None or key_groups[0] <= row[0] <= key_groups[1]:
                     yield row
 
+    def native_checkpoint(self, manifest: dict[str, Any], root: Any, operator: str,
+                          key_groups: tuple[int, int]) -> tuple[StateFileRef, bytes, Any] | None:
+        """The one incremental RocksDB checkpoint that holds all of ``operator``'s state in
+        ``key_groups``, if that is how the state was written: (its ref, its checked handle, the
+        root its files are under). A RocksDB backend restoring that range opens it as its DB
+        rather than re-inserting its rows. None if the range spans several files, or rows."""
+        entry = manifest["operators"].get(operator)
+        if entry is None:
+            return None
+        refs = [StateFileRef.from_json(f) for f in entry["files"]]
+        touching = [r for r in refs if not (r.key_group_range[1] < key_groups[0]
+                                            or r.key_group_range[0] > key_groups[1])]
+        if len(touching) != 1 or touching[0].format != "rocksdb":
+            return None
+        ref = touching[0]
+        if not ref.key_group_range[0] <= key_groups[0] <= key_groups[1] <= ref.key_group_range[1]:
+            return None
+        base = self.root if root is None else root
+        return ref, self._verified_bytes(ref, base / ref.path), base
+
     # ------------------------------------------------------------ abort / retention / recovery
     def discard(self, epoch: int) -> None:
         self.store.delete_tree(self.checkpoint_dir(epoch))

@@ -195,10 +195,21 @@ def _download_verified(store: ObjectStore, root: Any, ref: StateFileRef, f: Shar
                               f"({f.sha256[:12]}...)")
 
 
-def read_rows(store: ObjectStore, root: Any, ref: StateFileRef, handle_bytes: bytes,
-              key_groups: tuple[int, int] | None) -> Iterator[tuple[int, bytes, str, bytes | None]]:
-    """Rows of one incremental RocksDB checkpoint (optionally one key-group range), in key-group
-    order: its files downloaded into a scratch folder, verified, opened read-only."""
+class Downloaded:
+    """A RocksDB checkpoint's files in a local folder, checked: what a restore opens."""
+
+    def __init__(self, folder: str, states: dict[bytes, str], files: dict[str, SharedFile]) -> None:
+        self.folder = folder
+        #: state id (the 2 bytes in the DB keys) -> state name
+        self.states = states
+        #: local SST file name -> its shared upload (a restore that reuses them seeds its UploadMap)
+        self.files = files
+
+
+def download(store: ObjectStore, root: Any, ref: StateFileRef, handle_bytes: bytes, folder: str) -> Downloaded:
+    """Write one incremental RocksDB checkpoint's files into ``folder`` (which must exist): the
+    handle's small files, and each shared SST file streamed and checked against its size and
+    sha256. A damaged handle or file raises ``CheckpointError`` naming it."""
     try:
         handle = json.loads(handle_bytes)
         if handle.get("format") != HANDLE_FORMAT:
@@ -209,6 +220,25 @@ def read_rows(store: ObjectStore, root: Any, ref: StateFileRef, handle_bytes: by
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"RocksDB checkpoint handle {root / ref.path} of operator {ref.operator!r} "
                               f"(epoch {ref.epoch}) is damaged: {exc}") from None
+    for name, data in private.items():
+        with open(os.path.join(folder, os.path.basename(name)), "wb") as f:
+            f.write(data)
+    files: dict[str, SharedFile] = {}
+    for f_ref in ref.shared:
+        name = local.get(f_ref.path)
+        if name is None:
+            raise CheckpointError(f"RocksDB checkpoint handle {root / ref.path} does not name the local file "
+                                  f"of shared SST file {f_ref.path}")
+        name = os.path.basename(name)
+        _download_verified(store, root, ref, f_ref, os.path.join(folder, name))
+        files[name] = f_ref
+    return Downloaded(folder, states, files)
+
+
+def read_rows(store: ObjectStore, root: Any, ref: StateFileRef, handle_bytes: bytes,
+              key_groups: tuple[int, int] | None) -> Iterator[tuple[int, bytes, str, bytes | None]]:
+    """Rows of one incremental RocksDB checkpoint (optionally one key-group range), in key-group
+    order: its files downloaded into a scratch folder, verified, opened read-only."""
     lo, hi = ref.key_group_range
     if key_groups is not None:
         lo, hi = max(lo, key_groups[0]), min(hi, key_groups[1])
@@ -216,15 +246,7 @@ def read_rows(store: ObjectStore, root: Any, ref: StateFileRef, handle_bytes: by
             return
     folder = tempfile.mkdtemp(prefix=f"epochstream-restore-{uuid.uuid4().hex[:8]}-")
     try:
-        for name, data in private.items():
-            with open(os.path.join(folder, os.path.basename(name)), "wb") as f:
-                f.write(data)
-        for f_ref in ref.shared:
-            name = local.get(f_ref.path)
-            if name is None:
-                raise CheckpointError(f"RocksDB checkpoint handle {root / ref.path} does not name the local file "
-                                      f"of shared SST file {f_ref.path}")
-            _download_verified(store, root, ref, f_ref, os.path.join(folder, os.path.basename(name)))
+        states = download(store, root, ref, handle_bytes, folder).states
         what = f"RocksDB checkpoint {root / ref.path} of operator {ref.operator!r} (epoch {ref.epoch})"
         entries = _entries_here(folder, lo, hi, what) if _USED_HERE else _entries_apart(folder, lo, hi, what)
         for dbk, raw in entries:

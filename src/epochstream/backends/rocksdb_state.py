@@ -20,7 +20,8 @@ fetched and mutated in place is only stored when written back (``update``, ``add
 
 The local DB is scratch space: it is created empty in a directory of its own and removed on
 close (or when the backend is garbage collected); a restore always fills a fresh DB from the
-checkpoint, so a damaged or stale directory is never read. Directories left by killed
+checkpoint (rows, or the checkpoint's downloaded and verified files opened as the DB), so a
+damaged or stale directory is never read. Directories left by killed
 processes are removed by the next backend that starts under the same local directory. The
 write-ahead log is off: the checkpoint, not the DB, is what survives a failure.
 """
@@ -270,7 +271,8 @@ class RocksDBKeyedState:
         if table is None:
             if len(self.tables) >= 1 << 16:
                 raise RocksDBStateError(f"operator {self.operator_uid!r}: more than 65536 declared states")
-            table = self.tables[name] = _Table(name, kind, len(self.tables))
+            sid = max((int.from_bytes(t.sid, "big") for t in self.tables.values()), default=-1) + 1
+            table = self.tables[name] = _Table(name, kind, sid)
             self._by_sid[table.sid] = table
         return table
 
@@ -472,6 +474,46 @@ class RocksDBKeyedState:
         if pending:
             self._db.write(batch)
         self._ck = _MISSING
+
+    def restore_checkpoint(self, store: Any, root: Any, ref: Any, handle: bytes, kinds: dict[str, str],
+                           reuse_files: bool) -> None:
+        """Restore from one incremental RocksDB checkpoint by opening its files as this DB, as
+        Flink's RocksDB backend restores (download, open), instead of re-inserting its rows; key
+        groups of the checkpoint outside this subtask's range are deleted (a range tombstone each
+        side). With ``reuse_files`` (the checkpoint lives in this job's own storage) the next
+        capture uploads only SST files made after the restore, as a running job's would."""
+        if self.tables or self.dirty:
+            raise RocksDBStateError(f"operator {self.operator_uid!r}: a RocksDB checkpoint can only be restored "
+                                    f"into an empty backend")
+        from .rocksdb_checkpoint import download
+
+        rd = self._rd
+        self._finalizer()  # the empty DB this backend started with, and its directory
+        os.makedirs(self.path)
+        try:
+            got = download(store, root, ref, handle, self.path)
+            self._db = rd.Rdict(self.path, self._options(rd))
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+        wo = rd.WriteOptions()
+        wo.disable_wal = True
+        self._db.set_write_options(wo)
+        self._finalizer = weakref.finalize(self, _close_db, self._db, self.path)
+        for sid, name in sorted(got.states.items()):
+            table = self.tables[name] = _Table(name, kinds.get(name, "value"), int.from_bytes(sid, "big"))
+            self._by_sid[table.sid] = table
+        lo, hi = self.key_group_range
+        first, last = ref.key_group_range
+        if first < lo:
+            self._db.delete_range(first.to_bytes(2, "big"), lo.to_bytes(2, "big"))
+        if hi < last:
+            self._db.delete_range((hi + 1).to_bytes(2, "big"), (last + 1).to_bytes(2, "big"))  # last < 2**15
+        self._ck = _MISSING
+        if reuse_files and self.sst_incremental:
+            for name, shared in got.files.items():
+                self.uploads.add(name, shared)
+            self.force_full = False
 
     def close(self) -> None:
         """Close the DB and remove its directory (idempotent)."""

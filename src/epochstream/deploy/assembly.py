@@ -132,10 +132,19 @@ def _restore_chain(chain: ChainRuntime, restored: Restored, storage, parallelism
         entry = restored.manifest["operators"].get(uid)
         if entry is None:
             continue
-        # keyed state moves by key group: read only the rows of this subtask's range
-        rows = (restored.reader or storage).read_operator_rows(restored.manifest, restored.root, uid,
-                                                               state.key_group_range)
-        state.restore_rows(rows, entry.get("states", {}))
+        reader = restored.reader or storage
+        kinds = entry.get("states", {})
+        native = getattr(state, "restore_checkpoint", None)
+        found = None
+        if native is not None and hasattr(reader, "native_checkpoint"):
+            found = reader.native_checkpoint(restored.manifest, restored.root, uid, state.key_group_range)
+        if native is not None and found is not None:  # one RocksDB checkpoint holds the range: open it as the DB
+            ref, handle, base = found
+            own = restored.reader is None and str(base) == str(storage.root)
+            native(reader.store, base, ref, handle, kinds, reuse_files=own)
+        else:  # keyed state moves by key group: read only the rows of this subtask's range
+            rows = reader.read_operator_rows(restored.manifest, restored.root, uid, state.key_group_range)
+            state.restore_rows(rows, kinds)
         state.event_time = entry.get("event_time", state.event_time)
         for name, value in _operator_state(restored, uid, parallelism, subtask).items():
             chain.operator_states[uid].restore(name, *value)

@@ -554,6 +554,12 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         rows = tables.read_version(table, int(version), [*ROW_NAMES, "epoch"])
         return changelog.fold(rows, epoch).select(list(ROW_NAMES)).cast(arrow_schema(ROW_NAMES))
 
+    def native_checkpoint(self, manifest: dict[str, Any], root: Any, operator: str,
+                          key_groups: tuple[int, int]) -> tuple[StateFileRef, bytes, Any] | None:
+        if manifest.get("delta", {}).get("state", {}).get(operator) is not None:
+            return None  # the committed state is the Delta table's
+        return super().native_checkpoint(manifest, root, operator, key_groups)
+
     def read_operator_rows(self, manifest: dict[str, Any], root: Any, operator: str,
                            key_groups: tuple[int, int] | None = None) -> Iterable[Row]:
         """Rows of an operator's committed state: from its Delta table at the epoch's version."""
