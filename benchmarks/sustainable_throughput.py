@@ -152,6 +152,7 @@ def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: 
     s.key_by(_key).map(probe, name="probe").sink(DiscardingSink(), uid="sink")
     cfg = SimConfig(source_rate=rate / workers, source_batch=1, check_invariants=False, worker_cores=cores,
                     message_cost=costs.step, record_cost=0.0, report_cost=costs.report, agent_cost=costs.agent,
+                    marker_cost=costs.step if granularity is not None and mode == "aligned" else 0.0,
                     coalesce_neoss=batching.coalesce_neoss)
     t0 = time.perf_counter()
     overloaded = False
