@@ -1,4 +1,4 @@
-"""Sustainable throughput by tracking granularity (paper 000 §5.4, Figure 13b), on the simulator.
+"""Sustainable throughput by tracking granularity (paper 000 §5.4, Figure 13b), on the simulator or the local driver.
 
 RR-N (a source, N identity maps each repartitioned round-robin by key, a sink; one record per
 batch) on W workers whose tasks share ``--cores`` cores each, fed at a fixed input rate. Every
@@ -11,6 +11,10 @@ times the setup's median at its lowest rate (a queue that filled at once); a run
 is stopped as overloaded (the simulator would otherwise queue records forever), and a setup's
 sweep stops at its first rate that is not sustained: higher rates only queue more. The
 *sustainable throughput* of a setup is its highest sustained rate.
+
+The sources must also read at least ``--read-rate`` (0.9) of the offered rate: a source waits for a
+free core like every task, so an overloaded job reads slower and its records' latency, counted from
+their reading, need not grow.
 
 In trAcker mode a run must also keep up with its epochs: the median time from an epoch's trigger to its bound
 at the last task may not grow either (with ``--pass-through`` records flow while the tracking falls behind, so
@@ -27,7 +31,8 @@ per record, aggregated local trackers) and markers (barrier alignment) at granul
 
 The cost model, stated because the result depends on it: every task step (one record, or one
 marker: punctuations travel the data channels and cost a step at every task they reach) costs
-the measured wall time of epochstream's own ``Task.step``; the trAcker costs its tasks the
+the measured wall time of epochstream's own ``Task.step``, and so does every marker a task takes
+(``SimConfig.marker_cost``); the trAcker costs its tasks the
 measured time of a local tracker's SND/RCV event, and its single agent the measured time per
 report or promise it folds. All three are measured at start in this process as CPU time
 (``--costs`` sets them instead; they are printed and in the CSV). Network:
@@ -37,10 +42,16 @@ Paper (FlameStream, RR-30, 20 nodes of 2 cores): no tracking ~9K items/s, finest
 markers finest < 1K, granularity 10 ~2K, granularity 50 ~5K. The shape to reproduce: the
 trAcker's finest setting keeps >= 0.75x of no tracking, markers at granularity 1 < 0.15x.
 
+``--driver local`` runs the same on the local driver: ``--workers`` (default 2) real worker processes
+for ``--seconds`` (default 8) of wall time per run, a paced source stamping each record with the host's
+monotonic clock (snapshot_spikes' ``StampedPaced``), the last map appending every latency to a file
+of its process (``FileProbe``), epochs every ``granularity / rate`` seconds. Real costs, no
+calibration; the load average is in every row.
+
 Writes benchmarks/results/sustainable_throughput.csv (every run) and .png (median latency by
 input rate per setup) and prints the sustainable rates with their ratios. Not a test.
 
-    python benchmarks/sustainable_throughput.py [--quick] [--graph-size 30] [--workers 20]
+    python benchmarks/sustainable_throughput.py [--quick] [--graph-size 30] [--workers 20] [--driver local]
 """
 
 from __future__ import annotations
@@ -321,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                          "NEOSS), as FlameStream's maps do")
     ap.add_argument("--batched", action="store_true",
                     help="trAcker: FlameStream's batching, all three: --promise-timer --coalesce-neoss --pass-through")
+    ap.add_argument("--merge", default="", help="run nothing: comma-separated CSVs of earlier runs, written as "
+                                                "one CSV and PNG (--name) with the summary")
     ap.add_argument("--keep-going", action="store_true",
                     help="run every rate, also after the first one that is not sustained (the table of medians)")
     ap.add_argument("--quick", action="store_true", help="RR-10 on 5 workers, fewer rates and records")
@@ -343,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batched:
         args.promise_timer = args.coalesce_neoss = args.pass_through = True
     batching = Batching(args.flush_interval, not args.promise_timer, args.coalesce_neoss, args.pass_through)
-    if local:  # real costs
+    if local or args.merge:  # real costs, or none run
         costs = Costs(0.0)
     elif args.costs == "measured":
         costs = calibrate(batching)
@@ -363,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{'pass later epochs through' if batching.pass_through else 'hold later epochs'}", flush=True)
     setups = [s for s in SETUPS if not args.setups or s[0] in args.setups.split(",")]
     rows: list[dict] = []
+    if args.merge:  # a sweep split into several (locked) runs: their CSVs as one table and figure
+        for path in args.merge.split(","):
+            with open(path, newline="") as f:
+                rows += [{**r, "rate": float(r["rate"]), "p50_ms": float(r["p50_ms"]),
+                          "sustained": r["sustained"] == "True"} for r in csv.DictReader(f)]
+        setups, rates = [s for s in setups if any(r["setup"] == s[0] for r in rows)], []
     total, k = len(setups) * len(rates), 0
     for label, mode, g in setups:
         base = None
@@ -405,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"{args.name}.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         wr.writeheader()
         wr.writerows(rows)
     sustained = {}
