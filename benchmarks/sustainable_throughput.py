@@ -1,4 +1,4 @@
-"""Sustainable throughput by tracking granularity (paper 000 §5.4, Figure 13b), on the simulator.
+"""Sustainable throughput by tracking granularity (paper 000 §5.4, Figure 13b), on the simulator or the local driver.
 
 RR-N (a source, N identity maps each repartitioned round-robin by key, a sink; one record per
 batch) on W workers whose tasks share ``--cores`` cores each, fed at a fixed input rate. Every
@@ -11,6 +11,10 @@ times the setup's median at its lowest rate (a queue that filled at once); a run
 is stopped as overloaded (the simulator would otherwise queue records forever), and a setup's
 sweep stops at its first rate that is not sustained: higher rates only queue more. The
 *sustainable throughput* of a setup is its highest sustained rate.
+
+The sources must also read at least ``--read-rate`` (0.9) of the offered rate: a source waits for a
+free core like every task, so an overloaded job reads slower and its records' latency, counted from
+their reading, need not grow.
 
 In trAcker mode a run must also keep up with its epochs: the median time from an epoch's trigger to its bound
 at the last task may not grow either (with ``--pass-through`` records flow while the tracking falls behind, so
@@ -27,7 +31,8 @@ per record, aggregated local trackers) and markers (barrier alignment) at granul
 
 The cost model, stated because the result depends on it: every task step (one record, or one
 marker: punctuations travel the data channels and cost a step at every task they reach) costs
-the measured wall time of epochstream's own ``Task.step``; the trAcker costs its tasks the
+the measured wall time of epochstream's own ``Task.step``, and so does every marker a task takes
+(``SimConfig.marker_cost``); the trAcker costs its tasks the
 measured time of a local tracker's SND/RCV event, and its single agent the measured time per
 report or promise it folds. All three are measured at start in this process as CPU time
 (``--costs`` sets them instead; they are printed and in the CSV). Network:
@@ -37,16 +42,23 @@ Paper (FlameStream, RR-30, 20 nodes of 2 cores): no tracking ~9K items/s, finest
 markers finest < 1K, granularity 10 ~2K, granularity 50 ~5K. The shape to reproduce: the
 trAcker's finest setting keeps >= 0.75x of no tracking, markers at granularity 1 < 0.15x.
 
+``--driver local`` runs the same on the local driver: ``--workers`` (default 2) real worker processes
+for ``--seconds`` (default 8) of wall time per run, a paced source stamping each record with the host's
+monotonic clock (snapshot_spikes' ``StampedPaced``), the last map appending every latency to a file
+of its process (``FileProbe``), epochs every ``granularity / rate`` seconds. Real costs, no
+calibration; the load average is in every row.
+
 Writes benchmarks/results/sustainable_throughput.csv (every run) and .png (median latency by
 input rate per setup) and prints the sustainable rates with their ratios. Not a test.
 
-    python benchmarks/sustainable_throughput.py [--quick] [--graph-size 30] [--workers 20]
+    python benchmarks/sustainable_throughput.py [--quick] [--graph-size 30] [--workers 20] [--driver local]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import sys
 import tempfile
@@ -56,6 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
 from epochstream import CheckpointConfig, DiscardingSink, JobFailedError, Pipeline, TrackerConfig  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
@@ -94,10 +107,12 @@ class Probe:
     def __init__(self, clock: Clock, limit: float | None) -> None:
         self.clock, self.limit = clock, limit
         self.latencies: list[float] = []
+        self.read_at: list[float] = []
 
     def __call__(self, r: tuple[int, float]) -> tuple[int, float]:
         lat = self.clock.now() - r[1]
         self.latencies.append(lat)
+        self.read_at.append(r[1])
         if self.limit is not None and lat > self.limit:
             raise Overloaded(f"latency {lat * 1000:.1f} ms")
         return r
@@ -148,6 +163,7 @@ def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: 
     s.key_by(_key).map(probe, name="probe").sink(DiscardingSink(), uid="sink")
     cfg = SimConfig(source_rate=rate / workers, source_batch=1, check_invariants=False, worker_cores=cores,
                     message_cost=costs.step, record_cost=0.0, report_cost=costs.report, agent_cost=costs.agent,
+                    marker_cost=costs.step if granularity is not None and mode == "aligned" else 0.0,
                     coalesce_neoss=batching.coalesce_neoss)
     t0 = time.perf_counter()
     overloaded = False
@@ -158,25 +174,89 @@ def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: 
             driver.run(None, False, None)
         except (JobFailedError, Overloaded):
             overloaded = True
-    seen = probe.latencies
-    lat = sorted(seen) or [float("inf")]
-    third = max(1, len(seen) // 3)  # the first third warms up (no epoch has been cut yet): middle against last
-    growth = (statistics.median(seen[-third:]) / statistics.median(seen[third:2 * third] or seen)
-              if seen else float("inf"))
     # the epochs' side: seconds from an epoch's trigger to its bound at the last task (pass-through lets
     # records flow while the tracking falls behind, so the record latency alone would not show it)
     ends: dict[int, float] = {}
     for epoch, _task, secs in driver.bound_latency:
         ends[epoch] = max(ends.get(epoch, 0.0), secs)
-    bounds = [ends[e] for e in sorted(ends)]
+    return {"rate": rate, **_verdict(probe.latencies, [ends[e] for e in sorted(ends)], probe.read_at, rate),
+            "overloaded": overloaded,
+            "input_s": round(records / rate, 4), "virtual_s": round(driver.now, 4),
+            "wall_s": round(time.perf_counter() - t0, 2)}
+
+
+def _verdict(seen: list[float], bounds: list[float], read_at: list[float], rate: float) -> dict:
+    """Median latencies and their growth over a run: of the records (in the order read) and of the epochs;
+    and the rate the sources managed to read at, over the offered one (a source waits for a free core, so
+    an overloaded job reads slower and its records' latency, from their reading, need not grow)."""
+    span = max(read_at) - min(read_at) if len(read_at) > 1 else 0.0
+    lat = sorted(seen) or [float("inf")]
+    third = max(1, len(seen) // 3)  # the first third warms up (no epoch has been cut yet): middle against last
+    growth = (statistics.median(seen[-third:]) / statistics.median(seen[third:2 * third] or seen)
+              if seen else float("inf"))
     b3 = max(1, len(bounds) // 3)
     bound_growth = (statistics.median(bounds[-b3:]) / max(1e-9, statistics.median(bounds[b3:2 * b3] or bounds))
                     if bounds else 0.0)
-    return {"rate": rate, "records_done": len(seen), "overloaded": overloaded, "growth": round(growth, 3),
-            "epochs": len(bounds), "bound_p50_ms": statistics.median(bounds) * 1000 if bounds else 0.0,
-            "bound_growth": round(bound_growth, 3), "input_s": round(records / rate, 4),
-            "p50_ms": statistics.median(lat) * 1000, "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000,
-            "virtual_s": round(driver.now, 4), "wall_s": round(time.perf_counter() - t0, 2)}
+    return {"records_done": len(seen), "read_ratio": round(len(read_at) / (span * rate), 3) if span else 0.0,
+            "growth": round(growth, 3), "epochs": len(bounds),
+            "bound_p50_ms": statistics.median(bounds) * 1000 if bounds else 0.0, "bound_growth": round(bound_growth, 3),
+            "p50_ms": statistics.median(lat) * 1000, "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000}
+
+
+class FileProbe:
+    """The last map on the local driver: appends each record's read time and source-to-sink latency
+    (host monotonic clock) to a file of its worker process, line by line, so a stopped run keeps them."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self._out = folder, None
+
+    def __getstate__(self) -> dict:
+        return {"folder": self.folder, "_out": None}
+
+    def __call__(self, r: tuple[int, float]) -> tuple[int, float]:
+        if self._out is None:
+            self._out = open(os.path.join(self.folder, f"probe-{os.getpid()}.txt"), "a", buffering=1)
+        self._out.write(f"{r[1]!r} {time.monotonic() - r[1]!r}\n")
+        return r
+
+
+def run_local(n_maps: int, workers: int, rate: float, seconds: float, mode: str, granularity: int | None,
+              batching: Batching) -> dict:
+    """One run on the local driver (real worker processes) for ``seconds`` of wall time at ``rate``
+    records/s for the whole job (snapshot_spikes' paced source); epochs every ``granularity / rate`` s.
+    The epochs' side is, as on the simulator, an epoch's trigger to its bound at the last task; the
+    median trigger-to-commit time is in the row too."""
+    from snapshot_spikes import StampedPaced
+
+    from epochstream.deploy.local import LocalDriver
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="es-sustain-local-") as tmp:
+        interval = None if granularity is None else granularity / rate
+        p = Pipeline(f"rr-{n_maps}-local", parallelism=workers, mode=mode, batch_size=1, restart_attempts=0,
+                     checkpoint=CheckpointConfig(interval=interval, max_concurrent=1_000_000, num_retained=1),
+                     tracker=TrackerConfig(aggregate=True, flush_interval=batching.flush_interval, flush_count=1000,
+                                           flush_on_promise=batching.flush_on_promise,
+                                           pass_through=batching.pass_through))
+        s = p.from_source(StampedPaced(rate / workers, workers), uid="src")
+        for k in range(n_maps - 1):
+            s = s.key_by(_key).map(_identity, name=f"map{k}")
+        s.key_by(_key).map(FileProbe(tmp), name="probe").sink(DiscardingSink(), uid="sink")
+        driver = LocalDriver(p, LocalCheckpointStorage(os.path.join(tmp, "chk")), seed=1, rest=False)
+        driver.run(None, False, seconds)
+        log = sorted(tuple(map(float, line.split())) for f in Path(tmp).glob("probe-*.txt")
+                     for line in f.read_text().splitlines() if line.count(" ") == 1)
+        assert driver.master is not None
+        commits = [e["complete_seconds"] for e in driver.master.coordinator.stats()
+                   if e["complete_seconds"] is not None and e["kind"] != "final"]
+    ends: dict[int, float] = {}
+    for epoch, _task, secs in driver.bound_latency:
+        ends[epoch] = max(ends.get(epoch, 0.0), secs)
+    return {"rate": rate, **_verdict([lat for _t, lat in log], [ends[e] for e in sorted(ends)],
+                                     [t for t, _lat in log], rate),
+            "commit_p50_ms": statistics.median(commits) * 1000 if commits else 0.0, "overloaded": False,
+            "input_s": seconds, "virtual_s": "", "wall_s": round(time.perf_counter() - t0, 2),
+            "load_1min": round(os.getloadavg()[0], 1)}
 
 
 def calibrate(batching: Batching = Batching()) -> Costs:
@@ -221,15 +301,20 @@ def calibrate(batching: Batching = Batching()) -> Costs:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--graph-size", type=int, default=30, help="N of RR-N (paper: 30)")
-    ap.add_argument("--workers", type=int, default=20, help="simulated nodes (paper: 20)")
+    ap.add_argument("--driver", choices=("sim", "local"), default="sim",
+                    help="sim: the simulator; local: real worker processes on this machine (wall time)")
+    ap.add_argument("--workers", type=int, default=None, help="nodes (paper: 20; default 20 sim, 2 local)")
     ap.add_argument("--cores", type=int, default=2, help="cores per node (paper: dual-core VMs)")
     ap.add_argument("--rates", default="", help="comma-separated input rates (records/s, whole job)")
-    ap.add_argument("--seconds", type=float, default=0.05,
-                    help="virtual seconds of input per run (records = rate x seconds, at least --min-records)")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="sim: virtual seconds of input per run (records = rate x seconds, at least --min-records; "
+                         "default 0.05); local: wall seconds per run (default 8)")
     ap.add_argument("--min-records", type=int, default=600)
     ap.add_argument("--growth", type=float, default=1.5,
                     help="sustained: median of the last third of records within this x that of the middle third")
     ap.add_argument("--cut", type=float, default=0.5, help="stop a run once a record's latency passes this (s)")
+    ap.add_argument("--read-rate", type=float, default=0.9,
+                    help="not sustained either: the sources read below this fraction of the offered rate")
     ap.add_argument("--saturated", type=float, default=10.0,
                     help="not sustained either: a median above this x the setup's median at its lowest rate")
     ap.add_argument("--costs", default="measured",
@@ -247,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                          "NEOSS), as FlameStream's maps do")
     ap.add_argument("--batched", action="store_true",
                     help="trAcker: FlameStream's batching, all three: --promise-timer --coalesce-neoss --pass-through")
+    ap.add_argument("--merge", default="", help="run nothing: comma-separated CSVs of earlier runs, written as "
+                                                "one CSV and PNG (--name) with the summary")
     ap.add_argument("--keep-going", action="store_true",
                     help="run every rate, also after the first one that is not sustained (the table of medians)")
     ap.add_argument("--quick", action="store_true", help="RR-10 on 5 workers, fewer rates and records")
@@ -255,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", default="", help="comma-separated setup labels to run (default: all), e.g. "
                                                   "'no tracking,markers g=10'")
     args = ap.parse_args(argv)
+    local = args.driver == "local"
+    args.workers = args.workers or (2 if local else 20)
+    args.seconds = args.seconds or (8.0 if local else 0.05)
     if args.quick:
         args.graph_size, args.workers = 10, 5
     if args.rates:
@@ -266,20 +356,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.batched:
         args.promise_timer = args.coalesce_neoss = args.pass_through = True
     batching = Batching(args.flush_interval, not args.promise_timer, args.coalesce_neoss, args.pass_through)
-    if args.costs == "measured":
+    if local or args.merge:  # real costs, or none run
+        costs = Costs(0.0)
+    elif args.costs == "measured":
         costs = calibrate(batching)
     else:
         step, report, agent = (float(x) * 1e-6 for x in args.costs.split(","))
         costs = Costs(step, report, agent)
-    print(f"RR-{args.graph_size}, {args.workers} workers x {args.cores} cores; costs: {costs.step * 1e6:.2f} us "
-          f"per task step, trAcker {costs.report * 1e6:.2f} us per SND/RCV event and "
-          f"{costs.agent * 1e6:.2f} us per report at the agent", flush=True)
+    if local:
+        print(f"RR-{args.graph_size} on the local driver, {args.workers} worker processes, {args.seconds:g} s per run; "
+              f"real costs; load {os.getloadavg()}", flush=True)
+    else:
+        print(f"RR-{args.graph_size}, {args.workers} workers x {args.cores} cores; costs: {costs.step * 1e6:.2f} us "
+              f"per task step, trAcker {costs.report * 1e6:.2f} us per SND/RCV event and "
+              f"{costs.agent * 1e6:.2f} us per report at the agent", flush=True)
     print(f"trAcker batching: flush every {batching.flush_interval * 1000:g} ms, promises "
           f"{'at once' if batching.flush_on_promise else 'on the timer'}, NEOSS "
           f"{'coalesced per worker' if batching.coalesce_neoss else 'one bundle per agent step'}, maps "
           f"{'pass later epochs through' if batching.pass_through else 'hold later epochs'}", flush=True)
     setups = [s for s in SETUPS if not args.setups or s[0] in args.setups.split(",")]
     rows: list[dict] = []
+    if args.merge:  # a sweep split into several (locked) runs: their CSVs as one table and figure
+        for path in args.merge.split(","):
+            with open(path, newline="") as f:
+                rows += [{**r, "rate": float(r["rate"]), "p50_ms": float(r["p50_ms"]),
+                          "sustained": r["sustained"] == "True"} for r in csv.DictReader(f)]
+        setups, rates = [s for s in setups if any(r["setup"] == s[0] for r in rows)], []
     total, k = len(setups) * len(rates), 0
     for label, mode, g in setups:
         base = None
@@ -288,8 +390,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{k}/{total}] {label} at {rate:g}/s ...", end=" ", flush=True)
             records = max(args.min_records, int(rate * args.seconds))
             tracked = costs if mode == "tracker" else Costs(step=costs.step)
-            row = run(args.graph_size, args.workers, args.cores, rate, records, mode, g, tracked, args.cut, batching)
-            row = {"setup": label, "mode": mode, "granularity": g or 0, "graph_size": args.graph_size,
+            if local:
+                row = run_local(args.graph_size, args.workers, rate, args.seconds, mode, g, batching)
+            else:
+                row = run(args.graph_size, args.workers, args.cores, rate, records, mode, g, tracked, args.cut,
+                          batching)
+            row = {"setup": label, "driver": args.driver, "mode": mode, "granularity": g or 0,
+                   "graph_size": args.graph_size,
                    "workers": args.workers, "cores": args.cores, "step_us": costs.step * 1e6,
                    "report_us": tracked.report * 1e6, "agent_us": tracked.agent * 1e6,
                    "flush_ms": batching.flush_interval * 1000 if mode == "tracker" else "",
@@ -300,20 +407,24 @@ def main(argv: list[str] | None = None) -> int:
             # a queue that filled at once does not grow over the run: a median far above the setup's
             # own at its lowest rate is overload too
             row["sustained"] = (not row["overloaded"] and row["growth"] <= args.growth
+                                and row["read_ratio"] >= args.read_rate
                                 and row["p50_ms"] <= args.saturated * base
                                 and (mode != "tracker" or row["bound_growth"] <= args.growth))
             rows.append(row)
             print(f"p50 {row['p50_ms']:.2f} ms p99 {row['p99_ms']:.2f} ms, latency x{row['growth']:.2f} over the run, "
+                  f"read at {row['read_ratio']:.2f}x the rate, "
                   f"epoch bound p50 {row['bound_p50_ms']:.2f} ms x{row['bound_growth']:.2f}, "
-                  f"{row['virtual_s']:.3f} s for {row['input_s']:.3f} s of input"
-                  f"{' (overloaded, cut short)' if row['overloaded'] else ''} [{row['wall_s']}s]")
+                  f"{row['records_done']} records, {row['epochs']} epochs, "
+                  f"{row['virtual_s'] or row['input_s']} s for {row['input_s']} s of input"
+                  f"{' (overloaded, cut short)' if row['overloaded'] else ''} [{row['wall_s']}s"
+                  f"{', load ' + str(row['load_1min']) if local else ''}]")
             if not row["sustained"] and not args.keep_going:  # higher rates only queue more
                 k += len(rates) - rates.index(rate) - 1
                 break
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"{args.name}.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         wr.writeheader()
         wr.writerows(rows)
     sustained = {}
@@ -325,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 sustained[label] = r["rate"]
     ref = sustained.get("no tracking") or float("nan")
-    print(f"\nsustainable throughput (latency grows at most {args.growth}x over a run), simulator")
+    print(f"\nsustainable throughput (latency grows at most {args.growth}x over a run), "
+          f"{'local driver' if local else 'simulator'}")
     print(f"  {'setup':<14} {'records/s':>10} {'x no tracking':>14}")
     for label, _m, _g in setups:
         print(f"  {label:<14} {sustained[label]:>10g} {sustained[label] / ref:>14.2f}")
@@ -349,7 +461,8 @@ def _plot(rows, path: Path, args) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("input rate (records/s, whole job)")
     ax.set_ylabel("median source-to-sink latency (ms)")
-    ax.set_title(f"RR-{args.graph_size}, {args.workers} workers x {args.cores} cores (simulator)", fontsize=9)
+    where = "local driver" if args.driver == "local" else f"{args.cores} cores each, simulator"
+    ax.set_title(f"RR-{args.graph_size}, {args.workers} workers ({where})", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

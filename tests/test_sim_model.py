@@ -45,6 +45,8 @@ def test_each_knob_costs_virtual_time(mode, tmp_path):
     knobs = {"stragglers": dict(straggler_rate=300.0, straggler_min=0.0005), "cores": dict(worker_cores=1)}
     if mode == "tracker":
         knobs["tracker costs"] = dict(report_cost=5e-6, agent_cost=50e-6)
+    else:  # markers cost a step each at every task they reach
+        knobs["marker cost"] = dict(marker_cost=50e-6)
     job = dict(n=4000, parallelism=2, batch_size=1, mode=mode)
     plain = _run(running_count(**job, out=tmp_path / "o0"), tmp_path / "plain", base).now
     for name, kw in knobs.items():

@@ -498,6 +498,24 @@ def test_traffic_accounting_counts_flushes_and_neoss_per_process():
     assert merged.messages() == 7 and merged.by_epoch[1].messages == 6
 
 
+@pytest.mark.parametrize("procs", [{1: ["p0", "p1"], 2: ["p0", "p1"]}, {1: ["p0", "p1"], 2: ["p1", "p2"]}],
+                         ids=["same processes", "overlapping processes"])
+def test_traffic_accounting_bundles_a_steps_neoss_per_destination(procs):
+    """The NEOSS of one agent step travel as one message per destination, one entry per note, whether
+    every segment's processes are the same (counted once for all) or not (counted per destination)."""
+    traffic = ServiceTraffic()
+    agent = TrackingAgent(_line(3), {0: ["s"]}, processes={0: [], **procs}, traffic=traffic)
+    assert agent.receive(_msg("w", 0, promises=[Promise(0, 1, "s")]), 0.0) == [NEOSS(0, 1), NEOSS(1, 1), NEOSS(2, 1)]
+    expect = {}
+    for s in (1, 2):
+        for q in procs[s]:
+            expect[q] = expect.get(q, 0) + 1
+    assert {q: (t.messages, t.entries, t.bytes) for q, t in traffic.by_process.items() if q != "w"} == \
+        {q: (1, n, n * NEOSS_WIRE.size) for q, n in expect.items()}
+    assert traffic.messages("neoss") == len(expect) == traffic.by_epoch[1].messages - 1
+    assert traffic.by_kind["neoss"].entries == sum(expect.values())
+
+
 # ================================================================ gate
 
 

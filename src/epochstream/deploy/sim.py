@@ -75,6 +75,10 @@ class SimConfig:
     #: a worker share that many cores, so a step waits for a free one; None = every task has a CPU
     #: of its own (the default: latency experiments on an unloaded system)
     worker_cores: int | None = None
+    #: CPU of a task per marker it takes from its inputs (a step takes every queued marker up to the
+    #: alignment with one record, so without it a burst of markers costs one ``message_cost``);
+    #: punctuations travel the data channels and cost a task like a message (paper 000 §5.4)
+    marker_cost: float = 0.0
     #: CPU of a task per SND/RCV event it hands its local tracker (the trAcker's per-batch XOR)
     report_cost: float = 0.0
     #: CPU of the tracking agent per report message: the agent is one process, so messages
@@ -371,12 +375,14 @@ class _SimAttempt:
     def _run_task(self, task, budget: int, read_source: bool) -> int:
         """One step of ``task``, busy for its cost; returns the records it took in."""
         now, cfg = self.driver.now, self.cfg
-        before = task.records_in
+        before, markers = task.records_in, task.markers_in
         tracker = self.trackers.get(task.id[1])
         events = tracker.events if tracker is not None else 0
         actions = task.step(now, budget=budget, read_source=read_source)
         got = task.records_in - before
         done = now + cfg.message_cost + got * cfg.record_cost
+        if cfg.marker_cost:  # every marker a step of its own: the step's cost covers one, if it took no record
+            done += max(0, task.markers_in - markers - (0 if got else 1)) * cfg.marker_cost
         if tracker is not None and cfg.report_cost:
             done += (tracker.events - events) * cfg.report_cost
         if self.next_pause:

@@ -111,6 +111,8 @@ class Task:
         self._received: list[Batch] = []
         self._entry_of_channel: dict[int, Push] = {c: chain.entry[plan.channels[c].dst_node] for c in self.inputs}
         self.records_in = 0
+        #: markers taken from the mailbox (the simulator charges each a step: ``SimConfig.marker_cost``)
+        self.markers_in = 0
         self.exhausted_reported = False
         #: epochs whose markers are aligned (savepoints): triggered so, or an aligned marker arrived
         self.aligned_epochs: set[int] = set()
@@ -352,6 +354,7 @@ class Task:
             elif type(msg) is Watermark:
                 self._on_watermark(channel, msg.label, now, actions)
             elif type(msg) is Marker:  # everything before it on this channel is processed
+                self.markers_in += 1
                 if msg.aligned:
                     self.aligned_epochs.add(msg.epoch)
                 if overtakes:

@@ -281,8 +281,8 @@ class TrackingAgent:
         # Epochs go first: a WindowEnd names the epoch after the segment's epoch bound,
         # and must follow the NEOSS of that bound on the FIFO link to the process.
         out: list[AgentNote] = []
-        #: destination -> notes sent to it in this step: one service message each
-        bundles: dict[Hashable, list[tuple[int | None, int]]] = {}
+        #: per note of this step: where it goes and its (epoch or None, bytes)
+        sent: list[tuple[Sequence[Hashable], tuple[int | None, int]]] = []
         for d in self._dims:
             heap = list(dirty[d.dim])
             heapq.heapify(heap)
@@ -309,17 +309,33 @@ class TrackingAgent:
                     continue
                 out.append(note)
                 targets = self.processes.get(s, ()) if self.processes is not None else (("segment", s),)
-                for p in targets:
-                    bundles.setdefault(p, []).append((b if d.dim == EPOCHS else None, size))
+                if targets:  # a source segment's NEOSS goes nowhere
+                    sent.append((targets, (b if d.dim == EPOCHS else None, size)))
                 if d.dim == EPOCHS or s not in self._confirmed:
                     for t in self._downstream[s]:
                         heapq.heappush(heap, t)
-        # the notes of one step travel together: one message per destination, one entry each
-        for p, entries in bundles.items():
-            epochs = [e for e, _ in entries if e is not None]
-            self.traffic.record(NEOSS_KIND, p, min(epochs) if epochs else None,
-                                nbytes=sum(n for _, n in entries), entries=len(entries))
+        if sent:
+            self._account(sent)
         return out
+
+    def _account(self, sent: list[tuple[Sequence[Hashable], tuple[int | None, int]]]) -> None:
+        """The notes of one step travel together: one message per destination, one entry per note.
+        When every note goes to the same processes (every segment runs on every worker), all of
+        them get the same message, so it is counted once for all (the per-step cost at fine
+        granularity was this accounting, once per destination)."""
+        first = sent[0][0]
+        if all(targets is first or targets == first for targets, _ in sent):
+            groups: list[tuple[Sequence[Hashable], list[tuple[int | None, int]]]] = [(first, [e for _, e in sent])]
+        else:
+            bundles: dict[Hashable, list[tuple[int | None, int]]] = {}
+            for targets, entry in sent:
+                for p in targets:
+                    bundles.setdefault(p, []).append(entry)
+            groups = [((p,), entries) for p, entries in bundles.items()]
+        for targets, entries in groups:
+            epochs = [e for e, _ in entries if e is not None]
+            self.traffic.record_each(NEOSS_KIND, targets, min(epochs) if epochs else None,
+                                     nbytes=sum(n for _, n in entries), entries=len(entries))
 
     def _window_end(self, s: int, label: int) -> WindowEnd:
         """WindowEnd for firing segment ``s``, with one epoch token per process SNDed now."""
@@ -343,7 +359,12 @@ class TrackingAgent:
             )
         k = len(self._dims[EPOCHS].bound)
         n_dims = len(self._dims)
-        for r in m.reports:
+        dims = self._dims
+        for r in m.reports:  # the common case first, cheaply: a report is checked once per flush entry
+            seg, dim = r.segment, r.dim
+            if type(seg) is int and 0 <= seg < k and 0 <= dim < n_dims and r.epoch > dims[dim].bound[seg] \
+                    and 0 <= r.xor <= MAX_ID and r.snd >= 0 and r.rcv >= 0:
+                continue
             event = f"Report(segment={r.segment}, epoch={r.epoch}, dim={r.dim}) from {m.sender!r}"
             if not (type(r.segment) is int and 0 <= r.segment < k):
                 raise ProtocolError(MACHINE, "running", event, f"unknown segment (there are {k})")
@@ -357,8 +378,7 @@ class TrackingAgent:
                     event, f"{what} {r.epoch} of segment {r.segment} is already closed: a record of a closed {what} "
                     "(broken promise, chain-rule violation or duplicate report)",
                 )
-            if not 0 <= r.xor <= MAX_ID or r.snd < 0 or r.rcv < 0:
-                raise ProtocolError(MACHINE, "running", event, f"xor/snd/rcv out of range: {r}")
+            raise ProtocolError(MACHINE, "running", event, f"xor/snd/rcv out of range: {r}")
         pending: dict[tuple[int, Hashable, int], int] = {}
         for p in m.promises:
             event = f"Promise(segment={p.segment}, epoch={p.epoch}, source={p.source!r}, dim={p.dim}) from {m.sender!r}"

@@ -21,7 +21,7 @@ kinds or processes all equal the total. Bytes follow the wire layouts in ``messa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, TypeVar
+from typing import Any, Hashable, Sequence, TypeVar
 
 REPORT, PROMISE, NEOSS_KIND, MARKER = "report", "promise", "neoss", "marker"
 
@@ -59,6 +59,19 @@ class ServiceTraffic:
         _tally(self.by_process, process).add(messages, nbytes, entries)
         _tally(self.by_epoch, epoch).add(messages, nbytes, entries)
         self.total.add(messages, nbytes, entries)
+
+    def record_each(self, kind: str, processes: Sequence[Hashable], epoch: int | None, *, nbytes: int,
+                    entries: int = 1) -> None:
+        """``record`` of the same message to each of ``processes`` (a NEOSS bundle fanned out),
+        with one update of the kind, epoch and total counters."""
+        n = len(processes)
+        if not n:
+            return
+        for p in processes:
+            _tally(self.by_process, p).add(1, nbytes, entries)
+        _tally(self.by_kind, kind).add(n, n * nbytes, n * entries)
+        _tally(self.by_epoch, epoch).add(n, n * nbytes, n * entries)
+        self.total.add(n, n * nbytes, n * entries)
 
     def messages(self, kind: str | None = None) -> int:
         if kind is None:
