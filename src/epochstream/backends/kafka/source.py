@@ -456,3 +456,6 @@ class KafkaSource(Source):
         except ck.KafkaException as exc:
             logging.getLogger(__name__).warning("source %s: committing offsets to group %s failed: %s", self.uid,
                                                 self.group_id, exc)
+        if last:  # nothing follows: no client outlives the job
+            self._committer.close()
+            self._committer = None
