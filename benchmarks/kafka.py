@@ -11,7 +11,7 @@ of 4 partitions, output topic of 2, 100 keys. For each system and epoch interval
   ``records_per_s_with_startup``: records / the whole run (epochstream from the job's start,
   Spark from the query's start, both after their interpreter or JVM is up).
 - **latency**: once the job runs (epochstream: its first epoch committed group offsets), a
-  separate process produces at ``--load`` (default 50%) of that throughput, open loop for
+  separate process produces at ``--load`` (default 50%) of the rate with start-up, open loop for
   ``--seconds``, each record stamped with the moment it was due (Kafka timestamp); another
   reads the output topic at ``read_committed``; each output record carries its input's
   timestamp, so latency = visible at read_committed - due. The first ``--warmup`` seconds are
