@@ -142,9 +142,11 @@ class KafkaSource(Source):
         self._last_discovery: float | None = None
         self._consumers: dict[int, Any] = {}
         self._positions: dict[int, int] = {}
+        #: the job master's client committing completed epochs' offsets to the group
+        self._committer: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_consumers": {}, "_positions": {}, "_last_discovery": None}
+        return {**self.__dict__, "_consumers": {}, "_positions": {}, "_last_discovery": None, "_committer": None}
 
     def _add_split(self, index: int, tp: tuple[str, int]) -> int:
         """Register (topic, partition) under its split id; returns the id."""
@@ -411,8 +413,19 @@ class KafkaSource(Source):
             c.close()
         self._consumers.clear()
         self._positions.clear()
+        if self._committer is not None:
+            self._committer.close()
+            self._committer = None
 
     # ------------------------------------------------------------ after an epoch completes
+    def _committed(self, err: Any, partitions: Any) -> None:
+        """An asynchronous group commit's outcome: a failure is logged (monitoring only)."""
+        if err is not None:
+            import logging
+
+            logging.getLogger(__name__).warning("source %s: committing offsets to group %s failed: %s", self.uid,
+                                                self.group_id, err)
+
     def epoch_completed(self, offsets: dict[Any, Any]) -> None:
         """Commit an epoch's offsets (split -> next offset, from its manifest) to the consumer
         group, for monitoring (lag); recovery never reads them. Best effort: a failure is logged."""
@@ -423,15 +436,26 @@ class KafkaSource(Source):
                if int(s) in self.partitions]
         if not tps:
             return
-        # a short-lived client: the local driver forks workers from the master's process, and a
-        # librdkafka handle's threads must not be alive at a fork
-        consumer = ck.Consumer({"bootstrap.servers": self.bootstrap_servers,
-                                "group.id": self.group_id or f"epochstream-{self.uid}",
-                                "enable.auto.commit": False, "log_level": 3, **self.settings})
+        # one client for every epoch (a new one per epoch cost ~60 ms of the master's loop: its
+        # start, the coordinator lookup and its close); closed before the local driver forks
+        # workers (``holds_clients``), as a librdkafka handle's threads must not be alive at a fork
+        if self._committer is None:
+            self._committer = ck.Consumer({"bootstrap.servers": self.bootstrap_servers,
+                                           "group.id": self.group_id or f"epochstream-{self.uid}",
+                                           "enable.auto.commit": False, "log_level": 3,
+                                           "on_commit": self._committed, **self.settings})
+            holds_clients(self)
+        # asynchronous: a synchronous commit held the master's loop ~100 ms per epoch on a busy
+        # broker (it is monitoring only); the last epoch of a bounded source waits for it, so
+        # the group shows the final offsets when the job returns
+        last = self.end_offsets is not None and all(
+            int(o) >= self.end_offsets.get(int(s), 0) for s, o in offsets.items() if int(s) in self.partitions)
         try:
-            consumer.commit(offsets=tps, asynchronous=False)
+            self._committer.poll(0)  # serve the callbacks of earlier commits
+            self._committer.commit(offsets=tps, asynchronous=not last)
         except ck.KafkaException as exc:
             logging.getLogger(__name__).warning("source %s: committing offsets to group %s failed: %s", self.uid,
                                                 self.group_id, exc)
-        finally:
-            consumer.close()
+        if last:  # nothing follows: no client outlives the job
+            self._committer.close()
+            self._committer = None
