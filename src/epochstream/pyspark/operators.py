@@ -51,6 +51,7 @@ from .schema import (
     StructType,
     arrow_schema,
     as_dicts,
+    batches_of,
     batches_to_records,
     concat_output,
     group_state_row,
@@ -344,6 +345,8 @@ class _Keyed:
 
     def _frames(self, parts: list[Any]) -> list[Any]:
         """A key's parts as pandas frames (row lists become one frame each, through Arrow)."""
+        if len(parts) == 1 and type(parts[0]) is not list:
+            return parts
         return [to_pandas(p, self._arrow_in) if type(p) is list else p for p in parts]
 
     def drain_input(self, ctx) -> Any:
@@ -799,8 +802,14 @@ class ApplyInPandasWithState(_Keyed):
     def _open(self, ctx) -> None:
         import heapq
 
+        from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
+
         self._open_common(ctx)
         self._gs_fields: tuple[tuple[int, int], dict[str, Any]] | None = None
+        #: looked up once, not per call
+        self._group_state, self._no_timestamp = GroupState, GroupState.NO_TIMESTAMP
+        self._no_timeout = GroupStateTimeout.NoTimeout
+        self._value_what = f"{self.label}: GroupState value"
         self._state = ctx.state(ValueStateDescriptor(GROUP_STATE))
         self._heap: list[tuple[int, int, Any]] = []
         self._seq = 0
@@ -859,14 +868,21 @@ class ApplyInPandasWithState(_Keyed):
         """One call per key over ``segments`` (an iterator of all its frames), then the
         timeouts of keys without data, as Spark runs a micro-batch."""
         self.batch_time_ms = self._now(ctx)
-        out: list[Any] = []
         with _collector_paused():
-            per_key = self._by_key(segments)
-            for key, parts in per_key.items():
-                ctx.set_current_key(key)
-                out.extend(self._call(key, iter(self._frames(parts)), timed_out=False))
-            self._time_out(out, skip=per_key)
-        return out
+            # the input frames and the user's output frames die with _calls' locals, before
+            # the collector is back: it would otherwise scan (and promote) every one of them
+            return self._calls(segments, ctx)
+
+    def _calls(self, segments: list[Any], ctx) -> list[Any]:
+        out: list[Any] = []
+        per_key = self._by_key(segments)
+        segments.clear()
+        set_key, call, frames = ctx.set_current_key, self._call, self._frames
+        for key, parts in per_key.items():
+            set_key(key)
+            out.extend(call(key, iter(frames(parts)), False))
+        self._time_out(out, skip=per_key)
+        return batches_of(out, self._arrow_out)
 
     def on_epoch_end(self, epoch: int, ctx) -> Any:
         return self._guard(self.label, self._on_epoch_end, epoch, ctx)
@@ -881,10 +897,11 @@ class ApplyInPandasWithState(_Keyed):
 
     def _call(self, key: Any, data, timed_out: bool) -> list[Any]:
         """Call the function for ``key``, write its state back; its output as RecordBatches."""
-        from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
+        GroupState = self._group_state  # noqa: N806 - PySpark's class
+        none = self._no_timestamp
 
         stored = self._state.value()
-        value, old_timeout = stored if stored is not None else (None, GroupState.NO_TIMESTAMP)
+        value, old_timeout = stored if stored is not None else (None, none)
         gs = GroupState.__new__(GroupState)
         fields = gs.__dict__
         fields.update(self._group_state_fields())
@@ -898,22 +915,22 @@ class ApplyInPandasWithState(_Keyed):
                                                         self.label)
         # write back as FlatMapGroupsWithStateExec does
         new_timeout = int(gs._timeout_timestamp)
-        if gs._removed and new_timeout == GroupState.NO_TIMESTAMP:
+        if gs._removed and new_timeout == none:
             if stored is not None:
                 self._state.clear()
-            if self.tracker_time is not None and old_timeout != GroupState.NO_TIMESTAMP:
+            if self.tracker_time is not None and old_timeout != none:
                 self.tracker_time.delete_event_time_timer(old_timeout)  # removed: its timeout goes too
         elif gs._updated or gs._removed or new_timeout != old_timeout:
-            new_value = (state_tuple(gs._value, self.state_schema, f"{self.label}: GroupState value")
+            new_value = (state_tuple(gs._value, self.state_schema, self._value_what)
                          if gs.exists else None)
             self._state.update((new_value, new_timeout))
             tracker = self.tracker_time
             if tracker is not None and old_timeout != new_timeout:
-                if old_timeout != GroupState.NO_TIMESTAMP:
+                if old_timeout != none:
                     tracker.delete_event_time_timer(old_timeout)
-                if new_timeout != GroupState.NO_TIMESTAMP:
+                if new_timeout != none:
                     tracker.register_event_time_timer(new_timeout)  # times out once event time passes it
-            elif new_timeout != GroupState.NO_TIMESTAMP and self.timeout_conf != GroupStateTimeout.NoTimeout:
+            elif new_timeout != none and self.timeout_conf != self._no_timeout:
                 self._push(new_timeout, key)
 
         return records
@@ -923,13 +940,12 @@ class ApplyInPandasWithState(_Keyed):
         out state at the current batch time and watermark; ``_call`` copies them into each
         key's GroupState (then sets the value), instead of running ``__init__`` per key. Made
         by ``__init__`` itself once per batch time and watermark, so they are its own."""
-        from pyspark.sql.streaming.state import GroupState
-
-        watermark = self.watermark_ms if self.event_time is not None else GroupState.NO_TIMESTAMP
-        at = (self.batch_time_ms, watermark)
+        watermark = self.watermark_ms if self.event_time is not None else self._no_timestamp
         cached = self._gs_fields
-        if cached is not None and cached[0] == at:
+        if cached is not None and cached[0][0] == self.batch_time_ms and cached[0][1] == watermark:
             return cached[1]
+        at = (self.batch_time_ms, watermark)
+        GroupState = self._group_state  # noqa: N806 - PySpark's class
         gs = GroupState(
             # pyspark annotates Row, but an undefined state (defined=False) holds None, as Spark's
             # own serializer passes it (pyspark/sql/pandas/serializers.py, construct_state)

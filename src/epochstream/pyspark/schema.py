@@ -441,13 +441,20 @@ def row_slicer(df: Any) -> Callable[[int, int], Any]:
     0-based RangeIndex, what ``df.iloc[start:stop].reset_index(drop=True)`` gives, as views of
     ``df``'s blocks (the groups of a batch do not overlap, so no copy is needed). Through the
     block manager where pandas has one: ``iloc`` and ``reset_index`` cost about 4x more per
-    key, which at 10K keys a micro-batch was a fifth of each call."""
+    key, which at 10K keys a micro-batch was a fifth of each call. Each frame is built from
+    its blocks' row slices, its own columns and ``RangeIndex`` (a user renaming one frame's
+    index or columns touches no other key's) and a manager made without re-validating what
+    the slices already satisfy, about half of ``get_slice`` + ``set_axis`` + ``RangeIndex(n)``."""
     import pandas as pd
 
     mgr = getattr(df, "_mgr", None)
     from_mgr = getattr(pd.DataFrame, "_from_mgr", None)
-    if mgr is None or from_mgr is None or not hasattr(mgr, "get_slice") or not hasattr(mgr, "set_axis") \
-            or mgr.ndim != 2:
+    if mgr is None or from_mgr is None or mgr.ndim != 2:
+        return lambda start, stop: df.iloc[start:stop].reset_index(drop=True)
+    fast = _block_slicer(mgr, from_mgr, pd)
+    if fast is not None:
+        return fast
+    if not hasattr(mgr, "get_slice") or not hasattr(mgr, "set_axis"):
         return lambda start, stop: df.iloc[start:stop].reset_index(drop=True)
     get_slice, range_index = mgr.get_slice, pd.RangeIndex
 
@@ -457,6 +464,37 @@ def row_slicer(df: Any) -> Callable[[int, int], Any]:
         return from_mgr(part, axes=part.axes)
 
     return cut
+
+
+def _block_slicer(mgr: Any, from_mgr: Any, pd: Any) -> Callable[[int, int], Any] | None:
+    """``row_slicer``'s cut from pandas' internals (``Block.slice_block_rows``, a manager
+    without integrity checks, ``RangeIndex._simple_new``), or None where this pandas lacks
+    one of them (then ``get_slice`` is used). Checked once on ``mgr``: a slice must equal
+    ``get_slice``'s."""
+    blocks = tuple(getattr(mgr, "blocks", ()))
+    simple_index = getattr(pd.RangeIndex, "_simple_new", None)
+    if not blocks or simple_index is None or not all(hasattr(b, "slice_block_rows") for b in blocks):
+        return None
+    make = type(mgr)
+    columns = mgr.axes[0]
+    shallow = getattr(columns, "_view", None)
+    if shallow is None:
+        return None
+
+    def cut(start: int, stop: int) -> Any:
+        rows = slice(start, stop)
+        part = make(tuple([b.slice_block_rows(rows) for b in blocks]),
+                    [shallow(), simple_index(range(stop - start))], verify_integrity=False)
+        return from_mgr(part, axes=part.axes)
+
+    try:  # the same frame as the checked path, or not used
+        probe = cut(0, min(2, len(mgr.axes[1])))
+        ref = mgr.get_slice(slice(0, min(2, len(mgr.axes[1]))), axis=1)
+        ok = probe._mgr.nblocks == ref.nblocks and probe.columns.equals(ref.axes[0]) \
+            and list(probe.dtypes) == list(ref.get_dtypes())
+    except Exception:  # noqa: BLE001 - an internals change: take the public path instead
+        return None
+    return cut if ok else None
 
 
 def frames_to_records(frames: Iterable[Any], schema: StructType, arrow_out, what: str) -> list[dict]:
@@ -509,12 +547,11 @@ def take_frames(frames: Iterable[Any], schema: StructType, arrow_out, what: str)
     """Consume what a user call yielded (its code runs now, in its own phase): ``Frame``s
     for frames whose columns match by name, RecordBatches for the rest (matched by position,
     or a label twice), converted at once as ``frames_to_batches`` does. Errors name ``what``."""
-    import pandas as pd
-
+    data_frame = _pandas_frame()
     out: list[Any] = []
     names = tuple(schema.names)
     for df in frames:
-        if not isinstance(df, pd.DataFrame):
+        if type(df) is not data_frame and not isinstance(df, data_frame):
             raise SchemaError(f"{what} must yield pandas DataFrames, got {type(df).__name__}")
         if len(df) == 0:
             continue
@@ -534,6 +571,14 @@ def take_frames(frames: Iterable[Any], schema: StructType, arrow_out, what: str)
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _pandas_frame() -> Any:
+    """``pandas.DataFrame``, imported once (this module imports pandas only where it is used)."""
+    import pandas as pd
+
+    return pd.DataFrame
+
+
 @functools.lru_cache(maxsize=256)
 def _named_columns(labels: tuple, names: tuple) -> bool:
     """Whether a frame with column ``labels`` matches the schema ``names`` by name: string
@@ -546,11 +591,18 @@ def _named_columns(labels: tuple, names: tuple) -> bool:
 def _layout(df: Any) -> tuple:
     """A frame's column labels and dtypes. From pandas' block manager where it has one:
     ``df[name].dtype`` makes a Series per column, which for a one-row frame costs about as
-    much as the user's own ``pd.DataFrame(...)`` call."""
-    get_dtypes = getattr(getattr(df, "_mgr", None), "get_dtypes", None)
+    much as the user's own ``pd.DataFrame(...)`` call. A frame of one block (every column of
+    one numpy dtype, what ``pd.DataFrame({"k": [..], "c": [..]})`` of ints makes) has that
+    block's dtype in every column, without ``get_dtypes``' per-manager block-number map."""
+    labels = tuple(df.columns.tolist())
+    mgr = getattr(df, "_mgr", None)
+    blocks = getattr(mgr, "blocks", None)
+    if type(blocks) is tuple and len(blocks) == 1:
+        return labels, (blocks[0].dtype,) * len(labels)
+    get_dtypes = getattr(mgr, "get_dtypes", None)
     if get_dtypes is not None:
-        return tuple(df.columns.tolist()), tuple(get_dtypes().tolist())
-    return tuple(df.columns.tolist()), tuple(df.dtypes.tolist())
+        return labels, tuple(get_dtypes().tolist())
+    return labels, tuple(df.dtypes.tolist())
 
 
 def batches_of(items: list[Any], arrow_out) -> list[Any]:
@@ -615,16 +667,74 @@ def _stack_frames(run: list[Frame], arrow_out) -> Any:
     first = run[0]
     labels = first.layout[0]
     at = [labels.index(n) for n in first.schema.names]
+    columns = _block_columns(run, at)
+    if columns is None:
+        try:
+            columns = [np.concatenate([f.df._mgr.iget_values(i) for f in run]) for i in at]
+        except AttributeError:  # a pandas without the block manager accessor
+            columns = [np.concatenate([f.df.iloc[:, i].to_numpy() for f in run]) for i in at]
     try:
-        columns = [[f.df._mgr.iget_values(i) for f in run] for i in at]
-    except AttributeError:  # a pandas without the block manager accessor
-        columns = [[f.df.iloc[:, i].to_numpy() for f in run] for i in at]
-    try:
-        arrays = [pa.array(np.concatenate(parts), type=field.type, from_pandas=True, safe=True)
-                  for parts, field in zip(columns, arrow_out, strict=True)]
+        arrays = [pa.array(values, type=field.type, from_pandas=True, safe=True)
+                  for values, field in zip(columns, arrow_out, strict=True)]
         return pa.RecordBatch.from_arrays(arrays, schema=arrow_out)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as exc:
         raise SchemaError(f"{first.what}: output does not fit schema {first.schema.simpleString()}: {exc}") from exc
+
+
+def _block_columns(run: list[Frame], at: list[int]) -> list[Any] | None:
+    """``_stack_frames``' columns (``at``: label positions) joined a block at a time: when
+    every frame of the run has the same blocks, each a 2-D numpy array (or a tz-naive
+    datetime or timedelta array over one) placed on the same columns (a slice), the blocks
+    are joined along the rows with one ``numpy.concatenate`` each, and a column is a row of
+    its block: one step per frame instead of one per column and frame. None when the frames'
+    blocks differ (then the columns are joined one by one)."""
+    import numpy as np
+
+    try:
+        blocks = [f.df._mgr.blocks for f in run]
+        first = blocks[0]
+        sig = tuple(b.mgr_locs.indexer for b in first)
+        if not all(type(s) is slice and s.start is not None and s.stop is not None for s in sig):
+            return None
+        kinds = tuple(type(b.values) for b in first)
+        if any(_block_array(b) is None for b in first):
+            return None
+        n = len(sig)
+        if n == 1:
+            one, kind = sig[0], kinds[0]
+            if not all(len(bs) == 1 and bs[0].mgr_locs.indexer == one and type(bs[0].values) is kind
+                       for bs in blocks):
+                return None
+        elif not all(len(bs) == n and tuple(b.mgr_locs.indexer for b in bs) == sig
+                     and tuple(type(b.values) for b in bs) == kinds for bs in blocks):
+            return None
+    except AttributeError:  # a pandas without these internals
+        return None
+    where: dict[int, tuple[int, int]] = {}  # label position -> (block, row in it)
+    for j, s in enumerate(sig):
+        for r, pos in enumerate(range(s.start, s.stop, s.step or 1)):
+            where[pos] = (j, r)
+    joined: dict[int, Any] = {}
+    out = []
+    for i in at:
+        j, r = where[i]
+        if j not in joined:
+            joined[j] = np.concatenate([_block_array(bs[j]) for bs in blocks], axis=1)
+        out.append(joined[j][r])
+    return out
+
+
+def _block_array(block: Any) -> Any:
+    """A block's values as a 2-D numpy array of the block's dtype: the array itself, or the
+    one a tz-naive datetime or timedelta array wraps; None for anything else."""
+    import numpy as np
+
+    values = block.values
+    if type(values) is not np.ndarray:
+        values = getattr(values, "_ndarray", None)
+        if type(values) is not np.ndarray:
+            return None
+    return values if values.ndim == 2 and values.dtype == block.dtype else None
 
 
 def _frame_batch(df: Any, schema: StructType, arrow_out, what: str) -> Any:
