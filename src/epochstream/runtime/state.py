@@ -215,6 +215,28 @@ _EMPTY: dict[Any, Any] = {}
 # ---------------------------------------------------------------- backend
 
 
+class _Round:
+    """A materialisation spread over ``parts`` captures: the keys each state held at the
+    round's first capture (``start``), handed out one part per capture."""
+
+    __slots__ = ("start", "parts", "done", "keys")
+
+    def __init__(self, start: int, parts: int, keys: dict[str, list[Any]]) -> None:
+        self.start, self.parts, self.done, self.keys = start, parts, 0, keys
+
+    def share(self, name: str) -> list[Any]:
+        """This capture's part of state ``name``'s keys (none for a state made since the start:
+        all its keys were written since, so they are in the links anyway)."""
+        keys = self.keys.get(name, ())
+        size = -(-len(keys) // self.parts)
+        return list(keys[self.done * size:(self.done + 1) * size])
+
+    def advance(self) -> bool:
+        """One part captured; whether that was the last."""
+        self.done += 1
+        return self.done >= self.parts
+
+
 class HeapKeyedState:
     """All keyed state of one operator instance (one subtask of one ``process`` operator)."""
 
@@ -232,6 +254,8 @@ class HeapKeyedState:
         self.force_full = True
         #: newest time label whose timers fired here (None: the operator has no event time)
         self.event_time: int | None = None
+        #: the materialisation in progress, spread over captures (``capture``)
+        self._round: _Round | None = None
 
     @overload
     def handle(self, descriptor: ValueStateDescriptor) -> ValueState: ...
@@ -279,9 +303,26 @@ class HeapKeyedState:
 
     def capture(self, epoch: int, incremental: bool = True, full_every: int = 10) -> KeyedCapture:
         """Serialize the state at an epoch bound: the keys written since the last capture, or
-        every key when a full capture is due (not incremental, first after restore, or the
-        change chain reached ``full_every`` links: compaction)."""
-        full = not incremental or self.force_full or not self.chain or len(self.chain) >= full_every
+        every key (a full capture: not incremental, the first after a restore, or ``full_every``
+        1).
+
+        Materialisation is spread over epochs, so no epoch waits for a full snapshot (the
+        heap's p99 at 1M keys was the full capture every ``full_every``-th epoch): once the
+        chain has ``full_every`` links a *round* starts, which lists the keys at this bound and
+        adds one ``full_every``-th of them (their current values) to each of the next
+        ``full_every`` captures. When a round ends, the links before its first capture are
+        dropped: every key live at the round's start was captured during it (or deleted,
+        and its tombstone is in a link since), and every key written since is in a link since,
+        so the links from the round's start rebuild the state. The chain stays under
+        2 * ``full_every`` links.
+        """
+        full = not incremental or self.force_full or not self.chain or (
+            full_every <= 1 and len(self.chain) >= full_every)
+        if full:
+            self._round = None
+        elif self._round is None and len(self.chain) >= full_every:
+            self._round = _Round(epoch, full_every, {t.name: list(t.data) for t in self.tables.values()})
+        rnd = self._round
         key_type = self.key_type
         dumps = pickle.dumps
         all_keys: list[Any] = []
@@ -291,6 +332,9 @@ class HeapKeyedState:
         for table in self.tables.values():
             data = table.data
             keys = list(data) if full else list(table.dirty)
+            if rnd is not None:  # this capture's share of the round: live keys not written anyway
+                dirty = table.dirty
+                keys += [k for k in rnd.share(table.name) if k in data and k not in dirty]
             if table.type is not None or key_type is not None:
                 self._check_types(table, keys, key_type)
             try:  # one comprehension per column: no tuple per row, no per-row calls but the pickles
@@ -315,6 +359,9 @@ class HeapKeyedState:
             self.force_full = False
         else:
             self.chain.append(epoch)
+            if rnd is not None and rnd.advance():  # the round is over: it rebuilds the state alone
+                self.chain = self.chain[self.chain.index(rnd.start):]
+                self._round = None
         kinds = tuple((t.name, t.kind) for t in self.tables.values())
         types = tuple((t.name, t.type.to_json()) for t in self.tables.values() if t.type is not None)
         return KeyedCapture(self.operator_uid, rows, full, tuple(self.chain), self.key_group_range, kinds,
