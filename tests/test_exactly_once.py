@@ -127,6 +127,9 @@ class Chaos:
     #: later epochs through and NEOSS to a worker coalesce on the wire (``TrackerConfig.flush_on_promise``,
     #: ``TrackerConfig.pass_through``, ``SimConfig.coalesce_neoss``)
     tracker_batching: bool = False
+    #: ``CheckpointConfig.full_every``: short chains make the heap's materialisation rounds (a
+    #: share of the keys per capture, older links dropped) happen within a run, under its kills
+    full_every: int = 10
 
     def knobs(self) -> dict:
         return dict(
@@ -141,6 +144,7 @@ class Chaos:
             tolerable_failed=self.tolerable_failed,
             incremental=self.incremental,
             state_backend_type=self.state_backend_type,
+            full_every=self.full_every,
         )
 
     def horizon(self) -> float:
@@ -206,6 +210,7 @@ def chaos(
         sink_format=draw(sink_format),
         state_backend_type=draw(state_backend_type),
         tracker_batching=draw(st.booleans()),
+        full_every=draw(st.sampled_from([2, 3, 10])),
     )
 
 

@@ -4,7 +4,8 @@ The heap backend keeps one dict per declared state (key -> value) and a *dirty s
 keys written since the last capture. A capture at an epoch bound pickles only those keys
 (an incremental snapshot, a changelog) or every key (a full one), synchronously, so later
 in-place mutation cannot leak into a snapshot; the bytes are written in the background by
-the driver.
+the driver. Compaction of the chain is spread over a *round* of captures, each adding a
+share of the keys, so no epoch after the first pickles the whole state (``capture``).
 
 As in Flink's heap backend, a value fetched with ``value()`` / ``get()`` and mutated in
 place is only recorded when written back (``update``, ``add``, ``put``).
