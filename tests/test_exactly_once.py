@@ -810,6 +810,19 @@ def _check_shared_files(work: Path) -> int:
 
 
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])
+@settings(max_examples=10, **COMMON)
+@given(builder_name=st.sampled_from(["running_count", "list_state", "two_stage"]),
+       c=chaos(state_backend_type=st.just("hashmap"), kills=st.integers(0, 2)),
+       full_every=st.sampled_from([2, 3]))
+def test_exactly_once_with_heap_materialisation_rounds(builder_name, mode, c, full_every, workdirs):
+    """The heap's materialisation rounds (each capture adds a share of the keys; the links before
+    a round are dropped when it ends) under kills, job-master crashes and failed state writes:
+    the output exactly once and every epoch's state as the reference's."""
+    c = replace(c, incremental=True, state_backend_type="hashmap", full_every=full_every)
+    _exactly_once_property(builder_name, c, workdirs, mode)
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
 @settings(max_examples=8, **COMMON)
 @given(builder_name=st.sampled_from(["running_count", "list_state", "two_stage"]),
        c=chaos(state_backend_type=st.just("rocksdb"), kills=st.integers(0, 2)),
