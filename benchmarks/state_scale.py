@@ -29,7 +29,12 @@ epoch, worker RSS over time); prints a summary table with p50/p99 per backend an
 Delta/files ratio of the p99. Each run is checked: the final committed state holds every
 key's exact count. Not a test.
 
-    python benchmarks/state_scale.py [--keys 100000] [--rate 50000] [--seconds 40] [--backends files,delta]
+Several ``--keys`` (``10000,1000000``) run one after another; the summary then states issue 21's
+targets this run measured (``targets``: Delta/files p99 per key count, the heap's p99 against
+the interval, the heap's records/s at the largest key count against the smallest) and writes
+them to ``<name>_targets.csv``.
+
+    python benchmarks/state_scale.py [--keys 100000[,1000000]] [--rate 50000] [--seconds 40] [--backends files,delta]
         [--state-backend-types hashmap,rocksdb] [--incremental-modes on,off] [--restore] [--name state_scale]
 """
 
@@ -210,11 +215,11 @@ def check(backend: str, chk: Path, args: argparse.Namespace) -> None:
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
-    for b in dict.fromkeys(r["backend"] for r in rows):
-        xs = [r for r in rows if r["backend"] == b]
+    for b, k in dict.fromkeys((r["backend"], r["keys"]) for r in rows):
+        xs = [r for r in rows if r["backend"] == b and r["keys"] == k]
         t2c = [r["trigger_to_commit_s"] for r in xs]
         out.append({
-            "backend": b, "epochs": len(xs), "run_wall_s": xs[0]["run_wall_s"] if xs else float("nan"),
+            "backend": b, "keys": k, "epochs": len(xs), "run_wall_s": xs[0]["run_wall_s"] if xs else float("nan"),
             "t2c_p50": pct(t2c, 0.5), "t2c_p99": pct(t2c, 0.99), "t2c_max": max(t2c) if t2c else float("nan"),
             "commit_p50": pct([r["commit_s"] for r in xs], 0.5), "commit_p99": pct([r["commit_s"] for r in xs], 0.99),
             "t2m_p50": pct([r["trigger_to_manifest_s"] for r in xs], 0.5),
@@ -224,6 +229,39 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "bytes_p50": pct([r["checkpoint_bytes"] for r in xs], 0.5),
             "bytes_max": max((r["checkpoint_bytes"] for r in xs), default=0),
         })
+    return out
+
+
+def targets(table: list[dict[str, Any]], interval: float, path: Path) -> list[dict[str, Any]]:
+    """Issue 21's targets that this run measured, as ratios within the run: Delta's p99 within
+    1.2x of the files backend's per key count; the heap's p99 <= 2x the interval; the heap's
+    records/s at its largest key count >= 0.7x of its smallest. Printed and written as CSV."""
+    by = {(r["backend"], r["keys"]): r for r in table}
+    out = []
+    for (b, k), r in by.items():
+        f = by.get(("files", k))
+        if b == "delta" and f is not None:
+            ratio = r["t2c_p99"] / f["t2c_p99"]
+            out.append({"target": f"delta p99 / files p99 at {k:,} keys", "value": round(ratio, 2),
+                        "bound": "<= 1.2", "holds": ratio <= 1.2})
+        if b in ("files", "delta"):  # the heap (hashmap) keyed-state backend
+            ratio = r["t2c_p99"] / interval
+            out.append({"target": f"{b} (heap) p99 / interval at {k:,} keys", "value": round(ratio, 2),
+                        "bound": "<= 2 (issue: at 5M keys)", "holds": ratio <= 2})
+    for b in dict.fromkeys(b for b, _k in by):
+        ks = sorted(k for bb, k in by if bb == b)
+        if b in ("files", "delta") and len(ks) > 1:
+            ratio = by[(b, ks[-1])]["records_per_s"] / by[(b, ks[0])]["records_per_s"]
+            out.append({"target": f"{b} (heap) records/s at {ks[-1]:,} / at {ks[0]:,} keys", "value": round(ratio, 2),
+                        "bound": ">= 0.7", "holds": ratio >= 0.7})
+    if out:
+        print(f"\n{'target':<48} {'value':>6}  {'bound':<24} holds")
+        for t in out:
+            print(f"{t['target']:<48} {t['value']:>6}  {t['bound']:<24} {'yes' if t['holds'] else 'NO'}")
+        with open(path, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(out[0]))
+            w.writeheader()
+            w.writerows(out)
     return out
 
 
@@ -237,10 +275,12 @@ def plot(rows: list[dict[str, Any]], path: Path, trace: list[dict[str, Any]] | N
     ax, bx, cx = axes
     colors = {"files": "tab:blue", "delta": "tab:orange", "files+rocksdb": "tab:green", "delta+rocksdb": "tab:red",
               "files+rocksdb-full": "tab:olive", "files-full": "tab:cyan"}
-    for b, rep in dict.fromkeys((r["backend"], r.get("repeat", 0)) for r in rows):
-        xs = [r for r in rows if r["backend"] == b and r.get("repeat", 0) == rep]
+    several = len({r["keys"] for r in rows}) > 1
+    for b, k, rep in dict.fromkeys((r["backend"], r["keys"], r.get("repeat", 0)) for r in rows):
+        xs = [r for r in rows if r["backend"] == b and r["keys"] == k and r.get("repeat", 0) == rep]
         ax.plot([r["epoch"] for r in xs], [r["trigger_to_commit_s"] for r in xs], marker="o", ms=3,
-                color=colors.get(b), alpha=0.8, label=f"{b} (run {int(rep) + 1})")
+                color=None if several else colors.get(b), alpha=0.8,
+                label=f"{b}{f' {k:,} keys' if several else ''} (run {int(rep) + 1})")
         bx.plot([r["epoch"] for r in xs], [r.get("checkpoint_bytes", 0) / 2**20 for r in xs], marker="o", ms=3,
                 color=colors.get(b), alpha=0.8, label=b)
     ax.set_xlabel("epoch")
@@ -272,7 +312,8 @@ def plot(rows: list[dict[str, Any]], path: Path, trace: list[dict[str, Any]] | N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--keys", type=int, default=100_000)
+    ap.add_argument("--keys", default="100000",
+                    help="distinct keys; several (10000,1000000) run one after another in this run")
     ap.add_argument("--rate", type=float, default=50_000, help="rows/s of the rate source")
     ap.add_argument("--seconds", type=float, default=40, help="input length in seconds at --rate")
     ap.add_argument("--interval", type=float, default=1.0, help="checkpoint interval (s)")
@@ -288,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--name", default="state_scale")
     args = ap.parse_args(argv)
+    key_counts = [int(k) for k in str(args.keys).split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
@@ -295,15 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="state-scale-"))
     try:
         for rep in range(args.repeats):
-            combos = [(b, t, inc == "on") for t in args.state_backend_types.split(",")
+            combos = [(k, b, t, inc == "on") for k in key_counts for t in args.state_backend_types.split(",")
                       for inc in args.incremental_modes.split(",") for b in args.backends.split(",")]
-            for b, state_type, incremental in combos:
-                got = run_one(b, args, work, state_type, incremental, trace)
+            for keys, b, state_type, incremental in combos:
+                one = argparse.Namespace(**{**vars(args), "keys": keys})
+                got = run_one(b, one, work, state_type, incremental, trace)
                 for r in got:
                     r["repeat"] = rep
                 rows += got
                 g = got[0] if got else {}
-                print(f"{b}/{state_type}{'' if incremental else '/full'} repeat {rep}: {len(got)} epochs, "
+                print(f"{b}/{state_type}{'' if incremental else '/full'} {keys} keys repeat {rep}: {len(got)} epochs, "
                       f"run {g.get('run_wall_s')} s, "
                       f"{g.get('records_per_s')} records/s, peak RSS per worker {g.get('peak_rss_mb_per_worker')} MB, "
                       f"restore run {g.get('restore_run_s')} s, load {os.getloadavg()[0]:.1f}", flush=True)
@@ -319,18 +362,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = summary(rows)
-    print(f"\n{'backend':<19} {'epochs':>6} {'run s':>6} {'rec/s':>8} {'t->c p50':>9} {'t->c p99':>9} {'max':>7} "
+    print(f"\n{'backend':<19} {'keys':>9} {'epochs':>6} {'run s':>6} {'rec/s':>8} {'t->c p50':>9} {'t->c p99':>9} "
+          f"{'max':>7} "
           f"{'commit p50':>10} {'commit p99':>10} {'t->manifest p50':>15} {'MiB/epoch p50':>13} {'max':>7} "
           f"{'restore s':>9} {'load1':>5}  peak RSS MB/worker")
     for r in table:
-        print(f"{r['backend']:<19} {r['epochs']:>6} {r['run_wall_s']:>6} {r['records_per_s']:>8} {r['t2c_p50']:>8.3f}s "
+        print(f"{r['backend']:<19} {r['keys']:>9} {r['epochs']:>6} {r['run_wall_s']:>6} {r['records_per_s']:>8} "
+              f"{r['t2c_p50']:>8.3f}s "
               f"{r['t2c_p99']:>8.3f}s {r['t2c_max']:>6.2f}s {r['commit_p50']:>9.3f}s {r['commit_p99']:>9.3f}s "
               f"{r['t2m_p50']:>14.3f}s {r['bytes_p50'] / 2**20:>13.2f} {r['bytes_max'] / 2**20:>7.2f} "
               f"{r['restore_s']:>9} {r['load1']:>5}  {r['rss']}")
-    by = {r["backend"]: r for r in table}
-    if "files" in by and "delta" in by:
-        print(f"\nDelta / files trigger->commit: p50 {by['delta']['t2c_p50'] / by['files']['t2c_p50']:.2f}x, "
-              f"p99 {by['delta']['t2c_p99'] / by['files']['t2c_p99']:.2f}x (target p99 <= 1.2x)")
+    targets(table, args.interval, out / f"{args.name}_targets.csv")
     plot(rows, out / f"{args.name}.png", trace)
     print(f"wrote {out / (args.name + '.csv')} and {args.name}.png")
     return 0

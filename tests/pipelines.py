@@ -279,9 +279,11 @@ def make_pipeline(
     incremental: bool = True,
     aligned_timeout: float | None = None,
     state_backend_type: str = "hashmap",
+    full_every: int = 10,
 ) -> Pipeline:
     """An empty Pipeline with the test knobs applied (restart_delay 0: the sim has its own);
-    ``state_backend_type``: where keyed state lives while the job runs (hashmap or rocksdb)."""
+    ``state_backend_type``: where keyed state lives while the job runs (hashmap or rocksdb);
+    ``full_every``: how long a chain of increments grows (the heap's materialisation rounds)."""
     return Pipeline(
         name,
         parallelism=parallelism,
@@ -293,6 +295,7 @@ def make_pipeline(
             tolerable_failed=tolerable_failed,
             incremental=incremental,
             state_backend_type=state_backend_type,
+            full_every=full_every,
             rocksdb_dir=ROCKSDB_TEST_DIR,
         ),
         batch_rows=batch_size,

@@ -127,6 +127,9 @@ class Chaos:
     #: later epochs through and NEOSS to a worker coalesce on the wire (``TrackerConfig.flush_on_promise``,
     #: ``TrackerConfig.pass_through``, ``SimConfig.coalesce_neoss``)
     tracker_batching: bool = False
+    #: ``CheckpointConfig.full_every``: short chains make the heap's materialisation rounds (a
+    #: share of the keys per capture, older links dropped) happen within a run, under its kills
+    full_every: int = 10
 
     def knobs(self) -> dict:
         return dict(
@@ -141,6 +144,7 @@ class Chaos:
             tolerable_failed=self.tolerable_failed,
             incremental=self.incremental,
             state_backend_type=self.state_backend_type,
+            full_every=self.full_every,
         )
 
     def horizon(self) -> float:
@@ -206,6 +210,7 @@ def chaos(
         sink_format=draw(sink_format),
         state_backend_type=draw(state_backend_type),
         tracker_batching=draw(st.booleans()),
+        full_every=draw(st.sampled_from([2, 3, 10])),
     )
 
 
@@ -807,6 +812,19 @@ def _check_shared_files(work: Path) -> int:
             epoch = int(re.search(r"/e(\d+)-a", "/" + rel).group(1))
             assert rel in live or epoch > last, f"{rel}: no retained checkpoint names it (last epoch {last})"
     return refs
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+@settings(max_examples=10, **COMMON)
+@given(builder_name=st.sampled_from(["running_count", "list_state", "two_stage"]),
+       c=chaos(state_backend_type=st.just("hashmap"), kills=st.integers(0, 2)),
+       full_every=st.sampled_from([2, 3]))
+def test_exactly_once_with_heap_materialisation_rounds(builder_name, mode, c, full_every, workdirs):
+    """The heap's materialisation rounds (each capture adds a share of the keys; the links before
+    a round are dropped when it ends) under kills, job-master crashes and failed state writes:
+    the output exactly once and every epoch's state as the reference's."""
+    c = replace(c, incremental=True, state_backend_type="hashmap", full_every=full_every)
+    _exactly_once_property(builder_name, c, workdirs, mode)
 
 
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])

@@ -428,3 +428,43 @@ def test_records_reach_the_subtask_of_their_key_group_whatever_the_route_cache_h
         chain.ROUTE_CACHE = saved
     table = key_group_table(16, 3)
     assert got == {i: table[assign_to_key_group(k, 16)] for i, k in enumerate(keys)}
+
+
+# ---------------------------------------------------------------- batches of keys (captures, routers)
+
+_EDGE_INTS = [0, 1, -1, 127, 128, -128, -129, 255, 256, 2**15, -(2**15) - 1, 2**31, -(2**31), 2**55 - 1,
+              2**63 - 1, -(2**63) + 1, -(2**63), 2**63, 2**64 + 5, -(2**80)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-(2**64), 2**64), min_size=0, max_size=120), st.sampled_from([1, 7, 128, 32768]))
+def test_key_groups_of_ints_equal_the_scalar_function(keys, m):
+    """The vectorised path (CRC-32 and murmur in numpy) gives every int key the key group
+    ``assign_to_key_group`` gives it, also past int64 (where it falls back per key)."""
+    from epochstream.graph.keygroups import key_groups_of
+
+    keys = keys + _EDGE_INTS
+    assert key_groups_of(keys, m) == [assign_to_key_group(k, m) for k in keys]
+    small = [k for k in keys if -(2**63) < k < 2**63]
+    assert key_groups_of(small, m) == [assign_to_key_group(k, m) for k in small]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.one_of(st.integers(-1000, 1000), st.text(max_size=4), st.floats(allow_nan=True), st.booleans(),
+                          st.none(), st.tuples(st.integers(0, 3), st.text(max_size=2))), max_size=80))
+def test_key_groups_of_mixed_keys_equal_the_scalar_function(keys):
+    from epochstream.graph.keygroups import KeyGroupOf, key_groups_of
+
+    assert key_groups_of(keys, 128) == [assign_to_key_group(k, 128) for k in keys]
+    assert KeyGroupOf(128).many(keys) == [KeyGroupOf(128)(k) for k in keys]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=200))
+def test_murmur_mix_array_equals_murmur_mix(codes):
+    import numpy as np
+
+    from epochstream.graph.keygroups import murmur_mix_array
+
+    arr = np.array(codes + [0, 0x80000000, 0xFFFFFFFF], dtype=np.uint64)
+    assert murmur_mix_array(arr).tolist() == [murmur_mix(c) for c in codes + [0, 0x80000000, 0xFFFFFFFF]]

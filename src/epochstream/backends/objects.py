@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..runtime.errors import ConfigurationError, EpochStreamError
+from ..runtime.messages import ColumnRows
 from ..snapshot.manifest import CheckpointError, StateFileRef, encode_manifest, validate_manifest, verified
 from .base import CheckpointStorage, Row
 
@@ -431,6 +432,43 @@ def _state_table(rows: list[Row]) -> pa.Table:
     )
 
 
+def _column_table(rows: ColumnRows, lo: int, hi: int) -> pa.Table:
+    """Rows ``lo:hi`` of a columnar capture as a table of ``STATE_SCHEMA``."""
+    names: list[str] = []
+    at = 0
+    for name, n in rows.states:  # runs of one state name
+        a, b = max(at, lo), min(at + n, hi)
+        if a < b:
+            names += [name] * (b - a)
+        at += n
+    return pa.Table.from_arrays(
+        [pa.array(rows.key_groups[lo:hi], pa.int32()), binary_array(rows.keys[lo:hi]), pa.array(names, pa.string()),
+         binary_array(rows.values[lo:hi])],
+        schema=STATE_SCHEMA,
+    )
+
+
+def binary_array(values: list[bytes] | list[bytes | None]) -> pa.Array:
+    """A binary array of Python bytes (None: null) from one join and the lengths: ``pa.array``
+    converts bytes objects one by one, about 8x slower (0.8 s against 0.1 s for 500K pickles)."""
+    import numpy as np
+
+    n = len(values)
+    valid = None
+    if None in values:
+        mask = np.fromiter((v is not None for v in values), dtype=bool, count=n)
+        valid = pa.py_buffer(np.packbits(mask, bitorder="little"))
+        values = [b"" if v is None else v for v in values]
+    lens = np.fromiter(map(len, values), dtype=np.int64, count=n)  # type: ignore[arg-type]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if offsets[-1] >= 2**31:  # more than int32 offsets hold: the slow way
+        return pa.array(values, pa.binary())
+    data = b"".join(values)  # type: ignore[arg-type]
+    return pa.Array.from_buffers(pa.binary(), n, [valid, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)],
+                                 null_count=-1 if valid is not None else 0)
+
+
 def encode_state(rows: Iterable[Row]) -> bytes:
     """One capture as Parquet (zstd) bytes."""
     return encode_state_counted(rows)[0]
@@ -442,6 +480,12 @@ def encode_state_counted(rows: Iterable[Row]) -> tuple[bytes, int]:
     RocksDB capture iterating a DB snapshot) is never held whole in memory, only its
     compressed bytes."""
     sink = io.BytesIO()
+    if isinstance(rows, ColumnRows):  # the heap's captures: columns in, no tuple per row
+        count = len(rows)
+        with pq.ParquetWriter(sink, STATE_SCHEMA, compression="zstd") as writer:
+            for lo in range(0, count, ENCODE_CHUNK_ROWS) if count else (0,):
+                writer.write_table(_column_table(rows, lo, lo + ENCODE_CHUNK_ROWS))
+        return sink.getvalue(), count
     it = iter(rows)
     chunk = list(itertools.islice(it, ENCODE_CHUNK_ROWS))
     count = len(chunk)

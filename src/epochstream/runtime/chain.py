@@ -15,17 +15,16 @@ slices (rebalance) or cut per destination with Arrow kernels (``key_by`` column 
 from __future__ import annotations
 
 import copy
-import zlib
 from typing import Any, Callable, cast
 
 from ..graph.keygroups import (
     CANONICAL_TYPES,
+    KeyGroupOf,
     assign_to_key_group,
     canonical_key,
     distinct_keys,
-    key_bytes,
     key_group_table,
-    murmur_mix,
+    key_groups_of,
 )
 from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, Chain, ColumnKey, Node, PhysicalPlan
@@ -229,7 +228,6 @@ class ChainRuntime:
             table = self._kg_table
             m = self.plan.max_parallelism
             keybufs = cast(dict[int, list[Any]], self.out.keys)  # a hash channel always has a key list
-            crc, kb, mix = zlib.crc32, key_bytes, murmur_mix
             key_of = _required_key_fn(key_fn, name)
             by_columns = self._column_router(key_fn, channels, where) if isinstance(key_fn, ColumnKey) else None
 
@@ -247,18 +245,20 @@ class ChainRuntime:
                 except Exception as exc:
                     raise UserFunctionError(f"key_by function after {name!r} failed", exc,
                                             record=records[len(ks)]) from exc
-                for r, k in zip(records, ks, strict=True):
-                    if type(k) in VALUE_KEYS:
-                        ch = route.get(k)
-                        if ch is None:
-                            ch = channels[table[mix(crc(kb(k))) % m]]
-                            if len(route) >= ROUTE_CACHE:
-                                route.clear()
-                            route[k] = ch
-                    else:
-                        ch = channels[table[mix(crc(kb(k))) % m]]
-                    buffers[ch].append(r)
-                    keybufs[ch].append(k)
+                get = route.get
+                chs = [get(k) if type(k) in VALUE_KEYS else None for k in ks]
+                misses = [i for i, ch in enumerate(chs) if ch is None]
+                if misses:  # hashed as a batch (the murmur round vectorised): many keys, few repeats
+                    if len(route) + len(misses) > ROUTE_CACHE:
+                        route.clear()
+                    for i, kg in zip(misses, key_groups_of([ks[i] for i in misses], m), strict=True):
+                        k = ks[i]
+                        dest = chs[i] = channels[table[kg]]
+                        if type(k) in VALUE_KEYS:
+                            route[k] = dest
+                for r, k, c in zip(records, ks, chs, strict=True):
+                    buffers[c].append(r)  # type: ignore[index]  # every None was filled above
+                    keybufs[c].append(k)  # type: ignore[index]
 
             #: key -> output channel of the keys seen lately (murmur in Python was a third of a
             #: keyed record's cost); only keys whose key group follows from their value
@@ -432,7 +432,7 @@ class ChainRuntime:
         key_types = {e.key_type for e in node.inputs if e.key_type is not None}
         if len(key_types) > 1:
             raise ValueError(f"operator {uid!r}: its inputs declare different key types {sorted(map(repr, key_types))}")
-        state = self._keyed_state(uid, lambda k: murmur_mix(zlib.crc32(key_bytes(k))) % m, kg_range,
+        state = self._keyed_state(uid, KeyGroupOf(m), kg_range,
                                   key_types.pop() if key_types else None)
         self.states[uid] = state
         op_state = self.operator_states[uid] = OperatorStateBackend(uid, self.subtask)

@@ -88,6 +88,42 @@ class CapturedRows(Protocol):
     def __len__(self) -> int: ...
 
 
+class ColumnRows:
+    """A capture's rows held as columns (the heap backend's captures): iterates as row tuples,
+    and a writer that knows it (``backends.objects``) encodes the columns without a tuple per
+    row. ``states`` is (state name, number of rows) per run of rows of one state, in order."""
+
+    __slots__ = ("key_groups", "keys", "states", "values")
+
+    def __init__(self, key_groups: list[int], keys: list[bytes], states: list[tuple[str, int]],
+                 values: list[bytes | None]) -> None:
+        self.key_groups, self.keys, self.states, self.values = key_groups, keys, states, values
+
+    def state_names(self) -> Iterator[str]:
+        for name, n in self.states:
+            for _ in range(n):
+                yield name
+
+    def __iter__(self) -> Iterator[tuple[int, bytes, str, bytes | None]]:
+        return zip(self.key_groups, self.keys, self.state_names(), self.values, strict=True)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> tuple[int, bytes, str, bytes | None]:
+        return list(self)[i]
+
+    def __eq__(self, other: object) -> bool:  # as the list of its rows (tests, simple callers)
+        if isinstance(other, (ColumnRows, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ColumnRows({list(self)!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class KeyedCapture:
     """Rows of one keyed operator at an epoch bound, already serialized.

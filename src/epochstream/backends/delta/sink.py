@@ -205,7 +205,7 @@ class DeltaSink(TransactionalSink):
                 f"committed; the epoch's output is lost (was the staging folder deleted by hand?)"
             )
         tables.append(self._staged_table(present), self.path, app_id, epoch,
-                      lambda exc: f"Delta sink {self.path}: epoch {epoch} kept conflicting: {exc}")
+                      lambda exc: f"Delta sink {self.path}: epoch {epoch} kept conflicting: {exc}", checked=True)
         self.abort(present)
         return version_of_epoch(self.path, app_id, epoch)
 

@@ -380,7 +380,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         tables.append(source, table, app_id, epoch, lambda exc: (
             f"{_what(uid)}: Delta commit of epoch {epoch} to {table} kept conflicting with another writer "
             f"({type(exc).__name__}); the checkpoint stays complete and the commit is re-issued on recovery"),
-            evolve=bool(new), replace=replace)
+            evolve=bool(new), replace=replace, checked=True)
         version = version_of_epoch(table, app_id, epoch)
         if version is None:  # pragma: no cover - Delta skipped a transaction we did not make
             raise CheckpointError(f"{_what(uid)}: Delta reports no transaction for epoch {epoch} in {table}")

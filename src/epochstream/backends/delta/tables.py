@@ -400,19 +400,28 @@ def committed_txn(table: str, app_id: str) -> int:
 
 
 def transact(table: str, app_id: str, epoch: int, action: Callable[[Any], None],
-             conflict: Callable[[BaseException], str], extra: dict[str, Any] | None = None) -> None:
+             conflict: Callable[[BaseException], str], extra: dict[str, Any] | None = None,
+             checked: bool = False, writes_version: bool = False) -> None:
     """Run one commit of the transaction (app_id, epoch) unless the table holds it already.
 
     ``action(props)`` makes the commit with ``commit_properties``. Each attempt first reads
     the table's transaction version, so a retry after a commit whose answer was lost does
     not commit twice. A conflict that persists is a ``DeltaConflictError`` (``conflict(exc)``
     words it); another failure a ``DeltaCommitError``.
+
+    ``checked``: the caller has just read the log and found no commit of the transaction, so
+    the first attempt skips that read; ``writes_version``: the action always writes a version
+    (an append of rows), so no read after it looks for one. Each read loads the table (its log
+    since the last checkpoint): two of the three loads an epoch's append made.
     """
+    tries = [0]
+
     def attempt() -> None:
-        if committed_txn(table, app_id) >= epoch:
+        tries[0] += 1
+        if not (checked and tries[0] == 1) and committed_txn(table, app_id) >= epoch:
             return  # re-issued, or an earlier attempt landed
         action(commit_properties(app_id, epoch, extra))
-        if committed_txn(table, app_id) < epoch:
+        if not writes_version and committed_txn(table, app_id) < epoch:
             # delta-rs writes no version for a MERGE that changes nothing: commit the
             # transaction alone, so every epoch has its version (time travel per epoch)
             dt = open_table(table)
@@ -432,10 +441,11 @@ def transact(table: str, app_id: str, epoch: int, action: Callable[[Any], None],
 
 
 def append(data: pa.Table, table: str, app_id: str, epoch: int, conflict: Callable[[BaseException], str],
-           evolve: bool = False, replace: bool = False) -> None:
+           evolve: bool = False, replace: bool = False, checked: bool = False) -> None:
     """Append Arrow rows to a Delta table as the transaction (app_id, epoch); ``evolve``: the
     rows bring new columns, added to the table's schema in the same commit; ``replace``: the
-    rows replace the table's content (an overwrite, labelled ``"replaced": true``)."""
+    rows replace the table's content (an overwrite, labelled ``"replaced": true``); ``checked``:
+    the caller found no commit of the transaction in the log just before (``transact``)."""
     from deltalake import write_deltalake
 
     def run(props: Any) -> None:
@@ -443,7 +453,8 @@ def append(data: pa.Table, table: str, app_id: str, epoch: int, conflict: Callab
                         storage_options=storage_options(table), commit_properties=props,
                         schema_mode="merge" if evolve else None)
 
-    transact(table, app_id, epoch, run, conflict, {"replaced": True} if replace else None)
+    transact(table, app_id, epoch, run, conflict, {"replaced": True} if replace else None, checked=checked,
+             writes_version=data.num_rows > 0)
 
 
 def create(table: str, schema: pa.Schema, properties: dict[str, str], app_id: str) -> None:
