@@ -146,17 +146,23 @@ class Batching:
     pass_through: bool = False
 
 
+def _rr_pipeline(name: str, workers: int, mode: str, interval: float | None, batching: "Batching") -> Pipeline:
+    """The RR-N job's settings, shared by the simulator and the local driver: one record per batch,
+    no restarts, epochs every ``interval`` seconds, the tracker's batching as given."""
+    return Pipeline(name, parallelism=workers, mode=mode, batch_size=1, restart_attempts=0,
+                    checkpoint=CheckpointConfig(interval=interval, max_concurrent=1_000_000, num_retained=1),
+                    tracker=TrackerConfig(aggregate=True, flush_interval=batching.flush_interval, flush_count=1000,
+                                          flush_on_promise=batching.flush_on_promise,
+                                          pass_through=batching.pass_through))
+
+
 def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: str, granularity: int | None,
         costs: Costs, limit: float | None, batching: Batching = Batching()) -> dict:
     """One run at ``rate`` records/s for the whole job."""
     clock = Clock()
     probe = Probe(clock, limit)
     interval = None if granularity is None else granularity / rate
-    p = Pipeline(f"rr-{n_maps}", parallelism=workers, mode=mode, batch_size=1, restart_attempts=0,
-                 checkpoint=CheckpointConfig(interval=interval, max_concurrent=1_000_000, num_retained=1),
-                 tracker=TrackerConfig(aggregate=True, flush_interval=batching.flush_interval, flush_count=1000,
-                                       flush_on_promise=batching.flush_on_promise,
-                                       pass_through=batching.pass_through))
+    p = _rr_pipeline(f"rr-{n_maps}", workers, mode, interval, batching)
     s = p.generate(Stamp(clock), count=records, uid="src")
     for k in range(n_maps - 1):
         s = s.key_by(_key).map(_identity, name=f"map{k}")
@@ -233,11 +239,7 @@ def run_local(n_maps: int, workers: int, rate: float, seconds: float, mode: str,
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="es-sustain-local-") as tmp:
         interval = None if granularity is None else granularity / rate
-        p = Pipeline(f"rr-{n_maps}-local", parallelism=workers, mode=mode, batch_size=1, restart_attempts=0,
-                     checkpoint=CheckpointConfig(interval=interval, max_concurrent=1_000_000, num_retained=1),
-                     tracker=TrackerConfig(aggregate=True, flush_interval=batching.flush_interval, flush_count=1000,
-                                           flush_on_promise=batching.flush_on_promise,
-                                           pass_through=batching.pass_through))
+        p = _rr_pipeline(f"rr-{n_maps}-local", workers, mode, interval, batching)
         s = p.from_source(StampedPaced(rate / workers, workers), uid="src")
         for k in range(n_maps - 1):
             s = s.key_by(_key).map(_identity, name=f"map{k}")
