@@ -19,7 +19,8 @@ For each, aligned (markers) and tracker (NEOSS) at each save duration. Paper (Fl
 blocking saves): the trAcker's spikes are 50-120 ms smaller than punctuations'. Costs: the
 simulator's defaults (5 us per step, 2 us per record), worker cores shared (``--cores``).
 
-``--driver local`` runs the same on the local driver: real worker processes (``--workers``,
+``--driver local`` runs the same on the local driver (``--modes aligned,tracker,unaligned`` adds
+unaligned snapshots, issue 22's "and unaligned"): real worker processes (``--workers``,
 default 2 there), a paced source stamping each record with the host's monotonic clock, 1 s
 epochs of wall time, and the save delay injected into the storage layer
 (``LocalCheckpointStorage(save_delay=...)``: every state pre-commit sleeps that long in the
@@ -210,10 +211,11 @@ def run_local(args, mode: str, save: float) -> dict:
 
 def main_local(args, saves: list[float]) -> int:
     runs = []
-    total, k = args.repeats * len(saves) * len(MODES), 0
+    modes = args.modes
+    total, k = args.repeats * len(saves) * len(modes), 0
     for rep in range(args.repeats):  # repeats interleaved, so a burst of load hits every setting alike
         for save in saves:
-            for mode in MODES:
+            for mode in modes:
                 k += 1
                 print(f"[{k}/{total}] local driver, saves of {save * 1000:g} ms, {mode} ({args.seconds:g} s) ...",
                       end=" ", flush=True)
@@ -226,14 +228,14 @@ def main_local(args, saves: list[float]) -> int:
     measures = ("steady_p50_ms", "spike_p99_ms", "spike_max_ms", "spike_epoch_median_ms")
     rows = []
     for save in saves:
-        for mode in MODES:
+        for mode in modes:
             sel = [r for r in runs if (r["save_ms"], r["mode"]) == (save * 1000, mode)]
             rows.append({**sel[0], "repeat": "median", "epochs": sum(r["epochs"] for r in sel),
                          "load_1min": statistics.median(r["load_1min"] for r in sel),
                          **{m: statistics.median(r[m] for r in sel) for m in measures}})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "snapshot_spikes_local.csv", "w", newline="") as f:
+    with open(out / f"{args.name}.csv", "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(runs + rows)
@@ -241,13 +243,12 @@ def main_local(args, saves: list[float]) -> int:
           f"local driver, {args.workers} workers, {args.rate:g} records/s, {args.interval:g} s epochs")
     print(f"  median of {args.repeats} run(s) per setting; 'epoch' = the median over epochs of each window's worst "
           f"record, minus the steady p50")
-    print(f"  {'save ms':>7}  {'aligned p50':>11} {'tracker p50':>11}  {'aligned p99':>11} {'tracker p99':>11}  "
-          f"{'aligned max':>11} {'tracker max':>11}  {'aligned epoch':>13} {'tracker epoch':>13}")
+    print(f"  {'save ms':>7}  {'mode':<10} {'steady p50':>10} {'spike p99':>10} {'spike max':>10} {'epoch':>8}")
     for save in saves:
-        a, t = (next(r for r in rows if (r["save_ms"], r["mode"]) == (save * 1000, m)) for m in MODES)
-        print(f"  {save * 1000:>7g}  {a['steady_p50_ms']:>11.2f} {t['steady_p50_ms']:>11.2f}  "
-              f"{a['spike_p99_ms']:>11.1f} {t['spike_p99_ms']:>11.1f}  {a['spike_max_ms']:>11.1f} "
-              f"{t['spike_max_ms']:>11.1f}  {a['spike_epoch_median_ms']:>13.1f} {t['spike_epoch_median_ms']:>13.1f}")
+        for mode in modes:
+            r = next(r for r in rows if (r["save_ms"], r["mode"]) == (save * 1000, mode))
+            print(f"  {save * 1000:>7g}  {mode:<10} {r['steady_p50_ms']:>10.2f} {r['spike_p99_ms']:>10.1f} "
+                  f"{r['spike_max_ms']:>10.1f} {r['spike_epoch_median_ms']:>8.1f}")
     print("  paper (blocking saves, FlameStream): the trAcker's spikes are 50-120 ms smaller")
     import matplotlib
 
@@ -255,7 +256,7 @@ def main_local(args, saves: list[float]) -> int:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in MODES:
+    for mode in modes:
         sel = [next(r for r in rows if (r["save_ms"], r["mode"]) == (s * 1000, mode)) for s in saves]
         ax.plot([s * 1000 for s in saves], [r["spike_p99_ms"] for r in sel], marker="x", linestyle="--",
                 label=f"{mode} p99")
@@ -267,8 +268,8 @@ def main_local(args, saves: list[float]) -> int:
                  f"{args.repeats}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "snapshot_spikes_local.png", dpi=120)
-    print(f"\nwrote {out / 'snapshot_spikes_local.csv'} and {out / 'snapshot_spikes_local.png'}")
+    fig.savefig(out / f"{args.name}.png", dpi=120)
+    print(f"\nwrote {out / (args.name + '.csv')} and {out / (args.name + '.png')}")
     return 0
 
 
@@ -289,9 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None,
                     help="local driver: runs per setting, interleaved; the table shows medians (default 3)")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--modes", default="aligned,tracker",
+                    help="local driver: snapshot modes, comma-separated (aligned, tracker, unaligned)")
+    ap.add_argument("--name", default="snapshot_spikes_local", help="local driver: results file name")
     args = ap.parse_args(argv)
     saves = [float(x) for x in args.saves.split(",")]
     local = args.driver == "local"
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not local and args.modes != list(MODES):
+        ap.error("--modes applies to --driver local (the simulator compares aligned and tracker)")
     args.workers = args.workers or (2 if local else 5)
     args.rate = args.rate or (1000.0 if local else 5000.0)
     args.seconds = args.seconds or (15.0 if local else 6.0)
