@@ -172,13 +172,19 @@ def test_a_restore_opens_the_checkpoint_as_its_db_and_the_next_capture_uploads_o
 
     def restored(key_groups, reuse):
         b = RocksDBKeyedState("op", lambda k: k % 16, key_groups, local_dir=ROCKSDB_TEST_DIR, sst_incremental=True)
+        # an operator's open() declares its states before the restore: first "t" (id 0), then "v" (id 1),
+        # where the checkpoint has "v" as id 0; the handles must follow the checkpoint's ids
+        early = (b.handle(ValueStateDescriptor("t")), b.handle(ValueStateDescriptor("v")))
         ref, handle, base = storage.native_checkpoint(m, storage.root, "op", key_groups)
         b.restore_checkpoint(storage.store, base, ref, handle, {"v": "value"}, reuse_files=reuse)
-        return b
+        return b, early
 
-    b = restored((0, 15), reuse=True)
+    b, (t, h) = restored((0, 15), reuse=True)
     assert b.as_dict() == {"v": {k: k * 2 for k in range(500)}}
-    h = b.handle(ValueStateDescriptor("v"))
+    b.keys.key = 7
+    assert h.value() == 14 and t.value() is None  # the handle declared before the restore reads the DB
+    t.update("t7")
+    assert h.value() == 14 and t.value() == "t7"
     w = b.handle(ValueStateDescriptor("w"))  # a state declared after the restore gets a fresh id
     for k in range(3):
         b.keys.key = k
@@ -194,11 +200,11 @@ def test_a_restore_opens_the_checkpoint_as_its_db_and_the_next_capture_uploads_o
     rows = {(name, pickle.loads(kb)): pickle.loads(vb) for _kg, kb, name, vb in
             storage.read_operator_rows(m2, storage.root, "op")}
     assert rows == {**{("v", k): k * 2 for k in range(500)}, **{("v", k): -k for k in range(3)},
-                    **{("w", k): "new" for k in range(3)}}
+                    **{("w", k): "new" for k in range(3)}, ("t", 7): "t7"}
     b.close()
 
     # rescaled: only key groups 4..6 are left; not the job's own files: the next capture is full
-    part = restored((4, 6), reuse=False)
+    part, _handles = restored((4, 6), reuse=False)
     assert part.as_dict() == {"v": {k: k * 2 for k in range(500) if 4 <= k % 16 <= 6}}
     kc = part.capture(3)
     ref3 = storage.pre_commit("op", 0, 3, "t", kc.rows, kc.key_group_range, kc.full)

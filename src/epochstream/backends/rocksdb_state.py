@@ -482,7 +482,7 @@ class RocksDBKeyedState:
         groups of the checkpoint outside this subtask's range are deleted (a range tombstone each
         side). With ``reuse_files`` (the checkpoint lives in this job's own storage) the next
         capture uploads only SST files made after the restore, as a running job's would."""
-        if self.tables or self.dirty:
+        if self.dirty or next(iter(self._db.keys()), None) is not None:
             raise RocksDBStateError(f"operator {self.operator_uid!r}: a RocksDB checkpoint can only be restored "
                                     f"into an empty backend")
         from .rocksdb_checkpoint import download
@@ -500,9 +500,7 @@ class RocksDBKeyedState:
         wo.disable_wal = True
         self._db.set_write_options(wo)
         self._finalizer = weakref.finalize(self, _close_db, self._db, self.path)
-        for sid, name in sorted(got.states.items()):
-            table = self.tables[name] = _Table(name, kinds.get(name, "value"), int.from_bytes(sid, "big"))
-            self._by_sid[table.sid] = table
+        self._adopt_state_ids(got.states, kinds)
         lo, hi = self.key_group_range
         first, last = ref.key_group_range
         if first < lo:
@@ -514,6 +512,24 @@ class RocksDBKeyedState:
             for name, shared in got.files.items():
                 self.uploads.add(name, shared)
             self.force_full = False
+
+    def _adopt_state_ids(self, states: dict[bytes, str], kinds: dict[str, str]) -> None:
+        """Take the restored DB's state ids: a state declared already (an operator's ``open``
+        runs before the restore, and its handles hold the ``_Table``) keeps its object with the
+        DB's id; a state the DB does not know gets an id above the DB's."""
+        restored = {name: sid for sid, name in states.items()}
+        for name, sid in restored.items():
+            table = self.tables.get(name)
+            if table is None:
+                self.tables[name] = _Table(name, kinds.get(name, "value"), int.from_bytes(sid, "big"))
+            else:
+                table.sid = sid
+        free = max((int.from_bytes(s, "big") for s in states), default=-1) + 1
+        for name, table in self.tables.items():
+            if name not in restored:
+                table.sid = free.to_bytes(2, "big")
+                free += 1
+        self._by_sid = {t.sid: t for t in self.tables.values()}
 
     def close(self) -> None:
         """Close the DB and remove its directory (idempotent)."""
