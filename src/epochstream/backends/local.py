@@ -60,10 +60,10 @@ def _write_tmp(path: Path, data: bytes | BinaryIO) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            if isinstance(data, bytes):
-                f.write(data)
-            else:
+            if hasattr(data, "read"):  # a file: copied in chunks, never held whole
                 shutil.copyfileobj(data, f, COPY_CHUNK)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
@@ -81,7 +81,7 @@ def _write_tmp(path: Path, data: bytes | BinaryIO) -> Path:
 
 
 def _size(data: bytes | BinaryIO) -> int:
-    return len(data) if isinstance(data, bytes) else os.fstat(data.fileno()).st_size
+    return os.fstat(data.fileno()).st_size if hasattr(data, "fileno") else len(data)
 
 
 def atomic_write(path: Path, data: bytes | BinaryIO) -> None:
