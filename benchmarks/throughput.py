@@ -28,7 +28,14 @@ Writes benchmarks/results/throughput.csv and throughput.png; prints a summary ta
 Not a test: nothing here asserts timings.
 
     python benchmarks/throughput.py [--records 3000000] [--repeats 3] [--peers bytewax,pyflink]
-        [--vector-records 20000000] [--vector-rows 65536] [--memory-seconds 8]
+        [--vector-records 20000000] [--vector-rows 65536] [--memory-seconds 8] [--name throughput]
+
+Peers (``--peers``, run by benchmarks/peers/run_peers.py in their own venvs): ``bytewax``,
+``pyflink`` (Flink 2.3's defaults: process mode, bundles of 1,000 records), and PyFlink at its
+best, with 1 s checkpoints only: ``pyflink-tuned`` (process mode, bundle 100,000, Python metrics
+off, unaligned checkpoints), ``pyflink-thread`` (thread mode, same tuning, on a standalone cluster
+of 2 TaskManagers x 1 slot) and ``flink-sql`` (Flink SQL ``COUNT(*) GROUP BY`` on that cluster:
+the JVM's ceiling, no Python). Their rows carry ``checkpoints`` (completed) and ``settings``.
 
 ``--baseline-src DIR`` also runs the epochstream variants from another source tree (the
 ``src`` folder of a checkout of an earlier commit, e.g. a ``git worktree``), interleaved
@@ -335,22 +342,38 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_peer_row(system: str, records: int, interval: float) -> dict:
-    from benchmarks.peers.run_peers import run_peer
+# peers of --peers beyond bytewax and pyflink (Flink 2.3 defaults): PyFlink at its best and the JVM's
+# ceiling, by their PYFLINK_VARIANTS name in benchmarks/peers/run_peers.py; run with 1 s checkpoints only.
+PYFLINK_PEERS = {"pyflink-tuned": "tuned", "pyflink-thread": "thread", "flink-sql": "sql"}
 
-    res = run_peer(system, records=records, keys=KEYS, snapshot_interval=interval, workers=2)
+
+def run_peer_row(system: str, records: int, interval: float) -> dict:
+    from benchmarks.peers.run_peers import run_peer, run_pyflink_variant
+
+    if system in PYFLINK_PEERS:
+        res = run_pyflink_variant(PYFLINK_PEERS[system], records=records, keys=KEYS, snapshot_interval=interval)
+    else:
+        res = run_peer(system, records=records, keys=KEYS, snapshot_interval=interval, workers=2)
+    checkpoints = res.get("snapshots_completed", res.get("last_snapshot_epoch", ""))
+    settings = res.get("settings") or ("processes (2 procs x 1 worker)" if system == "bytewax" else "")
     return {"system": system, "variant": "snapshots-1s" if interval else "no-snapshots",
             "snapshot_interval": interval, "records": records, "seconds": res["seconds"],
-            "records_per_s": res["records_per_s"], "epochs": "", "workers": 2, "p50_ms": "", "p99_ms": ""}
+            "records_per_s": res["records_per_s"], "epochs": "", "workers": 2, "p50_ms": "", "p99_ms": "",
+            "checkpoints": checkpoints if interval else "", "settings": settings,
+            "checkpoint_ms_mean": res.get("snapshot_ms_mean") or ""}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=int, default=3_000_000)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--peers", default="bytewax", help="comma list of bytewax, pyflink ('' for none)")
+    ap.add_argument("--peers", default="bytewax",
+                    help="comma list of bytewax, pyflink (Flink 2.3 defaults), pyflink-tuned, pyflink-thread, "
+                         "flink-sql ('' for none); the last three run with 1 s checkpoints only")
     ap.add_argument("--pyflink-records", type=int, default=200_000,
-                    help="PyFlink's default process mode is 100-150x slower than our row path (tuned: 15-25x)")
+                    help="records of the PyFlink peers (all three Python ones)")
+    ap.add_argument("--flink-sql-records", type=int, default=5_000_000, help="records of the flink-sql peer")
+    ap.add_argument("--name", default="throughput", help="base name of the CSV and PNG in --out")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--baseline-src", help="src folder of an earlier checkout to compare with, in the same run")
     ap.add_argument("--vector-records", type=int, default=20_000_000, help="rows of the vectorised path (0: skip)")
@@ -368,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.vector_records:
         plan += [("epochstream", "vectorised"), ("python-loop", "vectorised")]
     plan += [("python-loop", "rows")]
-    plan += [(peer, iv) for peer in peers for iv in (1.0, 0.0)]
+    unknown = [p for p in peers if p not in ("bytewax", "pyflink", *PYFLINK_PEERS)]
+    if unknown:
+        ap.error(f"unknown peers {unknown}")
+    plan += [(peer, iv) for peer in peers for iv in ((1.0,) if peer in PYFLINK_PEERS else (1.0, 0.0))]
     rows: list[dict] = []
     total = args.repeats * len(plan)
     done = 0
@@ -393,12 +419,16 @@ def main(argv: list[str] | None = None) -> int:
             elif system == "epochstream":
                 row = run_epochstream(args.records, variant)
             else:
-                n = args.pyflink_records if system == "pyflink" else args.records
+                n = (args.flink_sql_records if system == "flink-sql" else args.pyflink_records
+                     if system.startswith("pyflink") else args.records)
                 row = run_peer_row(system, n, variant)
             row["repeat"] = rep + 1
             rows.append(row)
             cores = f", workers used {row['workers_cpu_per_wall']} cores" if row.get("workers_cpu_per_wall") else ""
-            print(f"{row['records_per_s']:,.0f} records/s{cores}")
+            ckpt = f", {row['checkpoints']} checkpoints completed" if row.get("checkpoints") != "" and \
+                row.get("checkpoints") is not None and system not in ("python-loop",) and \
+                not system.startswith("epochstream") else ""
+            print(f"{row['records_per_s']:,.0f} records/s{cores}{ckpt}")
     if args.memory_seconds > 0:
         print(f"slow operator (10x slower than its source) for {args.memory_seconds:.0f} s ...", end=" ", flush=True)
         mem = {**run_slow_operator(args.memory_seconds, args.vector_rows), "repeat": 1}
@@ -416,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     fields = ["system", "variant", "repeat", "records", "seconds", "records_per_s", "snapshot_interval", "epochs",
               "workers", "workers_cpu_per_wall", "p50_ms", "p99_ms", "batch_rows", "ratio_to_python_limit",
               "source_alone_rows_per_s", "operator_cap_rows_per_s", "max_rss_mb", "max_rss_mb_per_worker",
-              "max_rss_mb_first_half", "max_rss_mb_second_half"]
-    with open(out / "throughput.csv", "w", newline="") as f:
+              "max_rss_mb_first_half", "max_rss_mb_second_half", "checkpoints", "checkpoint_ms_mean", "settings"]
+    with open(out / f"{args.name}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in rows:
@@ -439,9 +469,18 @@ def main(argv: list[str] | None = None) -> int:
     if ("bytewax", "snapshots-1s") in med:
         print(f"epochstream / Bytewax, both with 1 s snapshots: "
               f"{med[('epochstream', 'epochs-1s')] / med[('bytewax', 'snapshots-1s')]:.2f} (target >= 1)")
-    if ("pyflink", "snapshots-1s") in med:
-        print(f"epochstream / PyFlink, both with 1 s snapshots: "
-              f"{med[('epochstream', 'epochs-1s')] / med[('pyflink', 'snapshots-1s')]:.1f}")
+    peer_rows = [r for r in rows if r["system"] in ("bytewax", "pyflink", *PYFLINK_PEERS)
+                 and r["variant"] == "snapshots-1s"]
+    if peer_rows:
+        print("\npeers with 1 s checkpoints (median records/s, completed checkpoints per run, settings)")
+        for system in dict.fromkeys(r["system"] for r in peer_rows):
+            mine = [r for r in peer_rows if r["system"] == system]
+            print(f"  {system:<15} {med[(system, 'snapshots-1s')]:>12,.0f}  checkpoints "
+                  f"{','.join(str(r['checkpoints']) for r in mine):<10} {mine[0]['settings']}")
+    for system in ("pyflink", *PYFLINK_PEERS):
+        if (system, "snapshots-1s") in med and ("epochstream", "epochs-1s") in med:
+            print(f"epochstream / {system}, both with 1 s snapshots: "
+                  f"{med[('epochstream', 'epochs-1s')] / med[(system, 'snapshots-1s')]:.2f}")
     for variant, path in (("epochs-1s", "rows"), ("vectorised", "vectorised")):
         if ("epochstream", variant) in med and path in loops:
             print(f"{variant} / Python limit (plain loop {loops[path]:,.0f} rows/s per core x 2 workers): "
@@ -457,8 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     if lat:
         print(f"latency source->sink with 1 s epochs: p50 {statistics.median(r['p50_ms'] for r in lat):.1f} ms, "
               f"p99 {statistics.median(r['p99_ms'] for r in lat):.1f} ms (median over repeats)")
-    _plot(med, lat, out / "throughput.png")
-    print(f"\nwrote {out / 'throughput.csv'} and {out / 'throughput.png'}")
+    _plot(med, lat, out / f"{args.name}.png")
+    print(f"\nwrote {out / (args.name + '.csv')} and {out / (args.name + '.png')}")
     return 0
 
 

@@ -12,6 +12,7 @@ or from the shell (extra flags go to the peer script unchanged):
 
     python benchmarks/peers/run_peers.py bytewax --records 3000000 --snapshot-interval 1
     python benchmarks/peers/run_peers.py matrix 3 results.jsonl   # the README table
+    python benchmarks/peers/run_peers.py pyflink-variant tuned --records 200000   # PYFLINK_VARIANTS
 """
 
 from __future__ import annotations
@@ -75,11 +76,42 @@ def _busy_jiffies() -> int:
 
 
 def _flags(kw: Dict[str, Any]) -> List[str]:
-    """records=5, snapshot_interval=1 -> ["--records", "5", "--snapshot-interval", "1"]."""
+    """records=5, snapshot_interval=1, sql=True -> ["--records", "5", "--snapshot-interval", "1", "--sql"].
+
+    True is a bare switch; False and None are left out (the script's default).
+    """
     out: List[str] = []
     for k, v in kw.items():
-        out += [f"--{k.replace('_', '-')}", str(v)]
+        flag = f"--{k.replace('_', '-')}"
+        if v is True:
+            out.append(flag)
+        elif v is not None and v is not False:
+            out += [flag, str(v)]
     return out
+
+
+# PyFlink at its defaults and at its best (flags of pyflink_keyed_count.py); benchmarks/throughput.py
+# runs these as peers "pyflink" (default), "pyflink-tuned", "pyflink-thread" and "flink-sql".
+PYFLINK_TUNING: Dict[str, Any] = {"bundle_size": 100_000, "no_metrics": True, "unaligned": True}
+PYFLINK_VARIANTS: Dict[str, Dict[str, Any]] = {
+    # Flink 2.3's defaults: Beam worker processes, bundles of 1,000 records, Python metrics on, aligned.
+    "default": {"python_mode": "process"},
+    # process mode tuned: bundles of 100,000 records, Python metrics off, unaligned checkpoints.
+    "tuned": {"python_mode": "process", **PYFLINK_TUNING},
+    # thread mode (PEMJA) on a standalone cluster of 2 TaskManagers x 1 slot: one interpreter lock each.
+    "thread": {"python_mode": "thread", "cluster": 2, **PYFLINK_TUNING},
+    # the JVM's ceiling: Flink SQL COUNT(*) GROUP BY over the same keys on the same cluster, no Python.
+    "sql": {"sql": True, "cluster": 2},
+}
+
+
+def run_pyflink_variant(variant: str, *, records: int, keys: int = 1000, snapshot_interval: float = 1.0,
+                        workers: int = 2, timeout: float = 3600) -> Dict[str, Any]:
+    """One PyFlink peer run with the settings of ``PYFLINK_VARIANTS[variant]``; the result has ``settings``."""
+    if variant not in PYFLINK_VARIANTS:
+        raise ValueError(f"unknown PyFlink variant {variant!r}; known: {', '.join(PYFLINK_VARIANTS)}")
+    return run_peer("pyflink", records=records, keys=keys, snapshot_interval=snapshot_interval,
+                    workers=workers, timeout=timeout, **PYFLINK_VARIANTS[variant])
 
 
 def run_peer_args(system: str, args: List[str], timeout: float = 3600, script: str | None = None) -> Dict[str, Any]:
@@ -158,12 +190,19 @@ def run_matrix(reps: int = 3, out: Path | None = None) -> List[Dict[str, Any]]:
 
 
 def _main(argv: List[str]) -> int:
+    if argv[:1] == ["pyflink-variant"] and len(argv) > 1:  # pyflink-variant NAME [script flags]
+        if argv[1] not in PYFLINK_VARIANTS:
+            print(f"unknown PyFlink variant {argv[1]!r}; known: {', '.join(PYFLINK_VARIANTS)}", file=sys.stderr)
+            return 2
+        print(json.dumps(run_peer_args("pyflink", [*_flags(PYFLINK_VARIANTS[argv[1]]), *argv[2:]])), flush=True)
+        return 0
     if argv[:1] == ["matrix"]:
         reps = int(argv[1]) if len(argv) > 1 else 3
         run_matrix(reps, Path(argv[2]) if len(argv) > 2 else None)
         return 0
     if not argv or argv[0] not in PEERS:
         print(f"usage: run_peers.py {{{','.join(PEERS)}}} [peer script flags...]\n"
+              f"       run_peers.py pyflink-variant {{{','.join(PYFLINK_VARIANTS)}}} [peer script flags...]\n"
               f"       run_peers.py matrix [REPS [OUT.jsonl]]", file=sys.stderr)
         return 2
     print(json.dumps(run_peer_args(argv[0], argv[1:])), flush=True)
