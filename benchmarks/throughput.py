@@ -33,8 +33,8 @@ Not a test: nothing here asserts timings.
 Peers (``--peers``, run by benchmarks/peers/run_peers.py in their own venvs): ``bytewax``,
 ``pyflink`` (Flink 2.3's defaults: process mode, bundles of 1,000 records), and PyFlink at its
 best, with 1 s checkpoints only: ``pyflink-tuned`` (process mode, bundle 100,000, Python metrics
-off, unaligned checkpoints), ``pyflink-thread`` (thread mode, same tuning, on a standalone cluster
-of 2 TaskManagers x 1 slot) and ``flink-sql`` (Flink SQL ``COUNT(*) GROUP BY`` on that cluster:
+off, unaligned checkpoints), ``pyflink-thread`` (thread mode, Python metrics off, default bundle,
+aligned checkpoints, on a standalone cluster of 2 TaskManagers x 1 slot) and ``flink-sql`` (Flink SQL ``COUNT(*) GROUP BY`` on that cluster:
 the JVM's ceiling, no Python). Their rows carry ``checkpoints`` (completed) and ``settings``.
 
 ``--baseline-src DIR`` also runs the epochstream variants from another source tree (the

@@ -68,5 +68,5 @@ def test_variants_become_script_flags():
         ["--records", "5", "--snapshot-interval", "1", "--sql"]
     assert _flags(PYFLINK_VARIANTS["tuned"]) == \
         ["--python-mode", "process", "--bundle-size", "100000", "--no-metrics", "--unaligned"]
-    assert _flags(PYFLINK_VARIANTS["thread"])[:4] == ["--python-mode", "thread", "--cluster", "2"]
+    assert _flags(PYFLINK_VARIANTS["thread"]) == ["--python-mode", "thread", "--cluster", "2", "--no-metrics"]
     assert _flags(PYFLINK_VARIANTS["sql"]) == ["--sql", "--cluster", "2"]
