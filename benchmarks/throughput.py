@@ -34,8 +34,9 @@ Peers (``--peers``, run by benchmarks/peers/run_peers.py in their own venvs): ``
 ``pyflink`` (Flink 2.3's defaults: process mode, bundles of 1,000 records), and PyFlink at its
 best, with 1 s checkpoints only: ``pyflink-tuned`` (process mode, bundle 100,000, Python metrics
 off, unaligned checkpoints), ``pyflink-thread`` (thread mode, Python metrics off, default bundle,
-aligned checkpoints, on a standalone cluster of 2 TaskManagers x 1 slot) and ``flink-sql`` (Flink SQL ``COUNT(*) GROUP BY`` on that cluster:
-the JVM's ceiling, no Python). Their rows carry ``checkpoints`` (completed) and ``settings``.
+aligned checkpoints, on a standalone cluster of 2 TaskManagers x 1 slot) and ``flink-sql``
+(Flink SQL ``COUNT(*) GROUP BY`` on that cluster: the JVM's ceiling, no Python). Their rows
+carry ``checkpoints`` (completed) and ``settings``.
 
 ``--baseline-src DIR`` also runs the epochstream variants from another source tree (the
 ``src`` folder of a checkout of an earlier commit, e.g. a ``git worktree``), interleaved

@@ -133,7 +133,7 @@ def run_sql(env: StreamExecutionEnvironment, n: int, keys: int) -> str:
         'number-of-rows' = '{n}', 'fields.i.kind' = 'random', 'fields.i.min' = '0', 'fields.i.max' = '{keys - 1}',
         'rows-per-second' = '1000000000')""")
     t_env.execute_sql("CREATE TABLE out_counts (k STRING, c BIGINT) WITH ('connector' = 'blackhole')")
-    result = t_env.execute_sql(f"""INSERT INTO out_counts
+    result = t_env.execute_sql("""INSERT INTO out_counts
         SELECT k, COUNT(*) FROM (SELECT CONCAT('k', CAST(i AS STRING)) AS k FROM seq) GROUP BY k""")
     client = result.get_job_client()
     assert client is not None
