@@ -100,7 +100,7 @@ PYFLINK_VARIANTS: Dict[str, Dict[str, Any]] = {
     "tuned": {"python_mode": "process", **PYFLINK_TUNING},
     # thread mode (PEMJA) on a standalone cluster of 2 TaskManagers x 1 slot: one interpreter lock each.
     # Bundles stay at the default 1,000 and checkpoints aligned: with bundle 100,000 and unaligned
-    # checkpoints thread mode ran 3-6x slower here (README.md, "PyFlink at its best").
+    # checkpoints thread mode ran 2-6x slower here (README.md, "PyFlink at its best").
     "thread": {"python_mode": "thread", "cluster": 2, "no_metrics": True},
     # the JVM's ceiling: Flink SQL COUNT(*) GROUP BY over the same keys on the same cluster, no Python.
     "sql": {"sql": True, "cluster": 2},
