@@ -144,6 +144,8 @@ class Batching:
     flush_on_promise: bool = True
     coalesce_neoss: bool = False
     pass_through: bool = False
+    #: pass-through chains tracked as one segment (``TrackerConfig.merge_pass_through``)
+    merge_segments: bool = True
 
 
 def _rr_pipeline(name: str, workers: int, mode: str, interval: float | None, batching: "Batching") -> Pipeline:
@@ -153,7 +155,8 @@ def _rr_pipeline(name: str, workers: int, mode: str, interval: float | None, bat
                     checkpoint=CheckpointConfig(interval=interval, max_concurrent=1_000_000, num_retained=1),
                     tracker=TrackerConfig(aggregate=True, flush_interval=batching.flush_interval, flush_count=1000,
                                           flush_on_promise=batching.flush_on_promise,
-                                          pass_through=batching.pass_through))
+                                          pass_through=batching.pass_through,
+                                          merge_pass_through=batching.merge_segments))
 
 
 def run(n_maps: int, workers: int, cores: int, rate: float, records: int, mode: str, granularity: int | None,
@@ -332,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pass-through", action="store_true",
                     help="trAcker: stateless maps process later epochs at once (only the sink's chain waits for "
                          "NEOSS), as FlameStream's maps do")
+    ap.add_argument("--no-merge-segments", action="store_true",
+                    help="trAcker with --pass-through: one segment per map, as before session 29 (default: "
+                         "neighbouring pass-through chains are one segment, so a hop's RCV and SND fold)")
     ap.add_argument("--batched", action="store_true",
                     help="trAcker: FlameStream's batching, all three: --promise-timer --coalesce-neoss --pass-through")
     ap.add_argument("--merge", default="", help="run nothing: comma-separated CSVs of earlier runs, written as "
@@ -357,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         rates = [float(r) for r in steps]
     if args.batched:
         args.promise_timer = args.coalesce_neoss = args.pass_through = True
-    batching = Batching(args.flush_interval, not args.promise_timer, args.coalesce_neoss, args.pass_through)
+    batching = Batching(args.flush_interval, not args.promise_timer, args.coalesce_neoss, args.pass_through,
+                        not args.no_merge_segments)
     if local or args.merge:  # real costs, or none run
         costs = Costs(0.0)
     elif args.costs == "measured":
@@ -375,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trAcker batching: flush every {batching.flush_interval * 1000:g} ms, promises "
           f"{'at once' if batching.flush_on_promise else 'on the timer'}, NEOSS "
           f"{'coalesced per worker' if batching.coalesce_neoss else 'one bundle per agent step'}, maps "
-          f"{'pass later epochs through' if batching.pass_through else 'hold later epochs'}", flush=True)
+          f"{'pass later epochs through' if batching.pass_through else 'hold later epochs'}"
+          f"{', in one segment' if batching.pass_through and batching.merge_segments else ''}", flush=True)
     setups = [s for s in SETUPS if not args.setups or s[0] in args.setups.split(",")]
     rows: list[dict] = []
     if args.merge:  # a sweep split into several (locked) runs: their CSVs as one table and figure
@@ -404,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                    "flush_ms": batching.flush_interval * 1000 if mode == "tracker" else "",
                    "promise_timer": (not batching.flush_on_promise) if mode == "tracker" else "",
                    "coalesce_neoss": batching.coalesce_neoss if mode == "tracker" else "",
-                   "pass_through": batching.pass_through if mode == "tracker" else "", **row}
+                   "pass_through": batching.pass_through if mode == "tracker" else "",
+                   "merged_segments": batching.pass_through and batching.merge_segments if mode == "tracker" else "",
+                   **row}
             base = row["p50_ms"] if base is None else base
             # a queue that filled at once does not grow over the run: a median far above the setup's
             # own at its lowest rate is overload too

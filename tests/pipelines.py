@@ -400,7 +400,7 @@ def _explode_row(record: dict) -> list[dict]:
 
 
 def union_chain(*, n: int = 300, out=None, emit_ids: bool = False, columnar: bool = False,
-                sink_format: str = "jsonl", **knobs: Any) -> Pipeline:
+                sink_format: str = "jsonl", split: bool = False, **knobs: Any) -> Pipeline:
     """Two sources, union, rebalance, map/flat_map/filter, then a keyed running count.
 
     ``a`` = collection of ids 0..n-1; ``b`` = generate ids 100000..100000+n/2-1,
@@ -409,6 +409,8 @@ def union_chain(*, n: int = 300, out=None, emit_ids: bool = False, columnar: boo
     -> sink "counts". ``union_chain_ids(n)`` is the set of ids that reach the count.
     ``columnar``: ``a`` from_arrow, ``b`` generate_batches rebalanced in slices, then map_batches
     (the re-key), flat_map and filter on dict rows; the union keyed by column "key".
+    ``split``: rebalanced again after the re-key, so ``b``'s path is two neighbouring stateless
+    chains (with pass-through, one merged trAcker segment).
     """
     if n >= 100_000:
         raise ValueError("union_chain keeps ids unique only for n < 100000")
@@ -419,7 +421,11 @@ def union_chain(*, n: int = 300, out=None, emit_ids: bool = False, columnar: boo
             p.generate_batches(gen_batch(4, 100_000), count=max(n // 2, 1), uid="b", block_rows=8)
             .rebalance()
             .map_batches(_relabel_batch)
-            .flat_map(_explode_row)
+        )
+        if split:
+            b = b.rebalance()
+        b = (
+            b.flat_map(_explode_row)
             .filter(lambda r: r["id"] % 7 != 3)
         )
         a.union(b).key_by("key").process(RunningCount(emit_ids), uid="count").sink(
@@ -430,7 +436,11 @@ def union_chain(*, n: int = 300, out=None, emit_ids: bool = False, columnar: boo
         p.generate(_gen_record(4, 100_000), count=max(n // 2, 1), uid="b")
         .rebalance()
         .map(_relabel)
-        .flat_map(_explode)
+    )
+    if split:
+        b = b.rebalance()
+    b = (
+        b.flat_map(_explode)
         .filter(lambda r: r[1] % 7 != 3)
     )
     a.union(b).key_by(_key).process(RunningCount(emit_ids), uid="count").sink(

@@ -297,6 +297,23 @@ def test_exactly_once_under_failures(builder_name, mode, layout, c, workdirs):
     _exactly_once_property(builder_name, replace(c, layout=layout), workdirs, mode)
 
 
+@settings(max_examples=12, **COMMON)
+@given(c=chaos())
+def test_exactly_once_with_merged_pass_through_segments(c, workdirs):
+    """The trAcker with its batching on a path of two stateless chains (``union_chain(split=True)``),
+    which pass-through merges into one tracking segment: a record in flight inside it must keep
+    the segment and the keyed count after it from closing its epoch, under the same failures."""
+    from epochstream.deploy.tracking import tracking_segments
+
+    p = union_chain(split=True, mode="tracker")
+    p.tracker = replace(p.tracker, pass_through=True)
+    assert any(len(s) > 1 for s in tracking_segments(p.plan(), p).segments)
+    work = workdirs("eo-tracker-merged")
+    assert_exactly_once(oracle(partial(union_chain, split=True), replace(c, tracker_batching=True), work,
+                               mode="tracker"))
+    shutil.rmtree(work, ignore_errors=True)
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("mode", EXACTLY_ONCE_MODES)

@@ -130,3 +130,78 @@ def test_coalesced_neoss_send_fewer_bundles(tmp_path, monkeypatch):
     _sim(tmp_path, "a", True, False)
     _sim(tmp_path, "b", True, True)
     assert 0 < counts[True] < counts[False]
+
+
+# ---------------------------------------------------------------- merged pass-through segments
+
+
+def _merged_rr(tmp_path, merge: bool, stateful_middle: bool = False) -> es.Pipeline:
+    """source -> m1 -> m2 [-> keyed reduce] -> sink, each hop repartitioned, pass-through on."""
+    p = es.Pipeline("mg", parallelism=2, mode="tracker", batch_size=1,
+                    checkpoint=es.CheckpointConfig(interval=0.0002, max_concurrent=1_000),
+                    tracker=es.TrackerConfig(flush_interval=0.0002, pass_through=True, merge_pass_through=merge))
+    s = p.from_collection(list(range(40)), uid="src")
+    s = s.rebalance().map(_identity, name="m1").rebalance().map(_identity, name="m2")
+    if stateful_middle:
+        s = s.key_by(_identity).reduce(_sum, uid="sum")
+    s.rebalance().sink(es.FileSink(tmp_path / "out"), uid="out")
+    return p
+
+
+def _segment_names(p: es.Pipeline) -> list[list[str]]:
+    from epochstream.deploy.tracking import tracking_segments
+
+    plan = p.plan()
+    return [sorted(n for c in seg for n in _names(plan, (c, 0))) for seg in tracking_segments(plan, p).segments]
+
+
+def test_neighbouring_pass_through_chains_share_one_segment(tmp_path):
+    assert _segment_names(_merged_rr(tmp_path, True)) == [["collection"], ["m1", "m2", "sink"]]
+    assert _segment_names(_merged_rr(tmp_path, False)) == [["collection"], ["m1"], ["m2"], ["sink"]]
+    # a stateful chain (it waits for NEOSS) is a boundary: the chains on either side stay apart
+    assert _segment_names(_merged_rr(tmp_path, True, stateful_middle=True)) == [
+        ["collection"], ["m1", "m2"], ["reduce"], ["sink"]]
+
+
+def test_a_merged_segment_is_not_bound_while_a_record_is_in_flight_inside_it():
+    """src -> a -> b -> c (stateful), a and b merged. The record is RCVed by a, which SNDs its
+    output to b: that hop folds into one report of the merged segment, and the segment (and c
+    after it) must not be bound before b has RCVed it, even though the source promised."""
+    from epochstream.tracker.agent import TrackingAgent
+    from epochstream.tracker.segments import build_segments
+
+    seg = build_segments(["src", "a", "b", "c"], [("src", "a"), ("a", "b"), ("b", "c")], merge={"a", "b"})
+    assert seg.segments == (("src",), ("a", "b"), ("c",))
+    S, C = seg.segment_of["a"], seg.segment_of["c"]
+    agent = TrackingAgent(seg, {0: ["src"]})
+    w0, w1 = LocalTracker(0, flush_interval=1.0), LocalTracker(1, flush_interval=1.0)
+    # the source sends x (id 11) to a, then promises epoch 1
+    w0.snd(11, 1, S)
+    w0.promise(0, 1, 0.0, source="src")
+    assert [n.segment for n in agent.receive(w0.flush(0.0)[0], 0.0)] == [0]  # the source's own segment
+    # a (worker 1) processes x and sends y (id 22) to b: SND(y) then RCV(x), both under S
+    w1.snd(22, 1, S)
+    w1.rcv(11, 1, S)
+    (m,) = w1.flush(0.0)
+    assert len(m.reports) == 1  # the hop's two events are one report
+    assert agent.receive(m, 0.0) == [] and agent.bound(S) == 0 and agent.bound(C) == 0
+    # b (worker 0) processes y and sends z (id 33) to c: S is drained, c is not yet
+    w0.snd(33, 1, C)
+    w0.rcv(22, 1, S)
+    notes = agent.receive(w0.flush(0.0)[0], 0.0)
+    assert [(n.segment, n.epoch) for n in notes] == [(S, 1)] and agent.bound(C) == 0
+    w1.rcv(33, 1, C)
+    assert [(n.segment, n.epoch) for n in agent.receive(w1.flush(0.0)[0], 0.0)] == [(C, 1)]
+
+
+def test_merged_segments_send_fewer_reports_and_commit_every_record_once(tmp_path):
+    runs = {}
+    for merge in (False, True):
+        p = _merged_rr(tmp_path / str(merge), merge)
+        d = SimDriver(p, LocalCheckpointStorage(tmp_path / str(merge) / "chk"), seed=3,
+                      config=SimConfig(source_rate=5_000.0, source_batch=1))
+        d.run(None, False, None)
+        assert sorted(committed_output(tmp_path / str(merge) / "out")) == list(range(40))
+        assert d.controller is not None and d.controller.master.coordinator.last_completed >= 5
+        runs[merge] = d.traffic.by_kind["report"].entries
+    assert runs[True] < runs[False]

@@ -101,6 +101,11 @@ class TrackerConfig:
     #: its output and sink it into that epoch's writer, so only stateful operators wait for
     #: NEOSS (FlameStream's maps never wait, and its output barrier buffers by time)
     pass_through: bool = False
+    #: with ``pass_through``: neighbouring pass-through chains are tracked as one segment, so a
+    #: record's RCV at a chain and the SND of its output fold into one report (about half the
+    #: reports on a path of stateless chains); the segment is bound once all of it has drained
+    #: an epoch, which is when its last chain would be anyway (``tracker.segments.merge_groups``)
+    merge_pass_through: bool = True
 
     def __post_init__(self) -> None:
         if not self.time_slack > 0:

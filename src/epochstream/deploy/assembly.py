@@ -28,9 +28,8 @@ from ..snapshot.manifest import CheckpointError, channel_state_of, operator_stat
 from ..snapshot.rescale import redistribute
 from ..tracker.gate import FirmBoundGate
 from ..tracker.local import BatchIds, LocalTracker
-from ..tracker.segments import build_segments, chain_graph
 from .restore import Restored
-from .tracking import ids_seed, uses_event_time
+from .tracking import ids_seed, tracking_segments, uses_event_time
 
 
 def build_tasks(
@@ -62,8 +61,10 @@ def build_tasks(
     event_time = uses_event_time(pipeline)
     slack = pipeline.tracker.time_slack if event_time else None
     if tracker_mode:
-        segmentation = build_segments(*chain_graph(plan))
+        segmentation = tracking_segments(plan, pipeline)
         seg_of, cyclic = segmentation.segment_of, segmentation.cyclic
+        merged = {c for seg in segmentation.segments if len(seg) > 1 and not segmentation.cyclic[seg_of[seg[0]]]
+                  for c in seg}
         #: stateless chains process records of any epoch at once (``Task.pass_through``)
         pass_through = pipeline.tracker.pass_through and not event_time
     keyed_state = keyed_state_factory(cfg)  # hashmap (None) or rocksdb
@@ -82,6 +83,10 @@ def build_tasks(
                 raise ValueError("build_tasks: trAcker mode needs each worker's LocalTracker (trackers=...)")
             through = pass_through and chain.stateless and not cyclic[seg_of[tid[0]]] \
                 and not plan.chains[tid[0]].is_source and not plan.chains[tid[0]].is_loop_head
+            if tid[0] in merged and not through:
+                raise ProtocolError("build_tasks", f"chain {tid[0]} shares segment {seg_of[tid[0]]}",
+                                    "open", "a chain merged into a pass-through segment must pass through "
+                                    "(the plan called it stateless, the opened chain is not)")
             gate = FirmBoundGate(seg_of[tid[0]], last_closed=start_epoch - 1, firm=not through)
             out_segment = {ch: seg_of[plan.channels[ch].dst[0]] for chans in plan.outputs[tid] for ch in chans}
             tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(ids_seed(attempt, tid)),

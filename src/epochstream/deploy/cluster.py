@@ -51,6 +51,7 @@ from .protocol import (
     WorkerError,
 )
 from .rest import RestServer
+from .tracking import tracking_segments
 
 log = logging.getLogger("epochstream")
 
@@ -216,7 +217,7 @@ class ClusterDriver(Driver):
 
     def _dashboard(self) -> Dashboard:
         """The dashboard and ``/metrics`` of this job (``ui``), from the published status."""
-        graph = job_graph(self.plan, self.pipeline.mode)
+        graph = job_graph(self.plan, self.pipeline.mode, tracking_segments(self.plan, self.pipeline))
         rows: dict[str, Any] = {"key": None, "rows": []}
 
         def build() -> dict[str, Any]:

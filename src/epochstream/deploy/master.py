@@ -41,6 +41,7 @@ from .control import IN_PROGRESS, SavepointRequest
 from .failures import FailPoint, no_fail
 from .lease import check_not_held
 from .restore import Restored
+from .tracking import tracking_segments
 
 log = logging.getLogger("epochstream")
 
@@ -137,7 +138,7 @@ class JobMaster:
         #: epoch's ``records`` (input it covers) is its own sum minus this one
         self.offsets_total = _offsets_total(restored.manifest) if restored else 0
         #: the job graph as the dashboard draws it, kept in every manifest (``epochstream ui`` reads it)
-        self.graph = job_graph(plan, pipeline.mode)
+        self.graph = job_graph(plan, pipeline.mode, tracking_segments(plan, pipeline))
         #: raises ``lease.FencedError`` once this attempt no longer holds the checkpoint folder
         #: (checked before the manifest and the sinks are committed); the driver sets it
         self.fence: Callable[[], None] = _unfenced

@@ -20,7 +20,7 @@ from ..runtime.messages import TaskId
 from ..tracker.agent import TrackingAgent
 from ..tracker.local import LocalTracker
 from ..tracker.messages import NEOSS
-from ..tracker.segments import build_segments, chain_graph
+from ..tracker.segments import Segmentation, build_segments, chain_graph
 from ..tracker.traffic import ServiceTraffic
 from .restore import Restored
 
@@ -78,11 +78,36 @@ def firing_segments(plan: PhysicalPlan, seg_of: Mapping[Hashable, int]) -> dict[
     return firing
 
 
+def chain_is_stateless(plan: PhysicalPlan, chain) -> bool:
+    """What ``ChainRuntime.stateless`` will say once the chain opens, from the plan alone: only
+    keyed process functions and loop heads declare state, timers or epoch hooks."""
+    return not any(plan.nodes[n].kind in (OpKind.PROCESS, OpKind.LOOP_HEAD) for n in chain.nodes)
+
+
+def pass_through_chains(plan: PhysicalPlan, pipeline) -> frozenset[int]:
+    """Chains that will pass later epochs through (``TrackerConfig.pass_through``) and may share
+    a segment (``TrackerConfig.merge_pass_through``): stateless, neither source nor loop head, no
+    event time. Known before any task opens, so the job master and every worker cut the same
+    segments (``build_segments`` keeps chains of a loop apart itself)."""
+    cfg = getattr(pipeline, "tracker", None)
+    if cfg is None or not cfg.pass_through or not getattr(cfg, "merge_pass_through", False) \
+            or uses_event_time(pipeline):
+        return frozenset()
+    return frozenset(c.id for c in plan.chains
+                     if not c.is_source and not c.is_loop_head and chain_is_stateless(plan, c))
+
+
+def tracking_segments(plan: PhysicalPlan, pipeline=None) -> Segmentation:
+    """trAcker mode's segments of ``plan``: the chain graph condensed, pass-through chains merged
+    into one segment where ``pipeline`` allows it (one cut for the master and all workers)."""
+    return build_segments(*chain_graph(plan), merge=pass_through_chains(plan, pipeline))
+
+
 def make_tracking(plan: PhysicalPlan, restored: Restored | None, traffic: ServiceTraffic,
                   pipeline=None, attempt: str = "") -> Tracking:
     """Segments of the chain graph and a tracking agent that starts at the restored epoch
     (with a time dimension when ``pipeline`` uses event time)."""
-    segmentation = build_segments(*chain_graph(plan))
+    segmentation = tracking_segments(plan, pipeline)
     seg_of = segmentation.segment_of
     p = plan.parallelism
     promisers: dict[int, list[TaskId]] = {}

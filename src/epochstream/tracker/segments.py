@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 from ..graph.cycles import tarjan
 
@@ -79,11 +79,14 @@ def strongly_connected_components(
     return [[vertices[i] for i in comp] for comp in tarjan(succ)]
 
 
-def build_segments(vertices: Iterable[Hashable], edges: Iterable[tuple[Hashable, Hashable]]) -> Segmentation:
+def build_segments(vertices: Iterable[Hashable], edges: Iterable[tuple[Hashable, Hashable]],
+                   merge: Collection[Hashable] = ()) -> Segmentation:
     """Condense ``(vertices, edges)`` into segments in topological order.
 
     ``vertices``: distinct hashable ids (logical operators, or chains). ``edges``: pairs
     (src, dst) of ids from ``vertices``; duplicates and self-loops are allowed.
+    ``merge``: vertices that may share a segment with their neighbours in ``merge``
+    (``merge_groups``: the pass-through chains); vertices of a cycle are never merged.
 
     >>> s = build_segments(["src", "a", "b", "sink"],
     ...                    [("src", "a"), ("a", "b"), ("b", "a"), ("b", "sink")])
@@ -97,6 +100,8 @@ def build_segments(vertices: Iterable[Hashable], edges: Iterable[tuple[Hashable,
     vs = list(vertices)
     es = list(edges)
     position = _index(vs)
+    if merge:
+        return _merged(vs, es, merge)
     comps = strongly_connected_components(vs, es)
     comp_of: dict[Hashable, int] = {}
     for c, members in enumerate(comps):
@@ -151,6 +156,94 @@ def chain_graph(plan: Any) -> tuple[list[int], list[tuple[int, int]]]:
     vertices = [c.id for c in plan.chains]
     edges = [(c.id, oe.dst_chain) for c in plan.chains for oe in c.out_edges]
     return vertices, edges
+
+
+def merge_groups(vertices: Sequence[Hashable], edges: Iterable[tuple[Hashable, Hashable]],
+                 merge: Collection[Hashable]) -> list[list[Hashable]]:
+    """Groups of ``vertices`` that may be tracked as one segment: an edge between two vertices
+    of ``merge`` joins their groups unless that would close a cycle through a vertex outside
+    them (another path from one group to the other); a vertex of a cycle stays alone. Groups
+    in the order of their first member.
+
+    Why a group may be one segment. The agent's safety argument (agent.py) holds for any
+    segment whose condensation stays acyclic: part (2), written for cycles, covers every
+    batch that stays inside a segment, whatever its shape. Why it is worth it: a record
+    crossing a merged hop is RCVed and its output SNDed under the *same* (segment, epoch),
+    so the local tracker folds the two into one report (paper 000 §4.1's local aggregation;
+    FlameStream's acker keeps one table for the whole graph). The price: the group is bound
+    only when all of it has drained an epoch, so merge only chains that never wait for a
+    NEOSS (pass-through chains); then the chains downstream see the same bound as before.
+
+    >>> merge_groups(["src", "a", "b", "c", "sink"],
+    ...              [("src", "a"), ("a", "b"), ("b", "c"), ("c", "sink")], {"a", "b", "c"})
+    [['src'], ['a', 'b', 'c'], ['sink']]
+    >>> merge_groups(["a", "x", "b"], [("a", "x"), ("x", "b"), ("a", "b")], {"a", "b"})
+    [['a'], ['x'], ['b']]
+    """
+    vs = list(vertices)
+    es = list(edges)
+    position = _index(vs)
+    cyclic = set()
+    for comp in strongly_connected_components(vs, es):
+        if len(comp) > 1:
+            cyclic.update(comp)
+    cyclic.update(a for a, b in es if a == b)
+    parent = list(range(len(vs)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    idx = [(_lookup(position, a, (a, b)), _lookup(position, b, (a, b))) for a, b in es]
+    ok = [v in merge and v not in cyclic for v in vs]
+    for i, j in idx:
+        gi, gj = find(i), find(j)
+        if gi == gj or not (ok[i] and ok[j]) or _other_path(idx, find, gi, gj):
+            continue
+        parent[gj] = gi
+    groups: dict[int, list[Hashable]] = {}
+    for i, v in enumerate(vs):
+        groups.setdefault(find(i), []).append(v)
+    return list(groups.values())
+
+
+def _other_path(idx: list[tuple[int, int]], find: Callable[[int], int], gi: int, gj: int) -> bool:
+    """Is there a path between groups ``gi`` and ``gj`` (either way) through some third group?
+    Then merging them would put that group on a cycle."""
+    succ: dict[int, set[int]] = {}
+    for a, b in idx:
+        ga, gb = find(a), find(b)
+        if ga != gb:
+            succ.setdefault(ga, set()).add(gb)
+    for start, goal in ((gi, gj), (gj, gi)):
+        seen = set()
+        todo = [g for g in succ.get(start, ()) if g != goal]
+        while todo:
+            g = todo.pop()
+            if g == goal:
+                return True
+            if g in seen:
+                continue
+            seen.add(g)
+            todo.extend(succ.get(g, ()))
+    return False
+
+
+def _merged(vs: list[Hashable], es: list[tuple[Hashable, Hashable]], merge: Collection[Hashable]) -> Segmentation:
+    """``build_segments`` over the quotient graph of ``merge_groups``, members expanded again."""
+    groups = merge_groups(vs, es, merge)
+    group_of = {v: g for g, members in enumerate(groups) for v in members}
+    quotient = build_segments(range(len(groups)),
+                              [(group_of[a], group_of[b]) for a, b in es
+                               if group_of[a] != group_of[b] or a == b])
+    position = {v: i for i, v in enumerate(vs)}
+    members_of: dict[Hashable, list[Hashable]] = dict(enumerate(groups))
+    segments = tuple(tuple(sorted((v for g in seg for v in members_of[g]), key=position.__getitem__))
+                     for seg in quotient.segments)
+    segment_of = {v: quotient.segment_of[group_of[v]] for v in vs}
+    return Segmentation(segments, segment_of, quotient.upstream, quotient.cyclic)
 
 
 # ---------------------------------------------------------------- helpers

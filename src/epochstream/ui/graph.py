@@ -9,10 +9,11 @@ from ..graph.plan import PhysicalPlan
 from ..tracker.segments import build_segments, chain_graph
 
 
-def job_graph(plan: PhysicalPlan, mode: str) -> dict[str, Any]:
+def job_graph(plan: PhysicalPlan, mode: str, segmentation: Any = None) -> dict[str, Any]:
     """JSON-ready: ``chains`` (id, name, operators, source/loop head), ``edges`` (chain ->
     chain, partitioning, phantom for a loop's back edge), ``loops`` and ``segments``
-    (lists of chain ids, topological; trAcker mode's unit of progress tracking)."""
+    (lists of chain ids, topological; trAcker mode's unit of progress tracking; the job's own
+    ``segmentation`` if given, where pass-through chains may share one)."""
     chains = []
     for c in plan.chains:
         ops = [{"id": n, "name": plan.nodes[n].name, "kind": str(plan.nodes[n].kind), "uid": plan.nodes[n].uid}
@@ -20,7 +21,8 @@ def job_graph(plan: PhysicalPlan, mode: str) -> dict[str, Any]:
         chains.append({"id": c.id, "name": c.name, "operators": ops, "source": c.is_source,
                        "loop_head": c.is_loop_head})
     edges = sorted({(c.id, e.dst_chain, e.partition, e.phantom) for c in plan.chains for e in c.out_edges})
-    segmentation = build_segments(*chain_graph(plan))
+    if segmentation is None:
+        segmentation = build_segments(*chain_graph(plan))
     return {
         "parallelism": plan.parallelism,
         "max_parallelism": plan.max_parallelism,
