@@ -22,7 +22,14 @@ of 4 partitions, output topic of 2, 100 keys. For each system and epoch interval
 Systems: epochstream (local driver, aligned and tracker modes, ``KafkaSink`` exactly-once) and,
 when its connector jars are in ``jars/kafka-spark/lib`` (scripts/setup.sh), Spark Structured
 Streaming's own Kafka source and sink (micro-batch, trigger = epoch interval, at-least-once:
-Spark's Kafka sink has no transactions), side by side in one run. Writes
+Spark's Kafka sink has no transactions), side by side in one run. ``--real-time`` adds Spark's
+Real-time Mode (``trigger(realTime="5 seconds")``, ``local[6]``: a task slot for each of its
+four source and two shuffle partitions, which it needs at once) on the same query at the micro-batch latency
+run's input rate: first with its operator allowlist check, whose refusal of the aggregation is
+kept word for word in the CSV's ``note``, then with ``realTimeMode.allowlistCheck=false``, the
+setting that refusal names (an error while it runs is kept too), then, for Real-time Mode's
+own latency, the records passed through without the count, which it accepts (no records/s:
+Real-time Mode has no bounded run). Writes
 benchmarks/results/<--name>.csv and .png and prints a table with issue 20's targets
 (records/s >= 1.5x Spark's at an equal or lower p99; p99 <= 2 x interval + 100 ms). Not a test.
 
@@ -237,26 +244,39 @@ def spark_jars() -> list[str]:
 
 
 def _spark_run(bootstrap: str, src: str, out: str, interval: float, bounded: bool, seconds: float, queue,
-               max_offsets: int = 0) -> None:
+               max_offsets: int = 0, real_time: str | None = None, allowlist_check: bool = True,
+               stateless: bool = False) -> None:
     """Spark's Kafka source -> groupBy(key).count() (update mode) -> Spark's Kafka sink; run in
-    its own process. Bounded: availableNow; reports the run's seconds."""
+    its own process. Bounded: availableNow; reports the run's seconds. ``real_time``: Real-time
+    Mode with that batch duration instead of micro-batches (``allowlist_check`` False is the
+    setting Spark's refusal names for the aggregation); a refusal is put on the queue as text,
+    and so is a query that failed while running. ``stateless``: the records passed through
+    without the count (what Real-time Mode accepts with its check on)."""
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
-    spark = (SparkSession.builder.master("local[2]").appName("kafka-bench-spark")
+    # Real-time Mode runs every stage's tasks at once for a whole batch: it needs a task slot per
+    # source partition (4) and shuffle partition (2), or the later tasks wait a batch (5 s)
+    spark = (SparkSession.builder.master("local[6]" if real_time else "local[2]").appName("kafka-bench-spark")
              .config("spark.jars", ",".join(spark_jars()))
              .config("spark.sql.shuffle.partitions", "2")
              .config("spark.ui.enabled", "false")
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
+    if real_time is not None:
+        spark.conf.set("spark.sql.streaming.realTimeMode.allowlistCheck", str(allowlist_check).lower())
     chk = tempfile.mkdtemp()
     reader = (spark.readStream.format("kafka").option("kafka.bootstrap.servers", bootstrap).option("subscribe", src)
               .option("startingOffsets", "earliest"))
     if bounded:  # several micro-batches, so the steady rate leaves the first one's start-up out
         reader = reader.option("maxOffsetsPerTrigger", str(max(1000, max_offsets)))
     df = reader.load()
-    counts = (df.groupBy(F.col("key").cast("string").alias("k"))
-              .agg(F.count(F.lit(1)).alias("n"), F.max(F.col("timestamp").cast("double")).alias("ts")))
+    if stateless:  # each record passed through with its timestamp: no count, no state
+        counts = df.select(F.col("key").cast("string").alias("k"), F.lit(1).alias("n"),
+                           F.col("timestamp").cast("double").alias("ts"))
+    else:
+        counts = (df.groupBy(F.col("key").cast("string").alias("k"))
+                  .agg(F.count(F.lit(1)).alias("n"), F.max(F.col("timestamp").cast("double")).alias("ts")))
     out_df = counts.select(F.col("k").alias("key"),
                            F.to_json(F.struct(F.col("k").alias("key"), "n", (F.col("ts") * 1000).alias("ts")))
                            .alias("value"))
@@ -276,13 +296,30 @@ def _spark_run(bootstrap: str, src: str, out: str, interval: float, bounded: boo
                    "batches": len(progress)})
         spark.stop()
         return
+    elif real_time is not None:
+        q = writer.trigger(realTime=real_time).start()
+        # one long-running batch per ``real_time``: no progress before the first ends, so the
+        # query counts as up once its batch is active, a refusal once it has terminated
+        while not q.status["isTriggerActive"] and q.exception() is None and q.isActive:
+            time.sleep(0.2)
+        time.sleep(2.0)
+        if q.exception() is not None or not q.isActive:
+            queue.put({"refused": str(q.exception() or q.status["message"]).splitlines()[0]})
+            spark.stop()
+            return
+        queue.put("ready")
     else:
         q = writer.trigger(processingTime=f"{int(interval * 1000)} milliseconds").start()
         while q.lastProgress is None:  # the first (empty) micro-batch ran: Spark is up
             time.sleep(0.2)
         queue.put("ready")
-        time.sleep(seconds)
-        q.stop()
+    time.sleep(seconds)
+    failed = q.exception()
+    q.stop()
+    if failed is not None:
+        queue.put({"failed": str(failed).splitlines()[0]})
+        spark.stop()
+        return
     queue.put(time.time() - t0)
     spark.stop()
 
@@ -326,6 +363,38 @@ def run_spark(cluster, interval: float, n: int, load: float, seconds: float, war
     return rps, rps_total, rate, _percentiles(lat, warmup), got["batches"]
 
 
+def run_spark_real_time(cluster, rate: float, seconds: float, warmup: float, allowlist_check: bool,
+                        batch: str = "5 seconds", stateless: bool = False) -> dict:
+    """The same query in Spark's Real-time Mode, at the micro-batch latency run's input rate
+    (Real-time Mode has no bounded run, so no records/s of its own); its refusal, if any."""
+    ctx = mp.get_context("spawn")
+    src = f"rtm-in-{time.time_ns()}"
+    out = src.replace("-in-", "-out-")
+    cluster.create_topic(src, 4)
+    cluster.create_topic(out, 2)
+    sq, lq = ctx.Queue(), ctx.Queue()
+    job = ctx.Process(target=_spark_run, args=(cluster.bootstrap_servers, src, out, 0.0, False, seconds + 8, sq),
+                      kwargs={"real_time": batch, "allowlist_check": allowlist_check, "stateless": stateless})
+    job.start()
+    got = sq.get(timeout=600)
+    if got != "ready":
+        job.join()
+        return {"refused": got["refused"]}
+    reader = ctx.Process(target=_reader, args=(cluster.bootstrap_servers, out, seconds + 8, lq))
+    reader.start()
+    loader = ctx.Process(target=_load, args=(cluster.bootstrap_servers, src, rate, seconds))
+    loader.start()
+    loader.join()
+    end = sq.get()
+    job.join()
+    lat = lq.get()
+    reader.join()
+    out_: dict = {"percentiles": _percentiles(lat, warmup)}
+    if isinstance(end, dict):
+        out_.update(end)
+    return out_
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -344,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intervals", default="0.1,1.0", help="epoch intervals (s), comma-separated")
     ap.add_argument("--modes", default="aligned,tracker")
     ap.add_argument("--no-spark", action="store_true")
+    ap.add_argument("--real-time", action="store_true",
+                    help="also Spark's Real-time Mode (with its allowlist check, then without) at the "
+                         "micro-batch latency run's rate")
     ap.add_argument("--quick", action="store_true", help="50k records, 10 s latency runs")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--name", default="kafka", help="results file name (CSV and PNG)")
@@ -373,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                              "p50_ms": round(p50, 1), "p99_ms": round(p99, 1), "latency_samples": n_lat,
                              "epochs": batches})
                 print(rows[-1], flush=True)
+                if args.real_time and not any(r["system"].startswith("spark-real-time") for r in rows):
+                    rows.extend(_real_time_rows(cluster, interval, rate, args))  # once: it has no interval
             elif not args.no_spark:
                 print("spark peer skipped: no jars in jars/kafka-spark/lib (bash scripts/setup.sh)", file=sys.stderr)
     out = Path(args.out)
@@ -380,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     for r in rows:
         r["load_avg_1m"] = round(load[0], 2)
+        r.setdefault("note", "")
     _summary(rows)
     with open(out / f"{args.name}.csv", "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -391,12 +466,40 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _real_time_rows(cluster, interval: float, rate: float, args) -> list[dict]:
+    """Spark Real-time Mode rows: with the allowlist check (Spark's answer, kept as it is) and
+    without it, the setting that answer names."""
+    rows = []
+    for check, stateless, label in ((True, False, ""), (False, False, " (allowlistCheck=false)"),
+                                    (True, True, " stateless, no count")):
+        got = run_spark_real_time(cluster, rate, args.seconds, args.warmup, check, stateless=stateless)
+        row = {"system": f"spark-real-time{label}",
+               "guarantee": "at-least-once", "interval_s": interval, "records_per_s": "",
+               "records_per_s_with_startup": "", "latency_rate": round(rate), "p50_ms": "", "p99_ms": "",
+               "latency_samples": 0, "epochs": "", "note": "real-time mode, batch duration 5 s"}
+        if "refused" in got:
+            row["note"] = f"refused: {got['refused']}"
+        else:
+            p50, p99, n_lat = got["percentiles"]
+            row.update(p50_ms=round(p50, 1), p99_ms=round(p99, 1), latency_samples=n_lat)
+            produced = int(rate * max(0.0, args.seconds - args.warmup))
+            if "failed" in got:
+                row["note"] = f"failed while running: {got['failed']}"
+            elif n_lat < 0.5 * min(produced, KEYS * (args.seconds - args.warmup)):
+                # fewer outputs than one per key per second: the query stopped producing
+                row["note"] = (f"output stalled: {n_lat} records read after warm-up for {produced} produced "
+                               f"(see Spark's log)")
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def _summary(rows: list[dict]) -> None:
     """The table, and issue 20's targets per epochstream row: records/s >= 1.5x Spark's at an
     equal or lower p99 (same interval), and p99 <= 2 x interval + 100 ms at the latency load."""
     print(f"\n{'system':28} {'interval':>8} {'records/s':>10} {'w/ start':>9} {'load/s':>8} {'p50 ms':>8} "
           f"{'p99 ms':>8} {'x Spark':>8} {'>=1.5x & p99<=Spark':>20} {'p99<=2i+100ms':>14}")
-    spark = {r["interval_s"]: r for r in rows if r["system"].startswith("spark")}
+    spark = {r["interval_s"]: r for r in rows if r["system"] == "spark-structured-streaming"}
     for r in rows:
         ratio = target1 = target2 = ""
         if r["system"].startswith("epochstream"):
@@ -428,8 +531,8 @@ def _plot(rows, path: Path) -> None:
     for i, s in enumerate(systems):
         xs = [j + i * width for j in range(len(intervals))]
         get = {r["interval_s"]: r for r in rows if r["system"] == s}
-        a.bar(xs, [get[iv]["records_per_s"] if iv in get else 0 for iv in intervals], width, label=s)
-        b.bar(xs, [get[iv]["p99_ms"] if iv in get else 0 for iv in intervals], width, label=s)
+        a.bar(xs, [get[iv]["records_per_s"] or 0 if iv in get else 0 for iv in intervals], width, label=s)
+        b.bar(xs, [get[iv]["p99_ms"] or 0 if iv in get else 0 for iv in intervals], width, label=s)
     for ax, title in ((a, "records/s (bounded input, start-up left out)"),
                       (b, "p99 latency, ms (produce -> read_committed)")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(intervals))], [f"{iv:g} s epochs" for iv in intervals])
