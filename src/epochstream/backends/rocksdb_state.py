@@ -216,7 +216,13 @@ class RocksDBKeyedState:
         table.set_block_cache(cache)
         table.set_cache_index_and_filter_blocks(True)
         table.set_pin_l0_filter_and_index_blocks_in_cache(True)
-        table.set_bloom_filter(10, False)
+        table.set_bloom_filter(10, False)  # whole-key, ~1% false positives: a new key's get reads no data block
+        # partitioned filters and indexes (Flink's ``memory.partitioned-index-filters``): a file's
+        # filter is many small blocks, not one of ~1.2 bytes per key that the memtables' share of
+        # the cache evicts and the next lookup reads back whole (3M keys in one DB: 43K -> 55K rows/s)
+        table.set_partition_filters(True)
+        table.set_index_type(rd.BlockBasedIndexType.two_level_index_search())
+        table.set_pin_top_level_index_and_filter(True)
         opts.set_block_based_table_factory(table)
         opts.set_write_buffer_manager(rd.WriteBufferManager.new_write_buffer_manager_with_cache(
             budget // 2, False, cache))
