@@ -177,6 +177,14 @@ class RocksDBKeyedState:
         self._cprefix = b""
         self._ckb = b""
         self._kpickled: bytes | None = None
+        self._kread: tuple[bytes, bytes] | None = None  # (DB key, its stored pickled key) last read
+        #: the batch scope (``begin_batch`` .. ``end_batch``): the batch's keys -> (key-group
+        #: prefix, key bytes); DB key -> value (None: absent) of every entry read or written in
+        #: it; the writes not yet in the DB; the state ids already read for the whole batch
+        self._scope: dict[Any, tuple[bytes, bytes]] | None = None
+        self._cache: dict[bytes, bytes | None] = {}
+        self._pending: Any = None  # a rocksdict WriteBatch
+        self._fetched: set[bytes] = set()
         root = os.path.join(local_dir or tempfile.gettempdir(), _ROOT_NAME)
         safe = re.sub(r"[^A-Za-z0-9_.]", "_", operator_uid)[:60]
         self.path = os.path.join(root, f"{os.getpid()}-{uuid.uuid4().hex[:12]}-{safe}-{key_group_range[0]}")
@@ -208,7 +216,13 @@ class RocksDBKeyedState:
         table.set_block_cache(cache)
         table.set_cache_index_and_filter_blocks(True)
         table.set_pin_l0_filter_and_index_blocks_in_cache(True)
-        table.set_bloom_filter(10, False)
+        table.set_bloom_filter(10, False)  # whole-key, ~1% false positives: a new key's get reads no data block
+        # partitioned filters and indexes (Flink's ``memory.partitioned-index-filters``): a file's
+        # filter is many small blocks, not one of ~1.2 bytes per key that the memtables' share of
+        # the cache evicts and the next lookup reads back whole (3M keys in one DB: 43K -> 55K rows/s)
+        table.set_partition_filters(True)
+        table.set_index_type(rd.BlockBasedIndexType.two_level_index_search())
+        table.set_pin_top_level_index_and_filter(True)
         opts.set_block_based_table_factory(table)
         opts.set_write_buffer_manager(rd.WriteBufferManager.new_write_buffer_manager_with_cache(
             budget // 2, False, cache))
@@ -223,38 +237,141 @@ class RocksDBKeyedState:
         k = self.keys.key
         if k is self._ck:
             return
-        kg = self._key_group_of(k)
-        self._cprefix = kg.to_bytes(2, "big")
-        self._ckb = key_bytes(k)
+        enc = None
+        if self._scope is not None:
+            try:
+                enc = self._scope.get(k)
+            except TypeError:  # unhashable: encoded below, as outside a scope
+                pass
+        if enc is None:
+            self._cprefix = self._key_group_of(k).to_bytes(2, "big")
+            self._ckb = key_bytes(k)
+        else:
+            self._cprefix, self._ckb = enc
         self._kpickled = None
+        self._kread = None
         self._ck = k
 
     def _db_key(self, table: _Table) -> bytes:
         self._key()
         return self._cprefix + table.sid + self._ckb
 
+    def _raw(self, table: _Table, dbk: bytes) -> bytes | None:
+        """The stored value of ``dbk``; in a batch scope from the scope's cache, which the
+        first read of a state fills for every key of the batch at once."""
+        if self._scope is None:
+            raw: bytes | None = self._db.get(dbk)
+            return raw
+        cached = self._cache.get(dbk, _MISSING)
+        if cached is not _MISSING:
+            return cached  # type: ignore[return-value]
+        if table.sid not in self._fetched:
+            self._prefetch(table)
+            cached = self._cache.get(dbk, _MISSING)
+            if cached is not _MISSING:
+                return cached  # type: ignore[return-value]
+        raw = self._db.get(dbk)  # a key outside the batch (the function set another key)
+        self._cache[dbk] = raw
+        return raw
+
     def _read(self, table: _Table) -> Any:
-        raw = self._db.get(self._db_key(table))
+        dbk = self._db_key(table)
+        raw = self._raw(table, dbk)
         if raw is None:
             return _MISSING
         n = int.from_bytes(raw[:4], "big")
+        self._kread = (dbk, raw[4:4 + n])  # writing this entry back reuses its stored key
         return pickle.loads(raw[4 + n:])
 
     def _write(self, table: _Table, value: Any) -> None:
         dbk = self._db_key(table)
-        kp = self._kpickled
+        kr = self._kread
+        kp: bytes | None = kr[1] if kr is not None and kr[0] == dbk else self._kpickled
         if kp is None:
             kp = self._kpickled = self._dumps(table, self._ck, self._ck)
-        self._db.put(dbk, len(kp).to_bytes(4, "big") + kp + self._dumps(table, self._ck, value))
+        raw = len(kp).to_bytes(4, "big") + kp + self._dumps(table, self._ck, value)
+        if self._scope is None:
+            self._db.put(dbk, raw)
+        else:
+            self._cache[dbk] = raw
+            pending = self._pending
+            if pending is None:
+                pending = self._pending = self._rd.WriteBatch(raw_mode=True)
+            pending.put(dbk, raw)
         self.dirty[dbk] = (table, self._ck)
 
     def _delete(self, table: _Table) -> bool:
         dbk = self._db_key(table)
-        if self._db.get(dbk) is None:
+        if self._raw(table, dbk) is None:
             return False
-        self._db.delete(dbk)
+        if self._scope is None:
+            self._db.delete(dbk)
+        else:
+            self._cache[dbk] = None
+            pending = self._pending
+            if pending is None:
+                pending = self._pending = self._rd.WriteBatch(raw_mode=True)
+            pending.delete(dbk)
+        self._kread = None
         self.dirty[dbk] = (table, self._ck)
         return True
+
+    # ------------------------------------------------------------ batch scope
+    #: ``begin_batch`` reads a batch's keys in one multi-get and ``end_batch`` writes them in
+    #: one write batch (the task calls both around a batch)
+    prefetches = True
+
+    def begin_batch(self, keys: list[Any]) -> None:
+        """Open a batch scope over ``keys`` (canonical, distinct): the first read of a state in
+        it fetches that state's entries of all of them in one sorted multi-get, reads and
+        writes then go through a dict, and ``end_batch`` writes the batch's changes in one
+        RocksDB write batch. Why: per key, a point ``get`` (mostly of an absent key) and a
+        ``put`` each cost a Python -> Rust call and a key encoding; here the key groups are
+        hashed vectorised and RocksDB sees one call per batch each way. Anything that reads the
+        DB past the scope (scans, captures) writes the pending changes first."""
+        if self._scope is not None:
+            self.end_batch()
+        try:
+            many = getattr(self._key_group_of, "many", None)
+            groups = many(keys) if many is not None else [self._key_group_of(k) for k in keys]
+            self._scope = {k: (g.to_bytes(2, "big"),
+                               b"i" + k.to_bytes((k.bit_length() + 8) // 8, "little", signed=True)
+                               if type(k) is int else key_bytes(k))  # key_bytes, inlined for ints
+                           for k, g in zip(keys, groups, strict=True)}
+        except Exception:  # a key that cannot be hashed or encoded fails where it is used, as before
+            self._scope = {}
+        self._ck = _MISSING
+
+    def end_batch(self) -> None:
+        """Close the batch scope: its writes go to the DB in one write batch."""
+        if self._scope is None:
+            return
+        try:
+            self._flush()
+        finally:
+            self._scope = None
+            self._cache = {}
+            self._fetched = set()
+            self._ck = _MISSING
+
+    def _prefetch(self, table: _Table) -> None:
+        assert self._scope is not None
+        sid = table.sid
+        self._fetched.add(sid)
+        cache = self._cache
+        dbks = sorted(p + sid + kb for p, kb in self._scope.values())
+        todo = [k for k in dbks if k not in cache]
+        if todo:
+            for dbk, raw in zip(todo, self._db.get(todo), strict=True):
+                cache[dbk] = raw
+
+    def _flush(self) -> None:
+        """Write the scope's pending changes to the DB (one write batch)."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        self._db.write(pending)  # in write order: a later write of a key wins, as a put would
 
     def _dumps(self, table: _Table, key: Any, value: Any) -> bytes:
         try:
@@ -318,6 +435,7 @@ class RocksDBKeyedState:
     # ------------------------------------------------------------ scans
     def _scan(self, table: _Table | None = None) -> Iterator[tuple[bytes, bytes]]:
         """(DB key, DB value) of every entry (of one state), in key-group order."""
+        self._flush()
         for dbk, raw in self._db.items():
             if table is None or dbk[2:4] == table.sid:
                 yield dbk, raw
@@ -361,6 +479,7 @@ class RocksDBKeyedState:
     def capture(self, epoch: int, incremental: bool = True, full_every: int = 10) -> KeyedCapture:
         """The heap backend's rows: the keys written since the last capture, or every entry of
         the DB when a full capture is due (same rule as ``HeapKeyedState.capture``)."""
+        self._flush()
         checked = self.key_type is not None or any(t.type is not None for t in self.tables.values())
         if incremental and self.sst_incremental:
             return self._capture_sst(epoch, checked)
@@ -453,6 +572,7 @@ class RocksDBKeyedState:
     def restore_rows(self, rows: Iterable[tuple[int, bytes, str, bytes | None]], kinds: dict[str, str]) -> None:
         """Apply rows of a file chain in order (later rows win; ``None`` deletes), streamed into
         the DB in write batches: values are stored as they come, never unpickled."""
+        self.end_batch()
         loads = pickle.loads
         batch = self._rd.WriteBatch(raw_mode=True)
         pending = 0
@@ -482,6 +602,7 @@ class RocksDBKeyedState:
         groups of the checkpoint outside this subtask's range are deleted (a range tombstone each
         side). With ``reuse_files`` (the checkpoint lives in this job's own storage) the next
         capture uploads only SST files made after the restore, as a running job's would."""
+        self.end_batch()
         if self.dirty or next(iter(self._db.keys()), None) is not None:
             raise RocksDBStateError(f"operator {self.operator_uid!r}: a RocksDB checkpoint can only be restored "
                                     f"into an empty backend")

@@ -452,7 +452,7 @@ class ChainRuntime:
             apply = fn.apply
 
             def op_process_columns(records: Any, keys: list[Any] | None) -> None:
-                out = apply(records, keyslot, ctx, label)
+                out = apply(records, keyslot, ctx, label, state)
                 if out is not None:
                     down(out, None)
 
@@ -460,6 +460,7 @@ class ChainRuntime:
         if hasattr(fn, "process_batch"):
             return self._compile_process_batch(fn, ctx, key_of, label, down)
         process = fn.process
+        prefetches = getattr(state, "prefetches", False)
         key_fn = node.inputs[0].key_fn if node.inputs else None
         where = f"key_by({key_fn}) into {label!r}"
 
@@ -472,6 +473,13 @@ class ChainRuntime:
             out: list[Any] = []
             extend = out.extend
             value: Any = None
+            if prefetches:  # the batch's keys at once (RocksDB: one multi-get, one write batch)
+                keys = [canonical_key(k) if type(k) in CANONICAL_TYPES else k for k in keys]
+                try:
+                    distinct = list(dict.fromkeys(keys))
+                except TypeError:  # an unhashable key: fails in the state access, per record, as before
+                    distinct = []
+                state.begin_batch(distinct)
             try:
                 for value, key in zip(records, keys, strict=True):
                     keyslot.key = canonical_key(key) if type(key) in CANONICAL_TYPES else key
@@ -485,6 +493,9 @@ class ChainRuntime:
                         extend(res)
             except Exception as exc:
                 raise UserFunctionError(f"process {label!r} failed", exc, key=keyslot.key, record=value) from exc
+            finally:
+                if prefetches:
+                    state.end_batch()
             if out:
                 down(out, None)
 

@@ -185,27 +185,38 @@ class KeyedBatches:
         if hasattr(self.fn, "close"):
             self.fn.close()
 
-    def apply(self, records: Any, keyslot: Any, ctx: Any, label: str) -> Any:
+    def apply(self, records: Any, keyslot: Any, ctx: Any, label: str, state: Any = None) -> Any:
         """Run a batch (RecordBatch, or dict rows) through the function; returns one
-        RecordBatch of the outputs, or None."""
+        RecordBatch of the outputs, or None. ``state``: the keyed-state backend, told the
+        batch's keys first when it ``prefetches`` (RocksDB reads and writes them in one call
+        each way: ``RocksDBKeyedState.begin_batch``)."""
         import pyarrow as pa
 
         where = f"process_batches {label!r}"
         batch = from_rows(records, where) if type(records) is list else records
         out = []
         call, record_batch = self._call, pa.RecordBatch
-        for k, part in group_by_key(batch, self.key, f"{where} (key_by {self.key})"):
-            keyslot.key = k = canonical_key(k)  # a NaN of this batch is a new object: the one NaN key
-            try:
-                res = call(k, part, ctx)
-            except Exception as exc:
-                raise UserFunctionError(f"{where} failed", exc, key=k) from exc
-            if res is None:
-                continue
-            if type(res) is not record_batch:
-                res = as_record_batch(res, where)
-            if res is not None and res.num_rows:
-                out.append(res)
+        # a NaN of this batch is a new object: the one NaN key
+        groups = [(canonical_key(k), part) for k, part in group_by_key(batch, self.key, f"{where} (key_by {self.key})")]
+        scoped = getattr(state, "prefetches", False)
+        if scoped:
+            state.begin_batch([k for k, _ in groups])
+        try:
+            for k, part in groups:
+                keyslot.key = k
+                try:
+                    res = call(k, part, ctx)
+                except Exception as exc:
+                    raise UserFunctionError(f"{where} failed", exc, key=k) from exc
+                if res is None:
+                    continue
+                if type(res) is not record_batch:
+                    res = as_record_batch(res, where)
+                if res is not None and res.num_rows:
+                    out.append(res)
+        finally:
+            if scoped:
+                state.end_batch()
         if not out:
             return None
         try:

@@ -431,6 +431,16 @@ class HeapKeyedState:
         """Nothing to release: the state lives in dicts."""
         return None
 
+    #: a dict lookup costs less than collecting a batch's keys: ``begin_batch`` does nothing
+    prefetches = False
+
+    def begin_batch(self, keys: list[Any]) -> None:
+        """The keys a batch is about to touch (``RocksDBKeyedState`` reads them at once)."""
+        return None
+
+    def end_batch(self) -> None:
+        return None
+
     def as_dict(self) -> dict[str, dict[Any, Any]]:
         """Plain copy of all state (tests, queries)."""
         return {name: dict(t.data) for name, t in self.tables.items() if t.data}
@@ -473,6 +483,13 @@ class KeyedStateBackend(Protocol):
     def as_dict(self) -> dict[str, dict[Any, Any]]: ...
 
     def close(self) -> None: ...
+
+    #: whether ``begin_batch`` does anything (callers skip collecting a batch's keys otherwise)
+    prefetches: bool
+
+    def begin_batch(self, keys: list[Any]) -> None: ...
+
+    def end_batch(self) -> None: ...
 
 
 #: builds one keyed operator subtask's backend: (operator uid, key -> key group, key-group range, key type)
