@@ -34,8 +34,16 @@ targets this run measured (``targets``: Delta/files p99 per key count, the heap'
 the interval, the heap's records/s at the largest key count against the smallest) and writes
 them to ``<name>_targets.csv``.
 
+``--spark`` also runs Spark Structured Streaming's grouped count on its RocksDB state store
+(``RocksDBStateStoreProvider``, memory bounded to ``--rocksdb-memory-mb`` per partition) at each
+key count with the same rows per second and seconds (``rate-micro-batch``, a micro-batch every
+``--interval``, ``local[--parallelism]``), after the epochstream runs, in its own process:
+records/s over the micro-batches after the first, micro-batch duration p50/p99 (Spark commits
+state and offsets at a micro-batch's end), state rows checked against the keys, the JVM's peak
+RSS and checkpoint size. Written to ``<name>_spark.csv`` and printed under the table.
+
     python benchmarks/state_scale.py [--keys 100000[,1000000]] [--rate 50000] [--seconds 40] [--backends files,delta]
-        [--state-backend-types hashmap,rocksdb] [--incremental-modes on,off] [--restore] [--name state_scale]
+        [--state-backend-types hashmap,rocksdb] [--incremental-modes on,off] [--restore] [--spark] [--name state_scale]
 """
 
 from __future__ import annotations
@@ -99,6 +107,91 @@ def build(backend: str, keys: int, rate: float, seconds: float, interval: float,
         .sink(DiscardingSink(), uid="out")
     )
     return p
+
+
+def _spark_count(keys: int, rate: float, seconds: float, interval: float, parallelism: int, memory_mb: int,
+                 queue: Any) -> None:
+    """Spark Structured Streaming's grouped count on its RocksDB state store, in this (spawned)
+    process: ``rate-micro-batch`` with ``rate * interval`` rows per micro-batch, key ``value %
+    keys``, ``groupBy(k).count()`` in update mode to a ``noop`` sink, a micro-batch every
+    ``interval``. Puts one dict on ``queue``: every micro-batch's progress and the peak RSS of
+    the JVM (this process's children, sampled every 0.2 s)."""
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+
+    peak = [0.0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], sum(_worker_rss_mb().values()))
+            time.sleep(0.2)
+
+    chk = tempfile.mkdtemp(prefix="spark-state-scale-")
+    spark = (SparkSession.builder.master(f"local[{parallelism}]").appName("state-scale-spark")
+             .config("spark.sql.shuffle.partitions", str(parallelism))
+             .config("spark.sql.streaming.stateStore.providerClass",
+                     "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
+             .config("spark.sql.streaming.stateStore.rocksdb.boundedMemoryUsage", "true")
+             .config("spark.sql.streaming.stateStore.rocksdb.maxMemoryUsageMB", str(memory_mb * parallelism))
+             .config("spark.ui.enabled", "false")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    threading.Thread(target=sample, daemon=True).start()
+    batches = max(2, round(seconds / interval))
+    per_batch = max(1, int(rate * interval))
+    df = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", per_batch)
+          .option("numPartitions", parallelism).load())
+    q = (df.groupBy((F.col("value") % keys).alias("k")).count()
+         .writeStream.format("noop").outputMode("update").option("checkpointLocation", chk)
+         .trigger(processingTime=f"{int(interval * 1000)} milliseconds").start())
+    t0 = time.time()
+    while True:
+        done = [p for p in q.recentProgress if p["numInputRows"]]
+        if len(done) >= batches + 1 or q.exception() is not None or time.time() - t0 > 40 * seconds + 600:
+            break
+        time.sleep(0.5)
+    failed = q.exception()
+    progress = [p for p in q.recentProgress if p["numInputRows"]]
+    q.stop()
+    stop.set()
+    folder = sum(f.stat().st_size for f in Path(chk).rglob("*") if f.is_file())
+    spark.stop()
+    shutil.rmtree(chk, ignore_errors=True)
+    queue.put({"progress": progress, "peak_rss_mb": peak[0], "checkpoint_mib": folder / 2**20,
+               "failed": None if failed is None else str(failed).splitlines()[0], "wall_s": time.time() - t0})
+
+
+def run_spark(keys: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One Spark run at ``keys`` (its own process), summarised as the epochstream runs are:
+    records/s over the micro-batches after the first (Spark's start-up left out, as it compiles
+    the query there), micro-batch duration p50/p99 (a micro-batch commits its state and offsets
+    when it ends: Spark's trigger -> commit), state rows against ``keys``, JVM peak RSS."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_spark_count, args=(keys, args.rate, args.seconds, args.interval, args.parallelism,
+                                                   args.rocksdb_memory_mb, q))
+    load = os.getloadavg()[0]
+    proc.start()
+    got = q.get()
+    proc.join()
+    prog = got["progress"]
+    later = prog[1:] or prog
+    busy = sum(p["durationMs"]["triggerExecution"] for p in later) / 1000.0
+    durations = [p["durationMs"]["triggerExecution"] / 1000.0 for p in later]
+    state_rows = prog[-1]["stateOperators"][0]["numRowsTotal"] if prog and prog[-1].get("stateOperators") else None
+    return {"backend": "spark-rocksdb", "keys": keys, "micro_batches": len(prog),
+            "rows": sum(p["numInputRows"] for p in prog),
+            "records_per_s": round(sum(p["numInputRows"] for p in later) / busy) if busy else None,
+            "batch_p50_s": round(pct(durations, 0.5), 3), "batch_p99_s": round(pct(durations, 0.99), 3),
+            "state_rows": state_rows, "state_ok": state_rows == min(keys, sum(p["numInputRows"] for p in prog)),
+            "peak_rss_mb_jvm": round(got["peak_rss_mb"]), "checkpoint_mib": round(got["checkpoint_mib"], 1),
+            "failed": got["failed"] or "", "load1": round(load, 2),
+            "settings": f"local[{args.parallelism}], rate-micro-batch {int(args.rate * args.interval)} rows per "
+                        f"micro-batch every {args.interval:g} s, RocksDB state store bounded to "
+                        f"{args.rocksdb_memory_mb * args.parallelism} MB, noop sink, update mode"}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -328,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs per backend, interleaved")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--name", default="state_scale")
+    ap.add_argument("--spark", action="store_true",
+                    help="also Spark Structured Streaming's grouped count on its RocksDB state store at each "
+                         "key count, same input (<name>_spark.csv)")
     args = ap.parse_args(argv)
     key_counts = [int(k) for k in str(args.keys).split(",")]
     out = Path(args.out)
@@ -359,6 +455,14 @@ def main(argv: list[str] | None = None) -> int:
                     w = csv.DictWriter(f, fieldnames=["backend", "keys", "t_s", "pid", "rss_mb", "private_mb"])
                     w.writeheader()
                     w.writerows(trace)
+        spark_rows = []
+        for keys in key_counts if args.spark else ():
+            spark_rows.append(run_spark(keys, args))
+            print(f"spark-rocksdb {keys} keys: {spark_rows[-1]}", flush=True)
+            with open(out / f"{args.name}_spark.csv", "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(spark_rows[0]))
+                w.writeheader()
+                w.writerows(spark_rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = summary(rows)
@@ -372,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['t2c_p99']:>8.3f}s {r['t2c_max']:>6.2f}s {r['commit_p50']:>9.3f}s {r['commit_p99']:>9.3f}s "
               f"{r['t2m_p50']:>14.3f}s {r['bytes_p50'] / 2**20:>13.2f} {r['bytes_max'] / 2**20:>7.2f} "
               f"{r['restore_s']:>9} {r['load1']:>5}  {r['rss']}")
+    for r in spark_rows:
+        print(f"{'spark-rocksdb':<19} {r['keys']:>9} {r['micro_batches']:>6} {'':>6} {r['records_per_s']!s:>8} "
+              f"{r['batch_p50_s']:>8.3f}s {r['batch_p99_s']:>8.3f}s   (micro-batch durations; state rows "
+              f"{r['state_rows']}, checkpoint {r['checkpoint_mib']} MiB, JVM peak RSS {r['peak_rss_mb_jvm']} MB"
+              f"{', failed: ' + r['failed'] if r['failed'] else ''})")
     targets(table, args.interval, out / f"{args.name}_targets.csv")
     plot(rows, out / f"{args.name}.png", trace)
     print(f"wrote {out / (args.name + '.csv')} and {args.name}.png")
