@@ -334,10 +334,9 @@ class RocksDBKeyedState:
         try:
             many = getattr(self._key_group_of, "many", None)
             groups = many(keys) if many is not None else [self._key_group_of(k) for k in keys]
-            self._scope = {k: (g.to_bytes(2, "big"),
-                               b"i" + k.to_bytes((k.bit_length() + 8) // 8, "little", signed=True)
-                               if type(k) is int else key_bytes(k))  # key_bytes, inlined for ints
-                           for k, g in zip(keys, groups, strict=True)}
+            # one encoder for single accesses and scopes: a second copy of its int branch here
+            # would silently split a key into two DB keys the day the two drift apart
+            self._scope = {k: (g.to_bytes(2, "big"), key_bytes(k)) for k, g in zip(keys, groups, strict=True)}
         except Exception:  # a key that cannot be hashed or encoded fails where it is used, as before
             self._scope = {}
         self._ck = _MISSING
