@@ -205,7 +205,7 @@ class ObjectCheckpointStorage(CheckpointStorage):
         path = (self.root if root is None else root) / ref.path
         data = self._verified_bytes(ref, path)
         try:
-            return pq.read_table(pa.BufferReader(data))
+            return parquet_table(data)
         except Exception as exc:  # verified bytes that still do not parse: say so
             raise CheckpointError(f"state file {path} cannot be parsed: {exc}") from exc
 
@@ -498,6 +498,19 @@ def encode_state_counted(rows: Iterable[Row]) -> tuple[bytes, int]:
             chunk = list(itertools.islice(it, ENCODE_CHUNK_ROWS))
             count += len(chunk)
     return sink.getvalue(), count
+
+
+def parquet_table(data: bytes) -> pa.Table:
+    """Parquet bytes as an Arrow table, read in the calling thread from a buffer Arrow owns.
+
+    ``pq.read_table(pa.BufferReader(data))`` scans through Arrow's dataset API, whose pool
+    threads may drop the last reference to the wrapped Python ``bytes`` after the read returns.
+    At interpreter exit that release needs the GIL, the thread is ended inside C++, and the
+    process aborts ("terminate called without an active exception", apache/arrow#34314). A
+    copy into an Arrow buffer and the single-file reader leave nothing for those threads."""
+    copy = pa.BufferOutputStream()
+    copy.write(data)
+    return pq.ParquetFile(pa.BufferReader(copy.getvalue())).read()
 
 
 def safe_name(name: str) -> str:

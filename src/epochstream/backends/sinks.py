@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable
 
 from ..runtime.errors import ConfigurationError, SchemaError
 from .base import TransactionalSink
+from .objects import parquet_table
 from .objects import safe_name as _safe
 
 STAGING = "_staging"
@@ -254,10 +255,7 @@ class FileSink(TransactionalSink):
 
     def read_table(self, loc: Any) -> Any:
         """One committed Parquet file as an Arrow table."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        return pq.read_table(pa.BufferReader(self.store.get(loc)))
+        return parquet_table(self.store.get(loc))
 
     def read(self) -> list[Any]:
         """All committed records (epoch order, then subtask); Parquet rows as dicts."""

@@ -35,7 +35,7 @@ from ...runtime.errors import SchemaError
 from ...snapshot.manifest import CheckpointError
 from .. import spark_session
 from ..base import TransactionalSink
-from ..objects import safe_name
+from ..objects import parquet_table, safe_name
 from . import tables
 from .tables import SINK_FORMAT, STAGING, DeltaTables, is_delta_table, version_of_epoch
 
@@ -211,12 +211,10 @@ class DeltaSink(TransactionalSink):
 
     def _staged_table(self, staged: list[str]) -> pa.Table:
         """The staged Parquet files as one Arrow table of the sink's columns (empty if none)."""
-        import pyarrow.parquet as pq
-
         parts = []
         for rel in staged:
             try:
-                t = pq.read_table(pa.BufferReader(self.store.get(self.store.root / rel)))
+                t = parquet_table(self.store.get(self.store.root / rel))
                 parts.append(t.select(self.schema.names).cast(self.schema))
             except (pa.ArrowException, KeyError, ValueError) as exc:
                 raise CheckpointError(f"Delta sink {self.path}: staged output {rel} is damaged or not the sink's "

@@ -50,13 +50,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from ...runtime.types import TypeInformation
 from ...snapshot.manifest import CheckpointError, StateFileRef
 from .. import spark_session
 from ..base import Row
-from ..objects import ObjectCheckpointStorage, safe_name
+from ..objects import ObjectCheckpointStorage, parquet_table, safe_name
 from ..typed import arrow_type, declared_columns, typed_arrays
 from . import changelog, tables
 from .schema import COLUMNS, ROW_KEY, ROW_NAMES, arrow_schema
@@ -580,7 +579,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         checkpoint was copied away from its tables, and its state files are complete)."""
         cache = self._cache_location(root, entry)
         if self.store.exists(cache):
-            return pq.read_table(pa.BufferReader(self.store.get(cache)))
+            return parquet_table(self.store.get(cache))
         table_path = str(root / entry["table"])
         if not is_delta_table(table_path):
             return None
