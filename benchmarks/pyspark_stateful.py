@@ -234,15 +234,25 @@ def epoch_latencies(res) -> list[float]:
 
 
 def keyed_count_pipeline(keys: int, rows: int, args, sink, func=count, extra: dict | None = None,
-                         micro_batch: str = "epoch") -> Pipeline:
+                         micro_batch: str = "epoch", rate: float | None = None) -> Pipeline:
+    """The keyed count; ``rate`` (rows/s) paces the source (Spark's ``rate``, Arrow batches) instead
+    of generating as fast as the job takes rows."""
     def events(start: int, stop: int):
         ids = pa.array(range(start, stop), pa.int64())
+        return pa.record_batch({"id": ids, "k": pc.subtract(ids, pc.multiply(pc.divide(ids, keys), keys))})
+
+    def with_key(batch):
+        ids = batch.column("value")
         return pa.record_batch({"id": ids, "k": pc.subtract(ids, pc.multiply(pc.divide(ids, keys), keys))})
 
     p = Pipeline("keyed-count", parallelism=2, max_parallelism=128,
                  checkpoint=CheckpointConfig(interval=getattr(args, "interval", 1.0)),
                  batch_size=args.batch_size, **(extra or {}))
-    (p.generate_batches(events, count=rows, num_splits=2, uid="events", block_rows=args.batch_size)
+    if rate is None:
+        source = p.generate_batches(events, count=rows, num_splits=2, uid="events", block_rows=args.batch_size)
+    else:
+        source = p.rate(rate, count=rows, uid="events", records="arrow").map_batches(with_key)
+    (source
       .apply_in_pandas_with_state(func, "k long, c long", "c long", "Update", GroupStateTimeout.NoTimeout,
                                   key="k", uid="count", **cut_kwargs(args, micro_batch))
       .sink(sink, uid="out"))
@@ -262,18 +272,22 @@ def cut_kwargs(args, micro_batch: str) -> dict:
     return kw
 
 
-def es_keyed_count(keys: int, rows: int, args, micro_batch: str = "epoch") -> dict:
+def es_keyed_count(keys: int, rows: int, args, micro_batch: str = "epoch", rate: float | None = None) -> dict:
+    """One epochstream run of the keyed count: saturated (``rate`` None: rows/s is its capacity) or
+    paced at ``rate`` rows/s (its p99 is the latency at that load)."""
     extra, label = batching_kwargs(args)
     cut = cut_kwargs(args, micro_batch)
     cut_label = ", ".join(f"{k}={v}" for k, v in cut.items())
-    variant = (f"local p=2, {args.interval:g} s epochs, generate_batches {args.batch_size}"
+    source = (f"generate_batches {args.batch_size}" if rate is None
+              else f"rate {rate:,.0f} rows/s (paced, arrow)")
+    variant = (f"local p=2, {args.interval:g} s epochs, {source}"
                + (f", {label}" if label else "")
                + (f", {cut_label}" if cut_label else ""))
     with tempfile.TemporaryDirectory(prefix="es-keyed-count-") as tmp:
         logs = Path(tmp) / "logs"
         logs.mkdir()
         p = keyed_count_pipeline(keys, rows, args, ProbeSink(str(logs), "count"), extra=extra,
-                                 micro_batch=micro_batch)
+                                 micro_batch=micro_batch, rate=rate)
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
         res = p.run(deployment="local", checkpoint_dir=str(Path(tmp) / "chk"))
@@ -625,6 +639,11 @@ def main() -> None:
     ap.add_argument("--keys", default="100,10000", help="keyed count: comma list of key counts")
     ap.add_argument("--es-rows", default=None,
                     help="keyed count: epochstream input rows, one per key count (comma list; the last repeats)")
+    ap.add_argument("--es-rates", default=None,
+                    help="keyed count: also run epochstream paced at these rows/s, one entry per key count "
+                         "(comma list; the last repeats), each entry one rate or several joined by '/'")
+    ap.add_argument("--es-rate-seconds", type=float, default=30.0,
+                    help="keyed count: seconds of input of each paced run")
     ap.add_argument("--batch-size", type=int, default=65536, help="epochstream: rows per source read")
     ap.add_argument("--batch-rows", type=int, default=None, help="epochstream batching policy, if the Pipeline has it")
     ap.add_argument("--batch-linger", type=float, default=None, help="epochstream batching policy (seconds)")
@@ -670,6 +689,9 @@ def main() -> None:
     key_counts = [int(k) for k in args.keys.split(",")]
     es_rows = [int(n) for n in str(args.es_rows).split(",")]
     es_rows = dict(zip(key_counts, es_rows + es_rows[-1:] * len(key_counts), strict=False))
+    paced = str(args.es_rates).split(",") if args.es_rates else []
+    es_rates = dict(zip(key_counts, [[float(r) for r in e.split("/")] for e in paced + paced[-1:] * len(key_counts)],
+                        strict=False)) if paced else {}
     uptime = os.popen("uptime").read().strip()
     log(f"start: {uptime}")
 
@@ -684,6 +706,12 @@ def main() -> None:
                 for micro_batch in args.micro_batch.split(","):
                     log(f"keyed count, {keys} keys: epochstream ({micro_batch}), {es_rows[keys]:,} rows ...")
                     results.append(es_keyed_count(keys, es_rows[keys], args, micro_batch))
+                    r = results[-1]
+                    log(f"  -> {r['rows_per_s']:,.0f} rows/s steady, p99 epoch {r['latency_p99_ms']:.0f} ms")
+                for rate in es_rates.get(keys, []):
+                    rows = int(rate * args.es_rate_seconds)
+                    log(f"keyed count, {keys} keys: epochstream paced at {rate:,.0f} rows/s, {rows:,} rows ...")
+                    results.append(es_keyed_count(keys, rows, args, args.micro_batch.split(",")[0], rate=rate))
                     r = results[-1]
                     log(f"  -> {r['rows_per_s']:,.0f} rows/s steady, p99 epoch {r['latency_p99_ms']:.0f} ms")
                 log(f"keyed count, {keys} keys: Spark, {args.skip_batches} + {args.spark_batches} batches ...")
