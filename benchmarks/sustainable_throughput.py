@@ -435,7 +435,15 @@ def main(argv: list[str] | None = None) -> int:
             with open(path, newline="") as f:
                 rows += [{**r, "rate": float(r["rate"]), "p50_ms": float(r["p50_ms"]),
                           "sustained": r["sustained"] == "True"} for r in csv.DictReader(f)]
-        setups, rates = [s for s in setups if any(r["setup"] == s[0] for r in rows)], []
+        for r in rows:  # one setup run with several flush intervals: one line per interval
+            flushes = {x.get("flush_ms", "") for x in rows if x["setup"] == r["setup"]}
+            if len(flushes) > 1:
+                r["setup_run"] = f"{r['setup']}, {float(r['flush_ms']):g} ms flush"
+        split = [(lab, m, g) for lab, m, g in setups for lab in
+                 dict.fromkeys(r.get("setup_run", r["setup"]) for r in rows if r["setup"] == lab)]
+        for r in rows:
+            r["setup"] = r.pop("setup_run", r["setup"])
+        setups, rates = split, []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     total, k = len(setups) * len(rates), 0
