@@ -15,11 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epochstream import CheckpointConfig, DiscardingSink, Pipeline
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.failures import FailureSchedule
 from epochstream.deploy.sim import SimConfig, SimDriver
 from epochstream.oracle import check_exactly_once
-from pipelines import SOURCE_RATE, running_count, union_chain, without_fsync
+from pipelines import SOURCE_RATE, RunningCount, running_count, union_chain, without_fsync
 
 LOADED = SimConfig(source_rate=SOURCE_RATE, straggler_rate=300.0, straggler_min=0.0002, worker_cores=1,
                    report_cost=2e-6, agent_cost=20e-6)
@@ -89,3 +90,45 @@ def test_exactly_once_on_a_loaded_simulator(builder, mode, seed, kills, parallel
                                 work)
     assert report.ok, report.to_json()
     assert report.lost == report.duplicated == 0
+
+
+def _ident(record):
+    return record
+
+
+def _write_cost_job(mode: str, stateful: bool) -> Pipeline:
+    """200 records at 2,000/s on 2 workers, an epoch every 0.5 ms of virtual time (~100 epochs):
+    a stateless chain into a DiscardingSink, or the same with a running count (a state file per epoch)."""
+    p = Pipeline(f"write-cost-{mode}", parallelism=2, mode=mode, batch_size=1, restart_attempts=0,
+                 checkpoint=CheckpointConfig(interval=0.0005, max_concurrent=1_000_000, num_retained=1))
+    s = p.from_collection([(f"k{i % 7}", i) for i in range(200)], uid="src").key_by(_key_of).map(_ident, name="m")
+    if stateful:
+        s = s.key_by(_key_of).process(RunningCount(False), uid="count")
+    s.sink(DiscardingSink(), uid="sink")
+    return p
+
+
+def _key_of(record):
+    return record[0]
+
+
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_only_captures_that_write_a_file_pay_the_write(mode, tmp_path):
+    """A snapshot write costs ``write_base`` per task and a task's writes queue behind each other,
+    but a stateless task's capture writes no file (``persist``), so it must not be charged: a
+    stateless job ends at the same virtual moment whether a write costs 10 ms or nothing, however
+    many epochs it cuts. The same job with a keyed state still writes a file per epoch and task,
+    and cannot end before its epochs' writes (about ``epochs * write_base``). With every capture
+    charged, the stateless job was capped at ``1 / write_base`` epochs per virtual second too."""
+    write = 0.01  # 10 ms a write: ~200 epochs would take ~2 s of virtual time on a task's lane
+    ends = {}
+    for stateful in (False, True):
+        for wb in (0.0, write):
+            cfg = SimConfig(source_rate=1_000.0, source_batch=1, write_base=wb)
+            d = _run(_write_cost_job(mode, stateful), tmp_path / f"chk{stateful}{wb}", cfg)
+            epochs = len({e for e, _t, _s in d.bound_latency})
+            assert epochs >= 100, epochs  # many epochs: charged writes would dominate the run
+            ends[stateful, wb] = (d.now, epochs)
+    assert ends[False, write] == ends[False, 0.0], ends
+    stateful_end, stateful_epochs = ends[True, write]
+    assert stateful_end >= 0.9 * stateful_epochs * write > 2 * ends[True, 0.0][0], ends

@@ -105,6 +105,9 @@ class AttemptController:
         self.stop_sent = False
         #: (epoch, task, seconds from the epoch's trigger to the task reaching its bound)
         self.bound_latency: list[tuple[int, TaskId, float]] = []
+        #: epoch -> the moment it was triggered, for the epochs in ``bound_latency`` (benchmarks place
+        #: the bounds in time: ``sustainable_throughput``'s drain rule)
+        self.triggered_at: dict[int, float] = {}
 
     # -- state
     @property
@@ -201,6 +204,7 @@ class AttemptController:
         triggered = self.master.coordinator.epochs.get(epoch)
         if triggered is not None:
             self.bound_latency.append((epoch, task, at - triggered.triggered_at))
+            self.triggered_at[epoch] = triggered.triggered_at
 
     def count_sent(self, kind: str, sender, epoch: int | None, count: int = 1) -> None:
         """``count`` markers or watermarks (``kind``) sent by ``sender``, as service traffic."""

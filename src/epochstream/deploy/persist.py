@@ -34,6 +34,14 @@ class StateWriteError(Exception):
         self.staged = staged
 
 
+def writes_files(capture: TaskCapture) -> bool:
+    """Whether ``persist`` writes any file for ``capture``: a state file per keyed state (an
+    increment with no changed row included, since it extends the chain), a staged file per sink
+    with output. A capture of a stateless task (its source offsets, operator and channel state
+    ride in the ack) writes nothing, so the simulator charges it no write time."""
+    return bool(capture.keyed) or any(sc.records is not None and len(sc.records) for sc in capture.sinks)
+
+
 def persist(storage, sinks: dict[str, Any], capture: TaskCapture, attempt: str,
             fail_state_write: Callable[[], None] | None = None) -> AckInfo:
     """Pre-commit a task's capture: stage sink output first, then write state files.

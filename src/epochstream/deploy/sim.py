@@ -4,8 +4,12 @@ A discrete-event simulation. Messages take a random network delay (exponential, 
 ``net_delay``; FIFO per channel, so a message never overtakes the one before it); a task
 is busy for ``message_cost + records * record_cost`` per step; sources emit at
 ``source_rate`` records/s per subtask; a snapshot write takes ``write_base + bytes *
-write_cost``. All randomness comes from one seeded generator, so a seed *is* a schedule,
-and the same seed replays the same run. The real storage and sinks are used; only time is
+write_cost`` on the task's writer lane (one write at a time per task, in epoch order). Only a
+capture that ``persist`` writes a file for is charged (``persist.writes_files``: keyed state, or
+sink output); a stateless task's capture (offsets, operator and channel state ride in the ack)
+writes nothing and passes the lane at no cost, so stateless tasks do not cap the epoch rate.
+All randomness comes from one seeded generator, so a seed *is* a schedule, and the same seed
+replays the same run. The real storage and sinks are used; only time is
 virtual.
 
 Failures are injected from a ``FailureSchedule``: worker kills at virtual times, crashes at
@@ -40,7 +44,7 @@ from .attempt import MARKER_BYTES, AttemptController, CaptureFull
 from .control import SavepointRequest
 from .driver import Driver
 from .failures import Failover, FailureSchedule
-from .persist import StateWriteError, persist
+from .persist import StateWriteError, persist, writes_files
 from .protocol import Ack, Decline, Exhausted, Neoss, Stop, TrackerReport, Trigger
 from .tracking import Tracking, new_local_tracker
 
@@ -322,8 +326,10 @@ class _SimAttempt:
     def _snapshot(self, tid, a: Snapshot, done_at: float) -> None:
         capture = a.capture
         self.controller.bound(capture.epoch, tid, done_at)  # notification latency: trigger -> this task's bound
-        size = sum(len(k.rows) for k in capture.keyed) * 64 + sum(len(s.records) for s in capture.sinks) * 32
-        at = max(done_at, self.writer_busy[tid]) + self.cfg.write_base + size * self.cfg.write_cost
+        at = max(done_at, self.writer_busy[tid])  # the task's writes stay in order, as in a worker's writer thread
+        if writes_files(capture):  # a stateless task's capture writes no file (persist): it costs no write
+            size = sum(len(k.rows) for k in capture.keyed) * 64 + sum(len(s.records) for s in capture.sinks) * 32
+            at += self.cfg.write_base + size * self.cfg.write_cost
         self.writer_busy[tid] = at
         if self.cfg.blocking_writes:
             self.busy[tid] = max(self.busy[tid], at)
