@@ -20,6 +20,8 @@ Three workloads, each run on both systems (``local[2]`` / parallelism 2, RocksDB
      seconds of output (steady state, as for Spark); the wall figure is rows / run seconds with
      worker start-up. Latency = every completed epoch's trigger-to-commit. The committed counts
      are checked against the input.
+   - With ``--es-rates`` epochstream also runs paced: Spark's ``rate`` source (Arrow) at each given
+     rows/s for ``--es-rate-seconds`` of input, so the epoch p99 is read at a load below capacity.
    - With ``--batch-rows`` / ``--batch-linger`` the epochstream Pipeline gets the batching policy
      (``Pipeline(batch_rows=..., batch_linger=...)``) when its signature takes them; otherwise
      the run says they were ignored.
