@@ -85,7 +85,7 @@ def test_sigstopped_worker_is_declared_failed_and_the_job_fails_over_exactly_onc
         runs["chaos" if failing else "reference"] = (result, time.perf_counter() - t0)
         return result
 
-    build = partial(union_chain, n=4000, emit_ids=True, parallelism=2, mode=mode, interval=0.05, batch_size=8)
+    build = partial(union_chain, n=40_000, emit_ids=True, parallelism=2, mode=mode, interval=0.05, batch_size=8)
     report = check_exactly_once(build, run, tmp_path)
     chaos = runs["chaos"][0]
     why = f"{report.to_json()} failovers={chaos.metrics['failovers']} kills={chaos.metrics.get('kills')}"
