@@ -13,9 +13,14 @@ seconds (coarse time labels of ``--slack`` seconds), and for every window
 
 ``aligned`` carries event time as watermarks on every data channel (Flink's punctuation),
 ``tracker`` as WindowEnd notifications from the agent. Writes benchmarks/results/
-window_latency.csv and .png and prints medians and p99 per worker count. Not a test.
+<name>.csv and .png and prints medians and p99 per worker count. Not a test.
 
-    python benchmarks/window_latency.py [--quick]
+With stragglers (whole workers pause, ``SimConfig.straggler_rate``) each window also gets a
+*floor*: the longest a worker that was paused when the window's last element came in stayed
+paused after it. Every worker runs a window subtask, and a paused subtask cannot fire, so
+no protocol's latency is below the floor; what a protocol adds to it is its own.
+
+    python benchmarks/window_latency.py [--quick] [--workers 20,30 --seconds 60 --no-baseline --name NAME]
 """
 
 from __future__ import annotations
@@ -102,30 +107,43 @@ def q8_pipeline(mode: str, workers: int, rate: float, seconds: float, window: fl
     return p
 
 
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * q))]
+
+
 def measure(mode: str, workers: int, args, straggle: float = 0.0) -> dict:
     p = q8_pipeline(mode, workers, args.rate, args.seconds, args.window, args.slack, args.flush_interval)
     cfg = SimConfig(source_rate=args.rate, source_batch=4, check_invariants=False, net_delay=args.net_delay,
                     straggler_rate=straggle, straggler_alpha=args.straggler_alpha, straggler_min=args.straggler_min)
     with tempfile.TemporaryDirectory(prefix="es-window-") as chk:
-        driver = SimDriver(p, LocalCheckpointStorage(chk), seed=1, config=cfg)
+        driver = SimDriver(p, LocalCheckpointStorage(chk), seed=args.seed, config=cfg)
         driver.run(None, False, None)
     per_label = round(args.window / args.slack)
     sources = [t for t in driver.tasks.values() if t.is_source]
     firing = [t for t in driver.tasks.values() if t.chain.timed]
-    lat = []
+    lat, floor, over = [], [], []
     for k in range(1, int(args.seconds / args.window)):  # window k ends at label k * per_label - 1
         last = k * per_label - 1
         entered = max(_first(t.time_log, last) for t in sources)
         fired = max(_first(t.time_log, last) for t in firing)
         lat.append((fired - entered) * 1000)
-    lat.sort()
+        floor.append(_straggler_floor(driver.pause_log, entered) * 1000)
+        over.append(lat[-1] - floor[-1])
     traffic = driver.traffic.as_dict()["total"]
     return {"mode": mode, "workers": workers, "stragglers": "on" if straggle else "off",
             "straggler_rate": straggle, "straggler_alpha": args.straggler_alpha,
             "straggler_min_ms": args.straggler_min * 1000, "window_s": args.window, "slack_s": args.slack,
-            "net_delay_ms": args.net_delay * 1000, "windows": len(lat), "p50_ms": statistics.median(lat),
-            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "max_ms": lat[-1],
+            "net_delay_ms": args.net_delay * 1000, "seconds": args.seconds, "seed": args.seed,
+            "windows": len(lat), "p50_ms": statistics.median(lat), "p99_ms": _pct(lat, 0.99), "max_ms": max(lat),
+            "floor_p50_ms": statistics.median(floor), "floor_p99_ms": _pct(floor, 0.99),
+            "over_floor_p50_ms": statistics.median(over), "over_floor_p99_ms": _pct(over, 0.99),
             "flush_interval_ms": args.flush_interval * 1000, "service_messages": traffic["messages"]}
+
+
+def _straggler_floor(pauses: list[tuple[int, float, float]], at: float) -> float:
+    """How long after ``at`` the longest pause that covers ``at`` lasts (0 if no worker is paused then)."""
+    return max((end - at for _w, start, end in pauses if start <= at < end), default=0.0)
 
 
 def _first(log, label: int) -> float:
@@ -146,11 +164,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="pauses per virtual second per worker in the straggler runs (0: skip them)")
     ap.add_argument("--straggler-alpha", type=float, default=1.5, help="Pareto shape of a pause's length")
     ap.add_argument("--straggler-min", type=float, default=0.01, help="shortest pause, seconds")
+    ap.add_argument("--workers", default=None, help="comma list of worker counts (default 2,5,10,20,30)")
+    ap.add_argument("--seed", type=int, default=1, help="the simulator's seed (network delays, pauses)")
+    ap.add_argument("--no-baseline", action="store_true", help="only the straggler runs")
+    ap.add_argument("--name", default="window_latency", help="file name of the CSV and PNG")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
-    w_values = [2, 5] if args.quick else [2, 5, 10, 20, 30]
-    settings = [0.0] + ([args.straggler_rate] if args.straggler_rate > 0 else [])
+    w_values = ([int(w) for w in args.workers.split(",")] if args.workers
+                else [2, 5] if args.quick else [2, 5, 10, 20, 30])
+    settings = ([] if args.no_baseline else [0.0]) + ([args.straggler_rate] if args.straggler_rate > 0 else [])
     rows = []
     total = len(w_values) * len(MODES) * len(settings)
     k = 0
@@ -161,11 +184,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{k}/{total}] W={w} {mode} stragglers {'on' if straggle else 'off'} ...", end=" ", flush=True)
                 row = measure(mode, w, args, straggle)
                 rows.append(row)
-                print(f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms over {row['windows']} windows, "
-                      f"{row['service_messages']} service messages")
+                print(f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms over {row['windows']} windows "
+                      f"(over the straggler floor: p50 {row['over_floor_p50_ms']:.2f}, "
+                      f"p99 {row['over_floor_p99_ms']:.2f} ms), {row['service_messages']} service messages",
+                      flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "window_latency.csv", "w", newline="") as f:
+    with open(out / f"{args.name}.csv", "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
@@ -180,9 +205,12 @@ def main(argv: list[str] | None = None) -> int:
             a, t = (next(r for r in sel if (r["mode"], r["workers"]) == (m, w)) for m in MODES)
             cells = " ".join(f"{r['p50_ms']:14.2f} {r['p99_ms']:14.2f}" for r in (a, t))
             ratio = a["service_messages"] / t["service_messages"]
-            print(f"  {w:>7} {cells}   service messages aligned/tracker {ratio:.1f}x")
-    _plot(rows, w_values, settings, out / "window_latency.png")
-    print(f"\nwrote {out / 'window_latency.csv'} and {out / 'window_latency.png'}")
+            floor = (f"   floor p50 {t['floor_p50_ms']:.1f} / p99 {t['floor_p99_ms']:.1f} ms; over it: aligned "
+                     f"{a['over_floor_p50_ms']:.1f} / {a['over_floor_p99_ms']:.1f}, trAcker "
+                     f"{t['over_floor_p50_ms']:.1f} / {t['over_floor_p99_ms']:.1f} ms") if straggle else ""
+            print(f"  {w:>7} {cells}   service messages aligned/tracker {ratio:.1f}x{floor}")
+    _plot(rows, w_values, settings, out / f"{args.name}.png")
+    print(f"\nwrote {out / (args.name + '.csv')} and {out / (args.name + '.png')}")
     return 0
 
 
@@ -200,6 +228,9 @@ def _plot(rows, w_values, settings, path: Path) -> None:
             label = "watermarks (aligned)" if mode == "aligned" else "trAcker"
             ax.plot(w_values, [r["p50_ms"] for r in sel], marker="o", label=f"{label} p50")
             ax.plot(w_values, [r["p99_ms"] for r in sel], marker="x", linestyle="--", label=f"{label} p99")
+            if straggle and mode == "tracker":
+                ax.plot(w_values, [r["floor_p99_ms"] for r in sel], color="grey", linestyle=":",
+                        label="straggler floor p99 (trAcker run)")
         ax.set_xlabel("workers")
         ax.set_ylabel("ms from last element in to window fired")
         ax.set_title(f"NEXMark Q8 window latency (simulator), stragglers {'on' if straggle else 'off'}", fontsize=9)

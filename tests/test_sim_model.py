@@ -63,6 +63,25 @@ def test_stragglers_replay_with_the_seed(tmp_path):
     assert len(ends) == 1
 
 
+def test_the_pause_log_holds_every_pause_as_drawn(tmp_path):
+    """``pause_log`` (Figure 13a's straggler floor) has each worker's pauses in order, never
+    overlapping, each at least ``straggler_min`` long, and nothing without stragglers."""
+    loaded = _run(running_count(n=300, parallelism=3, out=tmp_path / "ol"), tmp_path / "l", LOADED, seed=7)
+    assert loaded.pause_log, "300 pauses per virtual second: the run must have drawn some"
+    for w in range(3):
+        mine = [(start, end) for worker, start, end in loaded.pause_log if worker == w]
+        assert mine, f"worker {w} drew no pause"
+        for (s0, e0), (s1, e1) in zip(mine, mine[1:], strict=False):
+            assert e0 <= s1, f"worker {w}: pauses overlap: ({s0}, {e0}) then ({s1}, {e1})"
+        assert all(end - start >= LOADED.straggler_min * (1 - 1e-9) for start, end in mine)
+    assert {w for w, _s, _e in loaded.pause_log} == {0, 1, 2}
+    # the pauses cost the run their time: it ends later than the same seed without them
+    plain = _run(running_count(n=300, parallelism=3, out=tmp_path / "op"), tmp_path / "p",
+                 replace(LOADED, straggler_rate=0.0), seed=7)
+    assert plain.pause_log == []
+    assert loaded.now > plain.now
+
+
 def test_no_stragglers_draw_nothing(tmp_path):
     """With the knobs off the generator sees no extra draws, so earlier seeds keep their schedules."""
     cfg = SimConfig(source_rate=SOURCE_RATE, straggler_alpha=3.0, worker_cores=None)

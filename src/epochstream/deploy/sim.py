@@ -115,6 +115,9 @@ class SimDriver(Driver):
         self.tasks: dict[TaskId, Task] = {}
         #: every task's rows in and out over the run (``runtime.meters``; no time shares: time is virtual)
         self.meters = RunMeters()
+        #: (worker, start, end) of every straggler pause drawn, every attempt (``SimConfig.straggler_rate``):
+        #: benchmarks set a latency against the pauses that no protocol can hide
+        self.pause_log: list[tuple[int, float, float]] = []
 
     def clock(self) -> float:
         return self.now
@@ -425,6 +428,7 @@ class _SimAttempt:
                 start = self.next_pause[worker]
                 end = start + cfg.straggler_min * self.rng.paretovariate(cfg.straggler_alpha)
                 pauses.append((start, end))
+                self.driver.pause_log.append((worker, start, end))
                 self.next_pause[worker] = end + self.rng.expovariate(cfg.straggler_rate)
             if i == len(pauses) or pauses[i][0] >= done:
                 return done
