@@ -66,20 +66,37 @@ def test_stragglers_replay_with_the_seed(tmp_path):
 def test_the_pause_log_holds_every_pause_as_drawn(tmp_path):
     """``pause_log`` (Figure 13a's straggler floor) has each worker's pauses in order, never
     overlapping, each at least ``straggler_min`` long, and nothing without stragglers."""
-    loaded = _run(running_count(n=300, parallelism=3, out=tmp_path / "ol"), tmp_path / "l", LOADED, seed=7)
+    loaded = _run(running_count(n=3000, parallelism=3, out=tmp_path / "ol"), tmp_path / "l", LOADED, seed=7)
     assert loaded.pause_log, "300 pauses per virtual second: the run must have drawn some"
     for w in range(3):
         mine = [(start, end) for worker, start, end in loaded.pause_log if worker == w]
-        assert mine, f"worker {w} drew no pause"
+        assert len(mine) >= 2, f"worker {w} drew {len(mine)} pauses in {loaded.now:.4f} virtual s"
         for (s0, e0), (s1, e1) in zip(mine, mine[1:], strict=False):
             assert e0 <= s1, f"worker {w}: pauses overlap: ({s0}, {e0}) then ({s1}, {e1})"
         assert all(end - start >= LOADED.straggler_min * (1 - 1e-9) for start, end in mine)
     assert {w for w, _s, _e in loaded.pause_log} == {0, 1, 2}
     # the pauses cost the run their time: it ends later than the same seed without them
-    plain = _run(running_count(n=300, parallelism=3, out=tmp_path / "op"), tmp_path / "p",
+    plain = _run(running_count(n=3000, parallelism=3, out=tmp_path / "op"), tmp_path / "p",
                  replace(LOADED, straggler_rate=0.0), seed=7)
     assert plain.pause_log == []
     assert loaded.now > plain.now
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_both_modes_see_the_same_pauses(seed, tmp_path):
+    """Figure 13a compares the modes on one seed: each worker's pauses are the same in both runs
+    (the pauses drawn while both ran), whatever else each mode draws (network delays, steps)."""
+    logs = {}
+    for mode in ("aligned", "tracker"):
+        d = _run(running_count(n=3000, parallelism=3, mode=mode, out=tmp_path / f"o{mode}"), tmp_path / mode, LOADED,
+                 seed=seed)
+        logs[mode] = d.pause_log
+    for w in range(3):
+        a = [(s, e) for wk, s, e in logs["aligned"] if wk == w]
+        t = [(s, e) for wk, s, e in logs["tracker"] if wk == w]
+        n = min(len(a), len(t))
+        assert n >= 2, f"worker {w}: {len(a)} and {len(t)} pauses, too short a run to compare"
+        assert a[:n] == t[:n], f"worker {w}: the modes paused differently"
 
 
 def test_no_stragglers_draw_nothing(tmp_path):

@@ -70,8 +70,10 @@ class SimConfig:
     #: increases" with the number of nodes): every worker pauses ``straggler_rate`` times per
     #: virtual second on average (Poisson), each pause lasting ``straggler_min`` seconds times a
     #: Pareto(``straggler_alpha``) draw, a heavy tail like GC pauses and noisy neighbours. A step
-    #: that overlaps a pause ends that much later. 0 = no stragglers (and no extra random draws,
-    #: so a seed's schedule is unchanged).
+    #: that overlaps a pause ends that much later. Each worker draws its pauses from a generator
+    #: of its own, seeded with the run's seed and the worker: runs with one seed pause the same
+    #: workers at the same times (the two modes of Figure 13a are compared on the same pauses),
+    #: and the run's other draws are unchanged. 0 = no stragglers.
     straggler_rate: float = 0.0
     straggler_alpha: float = 1.5
     straggler_min: float = 0.002
@@ -103,6 +105,11 @@ class SimDriver(Driver):
                  savepoint_dir: str | None = None, stop_with_savepoint: bool = False) -> None:
         super().__init__(pipeline, storage, failures, parallelism, savepoint_dir, stop_with_savepoint)
         self.rng = random.Random(seed)
+        self.seed = seed
+        #: per worker, the generator of its straggler pauses: seeded from the run's seed and the worker alone,
+        #: so runs with one seed pause the same workers at the same times whatever else they draw (the two
+        #: modes of Figure 13a see the same pauses), and a restarted attempt goes on with the same stream
+        self.pause_rngs: dict[int, random.Random] = {}
         self.cfg = config or SimConfig()
         self.now = 0.0
         self.writes = 0
@@ -187,8 +194,11 @@ class _SimAttempt:
         #: per worker, when its next pause starts (only with ``SimConfig.straggler_rate``)
         self.next_pause: dict[int, float] = {}
         self.pauses: dict[int, deque[tuple[float, float]]] = {}
+        self.pause_rng: dict[int, random.Random] = {}
         if self.cfg.straggler_rate > 0:
-            self.next_pause = {w: d.now + self.rng.expovariate(self.cfg.straggler_rate)
+            self.pause_rng = {w: d.pause_rngs.setdefault(w, random.Random(f"sim-pauses-{d.seed}-{w}"))
+                              for w in range(self.plan.parallelism)}
+            self.next_pause = {w: d.now + self.pause_rng[w].expovariate(self.cfg.straggler_rate)
                                for w in range(self.plan.parallelism)}
             self.pauses = {w: deque() for w in range(self.plan.parallelism)}
         #: what the controller's actions do here (the cluster driver sends them to workers)
@@ -426,10 +436,10 @@ class _SimAttempt:
         while True:
             while self.next_pause[worker] < done:  # draw the pauses that begin before the step ends
                 start = self.next_pause[worker]
-                end = start + cfg.straggler_min * self.rng.paretovariate(cfg.straggler_alpha)
+                end = start + cfg.straggler_min * self.pause_rng[worker].paretovariate(cfg.straggler_alpha)
                 pauses.append((start, end))
                 self.driver.pause_log.append((worker, start, end))
-                self.next_pause[worker] = end + self.rng.expovariate(cfg.straggler_rate)
+                self.next_pause[worker] = end + self.pause_rng[worker].expovariate(cfg.straggler_rate)
             if i == len(pauses) or pauses[i][0] >= done:
                 return done
             start, end = pauses[i]
