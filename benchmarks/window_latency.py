@@ -135,7 +135,8 @@ def measure(mode: str, workers: int, args, straggle: float = 0.0) -> dict:
             "straggler_rate": straggle, "straggler_alpha": args.straggler_alpha,
             "straggler_min_ms": args.straggler_min * 1000, "window_s": args.window, "slack_s": args.slack,
             "net_delay_ms": args.net_delay * 1000, "seconds": args.seconds, "seed": args.seed,
-            "windows": len(lat), "mean_ms": statistics.fmean(lat), "p50_ms": statistics.median(lat), "p99_ms": _pct(lat, 0.99), "max_ms": max(lat),
+            "windows": len(lat), "mean_ms": statistics.fmean(lat),
+            "p50_ms": statistics.median(lat), "p99_ms": _pct(lat, 0.99), "max_ms": max(lat),
             "floor_p50_ms": statistics.median(floor), "floor_p99_ms": _pct(floor, 0.99),
             "over_floor_p50_ms": statistics.median(over), "over_floor_p99_ms": _pct(over, 0.99),
             "flush_interval_ms": args.flush_interval * 1000, "service_messages": traffic["messages"]}

@@ -191,7 +191,8 @@ def measure(mode: str, args, stragglers: bool) -> dict:
             "pauses": len(pauses), "paused_s": round(sum(e - b for b, e in pauses), 2),
             "window_s": args.window, "slack_s": args.slack, "rate_per_subtask": args.rate,
             "seconds": args.seconds, "windows": len(lat),
-            "mean_ms": statistics.fmean(lat), "p50_ms": statistics.median(lat), "p99_ms": _pct(lat, 0.99), "max_ms": max(lat),
+            "mean_ms": statistics.fmean(lat),
+            "p50_ms": statistics.median(lat), "p99_ms": _pct(lat, 0.99), "max_ms": max(lat),
             "floor_p50_ms": statistics.median(floor), "floor_p99_ms": _pct(floor, 0.99),
             "over_floor_p50_ms": statistics.median(over), "over_floor_p99_ms": _pct(over, 0.99),
             "flush_interval_ms": args.flush_interval * 1000, "load_1min": round(load, 2)}
