@@ -15,7 +15,10 @@ seconds (coarse time labels of ``--slack`` seconds), and for every window
 ``tracker`` as WindowEnd notifications from the agent. Writes benchmarks/results/
 <name>.csv and .png and prints medians and p99 per worker count. Not a test.
 
-With stragglers (whole workers pause, ``SimConfig.straggler_rate``) each window also gets a
+A task logs a time label at the start of the step that reaches it; with stragglers a step
+that begins inside a pause of its worker ends after the pause, so a window fires when the
+firing step's output leaves (``_out_at``). With stragglers (whole workers pause,
+``SimConfig.straggler_rate``) each window also gets a
 *floor*: the longest a worker that was paused when the window's last element came in stayed
 paused after it. Every worker runs a window subtask, and a paused subtask cannot fire, so
 no protocol's latency is below the floor; what a protocol adds to it is its own.
@@ -26,6 +29,7 @@ no protocol's latency is below the floor; what a protocol adds to it is its own.
 from __future__ import annotations
 
 import argparse
+import bisect
 import csv
 import math
 import statistics
@@ -122,11 +126,14 @@ def measure(mode: str, workers: int, args, straggle: float = 0.0) -> dict:
     per_label = round(args.window / args.slack)
     sources = [t for t in driver.tasks.values() if t.is_source]
     firing = [t for t in driver.tasks.values() if t.chain.timed]
+    paused: dict[int, list[tuple[float, float]]] = {}
+    for w, start, end in driver.pause_log:
+        paused.setdefault(w, []).append((start, end))
     lat, floor, over = [], [], []
     for k in range(1, int(args.seconds / args.window)):  # window k ends at label k * per_label - 1
         last = k * per_label - 1
         entered = max(_first(t.time_log, last) for t in sources)
-        fired = max(_first(t.time_log, last) for t in firing)
+        fired = max(_out_at(_first(t.time_log, last), paused.get(t.id[1], [])) for t in firing)
         lat.append((fired - entered) * 1000)
         floor.append(_straggler_floor(driver.pause_log, entered) * 1000)
         over.append(lat[-1] - floor[-1])
@@ -140,6 +147,15 @@ def measure(mode: str, workers: int, args, straggle: float = 0.0) -> dict:
             "floor_p50_ms": statistics.median(floor), "floor_p99_ms": _pct(floor, 0.99),
             "over_floor_p50_ms": statistics.median(over), "over_floor_p99_ms": _pct(over, 0.99),
             "flush_interval_ms": args.flush_interval * 1000, "service_messages": traffic["messages"]}
+
+
+def _out_at(t: float, pauses: list[tuple[float, float]]) -> float:
+    """When the output of a step that began at ``t`` leaves its worker: a task logs its time at
+    the start of a step, and a step that begins inside one of the worker's pauses (which are
+    sorted and never overlap) ends after the pause (``SimConfig.straggler_rate``; the step's own
+    cost is microseconds)."""
+    i = bisect.bisect_right(pauses, (t, math.inf)) - 1
+    return pauses[i][1] if i >= 0 and pauses[i][0] <= t < pauses[i][1] else t
 
 
 def _straggler_floor(pauses: list[tuple[int, float, float]], at: float) -> float:
