@@ -48,6 +48,13 @@ from pyflink_keyed_count import completed_checkpoints
 HERE = Path(__file__).resolve().parent
 
 
+def epoch_ms(instant) -> int:
+    """Milliseconds of a TIMESTAMP_LTZ value: process mode hands Python a ``pyflink.common.time.Instant``,
+    thread mode the ``java.time.Instant`` itself (a PEMJA proxy without ``to_epoch_milli``)."""
+    to_ms = getattr(instant, "to_epoch_milli", None)
+    return int(to_ms() if to_ms is not None else instant.toEpochMilli())
+
+
 class RunningCount(KeyedProcessFunction):
     """Per-key running count in keyed state; one JSON line per input row (key, Kafka timestamp as an
     Instant), carrying that timestamp in ms.
@@ -65,7 +72,7 @@ class RunningCount(KeyedProcessFunction):
             self.t_first = time.time()
         n = (self.count.value() or 0) + 1
         self.count.update(n)
-        yield '{"key":"%s","n":%d,"ts":%d}' % (row[0], n, row[1].to_epoch_milli())
+        yield '{"key":"%s","n":%d,"ts":%d}' % (row[0], n, epoch_ms(row[1]))
 
     def close(self) -> None:
         if self.t_first is not None:
