@@ -29,7 +29,14 @@ run's input rate: first with its operator allowlist check, whose refusal of the 
 kept word for word in the CSV's ``note``, then with ``realTimeMode.allowlistCheck=false``, the
 setting that refusal names (an error while it runs is kept too), then, for Real-time Mode's
 own latency, the records passed through without the count, which it accepts (no records/s:
-Real-time Mode has no bounded run). Writes
+Real-time Mode has no bounded run). ``--pyflink`` adds PyFlink (apache-flink 2.3 in
+benchmarks/.venv-pyflink, Flink's Kafka connector from jars/kafka-flink, both made on first use):
+Flink's Kafka source -> key_by -> running count in Python -> ``KafkaSink`` with
+``DeliveryGuarantee.EXACTLY_ONCE``, checkpoints at the interval, so its output is visible at
+``read_committed`` only once a checkpoint commits its transactions
+(benchmarks/peers/pyflink_kafka_count.py). Its records/s: the bounded run's records over first record
+in the Python count -> job finished (final checkpoint and commit in); its latency load is a fraction
+of that steady rate, as Spark's; a job that fails keeps its cause in ``note``. Writes
 benchmarks/results/<--name>.csv and .png and prints a table with issue 20's targets
 (records/s >= 1.5x Spark's at an equal or lower p99; p99 <= 2 x interval + 100 ms). Not a test.
 
@@ -395,6 +402,147 @@ def run_spark_real_time(cluster, rate: float, seconds: float, warmup: float, all
     return out_
 
 
+# ---------------------------------------------------------------- PyFlink with KafkaSink EXACTLY_ONCE
+
+
+def _pyflink_setup() -> tuple[str, Path]:
+    """The PyFlink venv's python and the peer script (both made or fetched on first use)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.peers.run_peers import PEERS_DIR, ensure_flink_kafka_jars, ensure_venv
+
+    ensure_flink_kafka_jars()
+    return str(ensure_venv("pyflink")), PEERS_DIR / "pyflink_kafka_count.py"
+
+
+def flink_error(text: str) -> str:
+    """The line that says why a PyFlink job failed: the innermost ``Caused by:`` of a Java trace, else
+    the last Python exception line, else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    caused = [ln for ln in lines if ln.startswith("Caused by:")]
+    if caused:
+        return caused[-1][len("Caused by:"):].strip()
+    errors = [ln for ln in lines if not ln.startswith(("at ", "File ", "...")) and ("Error" in ln or "Exception" in ln)]
+    return (errors or lines or ["no output"])[-1]
+
+
+def _last_json(text: str) -> dict | None:
+    import json
+
+    lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def run_pyflink(cluster, interval: float, n: int, load: float, seconds: float, warmup: float,
+                python_mode: str = "process") -> dict:
+    """PyFlink: Flink's Kafka source -> key_by -> running count in Python -> ``KafkaSink``
+    EXACTLY_ONCE (benchmarks/peers/pyflink_kafka_count.py, in the PyFlink venv), checkpoints every
+    ``interval``. Records/s as for the others, on a bounded run; latency on a running job, loaded
+    once its first checkpoint completed. A job that fails is kept as an
+    ``error`` (its cause's line), not turned into a number."""
+    import queue as queue_mod
+    import subprocess
+
+    python, script = _pyflink_setup()
+    common = ["--bootstrap", cluster.bootstrap_servers, "--interval", str(interval), "--python-mode", python_mode]
+    src = f"pyflink-in-{interval}-{time.time_ns()}"
+    out = src.replace("-in-", "-out-")
+    cluster.create_topic(src, 4)
+    cluster.create_topic(out, 2)
+    ctx = mp.get_context("spawn")
+    prod = ctx.Process(target=_produce_bulk, args=(cluster.bootstrap_servers, src, n))
+    prod.start()
+    prod.join()
+    t_run = time.time()
+    bounded = subprocess.run([python, str(script), *common, "--source-topic", src, "--sink-topic", out,
+                              "--group", f"{src}-g", "--bounded"], capture_output=True, text=True, timeout=420)
+    print(f"pyflink {python_mode} {interval}: bounded run {time.time() - t_run:.1f} s (JVM start-up in)",
+          file=sys.stderr, flush=True)
+    got = _last_json(bounded.stdout)
+    if bounded.returncode != 0 or got is None:
+        return {"error": flink_error(bounded.stderr + bounded.stdout)}
+    # every input must come out once, visible at read_committed: the sink's transactions were committed
+    committed: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    _reader(cluster.bootstrap_servers, out, 5.0, committed)
+    outputs = len(committed.get())
+    res: dict = {"rps": n / got["seconds_steady"], "rps_total": n / got["seconds_execute"],
+                 "checkpoints": got["checkpoints"], "outputs": outputs, "version": got["version"]}
+    src2, out2 = src + "-lat", out + "-lat"
+    cluster.create_topic(src2, 4)
+    cluster.create_topic(out2, 2)
+    group = f"{src2}-g"
+    # the rate of the latency run: a fraction of the steady rate, as for Spark (PyFlink's start-up,
+    # JVM and Python workers, is seconds: a fraction of the rate with it would be a trickle)
+    rate = res["rate"] = max(100.0, load * res["rps"])
+    with tempfile.TemporaryFile("w+") as err:
+        job = subprocess.Popen([python, str(script), *common, "--source-topic", src2, "--sink-topic", out2,
+                                "--group", group], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                               text=True)
+        assert job.stdin is not None and job.stdout is not None
+        try:
+            t_wait = time.time()
+            first = job.stdout.readline()  # {"running": job id} once a checkpoint completed; "" if it died
+            if not first.startswith("{"):
+                job.wait(timeout=60)
+                err.seek(0)
+                res["error"] = flink_error(err.read() + first)
+                return res
+            print(f"pyflink {python_mode} {interval}: latency job ready after {time.time() - t_wait:.1f} s",
+                  file=sys.stderr, flush=True)
+            lq = ctx.Queue()
+            reader = ctx.Process(target=_reader, args=(cluster.bootstrap_servers, out2,
+                                                       seconds + 8 + 2 * interval, lq))
+            reader.start()
+            loader = ctx.Process(target=_load, args=(cluster.bootstrap_servers, src2, rate, seconds))
+            loader.start()
+            loader.join()
+            lat = lq.get()
+            reader.join()
+            job.stdin.write("stop\n")
+            job.stdin.flush()
+            rest, _ = job.communicate(timeout=120)
+        except BaseException:
+            job.kill()
+            job.wait()
+            raise
+        end = _last_json(rest)
+        if job.returncode != 0 or end is None:
+            err.seek(0)
+            res["error"] = f"latency run: {flink_error(err.read() + rest)}"
+    res["percentiles"] = _percentiles(lat, warmup)
+    res["latency_checkpoints"] = end["checkpoints"] if end else None
+    res["latency_seconds"] = end["seconds_execute"] if end else None
+    res["expected_samples"] = int(rate * max(0.0, seconds - warmup))
+    return res
+
+
+def _pyflink_row(got: dict, interval: float, n: int, python_mode: str) -> dict:
+    """The CSV row of one PyFlink run: its numbers, or the error it ended with in ``note``."""
+    row = {"system": f"pyflink-kafkasink-{python_mode}", "guarantee": "exactly-once", "interval_s": interval,
+           "records_per_s": "", "records_per_s_with_startup": "", "latency_rate": "", "p50_ms": "",
+           "p99_ms": "", "latency_samples": 0, "epochs": "", "note": ""}
+    notes = []
+    if "rps" in got:
+        row.update(records_per_s=round(got["rps"]), records_per_s_with_startup=round(got["rps_total"]),
+                   epochs=got["checkpoints"])
+        notes.append(f"apache-flink {got['version']}, flink-sql-connector-kafka 5.0.0-2.2, "
+                     f"{python_mode} mode, bundles of 1000 records or 1 s (Flink's defaults)")
+        if got["outputs"] != n:
+            notes.append(f"{got['outputs']} outputs read at read_committed for {n} inputs")
+    if "percentiles" in got:
+        p50, p99, n_lat = got["percentiles"]
+        row.update(latency_rate=round(got["rate"]), p50_ms=round(p50, 1), p99_ms=round(p99, 1), latency_samples=n_lat)
+        if got.get("latency_checkpoints") is not None:
+            notes.append(f"latency run: {got['latency_checkpoints']} checkpoints completed in "
+                         f"{got['latency_seconds']:.0f} s")
+        if n_lat < 0.9 * got["expected_samples"]:
+            notes.append(f"only {n_lat} of ~{got['expected_samples']} outputs read after warm-up: the job fell "
+                         f"behind, the latency of the rest is not in p99")
+    if "error" in got:
+        notes.append(f"failed: {got['error']}")
+    row["note"] = "; ".join(notes)
+    return row
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -416,6 +564,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-time", action="store_true",
                     help="also Spark's Real-time Mode (with its allowlist check, then without) at the "
                          "micro-batch latency run's rate")
+    ap.add_argument("--pyflink", nargs="?", const="process", default="",
+                    help="also PyFlink with KafkaSink EXACTLY_ONCE, Python in these modes (comma-separated: "
+                         "process, thread; default process, Flink's own); its venv and Flink's Kafka "
+                         "connector are made or fetched on first use")
     ap.add_argument("--quick", action="store_true", help="50k records, 10 s latency runs")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--name", default="kafka", help="results file name (CSV and PNG)")
@@ -428,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with KafkaCluster(1) as cluster:
         for interval in intervals:
-            for mode in args.modes.split(","):
+            for mode in filter(None, args.modes.split(",")):
                 rps, total, rate, (p50, p99, n_lat), epochs = run_epochstream(
                     cluster, mode, interval, args.records, args.load, args.seconds, args.warmup)
                 rows.append({"system": f"epochstream-{mode}", "guarantee": "exactly-once", "interval_s": interval,
@@ -449,6 +601,10 @@ def main(argv: list[str] | None = None) -> int:
                     rows.extend(_real_time_rows(cluster, interval, rate, args))  # once: it has no interval
             elif not args.no_spark:
                 print("spark peer skipped: no jars in jars/kafka-spark/lib (bash scripts/setup.sh)", file=sys.stderr)
+            for python_mode in filter(None, args.pyflink.split(",")):
+                got = run_pyflink(cluster, interval, args.records, args.load, args.seconds, args.warmup, python_mode)
+                rows.append(_pyflink_row(got, interval, args.records, python_mode))
+                print(rows[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()

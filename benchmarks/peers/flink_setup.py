@@ -56,6 +56,51 @@ def job_config(*, python_mode: str, checkpoint_dir: str, python_executable: str,
     return conf
 
 
+def kafka_sink_properties(transaction_timeout_ms: int, interval_s: float,
+                          broker_max_timeout_ms: int = 900_000) -> Dict[str, str]:
+    """Producer settings of the exactly-once ``KafkaSink``.
+
+    Flink's sink asks for a 1 hour transaction timeout by default; a broker refuses any above its
+    ``transaction.max.timeout.ms`` (Kafka's default 15 min) when the producer starts its first
+    transaction, so the job would fail at its first checkpoint. The timeout must also outlast a
+    checkpoint interval, or the broker aborts a transaction before the checkpoint commits it.
+    """
+    if transaction_timeout_ms > broker_max_timeout_ms:
+        raise ValueError(f"transaction.timeout.ms {transaction_timeout_ms} is above the broker's "
+                         f"transaction.max.timeout.ms {broker_max_timeout_ms}: the broker would refuse it")
+    if transaction_timeout_ms <= interval_s * 1000:
+        raise ValueError(f"transaction.timeout.ms {transaction_timeout_ms} does not outlast a checkpoint "
+                         f"interval of {interval_s} s")
+    return {"transaction.timeout.ms": str(transaction_timeout_ms)}
+
+
+def kafka_table_ddl(name: str, *, bootstrap: str, topic: str, group: str, bounded: bool) -> str:
+    """CREATE TABLE of Flink's Kafka source: the Kafka key and value as raw strings and the record's
+    timestamp as metadata, from the earliest offsets; ``bounded`` stops at the end offsets found at
+    start. PyFlink's DataStream ``KafkaSource`` offers only value deserializers, so the key is read
+    through the SQL connector's table source (the same ``KafkaSource`` underneath). Offsets are
+    committed to ``group`` at each completed checkpoint (the benchmark's sign that the job runs)."""
+    for what, value in (("table name", name), ("topic", topic), ("group", group)):
+        if not value or "'" in value or "`" in value:
+            raise ValueError(f"{what} {value!r} cannot be quoted into the DDL")
+    options = {
+        "connector": "kafka",
+        "topic": topic,
+        "properties.bootstrap.servers": bootstrap,
+        "properties.group.id": group,
+        "scan.startup.mode": "earliest-offset",
+        "key.format": "raw",
+        "key.fields": "k",
+        "value.format": "raw",
+        "value.fields-include": "EXCEPT_KEY",
+    }
+    if bounded:
+        options["scan.bounded.mode"] = "latest-offset"
+    body = ",\n  ".join(f"'{k}' = '{v}'" for k, v in options.items())
+    return (f"CREATE TABLE `{name}` (\n  k STRING,\n  v STRING,\n"
+            f"  ts TIMESTAMP_LTZ(3) METADATA FROM 'timestamp' VIRTUAL\n) WITH (\n  {body}\n)")
+
+
 # A TaskManager's memory, set piece by piece: bin/taskmanager.sh derives these from
 # taskmanager.memory.process.size and passes them as -D options; TaskManagerRunner started
 # with java directly insists on them. Managed memory also holds process mode's Python workers.

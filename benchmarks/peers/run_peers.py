@@ -17,6 +17,7 @@ or from the shell (extra flags go to the peer script unchanged):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -66,6 +67,23 @@ def ensure_venv(system: str) -> Path:
     subprocess.run([str(python), "-m", "pip", "install", "--quiet", peer.requirement], check=True)
     marker.write_text(peer.requirement + "\n")
     return python
+
+
+def ensure_flink_kafka_jars() -> Path:
+    """Fetch Flink's Kafka connector (jars/kafka-flink/pom.xml) into jars/kafka-flink/lib with mvn, as
+    scripts/setup.sh fetches the project's jars: again only when the pom changed. Returns the folder."""
+    pom = BENCH_DIR.parent / "jars" / "kafka-flink" / "pom.xml"
+    lib = pom.parent / "lib"
+    stamp = lib / ".pom-sha256"
+    want = hashlib.sha256(pom.read_bytes()).hexdigest()
+    if stamp.exists() and stamp.read_text().strip() == want and any(lib.glob("flink-sql-connector-kafka-*.jar")):
+        return lib
+    if shutil.which("mvn") is None:
+        raise RuntimeError("mvn is needed to fetch Flink's Kafka connector (apt-get install maven)")
+    shutil.rmtree(lib, ignore_errors=True)
+    subprocess.run(["mvn", "-q", "-B", "-f", str(pom), "dependency:copy-dependencies"], check=True)
+    stamp.write_text(want + "\n")
+    return lib
 
 
 def _busy_jiffies() -> int:
