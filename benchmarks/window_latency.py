@@ -49,6 +49,7 @@ from epochstream import (  # noqa: E402
 )
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.deploy.sim import SimConfig, SimDriver  # noqa: E402
+from epochstream.runtime import eventtime  # noqa: E402
 
 MODES = ("aligned", "tracker")
 
@@ -117,6 +118,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def measure(mode: str, workers: int, args, straggle: float = 0.0) -> dict:
+    # every label of the run must stay in the tasks' time logs (one per slack, and a little more)
+    eventtime.TIME_LOG_LENGTH = max(eventtime.TIME_LOG_LENGTH, 2 * int(args.seconds / args.slack) + 1024)
     p = q8_pipeline(mode, workers, args.rate, args.seconds, args.window, args.slack, args.flush_interval)
     cfg = SimConfig(source_rate=args.rate, source_batch=4, check_invariants=False, net_delay=args.net_delay,
                     straggler_rate=straggle, straggler_alpha=args.straggler_alpha, straggler_min=args.straggler_min)
@@ -130,6 +133,10 @@ def measure(mode: str, workers: int, args, straggle: float = 0.0) -> dict:
     for w, start, end in driver.pause_log:
         paused.setdefault(w, []).append((start, end))
     lat, floor, over = [], [], []
+    for t in sources + firing:  # a log that lost its first labels would date every early window wrongly
+        if t.time_log and t.time_log[0][0] > per_label - 1:
+            raise RuntimeError(f"task {t.id}'s time log starts at label {t.time_log[0][0]}: "
+                               f"raise eventtime.TIME_LOG_LENGTH")
     for k in range(1, int(args.seconds / args.window)):  # window k ends at label k * per_label - 1
         last = k * per_label - 1
         entered = max(_first(t.time_log, last) for t in sources)

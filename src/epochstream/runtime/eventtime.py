@@ -21,6 +21,10 @@ from typing import Iterable
 
 from .errors import ProtocolError
 
+#: entries a task keeps in ``time_log`` (a bound on memory in long jobs; a benchmark that reads
+#: every label of a long run raises it before the run builds its tasks)
+TIME_LOG_LENGTH = 4096
+
 
 class EventClock:
     """Watermark arithmetic and the output label of one task."""
@@ -38,7 +42,7 @@ class EventClock:
         self.watermark = -1
         #: newest entries (label, now): a source promised the label, or the task fired timers
         #: up to it (window latency = fire time - promise time; benchmarks/window_latency.py)
-        self.time_log: deque[tuple[int, float]] = deque(maxlen=4096)
+        self.time_log: deque[tuple[int, float]] = deque(maxlen=TIME_LOG_LENGTH)
         #: channels whose watermark came from restored channel state (unaligned mode): the
         #: restored sender may announce that watermark again (it was sent before the cut, and
         #: a source recomputes its bound from the records after it), so one that does not grow
