@@ -69,6 +69,14 @@ Choices where the paper is silent:
 - After a restore the agent is rebuilt with ``last_closed`` = the restored epoch; it
   keeps no state worth checkpointing (the paper leaves agent fault tolerance open).
 
+Cost. At an epoch per record every source promises every epoch, and most of those promises
+cannot move anything: cap(s) takes the minimum over the sources, which rises only when the
+last source at the minimum promises. The agent keeps that minimum and how many sources sit on
+it, and advances s on a promise only when the minimum rose (``skip_idle_promises``; the test
+suite compares the notes with an agent that advances on every promise). Why skipping is
+exact: after every message b(s) equals the largest bound the tables justify, so a message
+that changes neither cap(s) nor the slot at b(s) + 1 cannot move b(s).
+
 Event time: a second dimension. When the pipeline fires event-time timers, every batch
 also carries a coarse time label (paper 000 §4.2) and the agent keeps a second, identical
 table over labels: sources promise labels as they read, a segment's time bound says no
