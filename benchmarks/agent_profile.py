@@ -9,6 +9,7 @@ caches are cold). Prints counts per record
 (messages, reports, promises) and the timings. A profile, not a benchmark: it writes no files.
 
     python benchmarks/agent_profile.py [--rate 1000] [--records 60] [--flush-interval 0.0002] [--cold 2]
+    python benchmarks/agent_profile.py --calibrate [--flush-interval 0.0002]
 """
 
 from __future__ import annotations
@@ -69,9 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=1000.0)
     ap.add_argument("--records", type=int, default=60)
     ap.add_argument("--flush-interval", type=float, default=0.0002)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="only print sustainable_throughput.calibrate() with this flush interval (batched): the "
+                         "costs the benchmark measures inside a simulator run, the agent's per entry")
     ap.add_argument("--cold", type=float, default=2.0,
                     help="millions of small lists, every 7th touched between messages (0: skip)")
     args = ap.parse_args(argv)
+    if args.calibrate:
+        c = st.calibrate(st.Batching(args.flush_interval, False, True, True, True))
+        print(f"calibrate (batched, {args.flush_interval * 1000:g} ms flush): task step {c.step * 1e6:.2f} us, "
+              f"SND/RCV event {c.report * 1e6:.2f} us, agent {c.agent * 1e6:.2f} us/entry")
+        return 0
     (a, kw), msgs = record(args)
     reports = sum(len(m.reports) for m, _ in msgs)
     promises = sum(len(m.promises) for m, _ in msgs)
