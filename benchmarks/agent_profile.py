@@ -9,6 +9,7 @@ caches are cold). Prints counts per record
 (messages, reports, promises) and the timings. A profile, not a benchmark: it writes no files.
 
     python benchmarks/agent_profile.py [--rate 1000] [--records 60] [--flush-interval 0.0002] [--cold 2]
+    python benchmarks/agent_profile.py --calibrate [--flush-interval 0.0002]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def record(args: argparse.Namespace) -> tuple[tuple, list]:
     """One run; the last agent's constructor arguments and the messages it received, in order."""
     made: list[tuple] = []
     msgs: list[tuple] = []
+    spent = [0.0]
     real_init, real_receive = TrackingAgent.__init__, TrackingAgent.receive
 
     def init(self, *a, **kw):
@@ -41,7 +43,11 @@ def record(args: argparse.Namespace) -> tuple[tuple, list]:
 
     def receive(self, m, now):
         msgs.append((m, now))
-        return real_receive(self, m, now)
+        t0 = time.thread_time()
+        try:
+            return real_receive(self, m, now)
+        finally:
+            spent[0] += time.thread_time() - t0
 
     TrackingAgent.__init__, TrackingAgent.receive = init, receive  # type: ignore[method-assign]
     try:
@@ -51,6 +57,9 @@ def record(args: argparse.Namespace) -> tuple[tuple, list]:
     finally:
         TrackingAgent.__init__, TrackingAgent.receive = real_init, real_receive  # type: ignore[method-assign]
     print(f"run: {row['records_done']} records, {row['epochs']} epochs, {row['virtual_s']} s of virtual time")
+    entries = sum(max(1, len(m.reports) + len(m.promises)) for m, _ in msgs)
+    print(f"inside the simulator (CPU, the way the sim charges it, per entry of a message): "
+          f"{spent[0] * 1e6 / max(1, len(msgs)):.2f} us/message, {spent[0] * 1e6 / max(1, entries):.2f} us/entry")
     return made[-1], msgs
 
 
@@ -61,9 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=1000.0)
     ap.add_argument("--records", type=int, default=60)
     ap.add_argument("--flush-interval", type=float, default=0.0002)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="only print sustainable_throughput.calibrate() with this flush interval (batched): the "
+                         "costs the benchmark measures inside a simulator run, the agent's per entry")
     ap.add_argument("--cold", type=float, default=2.0,
                     help="millions of small lists, every 7th touched between messages (0: skip)")
     args = ap.parse_args(argv)
+    if args.calibrate:
+        c = st.calibrate(st.Batching(args.flush_interval, False, True, True, True))
+        print(f"calibrate (batched, {args.flush_interval * 1000:g} ms flush): task step {c.step * 1e6:.2f} us, "
+              f"SND/RCV event {c.report * 1e6:.2f} us, agent {c.agent * 1e6:.2f} us/entry")
+        return 0
     (a, kw), msgs = record(args)
     reports = sum(len(m.reports) for m, _ in msgs)
     promises = sum(len(m.promises) for m, _ in msgs)

@@ -218,10 +218,13 @@ class ManifestBuilder:
                     "records": info.channel_state_records, "bytes": info.channel_state_bytes,
                     "data": base64.b64encode(info.channel_state).decode("ascii")}
         # staged output of every epoch since the last completed one, aborted epochs included
-        for (_task, e), info in sorted(self.acks.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            if self.last_completed < e <= epoch:
-                for sink, paths in info.staged.items():
-                    sinks.setdefault(sink, {"staged": []})["staged"].extend(paths)
+        # (only acks that staged something are sorted: with an epoch per record, hundreds of epochs of
+        # every task can be pending, and sorting all of their acks for every manifest was quadratic)
+        last = self.last_completed
+        staging = [(k, info) for k, info in self.acks.items() if info.staged and last < k[1] <= epoch]
+        for _key, info in sorted(staging, key=lambda kv: (kv[0][1], kv[0][0])):
+            for sink, paths in info.staged.items():
+                sinks.setdefault(sink, {"staged": []})["staged"].extend(paths)
         for info in acks.values():  # sinks with no output still appear
             for sink in info.staged:
                 sinks.setdefault(sink, {"staged": []})
