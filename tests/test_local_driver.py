@@ -402,6 +402,21 @@ def test_kills_and_job_master_crashes_together(tmp_path, mode):
     assert_exactly_once(report, why)
 
 
+def test_a_kill_waiting_for_a_moment_that_never_comes_lands_before_the_final_epoch(tmp_path):
+    """Regression (CI, session 31): a kill armed for "alignment" whose worker never holds a
+    channel again was counted as injected but never happened, and the job ended without the
+    failover the schedule promised. At parallelism 1 no task has two inputs, so the moment never
+    comes: the kill must land when the final epoch is asked for, and the job stay exact."""
+    out = tmp_path / "out"
+    p = running_count(n=3_000, parallelism=1, emit_ids=True, interval=INTERVAL, out=out)
+    p.restart_delay = RESTART_DELAY
+    result = p.run(deployment="local", checkpoint_dir=str(tmp_path / "chk"),
+                   failures=FailureSchedule(kill_times=[0.0], kill_moments=["alignment"]))
+    assert [k["moment"] for k in result.metrics["kills"]] == ["alignment/final"], result.metrics["kills"]
+    assert result.metrics["failures_injected"] == 1 and result.restarts == 1, result.metrics["failovers"]
+    assert check_running_counts(committed_output(out / "counts"), range(3_000)) == []
+
+
 # ---------------------------------------------------------------- shutdown
 
 

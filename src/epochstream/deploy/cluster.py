@@ -265,15 +265,19 @@ class ClusterDriver(Driver):
             time.sleep(0.05)  # let the death land while the commit is still in progress
         super().fail_point(name)
 
-    def _chaos(self, group: WorkerGroup, now: float) -> None:
+    def _chaos(self, group: WorkerGroup, c: AttemptController, now: float) -> None:
         """Inject the next scheduled kill: at most one per attempt, so every kill causes its
         own failover. A kill waiting for a protocol moment that has not come within
-        ``MOMENT_TIMEOUT`` seconds is carried out at once (logged as ``<moment>/timeout``)."""
+        ``MOMENT_TIMEOUT`` seconds is carried out at once (logged as ``<moment>/timeout``), and
+        so is one still waiting when the attempt asks for its final epoch (``<moment>/final``):
+        its moment may not come again (a final epoch need not hold any channel), and a kill
+        counted as injected must happen. A ``commit`` kill waits: the final epoch commits too."""
         armed = self._armed
         if armed is not None:
-            if now - armed[0] >= self.MOMENT_TIMEOUT:
+            final = c.final_requested and not c.master.finished and armed[3] != "commit"
+            if final or now - armed[0] >= self.MOMENT_TIMEOUT:
                 self._commit_kill = None
-                self.kill_log[-1]["moment"] += "/timeout"
+                self.kill_log[-1]["moment"] += "/final" if final else "/timeout"
                 self._kill(group, armed[1], armed[2], None)
             return
         times = self.failures.kill_times
@@ -340,7 +344,7 @@ class ClusterDriver(Driver):
             while True:
                 now = time.monotonic()
                 if c.all_ready or not self.KILL_AFTER_READY:
-                    self._chaos(group, now)
+                    self._chaos(group, c, now)
                 if c.done:
                     break
                 self._step(group, c, on, now)
