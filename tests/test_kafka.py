@@ -95,6 +95,10 @@ def test_source_reads_every_partition_once_and_commits_group_offsets(kafka, tmp_
     c.close()
     per_partition = {i: sum(1 for r in got if r["partition"] == i) for i in range(3)}
     assert {tp.partition: tp.offset for tp in committed} == per_partition
+    # the run closed the clients it opened in this process (its offset committer): none is left
+    # reconnecting to a broker that goes away after the job
+    src = p.sources["src"]
+    assert src._committer is None and src._consumers == {}
 
 
 def test_source_start_and_end_offsets(kafka):
@@ -192,6 +196,33 @@ def test_sink_recovery_produces_exactly_the_epochs_kafka_lacks(kafka, tmp_path):
     fresh.recover("out", [rel2], epoch=2)
     assert len(read_topic(kafka.bootstrap_servers, out)) == 3
     del rel3
+
+
+def test_read_topic_waits_out_commit_markers_and_skips_an_open_transaction(kafka):
+    """``read_topic`` at read_committed sees every transaction committed before it is called
+    (the commit markers land a moment after ``commit_transaction`` returns: once, in session 32,
+    it read an empty topic right after a commit), and one left open neither shows nor holds the
+    read back for longer than ``READ_GRACE``."""
+    from confluent_kafka import Producer
+
+    out = new_topic(kafka, "lso", 1)
+    p = Producer({"bootstrap.servers": kafka.bootstrap_servers, "transactional.id": f"lso-{out}", "log_level": 3})
+    p.init_transactions(30)
+    for epoch in range(5):
+        p.begin_transaction()
+        p.produce(out, f"v{epoch}".encode())
+        p.flush(10)  # at the broker before the commit, as when the master's commit flushes a big epoch
+        if epoch == 0:
+            assert read_topic(kafka.bootstrap_servers, out) == []  # open: held back, not read
+        p.commit_transaction(30)
+        assert [m["value"] for m in read_topic(kafka.bootstrap_servers, out)] == \
+            [f"v{i}".encode() for i in range(epoch + 1)]
+    p.begin_transaction()
+    p.produce(out, b"open")
+    p.flush(10)
+    assert len(read_topic(kafka.bootstrap_servers, out)) == 5  # the open transaction is not read
+    assert read_topic(kafka.bootstrap_servers, out, "read_uncommitted")[-1]["value"] == b"open"
+    p.abort_transaction(30)
 
 
 # failure points of the commit: (kill moment of a worker | fail point of the master | inside the sink)

@@ -95,6 +95,7 @@ def run_pipeline(
         driver.run(restore, allow_non_restored_state, duration)
         return _result(pipeline, deployment, storage, driver, time.perf_counter() - t0)
     finally:
+        _release_clients(pipeline)
         close = getattr(storage, "close", None)
         if close is not None:  # the Delta backend's compactor thread
             close()
@@ -102,6 +103,20 @@ def run_pipeline(
             keeper.stop()
         if lease is not None:
             lease.release()
+
+
+def _release_clients(pipeline) -> None:
+    """Close the network clients the job's sources and sinks opened in this process (Kafka's
+    consumers and producers open again on next use): a notebook or service that runs many jobs
+    keeps no client threads, and none reconnects forever to a broker that has gone away."""
+    for obj in (*pipeline.sources.values(), *pipeline.sinks.values()):
+        release = getattr(obj, "release", None)
+        if release is None:
+            continue
+        try:
+            release()
+        except Exception as exc:  # the job's outcome stands; a client that would not close is only logged
+            log.warning("closing the clients of %r failed: %s", obj, exc)
 
 
 def _new_driver(pipeline, deployment: str, storage, seed: int, parallelism: int | None, sim: Any, failures: Any,

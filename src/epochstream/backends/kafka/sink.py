@@ -45,6 +45,7 @@ import os
 import pickle
 import re
 import tempfile
+import time
 from typing import Any, Callable, Iterable
 
 from ...runtime.errors import ConfigurationError, UserFunctionError
@@ -351,8 +352,19 @@ class KafkaSink(TransactionalSink):
             "bootstrap.servers": self.bootstrap_servers, "group.id": self.transactional_id(uid),
             "enable.auto.commit": False, "isolation.level": "read_committed", "log_level": 3,
             **self._client_settings()})
+        deadline = time.monotonic() + 30
         try:
-            got = consumer.committed([ck.TopicPartition(self.topic, 0)], timeout=30)[0]
+            while True:
+                try:
+                    got = consumer.committed([ck.TopicPartition(self.topic, 0)], timeout=30)[0]
+                    break
+                except ck.KafkaException as exc:
+                    # a fresh broker's group coordinator is not ready yet (NOT_COORDINATOR,
+                    # COORDINATOR_LOAD_IN_PROGRESS): retriable, so wait for it within the 30 s
+                    if not exc.args[0].retriable() or time.monotonic() > deadline:
+                        raise KafkaSinkError(f"sink {uid!r}: reading the commit marker of group "
+                                             f"{self.transactional_id(uid)!r} failed: {exc.args[0]}") from None
+                    time.sleep(0.2)
         finally:
             if consumer is not self._marker_consumer:
                 consumer.close()
@@ -439,12 +451,15 @@ def _staged_order(rel: str) -> tuple[int, int, str]:
     return (int(m.group(1)), int(m.group(2)), rel) if m else (1 << 62, 0, rel)
 
 
+#: seconds ``read_topic`` waits for a partition held back by a transaction before it counts the
+#: transaction as open: a commit's markers land within milliseconds of ``commit_transaction``
+READ_GRACE = 1.0
+
+
 def read_topic(bootstrap_servers: str, topic: str, isolation: str = "read_committed",
                timeout: float = 30.0, settings: dict[str, Any] | None = None) -> list[Any]:
     """Every message of ``topic`` (all partitions, up to their ends now) as dicts, at
     ``read_committed`` or ``read_uncommitted``: how tests and the oracle read a sink's output."""
-    import time
-
     ck = confluent()
     consumer = ck.Consumer({"bootstrap.servers": bootstrap_servers, "group.id": "epochstream-read-topic",
                             "enable.auto.commit": False, "isolation.level": isolation, "log_level": 3,
@@ -462,6 +477,9 @@ def read_topic(bootstrap_servers: str, topic: str, isolation: str = "read_commit
         out: list[Any] = []
         deadline = time.monotonic() + timeout
         done = {p for p in parts if ends[p] == 0}
+        #: partition -> (last stable offset below its end, since when): an open transaction, or
+        #: one whose commit markers are still being written right after ``commit_transaction``
+        held: dict[int, tuple[int, float]] = {}
         while len(done) < len(parts):
             if time.monotonic() > deadline:
                 raise KafkaSinkError(f"reading topic {topic!r} ({isolation}) did not reach its end in {timeout}s")
@@ -474,7 +492,18 @@ def read_topic(bootstrap_servers: str, topic: str, isolation: str = "read_commit
                     pos = consumer.position([ck.TopicPartition(topic, p)])[0].offset
                     # read_committed stops at the last stable offset; an open transaction holds it back
                     lso = ends[p] if isolation == "read_uncommitted" else _last_stable(consumer, topic, p, ends[p])
-                    if pos >= lso:
+                    if pos < lso:
+                        continue
+                    if lso >= ends[p]:
+                        done.add(p)
+                        continue
+                    # held back: done once it stays so for READ_GRACE (a transaction left open),
+                    # not at once (one committed a moment ago becomes readable within it)
+                    now = time.monotonic()
+                    since = held.get(p)
+                    if since is None or since[0] != lso:
+                        held[p] = (lso, now)
+                    elif now - since[1] >= READ_GRACE:
                         done.add(p)
         return out
     finally:
