@@ -175,19 +175,24 @@ def _first(log, label: int) -> float:
     return next(t for lbl, t in log if lbl >= label)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The Q8 workload's and the pauses' flags, shared with ``window_latency_local.py``."""
     ap.add_argument("--rate", type=float, default=500.0, help="records/s per source subtask (paper: 500 RPS per node)")
-    ap.add_argument("--seconds", type=float, default=5.0, help="virtual seconds of input")
     ap.add_argument("--window", type=float, default=0.5, help="tumbling window size, seconds")
     ap.add_argument("--slack", type=float, default=0.01, help="coarse time label width (paper: 10 ms)")
+    ap.add_argument("--straggler-alpha", type=float, default=1.5, help="Pareto shape of a pause's length")
+    ap.add_argument("--straggler-min", type=float, default=0.01, help="shortest pause, seconds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(ap)
+    ap.add_argument("--seconds", type=float, default=5.0, help="virtual seconds of input")
     ap.add_argument("--net-delay", type=float, default=0.0005, help="mean one-way delay between workers (s)")
     ap.add_argument("--flush-interval", type=float, default=0.005,
                     help="local trackers' flush interval (s); the tracker's latency floor (paper: 5 ms)")
     ap.add_argument("--straggler-rate", type=float, default=2.0,
                     help="pauses per virtual second per worker in the straggler runs (0: skip them)")
-    ap.add_argument("--straggler-alpha", type=float, default=1.5, help="Pareto shape of a pause's length")
-    ap.add_argument("--straggler-min", type=float, default=0.01, help="shortest pause, seconds")
     ap.add_argument("--workers", default=None, help="comma list of worker counts (default 2,5,10,20,30)")
     ap.add_argument("--seed", type=int, default=1, help="the simulator's seed (network delays, pauses)")
     ap.add_argument("--no-baseline", action="store_true", help="only the straggler runs")

@@ -39,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from window_latency import Q8, _pct  # noqa: E402
+from window_latency import Q8, _pct, add_workload_args  # noqa: E402
 
 from epochstream import CheckpointConfig, DiscardingSink, Pipeline, TrackerConfig  # noqa: E402
 from epochstream.deploy.sources import RateSource  # noqa: E402
@@ -200,16 +200,12 @@ def measure(mode: str, args, stragglers: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rate", type=float, default=500.0, help="records/s per source subtask (paper: 500 RPS per node)")
+    add_workload_args(ap)
     ap.add_argument("--seconds", type=float, default=60.0, help="seconds of input per run")
-    ap.add_argument("--window", type=float, default=0.5, help="tumbling window size, seconds")
-    ap.add_argument("--slack", type=float, default=0.01, help="coarse time label width (paper: 10 ms)")
     ap.add_argument("--flush-interval", type=float, default=0.005, help="local trackers' flush interval (s)")
     ap.add_argument("--lead", type=float, default=3.0, help="seconds from building the job to its first record")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of windows not counted after the first record")
     ap.add_argument("--straggler-rate", type=float, default=2.0, help="pauses per second of the slowed worker")
-    ap.add_argument("--straggler-alpha", type=float, default=1.5, help="Pareto shape of a pause's length")
-    ap.add_argument("--straggler-min", type=float, default=0.01, help="shortest pause, seconds")
     ap.add_argument("--straggler-cap", type=float, default=2.0, help="longest pause, seconds (heartbeats: 10 s)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--modes", default=",".join(MODES))
