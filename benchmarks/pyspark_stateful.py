@@ -720,7 +720,7 @@ def main() -> None:
                 if relative:
                     spark_rps = _spark_keyed_count_logged(spark, keys, args, work, results)
                 for spec in rates:
-                    rate = float(spec[1:]) * spark_rps if spec.startswith("x") and spark_rps else float(spec)
+                    rate = float(spec[1:]) * (spark_rps or float("nan")) if spec.startswith("x") else float(spec)
                     if rate != rate:  # Spark's run failed: no rate to pace at
                         log(f"keyed count, {keys} keys: no Spark rate for {spec}; skipped")
                         continue
