@@ -698,6 +698,12 @@ def main() -> None:
     paced = str(args.es_rates).split(",") if args.es_rates else []
     es_rates = dict(zip(key_counts, [e.split("/") for e in paced + paced[-1:] * len(key_counts)],
                         strict=False)) if paced else {}
+    for spec in (r for rates in es_rates.values() for r in rates):  # before Spark starts, not mid-run
+        try:
+            if float(spec[1:] if spec.startswith("x") else spec) <= 0:
+                raise ValueError
+        except ValueError:
+            ap.error(f"--es-rates: {spec!r} is neither rows/s nor a multiple of Spark's rate like x1.05")
     uptime = os.popen("uptime").read().strip()
     log(f"start: {uptime}")
 
