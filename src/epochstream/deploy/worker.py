@@ -417,6 +417,8 @@ class WorkerLoop:
         batch = self.pipeline.batch_rows
         # output lingers, or an alignment may time out: step tasks at their deadlines
         lingering = self.pipeline.batch_linger > 0 or getattr(self.pipeline, "aligned_timeout", None) is not None
+        # output may wait for batch_linger: a live source may then wait for its records too
+        chunked = self.pipeline.batch_linger > 0
         config = getattr(self.pipeline, "heartbeat", None)
         beat = HeartbeatSender(config.interval if config is not None else DEFAULT_INTERVAL, time.monotonic())
         times, clock = self.times, time.monotonic
@@ -467,7 +469,11 @@ class WorkerLoop:
                     times.worked(task.id, clock() - began)
                     got = task.records_in - before
                     self.records_in += got
-                    did = did or got > 0 or had_triggers
+                    # with a linger, a live source's short read has caught up: wait below (a
+                    # message, the idle timeout or the linger) rather than read again at once the
+                    # few records due since; below capacity that took both cores for tiny reads
+                    caught_up = chunked and got < batch and task.reader is not None and task.reader.source.live
+                    did = did or (got > 0 and not caught_up) or had_triggers
             self._flush()
             self._results()
             self._pressure()

@@ -40,6 +40,11 @@ class Source:
     #: splits may be added while the job runs (``discover``; a Kafka topic's new partitions):
     #: new splits get the next indices, a checkpoint may hold fewer splits than the source has
     grows: bool = False
+    #: records become due with time (``rate``): a read that returns fewer than asked has caught
+    #: up, and when the pipeline has a ``batch_linger`` a worker waits a moment (its loop's idle
+    #: timeout, the linger or the next message) before reading again, instead of turning its
+    #: loop for the few records due since the last read
+    live: bool = False
 
     def discover(self, now: float, force: bool = False) -> None:
         """Look for new splits (a growing source, at most once per its interval unless
