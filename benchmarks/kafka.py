@@ -38,7 +38,10 @@ Flink's Kafka source -> key_by -> running count in Python -> ``KafkaSink`` with
 in the Python count -> job finished (final checkpoint and commit in); its latency load is a fraction
 of that steady rate, as Spark's; a job that fails keeps its cause in ``note``. Writes
 benchmarks/results/<--name>.csv and .png and prints a table with issue 20's targets
-(records/s >= 1.5x Spark's at an equal or lower p99; p99 <= 2 x interval + 100 ms). Not a test.
+(records/s >= 1.5x Spark's at an equal or lower p99; p99 <= 2 x interval + 100 ms). The latency
+rows of epochstream and Spark also say how busy the whole machine was while the load ran
+(``cpu_busy_pct``, ``cpu_steal_pct``, ``cpu_saturated_pct``: the share of its seconds with no CPU
+left, broker, load generator and reader included). Not a test.
 
     flock /work/wt/bench.lock python benchmarks/kafka.py --intervals 0.1 --name kafka_s28_100ms
 """
@@ -56,6 +59,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.peers._procinfo import MachineCpu  # noqa: E402
 
 KEYS = 100
 
@@ -224,11 +230,12 @@ def run_epochstream(cluster, mode: str, interval: float, n: int, load: float, se
     with tempfile.TemporaryDirectory() as d:
         job = epochstream_job(cluster.bootstrap_servers, src2, out2, mode, interval, False, d + "/st")
         loader.start()
+        machine = MachineCpu(duration=seconds)  # while the load runs
         res2 = job.run("local", checkpoint_dir=d + "/chk", duration=seconds + 10)
     loader.join()
     lat = q.get()
     reader.join()
-    return rps, rps_total, rate, _percentiles(lat, warmup), len(res2.completed_epochs)
+    return rps, rps_total, rate, _percentiles(lat, warmup), len(res2.completed_epochs), machine.stop()
 
 
 def _steady_rate(epochs: list[dict]) -> float | None:
@@ -372,12 +379,14 @@ def run_spark(cluster, interval: float, n: int, load: float, seconds: float, war
     reader.start()
     loader = ctx.Process(target=_load, args=(cluster.bootstrap_servers, src2, rate, seconds))
     loader.start()
+    machine = MachineCpu(duration=seconds)
     loader.join()
+    cpu = machine.stop()
     sq.get()
     job.join()
     lat = lq.get()
     reader.join()
-    return rps, rps_total, rate, _percentiles(lat, warmup), got["batches"]
+    return rps, rps_total, rate, _percentiles(lat, warmup), got["batches"], cpu
 
 
 def run_spark_real_time(cluster, rate: float, seconds: float, warmup: float, allowlist_check: bool,
@@ -591,21 +600,21 @@ def main(argv: list[str] | None = None) -> int:
     with KafkaCluster(1) as cluster:
         for interval in intervals:
             for mode in filter(None, args.modes.split(",")):
-                rps, total, rate, (p50, p99, n_lat), epochs = run_epochstream(
+                rps, total, rate, (p50, p99, n_lat), epochs, cpu = run_epochstream(
                     cluster, mode, interval, args.records, args.load, args.seconds, args.warmup)
                 rows.append({"system": f"epochstream-{mode}", "guarantee": "exactly-once", "interval_s": interval,
                              "records_per_s": round(rps), "records_per_s_with_startup": round(total),
                              "latency_rate": round(rate), "p50_ms": round(p50, 1),
-                             "p99_ms": round(p99, 1), "latency_samples": n_lat, "epochs": epochs})
+                             "p99_ms": round(p99, 1), "latency_samples": n_lat, "epochs": epochs, **cpu})
                 print(rows[-1], flush=True)
             if not args.no_spark and spark_jars():
-                rps, total, rate, (p50, p99, n_lat), batches = run_spark(
+                rps, total, rate, (p50, p99, n_lat), batches, cpu = run_spark(
                     cluster, interval, args.records, args.load, args.seconds, args.warmup)
                 rows.append({"system": "spark-structured-streaming", "guarantee": "at-least-once",
                              "interval_s": interval, "records_per_s": round(rps),
                              "records_per_s_with_startup": round(total), "latency_rate": round(rate),
                              "p50_ms": round(p50, 1), "p99_ms": round(p99, 1), "latency_samples": n_lat,
-                             "epochs": batches})
+                             "epochs": batches, **cpu})
                 print(rows[-1], flush=True)
                 if args.real_time and not any(r["system"].startswith("spark-real-time") for r in rows):
                     rows.extend(_real_time_rows(cluster, interval, rate, args))  # once: it has no interval
@@ -620,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     for r in rows:
         r["load_avg_1m"] = round(load[0], 2)
+        for k in ("cpu_busy_pct", "cpu_steal_pct", "cpu_saturated_pct"):  # sampled for the latency runs
+            r.setdefault(k, "")
         r.setdefault("note", "")
     _summary(rows)
     with open(out / f"{args.name}.csv", "w", newline="") as f:
@@ -664,7 +675,7 @@ def _summary(rows: list[dict]) -> None:
     """The table, and issue 20's targets per epochstream row: records/s >= 1.5x Spark's at an
     equal or lower p99 (same interval), and p99 <= 2 x interval + 100 ms at the latency load."""
     print(f"\n{'system':28} {'interval':>8} {'records/s':>10} {'w/ start':>9} {'load/s':>8} {'p50 ms':>8} "
-          f"{'p99 ms':>8} {'x Spark':>8} {'>=1.5x & p99<=Spark':>20} {'p99<=2i+100ms':>14}")
+          f"{'p99 ms':>8} {'x Spark':>8} {'>=1.5x & p99<=Spark':>20} {'p99<=2i+100ms':>14} {'cpu busy/sat %':>14}")
     spark = {r["interval_s"]: r for r in rows if r["system"] == "spark-structured-streaming"}
     for r in rows:
         ratio = target1 = target2 = ""
@@ -676,8 +687,10 @@ def _summary(rows: list[dict]) -> None:
                 target1 = "yes" if x >= 1.5 and r["p99_ms"] <= sp["p99_ms"] else "no"
             target2 = "yes" if r["p99_ms"] <= 2000 * r["interval_s"] + 100 else "no"
             r.update(x_spark=ratio, target_throughput=target1, target_p99=target2)
+        cpu = f"{r['cpu_busy_pct']:.0f} / {r['cpu_saturated_pct']:.0f}" if r.get("cpu_busy_pct") != "" else ""
         print(f"{r['system']:28} {r['interval_s']:>8} {r['records_per_s']:>10} {r['records_per_s_with_startup']:>9} "
-              f"{r['latency_rate']:>8} {r['p50_ms']:>8} {r['p99_ms']:>8} {ratio:>8} {target1:>20} {target2:>14}")
+              f"{r['latency_rate']:>8} {r['p50_ms']:>8} {r['p99_ms']:>8} {ratio:>8} {target1:>20} {target2:>14} "
+              f"{cpu:>14}")
     for r in rows:
         r.setdefault("x_spark", "")
         r.setdefault("target_throughput", "")

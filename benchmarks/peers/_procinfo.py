@@ -1,4 +1,5 @@
-"""Linux /proc helpers shared by the peer scripts (start-up time and CPU accounting).
+"""Linux /proc helpers shared by the peer scripts and the benchmarks (start-up time, CPU
+accounting, how busy the whole machine was).
 
 Not used inside any dataflow/UDF code, so PyFlink workers never need to import it.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Dict, List
 
 
@@ -71,3 +73,60 @@ class TreeCpuSampler:
         self._thread.join()
         self._sample()
         return sum(self.seen.values()) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_ticks() -> List[int]:
+    """/proc/stat's first line: user nice system idle iowait irq softirq steal (guest time is
+    already in user), in clock ticks summed over every CPU."""
+    with open("/proc/stat") as f:
+        return [int(v) for v in f.readline().split()[1:9]]
+
+
+class MachineCpu:
+    """How busy the whole machine was while something ran: its CPU share in use, the share
+    the hypervisor took (steal), and in what share of its one-second samples no CPU was left
+    (idle below 5%).
+
+    A latency percentile measured on a shared two-vCPU VM says as much about the machine as
+    about the job; these say whether there was CPU to spare while it was measured. Samples
+    /proc/stat once per ``period`` in a thread.
+    """
+
+    def __init__(self, period: float = 1.0, duration: float | None = None) -> None:
+        """``duration``: the window closes on its own after that many seconds (a load of known
+        length inside a longer run); otherwise at ``stop``."""
+        self.period = period
+        self.duration = duration
+        self.first = self.last = _machine_ticks()
+        self.seconds = 0
+        self.saturated = 0
+        self._closed = False  # the window closed on its own: ``last`` is its end
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        end = None if self.duration is None else time.monotonic() + self.duration
+        while not self._stop.wait(self.period if end is None else max(0.0, min(self.period, end - time.monotonic()))):
+            now = _machine_ticks()
+            delta = [b - a for a, b in zip(self.last, now, strict=True)]
+            self.last = now
+            total = sum(delta)
+            if total > 0:
+                self.seconds += 1
+                self.saturated += delta[3] + delta[4] < 0.05 * total
+            if end is not None and time.monotonic() >= end:
+                self._closed = True
+                return
+
+    def stop(self) -> Dict[str, float]:
+        """``cpu_busy_pct``, ``cpu_steal_pct`` over the whole window and ``cpu_saturated_pct``,
+        the share of its samples with no CPU left."""
+        self._stop.set()
+        self._thread.join()
+        delta = [b - a for a, b in zip(self.first, self.last if self._closed else _machine_ticks(), strict=True)]
+        total = sum(delta) or 1
+        idle, steal = delta[3] + delta[4], delta[7]
+        return {"cpu_busy_pct": round(100.0 * (total - idle - steal) / total, 1),
+                "cpu_steal_pct": round(100.0 * steal / total, 1),
+                "cpu_saturated_pct": round(100.0 * self.saturated / self.seconds, 1) if self.seconds else float("nan")}
