@@ -433,22 +433,24 @@ def test_failure_free_local_runs_do_not_fail_over(tmp_path):
         assert len(committed_output(tmp_path / f"out{i}" / "counts")) == 200
 
 
-def test_a_rate_source_below_its_capacity_is_read_in_chunks(tmp_path):
+@pytest.mark.parametrize("kills", [[], [0.5]])
+def test_a_rate_source_below_its_capacity_is_read_in_chunks(tmp_path, kills):
     """Spark's rate source reads the records due so far. After a read that brought any, the
     worker loop used to read again at once, so at a rate far below capacity each read held a
     handful of records and the reads kept both cores busy (issue 13's paced runs). With a
     batching linger, a live source's short read now waits for the loop's idle timeout (2 ms)
     or a message first. Counted, not timed: one output row per source read, holding its size;
     1.5 s of input read at most once per 2 ms per subtask (plus a read per control message) is
-    under 3,000 reads, where reading at once made 7,000-11,000."""
+    under 3,000 reads, where reading at once made 7,000-11,000. With a worker killed mid-run the
+    committed reads still hold every record once (their sizes add up to the input)."""
     import pyarrow as pa
 
     p = make_pipeline("rate-reads", parallelism=2, interval=0.2, batch_size=4096, batch_linger=0.005)
     (p.rate(20_000, count=30_000, uid="rate", records="arrow")
      .map_batches(lambda b: pa.record_batch({"n": pa.array([b.num_rows], pa.int64())}))
      .sink(FileSink(tmp_path / "out"), uid="reads"))
-    result = p.run(deployment="local", checkpoint_dir=str(tmp_path / "chk"))
-    assert result.restarts == 0
+    result = p.run(deployment="local", checkpoint_dir=str(tmp_path / "chk"), failures=FailureSchedule(kill_times=kills))
+    assert result.restarts == len(kills)
     sizes = [r["n"] if isinstance(r, dict) else r[0] for r in committed_output(tmp_path / "out")]
     assert sum(sizes) == 30_000
     assert len(sizes) < 3_000, f"{len(sizes)} reads, {sum(sizes) / len(sizes):.1f} records a read"
