@@ -103,10 +103,10 @@ def test_loop_time_is_split_into_busy_backpressured_and_idle():
 
 def test_run_meters_keep_run_totals_and_a_window_and_rate_it_like_flink():
     m = RunMeters(window=5.0)
-    m.sample(0, WorkerSample(100.0, {"0.0": (0, 0, 0.0, 0.0, 0.0, 0)}))
+    m.sample(0, WorkerSample(100.0, {"0.0": (0, 0, 0.0, 0.0, 0.0, 0, 0)}))
     assert task_metrics(m.as_dict())["0.0"]["records_in_per_second"] is None  # one report: no window yet
     for i in range(1, 11):  # 100 rows/s in, 50 out; 0.2 s busy, 0.7 s backpressured, 0.1 s idle per second
-        m.sample(0, WorkerSample(100.0 + i, {"0.0": (100 * i, 50 * i, 0.2 * i, 0.7 * i, 0.1 * i, 0)}))
+        m.sample(0, WorkerSample(100.0 + i, {"0.0": (100 * i, 50 * i, 0.2 * i, 0.7 * i, 0.1 * i, 0, 0)}))
     row = task_metrics(m.as_dict())["0.0"]
     assert (row["records_in"], row["records_out"]) == (1000, 500)
     assert 5.0 <= row["window_seconds"] <= 6.0 and row["records_in_per_second"] == pytest.approx(100.0)
@@ -115,7 +115,7 @@ def test_run_meters_keep_run_totals_and_a_window_and_rate_it_like_flink():
         pytest.approx((200.0, 700.0, 100.0))
     assert row["backpressure"] == "HIGH"
     m.new_attempt()  # a failover: the next attempt's workers count from 0, the run's totals do not go back
-    m.sample(0, WorkerSample(3.0, {"0.0": (7, 7, 0.0, 0.0, 1.0, 0)}))
+    m.sample(0, WorkerSample(3.0, {"0.0": (7, 7, 0.0, 0.0, 1.0, 0, 0)}))
     assert m.as_dict()["0.0"]["records_in"] == 1007 and "window" not in m.as_dict()["0.0"]
     assert [backpressure_level(r) for r in (0.0, 0.1, 0.11, 0.5, 0.51, 1.0)] == ["OK", "OK", "LOW", "LOW", "HIGH",
                                                                                   "HIGH"]
@@ -123,8 +123,8 @@ def test_run_meters_keep_run_totals_and_a_window_and_rate_it_like_flink():
 
 def test_task_io_metrics_have_flinks_names():
     meters = RunMeters()
-    meters.sample(1, WorkerSample(0.0, {"1.1": (0, 0, 0.0, 0.0, 0.0, 0)}))
-    meters.sample(1, WorkerSample(2.0, {"1.1": (40, 20, 1.9, 0.0, 0.1, 0)}))
+    meters.sample(1, WorkerSample(0.0, {"1.1": (0, 0, 0.0, 0.0, 0.0, 0, 0)}))
+    meters.sample(1, WorkerSample(2.0, {"1.1": (40, 20, 1.9, 0.0, 0.1, 0, 0)}))
     status = {"state": "RUNNING", "mode": "aligned", "epochs": [], "task-metrics": task_metrics(meters.as_dict())}
     doc = dashboard(status, None, [])
     assert doc["task_metrics"]["1.1"]["busy_ms_per_second"] == pytest.approx(950.0)

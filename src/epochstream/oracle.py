@@ -334,6 +334,13 @@ class Reference:
 
     def _apply(self, node: Node, records: Any, edge: int) -> None:
         kind = node.kind
+        if kind == OpKind.MAP_BATCHES and getattr(node.payload, "takes_any_records", False):
+            res = node.payload(records)  # from_json, side-output splitters: records as they come
+            for part in res if type(res) is tuple else (res,):
+                if part is not None and len(part):
+                    for consumer, i in self.consumers[node.id]:
+                        self._work.append((consumer, part, i))
+            return
         if kind == OpKind.MAP_BATCHES:  # rows in become one batch, as in the chain
             batch = from_rows(records, node.name) if type(records) is list else records
             out = as_record_batch(node.payload(batch), node.name)

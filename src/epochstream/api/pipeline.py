@@ -151,12 +151,14 @@ class Stream:
 
     def get_side_output(self, tag: OutputTag) -> "Stream":
         """The records sent to side output ``tag`` (Flink's ``getSideOutput``): a source's
-        late records when it was built with ``late_records=tag``."""
+        late records when it was built with ``late_records=tag``, or ``from_json``'s dead
+        letters with ``dead_letter=tag``."""
         side = self._side_outputs.get(tag)
         if side is None:
             have = sorted(t.tag_id for t in self._side_outputs) or "none"
             raise ValueError(f"this stream has no side output {tag.tag_id!r} (its side outputs: {have}); "
-                             f"pass late_records=OutputTag({tag.tag_id!r}) to its source")
+                             f"pass late_records=OutputTag({tag.tag_id!r}) to its source, or "
+                             f"dead_letter=OutputTag({tag.tag_id!r}) to from_json")
         return side
 
     # -- stateless transformations
@@ -175,6 +177,47 @@ class Stream:
         For exactly-once, the output must not depend on where batches are cut (a row-wise map,
         a filter, added columns): a replay after a failure cuts them differently."""
         return self._p._add(OpKind.MAP_BATCHES, name, fn, self._heads)
+
+    def from_json(self, schema: Any, column: str = "value", keep: Sequence[str] = (), *,
+                  dead_letter: Any = None, max_record_bytes: int | None = 1 << 20, uid: str | None = None,
+                  name: str = "from_json") -> "Stream":
+        """Spark's ``from_json`` for a stream: the JSON objects in ``column`` (binary or string:
+        a Kafka record's ``value``) become typed columns of ``schema`` (a Spark DDL string such as
+        ``"k string, v long NOT NULL, ts timestamp"``, a ``pyspark.sql.types.StructType`` or a
+        pyarrow Schema), one Arrow RecordBatch per input batch, decoded with one call of
+        pyarrow's JSON reader, plus the ``keep`` columns carried over (``("key", "timestamp")``).
+        As in Spark, a missing nullable field is null and fields the schema does not name are
+        ignored. Rows (dicts with ``column``) work too: the column is made once per batch.
+
+        A record that does not decode (malformed JSON, not an object, a value of the wrong type,
+        a NOT NULL field missing or null, empty or null, more than ``max_record_bytes``) goes to
+        the dead-letter output as ``{"topic", "partition", "offset" (when the input has them),
+        "reason", "value"}`` (``reason`` names the field and the problem); it is counted
+        (``JobResult.metrics["dead_letters"]``) and never stops the job. ``dead_letter``: an
+        ``OutputTag`` (``get_side_output(tag)`` of the returned stream) or a sink; None (the
+        default) writes them exactly once as JSON lines under
+        ``<checkpoint_dir>/dead-letters/<uid>/`` and logs a WARNING naming the first of each
+        epoch (per subtask). See ``runtime.jsoncodec``."""
+        from ..runtime.jsoncodec import DeadLetter, JsonDecoder
+        from ..runtime.sideoutput import MainOutput, SideOutput
+
+        uid = uid or f"from_json-{len(self._p._nodes)}"
+        decoder = JsonDecoder(schema, column, tuple(keep) if not isinstance(keep, str) else (keep,),
+                              max_record_bytes, what=f"from_json {uid!r}")
+        raw = self._p._add(OpKind.MAP_BATCHES, name, decoder, self._heads)
+        main = self._p._add(OpKind.MAP_BATCHES, f"{name}_rows", MainOutput(DeadLetter), raw._heads)
+        side = self._p._add(OpKind.MAP_BATCHES, "dead_letters", SideOutput(DeadLetter, "dead_letters"), raw._heads)
+        if isinstance(dead_letter, OutputTag):
+            main._side_outputs[dead_letter] = side
+        elif dead_letter is None:
+            from ..backends.sinks import DeadLetterFiles
+
+            side.sink(DeadLetterFiles(uid), uid=f"{uid}-dead-letters", name="dead_letters_sink")
+        elif isinstance(dead_letter, str) or not hasattr(dead_letter, "pre_commit"):
+            raise TypeError(f"from_json {uid!r}: dead_letter must be an OutputTag or a sink, got {dead_letter!r}")
+        else:
+            side.sink(dead_letter, uid=f"{uid}-dead-letters", name="dead_letters_sink")
+        return main
 
     # -- partitioning
     def key_by(self, key_fn: Callable[[Any], Any] | str | Sequence[str], key_type: Any = None) -> "KeyedStream":
@@ -710,17 +753,24 @@ class Pipeline:
                    timestamps: str | Callable[[Any], float] | None = None,
                    settings: dict[str, Any] | None = None, max_out_of_orderness: float | None = None,
                    idleness: float | None = None, partition_discovery_interval: float | None = 30.0,
-                   late_records: Any = "drop") -> Stream:
+                   late_records: Any = "drop", records: str | None = None) -> Stream:
         """A replayable source over Kafka topics (a name, a list, or a compiled regular
         expression): one split per partition, Kafka offsets in the epoch manifest, read at
         ``read_committed``. ``start``: ``"earliest"``, ``"latest"``, a timestamp in ms or
         offsets (``{partition: offset}``, or ``{(topic, partition): offset}``); ``end``: None
-        (unbounded), ``"latest"`` (the ends when the job is built) or offsets. Records are dicts
-        with ``key``, ``value`` (bytes unless a deserializer is given), ``topic``,
-        ``partition``, ``offset``, ``timestamp`` (ms) and ``headers``. Offsets are committed to
+        (unbounded), ``"latest"`` (the ends when the job is built) or offsets. Records have
+        ``key``, ``value`` (bytes unless a deserializer is given), ``topic``, ``partition``,
+        ``offset``, ``timestamp`` (ms) and ``headers``. ``records``: ``"arrow"`` (one Arrow
+        RecordBatch per read, built from what the client returned, column by column:
+        ``backends.kafka.records``) or ``"dict"`` (a dict per record); None (the default) is
+        ``"arrow"`` unless a deserializer is given, which makes Python values per record. Batches
+        are what ``from_json``, ``key_by("col")`` and the pandas operators take whole, and row
+        operators (``map``, ``key_by(fn)``) get dict rows made once per batch, so ``"arrow"``
+        costs a row job nothing. Offsets are committed to
         ``group_id`` (default ``epochstream-<uid>``) after each epoch completes, for monitoring.
         ``timestamps="kafka"``: the records' Kafka timestamps drive event time (in seconds:
-        ``timestamp / 1000``); or a function of a record (seconds). ``max_out_of_orderness``
+        ``timestamp / 1000``; Arrow batches are labelled with Arrow); or a function of a record
+        (seconds). ``max_out_of_orderness``
         and ``idleness`` (seconds) as in ``from_collection``: each partition has its own
         watermark, the source's is the minimum over its partitions that are not idle.
         ``partition_discovery_interval`` (seconds, Flink's ``partition.discovery.interval.ms``;
@@ -737,16 +787,19 @@ class Pipeline:
         source: Source
         if is_model(bootstrap_servers):  # the simulator's in-memory cluster (backends.kafka.model)
             source = ModelKafkaSource(bootstrap_servers, topics, start=start, end=end, group_id=group_id,
-                                      key_deserializer=key_deserializer, value_deserializer=value_deserializer)
+                                      key_deserializer=key_deserializer, value_deserializer=value_deserializer,
+                                      records=records)
         else:
             source = KafkaSource(bootstrap_servers, topics, start=start, end=end, group_id=group_id,
                                  key_deserializer=key_deserializer, value_deserializer=value_deserializer,
-                                 settings=settings, partition_discovery_interval=partition_discovery_interval)
+                                 settings=settings, partition_discovery_interval=partition_discovery_interval,
+                                 records=records)
         source.uid = uid
         if timestamps == "kafka":
             from ..backends.kafka.source import kafka_event_time
 
             timestamps = kafka_event_time
+            source.timestamp_column = ("timestamp", 1000.0)  # batches: ms, labelled with Arrow
         return self.from_source(source, uid=uid, name="kafka", timestamps=timestamps,
                                 max_out_of_orderness=max_out_of_orderness, idleness=idleness,
                                 late_records=late_records)
@@ -759,9 +812,10 @@ class Pipeline:
         ``idleness`` as in ``from_collection`` (``timestamps`` may name a dict record's key)."""
         uid = uid or f"source-{len(self._nodes)}"
         source.uid = uid  # named in a columnar source's errors
-        if isinstance(timestamps, str):  # a column: records are dicts when event time is on
+        if isinstance(timestamps, str):  # a column: rows read it by name, batches are labelled with Arrow
             import operator
 
+            source.timestamp_column = (timestamps, 1.0)
             timestamps = operator.itemgetter(timestamps)
         if timestamps is not None:
             source.timestamp = timestamps
@@ -791,11 +845,13 @@ class Pipeline:
     def _with_late_output(self, raw: Stream, source: Source, uid: str, late_records: Any) -> Stream:
         """The source's records split in two by chained operators: the on-time ones (the
         returned stream) and the late ones, unwrapped, as its side output (``runtime.watermarks``)."""
-        from ..runtime.watermarks import is_on_time, late_only
+        from ..runtime.sideoutput import MainOutput, SideOutput
+        from ..runtime.watermarks import LateRecord
 
         source.late_output = True
-        main = raw.filter(is_on_time, name="on_time")
-        side = raw.flat_map(late_only, name="late_records")
+        # columnar-aware splitters: an Arrow batch of on-time records passes whole
+        main = self._add(OpKind.MAP_BATCHES, "on_time", MainOutput(LateRecord), raw._heads)
+        side = self._add(OpKind.MAP_BATCHES, "late_records", SideOutput(LateRecord), raw._heads)
         if isinstance(late_records, OutputTag):
             main._side_outputs[late_records] = side
         else:

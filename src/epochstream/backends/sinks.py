@@ -269,6 +269,44 @@ class FileSink(TransactionalSink):
         return out
 
 
+class DeadLetterFiles(FileSink):
+    """``from_json``'s dead letters when no ``dead_letter=`` is given: JSON lines committed
+    exactly once with their epoch, under ``<checkpoint dir>/dead-letters/<name>/``. The folder is
+    known only when the job runs: ``Pipeline.run`` binds it (``bind_checkpoint_root``) before
+    the driver starts. Each subtask's writer logs a WARNING naming the first dead letter of
+    every epoch it writes (the others are in the files, and counted in ``dead_letters``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.store: Any = None
+        self.path: Any = None
+        self.format = "jsonl"
+        self.schema = None
+        self.encoder = _default_encoder
+        self.decoder = json.loads
+        self._encoder = self._decoder = None
+
+    def bind_checkpoint_root(self, root: Any) -> None:
+        """Write under ``root / "dead-letters" / name`` (``root``: the checkpoint storage's)."""
+        from . import open_objects
+
+        self.store = open_objects(root / "dead-letters" / _safe(self.name))
+        self.path = self.store.root
+
+    def __repr__(self) -> str:
+        where = "not yet placed: runs put it under the checkpoint dir" if self.path is None else str(self.path)
+        return f"DeadLetterFiles({self.name!r}, {where})"
+
+    def relocated(self, path: Any) -> FileSink:
+        return FileSink(path)
+
+    def writer(self) -> "_WarningLineWriter":
+        if self.store is None:
+            raise ConfigurationError(f"{self!r}: run the pipeline with Pipeline.run, which places it under the "
+                                     f"checkpoint dir, or give from_json a dead_letter= sink")
+        return _WarningLineWriter(self.encoder, self.name, str(self.path))
+
+
 class _Lines(list):
     """Encoded output lines of one epoch (a list, so emptiness and len work)."""
 
@@ -290,6 +328,32 @@ class _LineWriter:
     def take(self) -> "_Lines":
         out, self.buf = self.buf, _Lines()
         return out
+
+
+class _WarningLineWriter(_LineWriter):
+    """A dead-letter writer that logs the first record of each epoch (between two ``take``s)."""
+
+    __slots__ = ("name", "where", "warned")
+
+    def __init__(self, encoder: Callable[[Any], str], name: str, where: str) -> None:
+        super().__init__(encoder)
+        self.name, self.where, self.warned = name, where, False
+
+    def write(self, records: list[Any]) -> None:
+        if records and not self.warned:
+            self.warned = True
+            first = records[0]
+            at = ""
+            if isinstance(first, dict) and first.get("offset") is not None:
+                at = f" topic {first.get('topic')!r} partition {first.get('partition')} offset {first['offset']}"
+            why = first.get("reason") if isinstance(first, dict) else first
+            log.warning("from_json %s: a record%s does not decode (%s); it and any others of this epoch go to the "
+                        "dead letters under %s", self.name, at, why, self.where)
+        super().write(records)
+
+    def take(self) -> "_Lines":
+        self.warned = False
+        return super().take()
 
 
 class _ColumnWriter:

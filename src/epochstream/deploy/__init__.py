@@ -68,6 +68,7 @@ def run_pipeline(
     # the simulator is one deterministic thread: it compacts inline, where its fail points reach
     storage = make_storage(checkpoint_dir, pipeline.checkpoint.state_backend,
                            pipeline.checkpoint.delta_compact_every, compact_in_background=deployment != "sim")
+    _place_checkpoint_sinks(pipeline, storage)
     lease_ttl = options.pop("lease_ttl", DEFAULT_TTL)
     allow_sources_from_start = bool(options.pop("allow_sources_from_start", False))
     # the job id is the lease holder's: chosen here, before the driver, so a refusal changes nothing
@@ -103,6 +104,22 @@ def run_pipeline(
             keeper.stop()
         if lease is not None:
             lease.release()
+
+
+def _place_checkpoint_sinks(pipeline, storage) -> None:
+    """Sinks that live under the job's checkpoint dir (``from_json``'s default dead letters,
+    ``backends.sinks.DeadLetterFiles``) learn where it is, before any worker takes them."""
+    from ..runtime.errors import ConfigurationError
+
+    for uid, sink in pipeline.sinks.items():
+        bind = getattr(sink, "bind_checkpoint_root", None)
+        if bind is None:
+            continue
+        root = getattr(storage, "root", None)
+        if root is None:
+            raise ConfigurationError(f"sink {uid!r} writes under the checkpoint dir, and {storage!r} has no folder; "
+                                     f"give from_json a dead_letter= sink")
+        bind(root)
 
 
 def _release_clients(pipeline) -> None:
@@ -172,6 +189,8 @@ def _result(pipeline, deployment: str, storage, driver, seconds: float):
             "tasks": tasks,
             # records sources dropped as late (max_out_of_orderness), replays counted again
             "late_records_dropped": sum(t.get("late_records_dropped", 0) for t in tasks.values()),
+            # records from_json sent to its dead-letter output, replays counted again
+            "dead_letters": sum(t.get("dead_letters", 0) for t in tasks.values()),
             "deployment": deployment,
             "parallelism": driver.plan.parallelism,
             "mode": pipeline.mode,

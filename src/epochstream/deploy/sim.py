@@ -144,7 +144,7 @@ class SimDriver(Driver):
             if run is not None:
                 self.meters.new_attempt()
                 self.meters.sample(0, WorkerSample(self.now, {task_key(tid): (t.records_in, t.records_out, 0.0, 0.0,
-                                                                              0.0, t.late_records)
+                                                                              0.0, t.late_records, t.dead_letters)
                                                                   for tid, t in run.tasks.items()}))
                 self.bound_latency.extend(run.controller.bound_latency)
                 self.controller = run.controller

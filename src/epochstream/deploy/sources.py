@@ -163,7 +163,7 @@ class DataFrameSource(Source):
             if part.num_rows == 0:
                 return []
             batch = part.combine_chunks().to_batches()[0]
-            return batch.to_pylist() if self.timestamp is not None else batch  # event time labels rows
+            return batch.to_pylist() if self.rows_for_event_time else batch  # a timestamp function reads rows
         if self.records == "dict":
             return part.to_pylist()
         cols = [c.to_pylist() for c in part.columns]
@@ -248,7 +248,7 @@ class RateSource(Source):
     def read(self, split: int, offset: int, count: int) -> list[Any]:
         stop = min(offset + count, self._due(split))
         n, start, rate = self.num_splits, self.start, self.rate
-        if self.records == "arrow" and self.timestamp is None and stop > offset:
+        if self.records == "arrow" and not self.rows_for_event_time and stop > offset:
             import pyarrow as pa
             import pyarrow.compute as pc
 

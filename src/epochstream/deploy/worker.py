@@ -407,7 +407,8 @@ class WorkerLoop:
         backpressured and idle."""
         times = self.times
         return WorkerSample(now, {self.keys[tid]: (t.records_in, t.records_out, times.busy[tid],
-                                                   times.backpressured[tid], times.idle[tid], t.late_records)
+                                                   times.backpressured[tid], times.idle[tid], t.late_records,
+                                                   t.dead_letters)
                                   for tid, t in self.tasks.items()})
 
     def _loop(self) -> None:

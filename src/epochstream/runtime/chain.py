@@ -170,6 +170,9 @@ class ChainRuntime:
         self._sink_makers: dict[str, tuple[Callable[[], Any], list[Any]]] = {}
         #: rows this subtask's sinks took (with ``out.rows_out``, its numRecordsOut; ``runtime.meters``)
         self.records_sunk = 0
+        #: rows counted by the runtime's own operators, by name (``dead_letters``: records
+        #: ``from_json`` sent to its dead-letter output; replays count again)
+        self.counters: dict[str, int] = {}
         self.functions: list[tuple[Any, Any]] = []  # (user fn, ctx) to open/close
         self.contexts: list[Any] = []
         #: keyed functions with an ``on_epoch_end`` hook: (fn, ctx, downstream push, label)
@@ -407,6 +410,8 @@ class ChainRuntime:
                     raise UserFunctionError(f"sink {label!r} could not take records", exc) from exc
 
             return op_sink
+        if kind == OpKind.MAP_BATCHES and getattr(fn, "takes_any_records", False):
+            return self._compile_any_records(fn, label, push)
         if kind == OpKind.MAP_BATCHES:
             where = f"map_batches {label!r}"
 
@@ -424,6 +429,32 @@ class ChainRuntime:
         if kind == OpKind.PROCESS:
             return self._compile_process(node, push)
         raise ValueError(f"unknown operator kind {kind!r}")
+
+    def _compile_any_records(self, fn: Any, label: str, push: Push) -> Push:
+        """An operator of the runtime's own (``from_json``, the side-output splitters) that takes
+        records as they come, a list of rows or a RecordBatch, and returns either, None, or a
+        tuple of them (each pushed on in order). One with a ``counter`` adds the rows it puts
+        out to ``counters[counter]`` (``dead_letters``: a task metric)."""
+        counter = getattr(fn, "counter", None)
+        counters = self.counters
+        if counter is not None:
+            counters.setdefault(counter, 0)
+
+        def op_any(records: Any, keys: list[Any] | None) -> None:
+            try:
+                out = fn(records)
+            except SchemaError as exc:
+                raise SchemaError(f"{label!r}: {exc}") from None
+            except Exception as exc:
+                raise UserFunctionError(f"{label!r} failed", exc) from exc
+            for part in out if type(out) is tuple else (out,):
+                if part is None or not len(part):
+                    continue
+                push(part, None)
+                if counter is not None:
+                    counters[counter] += len(part)
+
+        return op_any
 
     def _compile_process(self, node: Node, down: Push) -> Push:
         uid = _uid(node)
@@ -601,6 +632,11 @@ class ChainRuntime:
         ``numLateRecordsDropped``; ``WindowAggregateFunction.late_records``)."""
         counts = (getattr(fn, "late_records", 0) for fn, _ctx in self.functions)
         return sum(c for c in counts if type(c) is int)
+
+    @property
+    def dead_letters(self) -> int:
+        """Records this subtask's ``from_json`` operators sent to their dead-letter outputs."""
+        return self.counters.get("dead_letters", 0)
 
     @property
     def records_out(self) -> int:

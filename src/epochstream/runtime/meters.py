@@ -32,9 +32,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-#: per task: (records in, records out, busy s, backpressured s, idle s, late records dropped),
-#: cumulative
-TaskCounts = tuple[int, int, float, float, float, int]
+#: per task: (records in, records out, busy s, backpressured s, idle s, late records dropped,
+#: dead letters), cumulative
+TaskCounts = tuple[int, int, float, float, float, int, int]
+#: the names of ``TaskCounts``' fields, in order
+COUNT_NAMES = ("records_in", "records_out", "busy_seconds", "backpressured_seconds", "idle_seconds",
+               "late_records_dropped", "dead_letters")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +128,7 @@ class RunMeters:
         """The running attempt ended: its last counts join the run's totals."""
         for hist in self.history.values():
             for task, counts in hist[-1].tasks.items():
-                acc = self.base.setdefault(task, [0, 0, 0.0, 0.0, 0.0, 0])
+                acc = self.base.setdefault(task, [0, 0, 0.0, 0.0, 0.0, 0, 0])
                 for i, v in enumerate(counts):
                     acc[i] += v
         self.history.clear()
@@ -133,9 +136,8 @@ class RunMeters:
     def as_dict(self) -> dict[str, dict[str, Any]]:
         """Task key -> run totals (``records_in``, ``records_out``, ``busy_seconds``, ...) and,
         once a worker reported twice, ``window``: the change over the last ``window`` seconds
-        (``seconds`` of its clock and the same six counts)."""
-        names = ("records_in", "records_out", "busy_seconds", "backpressured_seconds", "idle_seconds",
-                 "late_records_dropped")
+        (``seconds`` of its clock and the same seven counts)."""
+        names = COUNT_NAMES
         out: dict[str, dict[str, Any]] = {}
         for task, acc in self.base.items():
             out[task] = dict(zip(names, acc, strict=True))

@@ -19,14 +19,34 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .columns import to_rows
 from .errors import EpochStreamError, SourceError, UserFunctionError
 from .messages import END_OF_TIME
 from .sources import Source
 from .watermarks import LateRecord, SplitWatermarks
 
-Run = tuple[int | None, list[Any], int]
+Run = tuple[int | None, Any, int]
 """(time label, records, offset of the first): records of one label, consecutive in the split
-(None: event time is off); late records dropped between two runs are why the offset is there."""
+(None: event time is off), a list or a RecordBatch slice; late records dropped between two runs
+are why the offset is there."""
+
+
+def timestamps_of(batch: Any, column: tuple[str, float]) -> Any:
+    """Event time in seconds of every row of ``batch`` (a float64 numpy array, NaN where null),
+    as the row path computes it: ``column`` is (name, units per second), and a value becomes
+    ``value / units`` (Kafka's milliseconds: ``ms / 1000.0``, as ``kafka_event_time`` divides);
+    None if the column is missing or not a number."""
+    import numpy as np
+    import pyarrow as pa
+
+    name, units = column
+    if name not in batch.schema.names:
+        return None
+    col = batch.column(name)
+    if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type)):
+        return None
+    values = col.cast(pa.float64()).to_numpy(zero_copy_only=False)
+    return values if units == 1.0 else values / np.float64(units)
 
 
 class SplitReader:
@@ -83,8 +103,8 @@ class SplitReader:
         elif timestamp is not None:
             for s in splits:
                 first = source.read(s, self.offsets[s], 1)
-                if first:
-                    self._split_label[s] = self._label(s, self.offsets[s], first[0])
+                if len(first):
+                    self._split_label[s] = self._first_label(s, self.offsets[s], first)
 
     def _first_offset(self, split: int) -> int:
         restored = self._restored
@@ -147,9 +167,14 @@ class SplitReader:
             self.offsets[split] = after
             #: where the records just read start (the task names them when a function fails on one)
             self.last_read = (split, offset)
-            if records:
+            if len(records):
                 if self.timestamp is None:
                     return [(None, records, offset)]
+                if type(records) is not list:
+                    column = self.source.timestamp_column
+                    if column is not None and timestamps_of(records, column) is not None:
+                        return self._column_runs(split, offset, records, column, now)
+                    records = to_rows(records)  # a timestamp function reads rows
                 if self.watermarks is not None:
                     self.watermarks.touched(split, now)
                     return self._bounded_runs(split, offset, records, bool(self.late_output))
@@ -248,6 +273,99 @@ class SplitReader:
             runs.append((run_label, records[start:], offset + start))
         wm.advance(split, newest, late)
         return runs
+
+    def _first_label(self, split: int, offset: int, records: Any) -> int:
+        if type(records) is list:
+            return self._label(split, offset, records[0])
+        column = self.source.timestamp_column
+        seconds = None if column is None else timestamps_of(records.slice(0, 1), column)
+        if seconds is None:
+            return self._label(split, offset, to_rows(records.slice(0, 1))[0])
+        self._check_column(split, offset, records, seconds)
+        assert self.slack is not None
+        return int(seconds[0] // self.slack)
+
+    # ------------------------------------------------------------ Arrow batches
+    def _column_runs(self, split: int, offset: int, batch: Any, column: tuple[str, float],
+                     now: float) -> list[Run]:
+        """``_runs`` / ``_bounded_runs`` of a RecordBatch whose event time is a column: labels,
+        late records and run ends computed with numpy over the column, the same arithmetic as
+        the row path (Python's float ``//`` is numpy's ``floor_divide``), so a replay and the
+        oracle's rows agree; runs are zero-copy slices. Late records and runs so short that
+        slices would cost more than rows (out-of-order input at a fine slack) become rows."""
+        import numpy as np
+
+        assert self.slack is not None
+        slack = self.slack
+        ts = timestamps_of(batch, column)
+        assert ts is not None
+        self._check_column(split, offset, batch, ts)
+        labels = np.floor_divide(ts, slack).astype(np.int64)
+        n = len(labels)
+        wm = self.watermarks
+        late = None
+        if wm is None:
+            last = self._split_label.get(split, 0)
+            prev = np.concatenate(([last], labels[:-1]))
+            back = np.flatnonzero(labels < prev)
+            if back.size:
+                i = int(back[0])
+                raise EpochStreamError(
+                    f"source {self.uid!r} split {split} offset {offset + i}: timestamp {float(ts[i])!r} "
+                    f"(time label {int(labels[i])}) is before label {int(prev[i])} of an earlier record; event "
+                    f"timestamps must not decrease within a split (sort each split by time, use more splits, or give "
+                    f"the source max_out_of_orderness=<seconds>)")
+            self._split_label[split] = int(labels[-1])
+        else:
+            wm.touched(split, now)
+            # ``_bounded_runs`` vectorised: the floor before record i is the largest of the split's
+            # floor and the bound of every earlier timestamp; a late record's own bound is below
+            # its label, so counting it too changes nothing, and the late test needs no loop
+            floor0 = max(wm.bound(split) - 1, self.time_promised)
+            bounds = np.floor_divide(ts - wm.max_delay, slack).astype(np.int64) - 1
+            floors = np.empty(n, np.int64)
+            floors[0] = floor0
+            if n > 1:
+                floors[1:] = np.maximum(np.maximum.accumulate(bounds)[:-1], floor0)
+            late = labels <= floors
+            kept = ts[~late]
+            newest = max(wm.max_ts[split], float(kept.max())) if kept.size else wm.max_ts[split]
+            n_late = int(late.sum())
+            side = bool(self.late_output)
+            wm.advance(split, newest, 0 if side else n_late)
+            if side:
+                self.late_sent += n_late
+            if not n_late:
+                late = None
+        cut = labels[1:] != labels[:-1]
+        if late is not None:
+            cut |= late[1:] | late[:-1]
+        starts = [0, *(np.flatnonzero(cut) + 1).tolist()]
+        ends = [*starts[1:], n]
+        rows = to_rows(batch) if len(starts) > max(8, n // 16) else None
+        runs: list[Run] = []
+        for a, b in zip(starts, ends, strict=True):
+            if late is not None and late[a]:
+                if self.late_output:
+                    row = rows[a] if rows is not None else to_rows(batch.slice(a, 1))[0]
+                    runs.append((int(floors[a]) + 1, [LateRecord(row)], offset + a))
+                continue
+            part = rows[a:b] if rows is not None else batch.slice(a, b - a)
+            runs.append((int(labels[a]), part, offset + a))
+        return runs
+
+    def _check_column(self, split: int, offset: int, batch: Any, seconds: Any) -> None:
+        """Event timestamps must be numbers >= 0 (the row path's check, vectorised)."""
+        import numpy as np
+
+        bad = np.flatnonzero(~(seconds >= 0))  # NaN and nulls (NaN here) fail too
+        if bad.size:
+            i = int(bad[0])
+            name = self.source.timestamp_column[0] if self.source.timestamp_column else "timestamp"
+            value = batch.column(name)[i].as_py()
+            raise EpochStreamError(
+                f"source {self.uid!r} split {split} offset {offset + i}: column {name!r} holds {value!r}; event "
+                f"timestamps must be numbers >= 0")
 
     def _timestamp(self, record: Any) -> Any:
         assert self.timestamp is not None

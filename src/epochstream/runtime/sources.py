@@ -24,6 +24,10 @@ class Source:
     num_splits: int = 1
     #: event time of a record (set by ``Pipeline.from_source(timestamps=...)``), or None
     timestamp: Callable[[Any], Any] | None = None
+    #: event time as a column of Arrow reads: (column, units per second), set with ``timestamp``
+    #: when it reads a column (``timestamps="col"``, Kafka's ``timestamps="kafka"``): the reader
+    #: labels a RecordBatch with Arrow instead of making rows of it (``runtime.reader``)
+    timestamp_column: tuple[str, float] | None = None
     #: seconds a record may come behind the newest of its split (None: not at all; set by
     #: ``Pipeline.from_source(max_out_of_orderness=...)``; ``runtime.watermarks``)
     max_out_of_orderness: float | None = None
@@ -45,6 +49,11 @@ class Source:
     #: timeout, the linger or the next message) before reading again, instead of turning its
     #: loop for the few records due since the last read
     live: bool = False
+
+    @property
+    def rows_for_event_time(self) -> bool:
+        """Event time is on and read by a function of rows: a columnar read must hand rows."""
+        return self.timestamp is not None and self.timestamp_column is None
 
     def discover(self, now: float, force: bool = False) -> None:
         """Look for new splits (a growing source, at most once per its interval unless
@@ -169,8 +178,9 @@ class ColumnarSource(Source):
 
     Every batch must have the schema of the source's *first batch* (the one holding record 0 of
     split 0; ``schema()``); a batch that differs raises a ``SchemaError`` naming the source uid,
-    split, offset and the differing column. With event time on (``timestamps=``), reads return
-    rows (dicts) instead: the task labels records one by one.
+    split, offset and the differing column. With event time from a column (``timestamps="col"``)
+    reads stay batches (the reader labels them with Arrow); with a timestamp function they return
+    rows (dicts), which the task labels one by one.
 
     Subclasses implement ``_read_batch(split, offset, count)`` (a RecordBatch, possibly empty)
     and ``schema()``.
@@ -196,7 +206,7 @@ class ColumnarSource(Source):
                 f"source {self.uid!r} split {split} offset {offset}: {schema_difference(expected, batch.schema)} "
                 f"(every batch must have the schema of the source's first batch: {expected})"
             )
-        return to_rows(batch) if self.timestamp is not None else batch
+        return to_rows(batch) if self.rows_for_event_time else batch
 
     def records_before(self, offsets: dict[int, int]) -> list[Any]:
         out: list[Any] = []

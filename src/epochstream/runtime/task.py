@@ -236,6 +236,11 @@ class Task:
         return (self.reader.late_records if self.reader is not None else 0) + self.chain.late_records
 
     @property
+    def dead_letters(self) -> int:
+        """Records this task's ``from_json`` operators sent to their dead-letter outputs."""
+        return self.chain.dead_letters
+
+    @property
     def records_out(self) -> int:
         """Rows this task put out so far (channels and sinks; ``runtime.meters``)."""
         return self.chain.records_out

@@ -121,6 +121,8 @@ class JobCollector(Collector):
             ("idleTimeMsPerSecond", "Milliseconds per second the task had nothing to do", "idle_ms_per_second"),
             ("numLateRecordsDropped", "Records the task's source dropped as late (behind its split's watermark, "
              "max_out_of_orderness) over the run", "late_records_dropped"),
+            ("numDeadLetters", "Records the task's from_json sent to its dead-letter output (they do not decode) "
+             "over the run", "dead_letters"),
         ]
         between_epochs = {task: series[-1] for task, series in d["task_rates"].items()
                           if series and series[-1] is not None}

@@ -93,7 +93,8 @@ def backpressure_level(ratio: float) -> str:
 def task_metrics(meters: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Task -> Flink's IO metrics from ``RunMeters.as_dict()``: ``records_in``/``records_out``
     (rows over the run), ``late_records_dropped`` (a source's late records, Flink's
-    ``numLateRecordsDropped``), their rates and the busy / backpressured / idle milliseconds per second
+    ``numLateRecordsDropped``), ``dead_letters`` (records ``from_json`` could not decode), their
+    rates and the busy / backpressured / idle milliseconds per second
     over the last window, and the backpressure level (rates and shares None before a task's
     worker reported twice). The shares add up to 1000 ms/s: each is taken over the time the
     worker accounted, not over its clock, so a late round never makes them exceed a second."""
@@ -101,6 +102,7 @@ def task_metrics(meters: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
     for task, m in meters.items():
         row: dict[str, Any] = {"records_in": m["records_in"], "records_out": m["records_out"],
                                "late_records_dropped": m.get("late_records_dropped", 0),
+                               "dead_letters": m.get("dead_letters", 0),
                                "records_in_per_second": None, "records_out_per_second": None,
                                "busy_ms_per_second": None, "backpressured_ms_per_second": None,
                                "idle_ms_per_second": None, "backpressure": None, "window_seconds": None}

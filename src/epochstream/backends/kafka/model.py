@@ -226,10 +226,15 @@ def is_model(bootstrap_servers: str) -> bool:
 class ModelKafkaSource(Source):
     """``from_kafka("memory://<name>", topics, ...)``: the Kafka source's contract (one split
     per partition sorted by (topic, partition), Kafka offsets in the manifest, read committed,
-    ``start``/``end``, the same record dicts) over a ``KafkaModel``."""
+    ``start``/``end``, the same record dicts or Arrow batches) over a ``KafkaModel``."""
 
     def __init__(self, bootstrap_servers: str, topics: Any, start: Any = "earliest", end: Any = None,
-                 group_id: str | None = None, key_deserializer: Any = None, value_deserializer: Any = None) -> None:
+                 group_id: str | None = None, key_deserializer: Any = None, value_deserializer: Any = None,
+                 records: str | None = None) -> None:
+        from .records import records_format
+
+        #: "arrow": one RecordBatch per read, as the real source's; "dict": a dict per record
+        self.records = records_format(records, key_deserializer, value_deserializer, f"from_kafka({topics!r})")
         self.bootstrap_servers = bootstrap_servers
         cluster = model_cluster(bootstrap_servers)
         if isinstance(topics, re.Pattern):
@@ -274,22 +279,32 @@ class ModelKafkaSource(Source):
     def split_length(self, split: int) -> int | None:
         return None if self.end_offsets is None else self.end_offsets[split]
 
-    def read(self, split: int, offset: int, count: int) -> list[Any]:
+    def read(self, split: int, offset: int, count: int) -> Any:
         return self.read_next(split, offset, count)[0]
 
-    def read_next(self, split: int, offset: int, count: int) -> tuple[list[Any], int]:
+    def read_next(self, split: int, offset: int, count: int) -> tuple[Any, int]:
         end = self.split_length(split)
         if end is not None:
             if offset >= end:
                 return [], offset
         topic, partition = self.partitions[split]
         got, after = self.cluster.fetch(topic, partition, offset, count)
-        out: list[Any] = []
-        for off, e in got:
-            if end is not None and off >= end:
-                return out, end
-            out.append(self._record(topic, partition, off, e))
-        return out, after if end is None else min(after, end)
+        if end is not None:
+            after = min(after, end)
+            if got and got[-1][0] >= end:
+                got = [(o, e) for o, e in got if o < end]
+        return self._records(topic, partition, got), after
+
+    def _records(self, topic: str, partition: int, got: list[tuple[int, Entry]]) -> Any:
+        if not got:
+            return []
+        if self.records == "arrow":
+            from .records import columns_batch
+
+            return columns_batch(topic, partition, [e.key for _o, e in got], [e.value for _o, e in got],
+                                 [o for o, _e in got], [e.timestamp for _o, e in got],
+                                 [e.headers for _o, e in got])
+        return [self._record(topic, partition, off, e) for off, e in got]
 
     def _record(self, topic: str, partition: int, offset: int, e: Entry) -> dict[str, Any]:
         key, value = e.key, e.value
@@ -304,26 +319,35 @@ class ModelKafkaSource(Source):
         return {"key": key, "value": value, "topic": topic, "partition": partition, "offset": offset,
                 "timestamp": e.timestamp, "headers": list(e.headers or [])}
 
-    def read_range(self, split: int, start: int, stop: int) -> list[Any]:
-        """The records at Kafka offsets [start, stop): reads until the offset reaches ``stop``
-        (offsets have gaps: transaction markers, aborted records)."""
-        out: list[Any] = []
+    def read_range(self, split: int, start: int, stop: int) -> Any:
+        """The records at Kafka offsets [start, stop) (one RecordBatch with ``records="arrow"``):
+        reads until the offset reaches ``stop`` (offsets have gaps: transaction markers, aborted
+        records)."""
+        got: list[tuple[int, Entry]] = []
         pos = start
+        topic, partition = self.partitions[split]
+        end = self.split_length(split)
         while pos < stop:
-            got, after = self.read_next(split, pos, stop - pos)
-            out.extend(r for r in got if r["offset"] < stop)
-            if after == pos and not got:
+            part, after = self.cluster.fetch(topic, partition, pos, stop - pos)
+            got.extend((o, e) for o, e in part if o < stop and (end is None or o < end))
+            if after == pos and not part:
                 break  # nothing there (yet): the manifest's offset is past what the cluster holds now
             pos = after
+        out = self._records(topic, partition, got)
+        if self.records == "arrow" and not got:
+            from .records import concat_reads
+
+            return concat_reads([])
         return out
 
     def records_before(self, offsets: dict[int, int]) -> list[Any]:
+        """Every record from the start offsets up to ``offsets``, as dict rows."""
+        from .records import rows_of
+
         out: list[Any] = []
         for split in range(self.num_splits):
-            start, stop = self.start_offsets[split], int(offsets.get(split, self.start_offsets[split]))
-            topic, partition = self.partitions[split]
-            out.extend(self._record(topic, partition, o, e)
-                       for o, e in self.cluster.fetch(topic, partition, start, 1 << 62)[0] if o < stop)
+            start = self.start_offsets[split]
+            out.extend(rows_of(self.read_range(split, start, int(offsets.get(split, start)))))
         return out
 
     def epoch_completed(self, offsets: dict[Any, Any]) -> None:

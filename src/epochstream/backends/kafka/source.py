@@ -34,6 +34,7 @@ recovery reads the manifest, never the group.
 
 from __future__ import annotations
 
+import bisect
 import re
 import zlib
 from typing import Any, Callable, Iterable
@@ -41,6 +42,7 @@ from typing import Any, Callable, Iterable
 from ...runtime.errors import UserFunctionError
 from ...runtime.sources import Source
 from .client import KafkaSourceError, confluent, holds_clients, topic_metadata
+from .records import concat_reads, messages_batch, records_format, rows_of
 
 #: seconds between looks for new partitions by default (Flink's ``partition.discovery.interval.ms``
 #: is 5 minutes; a shorter look costs one metadata request per worker)
@@ -77,6 +79,17 @@ def split_id(topic: str, partition: int) -> int:
     return (zlib.crc32(topic.encode("utf-8")) << PARTITION_BITS) | partition
 
 
+def before_offset(records: Any, stop: int) -> Any:
+    """The records of one read whose offset is below ``stop`` (a read may run past it: offsets
+    have gaps); a RecordBatch is sliced (its offsets ascend)."""
+    if type(records) is list:
+        return [r for r in records if r["offset"] < stop]
+    import pyarrow.compute as pc
+
+    keep = pc.sum(pc.less(records.column("offset"), stop)).as_py() or 0
+    return records if keep == records.num_rows else records.slice(0, keep)
+
+
 def kafka_event_time(record: Any) -> Any:
     """A record's Kafka timestamp in seconds (``from_kafka(timestamps="kafka")``); None if the
     producer set none (the reader then names the record)."""
@@ -92,8 +105,10 @@ class KafkaSource(Source):
                  key_deserializer: Callable[[bytes | None], Any] | None = None,
                  value_deserializer: Callable[[bytes | None], Any] | None = None,
                  settings: dict[str, Any] | None = None, timeout: float = 10.0,
-                 partition_discovery_interval: float | None = DISCOVERY_INTERVAL) -> None:
+                 partition_discovery_interval: float | None = DISCOVERY_INTERVAL, records: str | None = None) -> None:
         confluent()
+        #: "arrow": one RecordBatch per read (``records.kafka_schema``); "dict": a dict per record
+        self.records = records_format(records, key_deserializer, value_deserializer, f"from_kafka({topics!r})")
         self.bootstrap_servers = bootstrap_servers
         self.settings = dict(settings or {})
         self.group_id = group_id
@@ -304,12 +319,13 @@ class KafkaSource(Source):
         """The end offset of a bounded split (offsets, not counts: see the module docstring)."""
         return None if self.end_offsets is None else self.end_offsets[split]
 
-    def read(self, split: int, offset: int, count: int) -> list[Any]:
+    def read(self, split: int, offset: int, count: int) -> Any:
         return self.read_next(split, offset, count)[0]
 
-    def read_next(self, split: int, offset: int, count: int) -> tuple[list[Any], int]:
-        """Up to ``count`` records of ``split`` from Kafka offset ``offset``, and the offset after
-        them; ([], offset) when nothing has arrived yet."""
+    def read_next(self, split: int, offset: int, count: int) -> tuple[Any, int]:
+        """Up to ``count`` records of ``split`` from Kafka offset ``offset`` (a RecordBatch with
+        ``records="arrow"``, else a list of dicts), and the offset after them; ([], offset) when
+        nothing has arrived yet."""
         end = self.split_length(split)
         if end is not None and offset >= end:
             return [], offset
@@ -321,7 +337,28 @@ class KafkaSource(Source):
         else:
             wait = 0.0
         msgs = consumer.consume(count if end is None else min(count, end - offset), timeout=wait)
-        out: list[Any] = []
+        if any(m.error() is not None for m in msgs):
+            msgs = self._without_errors(msgs, topic, partition, offset)
+        offsets = [m.offset() for m in msgs]
+        if end is not None and offsets and offsets[-1] >= end:  # offsets ascend: cut at the end
+            cut = bisect.bisect_left(offsets, end)
+            msgs, offsets = msgs[:cut], offsets[:cut]
+        nxt = offsets[-1] + 1 if offsets else offset
+        if not offsets:  # past transaction markers, or at the end of a bounded split
+            pos = consumer.position([confluent().TopicPartition(topic, partition)])[0].offset
+            if pos > nxt:
+                nxt = pos if end is None else min(pos, end)
+        self._positions[split] = nxt
+        if not msgs:
+            return [], nxt
+        if self.records == "arrow":
+            return messages_batch(msgs, topic, partition, offsets), nxt
+        return [self._record(m, split) for m in msgs], nxt
+
+    def _without_errors(self, msgs: list[Any], topic: str, partition: int, offset: int) -> list[Any]:
+        """The messages before the first error (end-of-partition events are skipped); any
+        other error fails the read, naming where it happened."""
+        out = []
         nxt = offset
         for m in msgs:
             err = m.error()
@@ -330,17 +367,9 @@ class KafkaSource(Source):
                     continue
                 raise KafkaSourceError(f"source {self.uid!r}: topic {topic!r} partition {partition} offset {nxt}: "
                                        f"{err.str()}")
-            off = m.offset()
-            if end is not None and off >= end:
-                break
-            out.append(self._record(m, split))
-            nxt = off + 1
-        if not out:  # past transaction markers, or at the end of a bounded split
-            pos = consumer.position([confluent().TopicPartition(topic, partition)])[0].offset
-            if pos > nxt:
-                nxt = pos if end is None else min(pos, end)
-        self._positions[split] = nxt
-        return out, nxt
+            out.append(m)
+            nxt = m.offset() + 1
+        return out
 
     def _record(self, m: Any, split: int) -> dict[str, Any]:
         key, value = m.key(), m.value()
@@ -377,31 +406,30 @@ class KafkaSource(Source):
         consumer.assign([ck.TopicPartition(topic, partition, offset)])
         self._positions[split] = offset
 
-    def read_range(self, split: int, start: int, stop: int) -> list[Any]:
-        """The records at Kafka offsets [start, stop): reads until the offset reaches ``stop``
-        (offsets have gaps: transaction markers, aborted records)."""
-        out: list[Any] = []
+    def read_range(self, split: int, start: int, stop: int) -> Any:
+        """The records at Kafka offsets [start, stop) (one RecordBatch with ``records="arrow"``):
+        reads until the offset reaches ``stop`` (offsets have gaps: transaction markers, aborted
+        records)."""
+        parts: list[Any] = []
         pos = start
         while pos < stop:
-            got, after = self.read_next(split, pos, stop - pos)
-            out.extend(r for r in got if r["offset"] < stop)
-            if after == pos and not got:
+            got, after = self.read_next(split, pos, min(10_000, stop - pos))
+            if len(got):
+                parts.append(before_offset(got, stop))
+            if after == pos and not len(got):
                 continue  # not fetched yet
             pos = after
-        return out
+        if self.records == "arrow":
+            return concat_reads(parts)
+        return [r for part in parts for r in part]
 
     def records_before(self, offsets: dict[int, int]) -> list[Any]:
-        """Every record from the start offsets up to ``offsets`` (the input an epoch names)."""
+        """Every record from the start offsets up to ``offsets`` (the input an epoch names), as
+        dict rows."""
         out: list[Any] = []
         for split in self.partitions:
             first = self.start_offset(split)
-            pos, stop = first, int(offsets.get(split, first))
-            while pos < stop:
-                got, pos2 = self.read_next(split, pos, min(10_000, stop - pos))
-                out.extend(r for r in got if r["offset"] < stop)
-                if pos2 == pos and not got:
-                    continue  # not fetched yet
-                pos = pos2
+            out.extend(rows_of(self.read_range(split, first, int(offsets.get(split, first)))))
         return out
 
     def release(self) -> None:
