@@ -105,7 +105,7 @@ def test_source_start_and_end_offsets(kafka):
     from epochstream.backends.kafka import KafkaSource
 
     topic = _fill(kafka, 30, partitions=1)
-    src = KafkaSource(kafka.bootstrap_servers, topic, start={0: 10}, end={0: 20})
+    src = KafkaSource(kafka.bootstrap_servers, topic, start={0: 10}, end={0: 20}, records="dict")
     assert (src.start_offset(0), src.split_length(0)) == (10, 20)
     recs, after = [], 10
     while after < 20:

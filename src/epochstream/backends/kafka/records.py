@@ -18,22 +18,26 @@ from typing import Any, Sequence
 RECORD_FORMATS = ("arrow", "dict")
 
 
+#: made on first use (pyarrow is not imported before)
+_SCHEMA: list[Any] = []
+
+
 def kafka_schema() -> Any:
     """The Arrow schema of Kafka records read as batches (``runtime.jsoncodec`` types rows of
     them alike)."""
-    import pyarrow as pa
+    if not _SCHEMA:
+        import pyarrow as pa
 
-    return pa.schema([
-        pa.field("key", pa.binary()), pa.field("value", pa.binary()), pa.field("topic", pa.string()),
-        pa.field("partition", pa.int32()), pa.field("offset", pa.int64()), pa.field("timestamp", pa.int64()),
-        pa.field("headers", headers_type()),
-    ])
+        _SCHEMA.append(pa.schema([
+            pa.field("key", pa.binary()), pa.field("value", pa.binary()), pa.field("topic", pa.string()),
+            pa.field("partition", pa.int32()), pa.field("offset", pa.int64()), pa.field("timestamp", pa.int64()),
+            pa.field("headers", pa.list_(pa.struct([pa.field("key", pa.string()), pa.field("value", pa.binary())]))),
+        ]))
+    return _SCHEMA[0]
 
 
 def headers_type() -> Any:
-    import pyarrow as pa
-
-    return pa.list_(pa.struct([pa.field("key", pa.string()), pa.field("value", pa.binary())]))
+    return kafka_schema().field("headers").type
 
 
 def records_format(records: str | None, key_deserializer: Any, value_deserializer: Any, what: str) -> str:
@@ -58,7 +62,8 @@ def columns_batch(topic: str, partition: int, keys: list[Any], values: list[Any]
     import pyarrow as pa
 
     n = len(keys)
-    htype = headers_type()
+    schema = kafka_schema()
+    htype = schema.field("headers").type
     if any(h is not None for h in headers):
         hcol = pa.array(headers, htype)
     else:  # no message of the read has headers: no Python container per record
@@ -67,7 +72,7 @@ def columns_batch(topic: str, partition: int, keys: list[Any], values: list[Any]
         pa.array(keys, pa.binary()), pa.array(values, pa.binary()),
         pa.repeat(pa.scalar(topic, pa.string()), n), pa.repeat(pa.scalar(partition, pa.int32()), n),
         pa.array(offsets, pa.int64()), pa.array(stamps, pa.int64()), hcol,
-    ], schema=kafka_schema())
+    ], schema=schema)
 
 
 def messages_batch(msgs: Sequence[Any], topic: str, partition: int, offsets: Sequence[int]) -> Any:
