@@ -63,7 +63,8 @@ def test_ddl_strings_map_to_the_arrow_types_pyspark_uses():
         ("a", "list<item: int32>", True), ("s", "struct<x: double, y: string>", True),
         ("m", "map<string, int32>", True), ("odd name", "int64", True)]
     st_ = StructType([StructField("k", StringType()), StructField("v", LongType(), False),
-                      StructField("a", ArrayType(TimestampType())), StructField("m", MapType(StringType(), LongType()))])
+                      StructField("a", ArrayType(TimestampType())),
+                      StructField("m", MapType(StringType(), LongType()))])
     assert ddl.arrow_schema(st_).equals(pyspark_arrow(st_))  # read through jsonValue(): no pyspark import
     assert ddl.arrow_schema("struct<a:int,b:string>").names == ["a", "b"]
     for bad, why in [("", "names no field"), ("k strin", "unknown type 'strin'"), ("a int, a long", "appears twice"),

@@ -33,3 +33,51 @@ def test_exactly_once_on_spark_with_a_worker_kill(kafka, spark, tmp_path, mode):
                 failures=FailureSchedule(kill_times=[1.0], kill_moments=["snapshot_write"]))
     assert res.metrics["deployment"] == "spark" and res.restarts >= 1
     assert check_running_counts(_committed(kafka, out), range(N)) == []
+
+
+def _pandas_counts(key, pdfs, state):
+    """applyInPandasWithState: a running count per key, one output row per input row."""
+    import pandas as pd
+
+    count = state.get[0] if state.exists else 0
+    for pdf in pdfs:
+        n = len(pdf)
+        yield pd.DataFrame({"key": [key[0]] * n, "n": range(count + 1, count + n + 1), "id": pdf["id"].to_numpy()})
+        count += n
+    state.update((count,))
+
+
+def test_kafka_json_to_pandas_state_to_kafka_on_spark_with_a_worker_kill(kafka, spark, tmp_path):
+    """The pipeline PySpark users run, on the spark driver: Kafka (Arrow batches) -> from_json
+    with malformed records -> applyInPandasWithState running count -> Kafka, dead letters to a
+    second topic; a task's Python worker SIGKILLed mid-run (tracker mode; aligned on the local
+    driver in tests/test_kafka_arrow.py). Every good id once, each key's counts 1..n, every bad
+    record once among the dead letters."""
+    import collections
+    import json
+
+    from epochstream import KafkaSink
+    from epochstream.backends.kafka import read_topic
+    from pipelines import make_pipeline
+    from test_kafka_arrow import SCHEMA, _json_topic
+
+    src, bad, good_ids = _json_topic(kafka)
+    out = new_topic(kafka, "counts", 2)
+    dead_topic = new_topic(kafka, "dead", 1)
+    p = make_pipeline("kafka-json-spark", mode="tracker", interval=0.1, batch_size=64)
+    (p.from_kafka(kafka.bootstrap_servers, src, end="latest", uid="src")
+     .from_json(SCHEMA, uid="json",
+                dead_letter=KafkaSink(kafka.bootstrap_servers, dead_topic, staging=str(tmp_path / "staging-dead")))
+     .apply_in_pandas_with_state(_pandas_counts, "key string, n long, id long", "count long", "append",
+                                 "NoTimeout", key="key", uid="count")
+     .sink(KafkaSink(kafka.bootstrap_servers, out, key=lambda r: r["key"], staging=str(tmp_path / "staging")),
+           uid="out"))
+    res = p.run(deployment="spark", checkpoint_dir=str(tmp_path / "chk"), spark=spark,
+                failures=FailureSchedule(kill_times=[1.0], kill_moments=["snapshot_write"]))
+    assert res.metrics["deployment"] == "spark" and res.restarts >= 1
+    counts = [json.loads(m["value"]) for m in read_topic(kafka.bootstrap_servers, out)]
+    assert check_running_counts([(r["key"], r["n"], r["id"]) for r in counts], good_ids) == []
+    seen = collections.Counter((d["partition"], d["offset"])
+                               for d in (json.loads(m["value"]) for m in read_topic(kafka.bootstrap_servers,
+                                                                                     dead_topic)))
+    assert set(seen) == bad and set(seen.values()) == {1}
