@@ -91,8 +91,11 @@ def test_arrow_batches_hold_what_the_dict_records_hold(kafka):
                 assert {k: got[k] for k in want if k != "headers"} == {k: v for k, v in want.items() if k != "headers"}
                 assert got["headers"] == ([{"key": k, "value": v} for k, v in want["headers"]] or None)
             assert all(r["timestamp"] > 0 for r in rows)
-        first, after = arrow.read_next(1, arrow.start_offset(1), 50)  # no message of this read has headers
-        assert first.column("headers").null_count == first.num_rows == 50 and after == first["offset"][-1].as_py() + 1
+        first: list | pa.RecordBatch = []
+        while not len(first):  # partition 0's offsets 1..50 are ids 3..150: none of them has headers
+            first, after = arrow.read_next(0, 1, 50)
+        assert first.column("headers").null_count == first.num_rows > 0
+        assert after == first["offset"][-1].as_py() + 1
         assert rows_of(arrow.read_range(0, 0, arrow.split_length(0)))[-1]["value"] is None
     finally:
         arrow.close()
