@@ -24,6 +24,11 @@ a count of records: transaction markers and compaction leave gaps, and the manif
 names a position any Kafka tool understands. ``read_next`` returns the records and the
 offset after them (past skipped markers), which ``runtime.reader.SplitReader`` stores.
 
+A read returns one Arrow RecordBatch (``records="arrow"``, the default unless a deserializer
+is given) built column by column from the list of messages ``consume()`` returned, with no dict
+per record (``records.messages_batch``), or a dict per record (``records="dict"``); both hold the
+same values (``records``).
+
 Workers read with one consumer per split, assigned by hand (no group rebalancing), at
 ``isolation.level=read_committed`` so aborted input is never read, and poll without waiting
 (librdkafka prefetches in the background), so a worker's loop is never blocked by an idle
