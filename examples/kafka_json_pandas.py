@@ -52,7 +52,7 @@ with KafkaCluster(1) as kafka:
         producer.produce("clicks", value=value, partition=i % 3)
     producer.flush()
 
-    p = Pipeline("clicks", parallelism=2, checkpoint_interval=0.5)
+    p = Pipeline("clicks", parallelism=2, checkpoint_interval=0.1)
     (p.from_kafka(kafka.bootstrap_servers, "clicks", end="latest", uid="clicks")
       .from_json("user string NOT NULL, page string, ts timestamp", uid="decode",
                  dead_letter=KafkaSink(kafka.bootstrap_servers, "clicks-dead", staging=tempfile.mkdtemp()))

@@ -9,7 +9,10 @@ one below the smallest label a split with records left can still produce (``END_
 once every split is exhausted). By default labels must not decrease within a split; a
 source with ``max_out_of_orderness`` instead bounds each split's labels by its newest
 timestamp minus that delay, drops records below the bound as late, and leaves idle splits
-out of the promise (``runtime.watermarks``).
+out of the promise (``runtime.watermarks``). A RecordBatch whose event time is a column
+(``Source.timestamp_column``: ``timestamps="col"``, Kafka's ``timestamps="kafka"``) is labelled
+with numpy over that column, with the row path's arithmetic, and cut into zero-copy slices
+(``_column_runs``); other batches are labelled as rows.
 
 Pure: no actions, no time. ``runtime.task.Task`` pushes the runs into its chain, counts
 them, and turns a grown time promise into a watermark or a tracker promise.

@@ -29,7 +29,8 @@ late records is no longer reproducible, as in Flink.
 A source built with ``late_records=OutputTag(...)`` (or a sink) keeps its late records
 instead: the reader sends each one on, wrapped in ``LateRecord`` and labelled with the
 split's current bound (a label nothing was promised for yet), and the two operators the API
-puts behind the source split the wrapped records (the side output) from the others. They
+puts behind the source split the wrapped records (the side output) from the others
+(``runtime.sideoutput``: an Arrow batch holds none and passes the main output whole). They
 are ordinary records from there on, in the epoch of the read, so a side output is as
 exactly-once as the main one, and the rule above decides which records go there.
 
@@ -65,16 +66,6 @@ class LateRecord:
 
     def __repr__(self) -> str:
         return f"LateRecord({self.record!r})"
-
-
-def is_on_time(record: object) -> bool:
-    """The main output's filter behind a source with a late-record side output."""
-    return type(record) is not LateRecord
-
-
-def late_only(record: object) -> tuple[object, ...]:
-    """The side output's flat map behind a source with a late-record side output."""
-    return (record.record,) if isinstance(record, LateRecord) else ()
 
 
 class SplitWatermarks:
