@@ -1,5 +1,6 @@
 """Kafka in, Kafka out, on a real broker (``kafkaserver.kafka``: KRaft, one per session).
 
+Sources read Arrow batches (``records="arrow"``, the default) unless a test says otherwise.
 The source: one split per partition, Kafka offsets in the manifest, bounded by ``end``, group
 offsets committed after epochs; bad input (a missing topic, an unreachable broker, a record
 the deserializer rejects) is a clear error naming topic, partition and offset.
@@ -82,6 +83,7 @@ def test_source_reads_every_partition_once_and_commits_group_offsets(kafka, tmp_
     (p.from_kafka(kafka.bootstrap_servers, topic, end="latest", uid="src", group_id="g-read")
      .map(lambda r: {k: (v.decode() if isinstance(v, bytes) else v) for k, v in r.items()})
      .sink(FileSink(tmp_path / "out"), uid="out"))
+    assert p.sources["src"].records == "arrow"  # the default: batches, made into rows for the map
     res = p.run("local", checkpoint_dir=tmp_path / "chk")
     got = FileSink(tmp_path / "out").read()
     assert sorted(int(r["value"]) for r in got) == list(range(300))
@@ -378,6 +380,7 @@ def test_kafka_timestamps_drive_per_partition_watermarks_exactly_once_with_a_kil
      .key_by(lambda r: r[0])
      .window(TumblingEventTimeWindows.of(WINDOW_S, lambda r: r[1])).count(uid="win")
      .sink(sink, uid="out"))
+    assert p.sources["src"].records == "arrow" and p.sources["src"].timestamp_column == ("timestamp", 1000.0)
     res = p.run("local", checkpoint_dir=tmp_path / "chk",
                 failures=FailureSchedule(kill_times=[0.4], kill_moments=["now"]))
     assert res.restarts >= 1

@@ -764,9 +764,10 @@ class Pipeline:
         RecordBatch per read, built from what the client returned, column by column:
         ``backends.kafka.records``) or ``"dict"`` (a dict per record); None (the default) is
         ``"arrow"`` unless a deserializer is given, which makes Python values per record. Batches
-        are what ``from_json``, ``key_by("col")`` and the pandas operators take whole, and row
-        operators (``map``, ``key_by(fn)``) get dict rows made once per batch, so ``"arrow"``
-        costs a row job nothing. Offsets are committed to
+        are what ``from_json``, ``key_by("col")`` and the pandas operators take whole (no
+        Python object per record from the consumer to the pandas frame); row operators (``map``,
+        ``key_by(fn)``) get dict rows made once per batch, which costs a row-only job about
+        0.4 us per record more than dicts made at the source. Offsets are committed to
         ``group_id`` (default ``epochstream-<uid>``) after each epoch completes, for monitoring.
         ``timestamps="kafka"``: the records' Kafka timestamps drive event time (in seconds:
         ``timestamp / 1000``; Arrow batches are labelled with Arrow); or a function of a record

@@ -16,14 +16,19 @@ row per value, which then proves the mapping (a line that held two objects would
 to give none).
 
 If the read fails (malformed JSON, a value of the wrong type, a NOT NULL field missing or
-null, a line of two objects), the batch is *bisected*: halves are read again until the failing
-values stand alone, so the good path stays one call per batch and a batch with k bad records
-costs about 2 k log2(n / k) small reads. A failing value gets a reason naming the field and the
-problem (found by reading its fields one at a time), and goes to the dead-letter output with
-the topic, partition and offset of its row when the batch has those columns. Rows carry over
-the ``keep`` columns (key, timestamp...). Dates are read as strings and cast (Arrow's JSON
-reader reads dates only as day numbers); maps and binary fields are refused when the schema
-is given (Arrow's reader has no maps; Spark reads binary as base64).
+null, a line of two objects), the failing values are found without giving up the one call per
+batch on the good path: runs larger than ``SCREEN_ROWS`` are halved and read again; a failing
+run of at most ``SCREEN_ROWS`` values is looked at value by value in Python (``problem``:
+``json.loads`` and a check of each field's JSON kind against its type, which names the field),
+each value it flags is confirmed by a read of its own, and the rest is read in one call (halved
+further should it still fail). A value's fate is decided by the value alone (by the screen,
+or by a read of it alone), never by the rest of its batch, so a replay that cuts batches
+elsewhere decides alike. A dead value goes to the dead-letter output with the reason and the topic, partition and
+offset of its row when the batch has those columns. Rows carry over the ``keep`` columns (key,
+timestamp...). Dates are read as strings and cast (Arrow's JSON reader reads dates only as day
+numbers); maps and binary fields are refused when the schema is given (Arrow's reader has no
+maps; Spark reads binary as base64). Invalid UTF-8 is found with one validating cast (Arrow's
+reader would let it into string columns).
 
 Encoding (``encode_json``): the JSON text of every row built column by column with
 pyarrow.compute string kernels (casts, ``replace_substring`` escapes, one
@@ -275,7 +280,7 @@ class JsonDecoder:
             table = pj.read_json(pa.BufferReader(data),
                                  read_options=pj.ReadOptions(use_threads=False, block_size=max(size + 1, 1 << 16)),
                                  parse_options=self._parse_options)
-        except (pa.ArrowException, ValueError, UnicodeDecodeError) as exc:
+        except (pa.ArrowException, ValueError, UnicodeDecodeError, OverflowError) as exc:
             raise _Unreadable(str(exc)) from None
         if table.num_rows != len(values):
             raise _Unreadable(f"{table.num_rows} rows for {len(values)} values")
