@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from epochstream import KafkaSink, Pipeline
-from epochstream.backends.kafka import KafkaSourceError, read_topic
+from epochstream.backends.kafka import KafkaSinkError, KafkaSourceError, read_topic
 from epochstream.deploy.failures import FailureSchedule, InjectedFailure
 from epochstream.runtime.errors import ConfigurationError
 from kafkaserver import new_topic, produce
@@ -165,39 +165,51 @@ def test_sink_rejects_a_broker_transaction_timeout_too_short(kafka, tmp_path):
 
 
 def test_sink_recovery_produces_exactly_the_epochs_kafka_lacks(kafka, tmp_path):
-    """The sink's verbs driven by hand: a manifest-committed epoch whose Kafka transaction was
-    aborted by the crash is produced again; one Kafka has is not."""
+    """The sink's verbs driven by hand. A subtask produces each epoch into its own open
+    transaction at pre-commit and commits it when told the manifest exists; a subtask that dies
+    in between leaves it open, recovery aborts it (fencing the producer) and produces the
+    manifest's epoch again from the staged copy; an epoch Kafka has is not produced again."""
     out = new_topic(kafka, "rec", 1)
     staging = tmp_path / "st"
     sink = KafkaSink(kafka.bootstrap_servers, out, staging=staging)
     sink.start("out", "job", None)
-    rel1 = sink.pre_commit("out", 0, 1, "a", ["e1-r0", "e1-r1"])
-    sink.commit_epoch("out", 1, [rel1])
-    rel2 = sink.pre_commit("out", 0, 2, "a", ["e2-r0"])
+    sink.pre_commit("out", 0, 1, "a", ["e1-r0", "e1-r1"])
+    assert read_topic(kafka.bootstrap_servers, out) == []  # produced, not committed: read_committed waits
+    sink.commit_subtask("out", 0, 1)
+    sink.pre_commit("out", 0, 2, "a", ["e2-r0"])
+    sink.pre_commit("out", 1, 2, "a", ["e2-s1"])  # a second subtask, in the same process here
 
     def crash(step):
-        if step == "produced":
-            raise InjectedFailure("master dies inside Kafka's transaction")
+        if step == "committing":
+            raise InjectedFailure("the subtask dies after the manifest, inside Kafka's transaction")
 
     sink.fail_hook = crash
     with pytest.raises(InjectedFailure):
-        sink.commit_epoch("out", 2, [rel2])
+        sink.commit_subtask("out", 0, 2)
     sink.fail_hook = None
-    # a new master: start aborts the open transaction, recover re-produces epoch 2 (the manifest's)
+    sink.commit_subtask("out", 1, 2)  # subtask 1 was told in time
+    # subtask 0's open transaction holds read_committed readers back at its first record
+    assert [m["value"] for m in read_topic(kafka.bootstrap_servers, out)] == [b"e1-r0", b"e1-r1"]
+    sink.pre_commit("out", 1, 3, "a", ["never-in-a-manifest"])  # epoch 3 gets no manifest
+    # a new master restores epoch 2: it fences both subtasks' producers and produces subtask 0's epoch 2 again
     fresh = KafkaSink(kafka.bootstrap_servers, out, staging=staging)
     fresh.start("out", "job", None)
-    assert fresh.read_marker("out") == 1
-    rel3 = fresh.pre_commit("out", 0, 3, "a", ["never-in-a-manifest"])
-    fresh.recover("out", [rel2], epoch=2)
-    assert fresh.read_marker("out") == 2
-    assert [m["value"] for m in read_topic(kafka.bootstrap_servers, out)] == [b"e1-r0", b"e1-r1", b"e2-r0"]
+    fresh.recover("out", [], epoch=2, subtasks=range(2))
+    assert fresh.read_marker("out", 0) == 2 and fresh.read_marker("out", 1) == 2
+    got = [m["value"] for m in read_topic(kafka.bootstrap_servers, out)]
+    assert sorted(got) == [b"e1-r0", b"e1-r1", b"e2-r0", b"e2-s1"]
     uncommitted = [m["value"] for m in read_topic(kafka.bootstrap_servers, out, "read_uncommitted")]
     assert uncommitted.count(b"e2-r0") == 2  # the aborted write is there, and only read_committed hides it
-    assert not list(fresh.store.keys(fresh.store.root, "_staging/"))  # rel3 (and the committed ones) are gone
+    assert b"never-in-a-manifest" in uncommitted and b"never-in-a-manifest" not in got
+    assert not list(fresh.store.keys(fresh.store.root, "_staging/"))  # epoch 3 (no manifest) and the rest are gone
+    # the old producers are fenced: a zombie of the old attempt cannot commit its epoch 3
+    with pytest.raises(KafkaSinkError, match="fenced"):
+        sink.commit_subtask("out", 1, 3)
+    assert b"never-in-a-manifest" not in [m["value"] for m in read_topic(kafka.bootstrap_servers, out)]
     # recovering again is idempotent
-    fresh.recover("out", [rel2], epoch=2)
-    assert len(read_topic(kafka.bootstrap_servers, out)) == 3
-    del rel3
+    fresh.recover("out", [], epoch=2, subtasks=range(2))
+    assert len(read_topic(kafka.bootstrap_servers, out)) == 4
+    sink.close()
 
 
 def test_read_topic_waits_out_commit_markers_and_skips_an_open_transaction(kafka):
@@ -227,26 +239,15 @@ def test_read_topic_waits_out_commit_markers_and_skips_an_open_transaction(kafka
     p.abort_transaction(30)
 
 
-# failure points of the commit: (kill moment of a worker | fail point of the master | inside the sink)
+# failure points of the commit: (kill moment of a worker | fail point of the master)
 FAILURES = {
-    "worker-before-flush": FailureSchedule(kill_times=[0.4], kill_moments=["now"]),
-    "worker-after-flush": FailureSchedule(kill_times=[0.4], kill_moments=["snapshot_write"]),
+    "worker-before-staging": FailureSchedule(kill_times=[0.4], kill_moments=["now"]),
+    "worker-after-staging": FailureSchedule(kill_times=[0.4], kill_moments=["snapshot_write"]),
     "after-manifest": FailureSchedule(fail_points={"after_manifest": {2}}),
-    "in-kafka-transaction": None,  # the sink's own hook (below)
-    "after-kafka-commit": FailureSchedule(fail_points={"after_commit": {2}}),
+    # the manifest exists and reached the worker; its epoch's transaction is open, not committed
+    "in-kafka-transaction": FailureSchedule(kill_times=[0.4], kill_moments=["sink_commit"]),
+    "after-master-commit": FailureSchedule(fail_points={"after_commit": {2}}),
 }
-
-
-class _CrashInTransaction:
-    """Raise (as a crashing job master would die) once, between producing and committing."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def __call__(self, step: str) -> None:
-        if step == "produced" and not self.done:
-            self.done = True
-            raise InjectedFailure("job master crashed inside Kafka's transaction")
 
 
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])
@@ -255,18 +256,43 @@ def test_exactly_once_under_failures(kafka, tmp_path, mode, failure):
     src = _fill(kafka)
     out = new_topic(kafka, "out", 2)
     p, sink = _count_job(kafka, src, out, mode=mode, staging=tmp_path / "staging")
-    hook = None
-    if failure == "in-kafka-transaction":
-        hook = sink.fail_hook = _CrashInTransaction()
     res = p.run("local", checkpoint_dir=tmp_path / "chk", failures=FAILURES[failure])
     assert res.restarts >= 1, f"the failure {failure} was not injected"
     got = _committed(kafka, out)
     assert check_running_counts(got, range(N)) == []
     raw = _committed(kafka, out, "read_uncommitted")
-    if failure in ("in-kafka-transaction",):
-        assert hook is not None and hook.done
+    if failure == "in-kafka-transaction":
+        assert [k["moment"] for k in res.metrics["kills"]] == ["sink_commit"], res.metrics["kills"]
         assert len(raw) > len(got), "the crash inside the transaction left no aborted records"
     assert len(raw) >= len(got)
+    # the subtasks committed (both markers moved); the job master produced nothing
+    assert min(sink.read_marker("out", s) for s in range(2)) > 0
+
+
+def test_a_rescale_across_the_commit_window_keeps_every_output_once(kafka, tmp_path):
+    """A job at parallelism 2 dies right after a manifest (its subtasks never commit that epoch in
+    Kafka) and the restart strategy gives up; the job is started again at parallelism 3 from that
+    checkpoint. Recovery fences the old subtasks' producers and produces their staged epoch again
+    under their own markers, then the rescaled job (a worker killed between a manifest and its
+    sink commit, too) finishes the input: every input's result once at read_committed."""
+    from epochstream.deploy.failures import JobFailedError
+
+    src = _fill(kafka)
+    out = new_topic(kafka, "rescaled", 2)
+    staging = tmp_path / "staging"
+    p, sink = _count_job(kafka, src, out, staging=staging, restart_attempts=0)
+    with pytest.raises(JobFailedError, match="after_manifest"):
+        p.run("local", checkpoint_dir=tmp_path / "chk", failures=FailureSchedule(fail_points={"after_manifest": {2}}))
+    assert any(staging.rglob("*.msgs")), "the crash left no staged epoch for recovery to produce"
+    before = len(_committed(kafka, out))
+    p3, sink3 = _count_job(kafka, src, out, staging=staging, parallelism=3)
+    res = p3.run("local", checkpoint_dir=tmp_path / "chk", restore="latest",
+                 failures=FailureSchedule(kill_times=[0.3], kill_moments=["sink_commit"]))
+    assert res.restarts >= 1 and [k["moment"] for k in res.metrics["kills"]] == ["sink_commit"]
+    assert check_running_counts(_committed(kafka, out), range(N)) == []
+    assert len(_committed(kafka, out)) > before
+    assert not any(staging.rglob("*.msgs"))  # every staged epoch is in Kafka now
+    del sink, sink3
 
 
 # ---------------------------------------------------------------- three brokers, one killed

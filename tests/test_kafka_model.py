@@ -107,15 +107,16 @@ def test_from_kafka_and_kafka_sink_pick_the_model_and_other_drivers_refuse_it(tm
 
 
 class _CrashInTransaction:
-    """Raise once between producing an epoch and committing its transaction (a master dying)."""
+    """Raise once between producing an epoch into a subtask's transaction and committing it (a
+    worker dying after the manifest, before its sink's commit)."""
 
     def __init__(self) -> None:
         self.done = False
 
     def __call__(self, step: str) -> None:
-        if step == "produced" and not self.done:
+        if step == "committing" and not self.done:
             self.done = True
-            raise InjectedFailure("job master crashed inside Kafka's transaction")
+            raise InjectedFailure("a sink subtask crashed inside Kafka's transaction")
 
 
 FAILURES = {
@@ -154,7 +155,21 @@ def test_model_sink_is_exactly_once_with_a_failure_at_each_commit_step(mode, fai
         assert hook is not None and hook.done
         assert len(raw) > len(got), "the crash inside the transaction left no aborted records"
     assert c.open_transactions() == []  # nothing lingers to hold read_committed consumers back
-    assert c.committed_offset(sink.transactional_id("out"), "out", 0) == max(res.completed_epochs)
+    # each subtask's marker is the newest epoch Kafka committed for it, and one of them the last with output
+    markers = [c.committed_offset(sink.marker_group("out", s), "out", 0) for s in range(2)]
+    last_output = max(int(k) for k in _epochs_with_output(tmp_path / "chk"))
+    assert max(markers) == last_output and all(0 < m <= max(res.completed_epochs) for m in markers)
+
+
+def _epochs_with_output(chk: Path) -> set[int]:
+    """Epochs whose manifest staged sink output (the last manifest retained names the latest)."""
+    from epochstream.backends.kafka.transactions import staged_epoch_subtask
+
+    out = set()
+    for m in sorted(chk.glob("chk-*/_metadata.json")):
+        for rel in json.loads(m.read_text())["sinks"]["out"]["staged"]:
+            out.add(staged_epoch_subtask(rel)[0])
+    return out
 
 
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])

@@ -783,7 +783,8 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--kills", type=_number(int, 0), default=3, help="failures to inject (default 3)")
     chaos.add_argument("--kill-moments", metavar="LIST",
                        help="local/spark: comma-separated protocol moments kills wait for, chosen at random per "
-                            "kill: now, alignment, snapshot_write, commit (default: now)")
+                            "kill: now, alignment, snapshot_write, sink_commit (a completed epoch reached the worker, "
+                            "its sinks have not committed it), commit (default: now)")
     chaos.add_argument("--kill-targets", metavar="LIST",
                        help="local/spark: what a kill hits, chosen at random per kill: worker (its Python "
                             "process), executor (spark on local-cluster: the executor JVM), freeze (SIGSTOP the "

@@ -127,7 +127,21 @@ class CheckpointStorage(ABC):
 
 
 class TransactionalSink(ABC):
-    """A sink whose output becomes visible only when its epoch commits."""
+    """A sink whose output becomes visible only when its epoch commits.
+
+    Who makes staged output visible: the job master (``commit``, ``commit_epoch``: renames,
+    a Delta log entry; cheap, and never the records themselves), or, for a sink with
+    ``commits_in_subtasks``, each sink subtask in the process that made the output
+    (``commit_subtask``, once the master says the epoch's manifest exists: Kafka
+    transactions, which only the producer that opened them can commit)."""
+
+    #: each subtask commits its own output (``commit_subtask``); the master only tells it when
+    commits_in_subtasks: bool = False
+
+    def commit_subtask(self, uid: str, subtask: int, epoch: int) -> None:
+        """The manifest of ``epoch`` exists: make this subtask's staged output of every epoch
+        up to it visible (``commits_in_subtasks`` sinks; idempotent)."""
+        raise NotImplementedError
 
     def writer(self) -> Any:
         """A per-subtask buffer with ``write(records)`` and ``take()`` (the epoch's content)."""

@@ -153,6 +153,12 @@ class LocalObjects(ObjectStore):
     def exists(self, loc: Path) -> bool:
         return loc.is_file()
 
+    def size(self, loc: Path) -> int:
+        try:
+            return loc.stat().st_size
+        except FileNotFoundError:
+            raise ObjectMissingError(f"{loc} does not exist") from None
+
     def is_dir(self, loc: Path) -> bool:
         return loc.is_dir()
 

@@ -135,6 +135,10 @@ class ObjectStore(ABC):
         """Whether an object is stored under exactly ``loc``."""
 
     @abstractmethod
+    def size(self, loc: Any) -> int:
+        """The object's size in bytes (a stat, no read); ``ObjectMissingError`` if there is none."""
+
+    @abstractmethod
     def is_dir(self, loc: Any) -> bool:
         """Whether objects are stored under ``loc/`` (a folder, a key prefix)."""
 

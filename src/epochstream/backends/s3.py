@@ -321,6 +321,10 @@ class S3Objects(ObjectStore):
             return False
         return True
 
+    def size(self, loc: S3Path) -> int:
+        resp = self._call("HEAD", loc, lambda: self.client.head_object(Bucket=loc.bucket, Key=loc.key))
+        return int(resp["ContentLength"])
+
     def is_dir(self, loc: S3Path) -> bool:
         prefix = f"{loc.key}/" if loc.key else ""
         resp = self._call("LIST", loc, lambda: self.client.list_objects_v2(

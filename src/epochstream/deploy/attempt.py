@@ -29,8 +29,10 @@ stopped are counted, and the attempt is ``done`` once the job master has finishe
 worker has stopped (``Stop`` is returned once, by ``stop_workers``).
 
 Actions are the driver -> worker messages of ``deploy.protocol`` (``Trigger``, ``Neoss``,
-``Stop``: the cluster driver sends them to every worker; the simulator hands them to its
-tasks) and ``CaptureFull``.
+``Committed``, ``Stop``: the cluster driver sends them to every worker; the simulator hands
+them to its tasks) and ``CaptureFull``. ``Committed`` comes for every epoch the job master
+committed, before the triggers of the same step, when a sink commits in its subtasks
+(``subtask_commits``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from .failures import Failover
 from .master import JobMaster, MasterOutput
 from .protocol import (
     Ack,
+    Committed,
     Decline,
     Exhausted,
     Neoss,
@@ -71,7 +74,7 @@ class CaptureFull:
     task: TaskId
 
 
-Action = Trigger | Neoss | Stop | CaptureFull
+Action = Trigger | Neoss | Committed | Stop | CaptureFull
 
 
 class AttemptController:
@@ -81,6 +84,8 @@ class AttemptController:
                  workers: int = 0, stop_at: float | None = None, stop_request: SavepointRequest | None = None,
                  stop_asked: bool = False) -> None:
         self.master = master
+        #: some sink commits in its subtasks: they are told of every committed epoch (``Committed``)
+        self.subtask_commits = any(getattr(s, "commits_in_subtasks", False) for s in master.sinks.values())
         #: trAcker mode's segments and agent (None in the aligned modes)
         self.tracking = tracking
         #: the attempt's service-traffic counter
@@ -234,10 +239,10 @@ class AttemptController:
         self.final_requested = True
         return self._apply(self.master.request(now, FINAL))
 
-    @staticmethod
-    def _apply(out: MasterOutput) -> list[Action]:
+    def _apply(self, out: MasterOutput) -> list[Action]:
         if out.failover:
             raise Failover(out.failover)
+        commits: list[Action] = [Committed(e) for e in out.committed] if self.subtask_commits else []
         # savepoints and final epochs (the end of bounded input, a stop, a stop with savepoint)
         # are aligned in unaligned mode too: they hold no channel state, so they rescale
-        return [Trigger(t.epoch, t.kind in (SAVEPOINT, FINAL)) for t in out.triggers]
+        return commits + [Trigger(t.epoch, t.kind in (SAVEPOINT, FINAL)) for t in out.triggers]

@@ -271,10 +271,11 @@ class ClusterDriver(Driver):
         ``MOMENT_TIMEOUT`` seconds is carried out at once (logged as ``<moment>/timeout``), and
         so is one still waiting when the attempt asks for its final epoch (``<moment>/final``):
         its moment may not come again (a final epoch need not hold any channel), and a kill
-        counted as injected must happen. A ``commit`` kill waits: the final epoch commits too."""
+        counted as injected must happen. A ``commit`` or ``sink_commit`` kill waits: the final
+        epoch commits too."""
         armed = self._armed
         if armed is not None:
-            final = c.final_requested and not c.master.finished and armed[3] != "commit"
+            final = c.final_requested and not c.master.finished and armed[3] not in ("commit", "sink_commit")
             if final or now - armed[0] >= self.MOMENT_TIMEOUT:
                 self._commit_kill = None
                 self.kill_log[-1]["moment"] += "/final" if final else "/timeout"

@@ -142,7 +142,8 @@ class Driver:
         def once() -> None:
             if self.lease is not None:  # from here on, writes of earlier attempts are refused
                 self.lease.begin_attempt(self.attempt_id())
-            recover(self.storage, self.pipeline.sinks, current["restored"], self.fail_point, self.pipeline.name)
+            recover(self.storage, self.pipeline.sinks, current["restored"], self.fail_point, self.pipeline.name,
+                    self.plan.parallelism)
             self.attempt(current["restored"], self.attempt_id(), duration)
 
         def failed(state: tenacity.RetryCallState) -> None:  # after every retryable failure

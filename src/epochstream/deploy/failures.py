@@ -39,7 +39,8 @@ class FailureSchedule:
     fail_points: dict[str, set[int]] = field(default_factory=dict)
     write_failures: set[int] = field(default_factory=set)
     #: local and spark drivers, per kill in ``kill_times`` order (missing: "now", "worker"): the
-    #: protocol moment the kill waits for ("now", "alignment", "snapshot_write", "commit") and
+    #: protocol moment the kill waits for ("now", "alignment", "snapshot_write", "sink_commit",
+    #: "commit") and
     #: what it kills ("worker": the worker's process; "executor": the Spark executor JVM;
     #: "machine": the executor JVM and the standalone Worker that started it, a lost machine;
     #: "freeze": SIGSTOP of the worker's process, alive but silent until heartbeats time out)

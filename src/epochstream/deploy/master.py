@@ -51,6 +51,7 @@ class MasterOutput:
     """What the job master wants the driver to do."""
 
     triggers: list[TriggerEpoch] = field(default_factory=list)
+    #: epochs committed here, in order: sinks that commit in their subtasks are told of them
     committed: list[int] = field(default_factory=list)
     failover: str | None = None
 
@@ -234,9 +235,13 @@ class JobMaster:
         except IncompleteChainError as exc:
             return self.coordinator.manifest_failed(a.epoch, str(exc), now)
         manifest["metrics"].update(self._epoch_metrics(a, now))
-        for uid, sink in self.sinks.items():  # transaction ids of sinks that commit once per epoch
-            if getattr(sink, "epoch_transactions", False) and uid in manifest["sinks"]:
+        for uid, sink in self.sinks.items():  # transaction ids of sinks that commit per epoch or per subtask
+            if uid not in manifest["sinks"]:
+                continue
+            if getattr(sink, "epoch_transactions", False):
                 manifest["sinks"][uid]["delta"] = sink.manifest_entry(uid)
+            elif sink.commits_in_subtasks:
+                manifest["sinks"][uid]["transactions"] = sink.manifest_entry(uid)
         self.fail_point("before_manifest")
         self.fence()
         try:
@@ -299,6 +304,8 @@ class JobMaster:
             commit_state(manifest, self.fail_point)
         first = commit_state is None
         for uid, entry in sorted(manifest["sinks"].items()):
+            if self.sinks[uid].commits_in_subtasks:
+                continue  # its subtasks commit, told by the driver (``MasterOutput.committed``)
             if getattr(self.sinks[uid], "epoch_transactions", False):
                 if not first:
                     self.fail_point("mid_commit")

@@ -9,8 +9,10 @@ Worker -> driver, in the order a healthy attempt sends them::
     Hello (spark only, first)  Ready  {Exhausted | TrackerReport | Ack | Decline | Heartbeat}*  Stopped
 
 and, instead of the rest, ``WorkerError`` (the job fails over) or ``Fatal`` (a damaged
-checkpoint: restarting cannot help). Driver -> worker: ``Trigger`` and ``Neoss`` while the
-job runs, ``Die`` (chaos) at any time, ``Stop`` once the job master has finished.
+checkpoint: restarting cannot help). Driver -> worker: ``Trigger``, ``Neoss`` and
+``Committed`` while the job runs, ``Die`` (chaos) at any time, ``Stop`` once the job master
+has finished. A worker carries out everything it was sent before ``Stop`` (a ``Committed``
+of the final epoch included) before it reports ``Stopped``.
 
 Both ends dispatch on the message's type (``type(msg)`` in a dict of handlers), so a new
 message is a new class plus one handler on the receiving side. ``__reduce__`` rebuilds a
@@ -27,8 +29,9 @@ from ..runtime.messages import TaskId
 from ..runtime.meters import WorkerSample
 from ..snapshot.manifest import AckInfo
 
-#: protocol moments a ``Die`` may wait for in the worker ("commit" is the driver's own)
-MOMENTS = ("now", "alignment", "snapshot_write")
+#: protocol moments a ``Die`` may wait for in the worker ("commit" is the driver's own):
+#: "sink_commit" is after a ``Committed`` arrived and before the worker's sinks commit it
+MOMENTS = ("now", "alignment", "snapshot_write", "sink_commit")
 
 
 class _Message:
@@ -159,6 +162,14 @@ class Neoss(_Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Committed(_Message):
+    """The manifest of epoch ``epoch`` exists: sinks whose subtasks commit their own output
+    (``TransactionalSink.commits_in_subtasks``) commit every epoch up to it."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
 class Die(_Message):
     """Chaos: SIGKILL ``pid`` at protocol moment ``moment`` (one of ``MOMENTS``)."""
 
@@ -179,4 +190,4 @@ class Stop(_Message):
 FROM_WORKER = (Hello, Ready, Ack, Decline, Exhausted, TrackerReport, Stopped, Heartbeat, LinkLost, WorkerError,
                Fatal)
 #: messages a driver sends
-TO_WORKER = (Trigger, Neoss, Die, Stop)
+TO_WORKER = (Trigger, Neoss, Committed, Die, Stop)

@@ -183,7 +183,7 @@ def resolve_sources(plan: PhysicalPlan, pipeline, restored: Restored | None) -> 
 
 
 def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_point: FailPoint = no_fail,
-            job: str | None = None) -> None:
+            job: str | None = None, parallelism: int = 1) -> None:
     """Finish what the restored checkpoint promised and clear what came after it.
 
     Commits named by the manifest are re-issued (idempotent): first the state commits of a
@@ -191,7 +191,9 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
     of later epochs is dropped, and the storage deletes state files no manifest names and sets
     aside damaged checkpoints whose epochs will be written again (the ``recover`` verbs).
     Sinks that commit once per epoch (``epoch_transactions``) are started first with the
-    restored manifest, which names their transaction ids.
+    restored manifest, which names their transaction ids; sinks whose subtasks commit
+    (``commits_in_subtasks``) fence the producers of the restored manifest's subtasks and of
+    the attempt's (``parallelism``) before they produce again what Kafka lacks.
     """
     staged = restored.manifest["sinks"] if restored else {}
     if restored is not None:
@@ -203,8 +205,14 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
     for uid, sink in sorted(sinks.items()):
         fail_point("recovery")
         entry = staged.get(uid, {})
-        if getattr(sink, "epoch_transactions", False):
-            manifest = restored.manifest if restored else None
+        manifest = restored.manifest if restored else None
+        if sink.commits_in_subtasks:
+            sink.start(uid, job or (manifest["job"] if manifest else "job"), manifest)
+            before = int(manifest["parallelism"]) if manifest else 0
+            slots = entry.get("transactions", {}).get("slots")
+            sink.recover(uid, entry.get("staged", []), epoch=restored.epoch if restored else None,
+                         subtasks=range(max(before, parallelism)), slots=slots)
+        elif getattr(sink, "epoch_transactions", False):
             sink.start(uid, job or (manifest["job"] if manifest else "job"), manifest)
             delta_epoch = restored.epoch if restored is not None and entry.get("delta") else None
             sink.recover(uid, entry.get("staged", []), epoch=delta_epoch)

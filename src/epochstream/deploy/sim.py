@@ -45,7 +45,7 @@ from .control import SavepointRequest
 from .driver import Driver
 from .failures import Failover, FailureSchedule
 from .persist import StateWriteError, persist, writes_files
-from .protocol import Ack, Decline, Exhausted, Neoss, Stop, TrackerReport, Trigger
+from .protocol import Ack, Committed, Decline, Exhausted, Neoss, Stop, TrackerReport, Trigger
 from .tracking import Tracking, new_local_tracker
 
 __all__ = ["MARKER_BYTES", "FailureSchedule", "SimConfig", "SimDriver"]
@@ -202,7 +202,12 @@ class _SimAttempt:
                                for w in range(self.plan.parallelism)}
             self.pauses = {w: deque() for w in range(self.plan.parallelism)}
         #: what the controller's actions do here (the cluster driver sends them to workers)
-        self.act = {Trigger: self._trigger, Neoss: self._neoss, CaptureFull: self._capture_full, Stop: None}
+        self.act = {Trigger: self._trigger, Neoss: self._neoss, Committed: self._committed,
+                    CaptureFull: self._capture_full, Stop: None}
+        #: task -> its sinks that commit in their subtasks (told of committed epochs on the task's writer lane)
+        self.subtask_sinks = {tid: [uid for uid in t.chain.sink_writers if d.pipeline.sinks[uid].commits_in_subtasks]
+                              for tid, t in self.tasks.items()}
+        self.subtask_sinks = {tid: uids for tid, uids in self.subtask_sinks.items() if uids}
         #: what the tasks' actions do here
         self.task_act: dict[type, Callable[[TaskId, Any, float], None]] = {
             Send: self._send, Snapshot: self._snapshot, SourceExhausted: self._exhausted}
@@ -233,6 +238,12 @@ class _SimAttempt:
             d.now = max(d.now, first)
             handler(payload)
             d.collect(c.master)
+        # the final epoch's commits in the sinks' subtasks: a worker carries them out before it stops
+        while self.events:
+            at, _, handler, payload = heapq.heappop(self.events)
+            if handler == self._on_sink_commit:
+                d.now = max(d.now, at)
+                handler(payload)
         d.collect(c.master)
         for t in self.tasks.values():
             t.chain.close()
@@ -317,6 +328,20 @@ class _SimAttempt:
             bundle = (w, list(a.notes))
             self.neoss_wire[w] = bundle
             self.push(self.fifo(("neoss", w), self.driver.now, self.cfg.net_delay), self._on_neoss, bundle)
+
+    def _committed(self, a: Committed) -> None:
+        """Each sink subtask commits on its task's writer lane, after the writes before it."""
+        d = self.driver
+        for tid in self.subtask_sinks:
+            at = max(self.fifo(("control", tid[1]), d.now, self.cfg.net_delay), self.writer_busy[tid])
+            self.writer_busy[tid] = at + self.cfg.write_base
+            self.push(at + self.cfg.write_base, self._on_sink_commit, (tid, a.epoch))
+
+    def _on_sink_commit(self, payload: tuple[TaskId, int]) -> None:
+        tid, epoch = payload
+        sinks = self.driver.pipeline.sinks
+        for uid in self.subtask_sinks[tid]:
+            sinks[uid].commit_subtask(uid, tid[1], epoch)
 
     def _capture_full(self, a: CaptureFull) -> None:
         for st in self.tasks[a.task].chain.states.values():

@@ -76,6 +76,7 @@ from .persist import StateWriteError, persist
 from .protocol import (
     MOMENTS,
     Ack,
+    Committed,
     Decline,
     Die,
     Exhausted,
@@ -335,7 +336,11 @@ class WorkerLoop:
         #: driver -> worker messages by type
         #: driver -> worker control messages, by type
         self.on: dict[type, Callable[[Any], None]] = {
-            Trigger: self._on_trigger, Neoss: self._on_neoss, Stop: self._on_stop, Die: self._on_die}
+            Trigger: self._on_trigger, Neoss: self._on_neoss, Committed: self._on_committed, Stop: self._on_stop,
+            Die: self._on_die}
+        #: (sink uid, subtask) of this worker's sinks that commit in their subtasks (``Committed``)
+        self.subtask_sinks = [(uid, tid[1]) for tid, t in self.tasks.items() for uid in t.chain.sink_writers
+                              if pipeline.sinks[uid].commits_in_subtasks]
 
     # -- threads
     def _writer(self) -> None:
@@ -344,6 +349,9 @@ class WorkerLoop:
             capture = self.writes.get()
             if capture is None:
                 return
+            if type(capture) is Committed:  # in the writer, after the captures before it, in order
+                self._commit_sinks(capture.epoch)
+                continue
             try:
                 info = persist(self.storage, sinks, capture, self.attempt,
                                fail_state_write=lambda: self._maybe_die("snapshot_write"))
@@ -356,6 +364,17 @@ class WorkerLoop:
                 self.results.put(Decline(capture.task, capture.epoch, str(exc), exc.staged))
             except Exception as exc:  # sink staging or anything else: the job must fail over
                 self.results.put(WorkerError(f"worker {self.index}: {type(exc).__name__}: {exc}"))
+
+    def _commit_sinks(self, epoch: int) -> None:
+        """Commit this worker's sink subtasks up to ``epoch`` (its manifest exists). A failure
+        fails the job over; recovery produces again what Kafka lacks from the staged output."""
+        self._maybe_die("sink_commit")
+        try:
+            for uid, subtask in self.subtask_sinks:
+                self.pipeline.sinks[uid].commit_subtask(uid, subtask, epoch)
+        except Exception as exc:
+            self.results.put(WorkerError(f"worker {self.index}: committing sink output of epoch {epoch}: "
+                                         f"{type(exc).__name__}: {exc}"))
 
     def _maybe_die(self, moment: str) -> None:
         die = self.die_at
@@ -382,8 +401,13 @@ class WorkerLoop:
             for link in self.links.values():
                 link.close()
             self.writes.put(None)
-            for t in threads + [link.thread for link in self.links.values()]:
+            # everything queued is carried out before Stopped leaves: the final epoch's commit too
+            # (each step is bounded by the sinks' own timeouts)
+            threads[0].join()
+            for t in threads[1:] + [link.thread for link in self.links.values()]:
                 t.join(timeout=5)
+            for uid, _ in self.subtask_sinks:
+                self.pipeline.sinks[uid].close()
         self._results()
         self.control.send(Stopped(self.index, self.records_in, self.markers_sent, self.watermarks_sent,
                                   self.sample(time.monotonic())))
@@ -519,6 +543,10 @@ class WorkerLoop:
                 task = self.task_of_chain.get(cid)
                 if task is not None:
                     task.on_neoss(epoch)
+
+    def _on_committed(self, msg: Committed) -> None:
+        if self.subtask_sinks:
+            self.writes.put(msg)
 
     def _on_stop(self, msg: Stop) -> None:
         self.stopping = True

@@ -11,12 +11,14 @@ The sink's side of the two-phase commit (thesis Table 4.1, Delta as the commit l
   or starts a new one (``txnAppId`` = job, sink uid, lineage).
 * **pre-commit** (workers): an epoch's records are staged as a Parquet file under
   ``<table>/_epochstream_staging/<uid>/`` (``tables.STAGING``: Delta readers and VACUUM
-  ignore ``_`` folders). Nothing is visible in the table yet.
+  ignore ``_`` folders), its row count and size in its name. Nothing is visible in the table yet.
 * **commit point**: the manifest names the table and the app id (``manifest_entry``).
-* **commit** (job master, after the manifest, ``commit_epoch``): the epoch's staged files
-  are appended as the transaction (app id, epoch); a re-issue finds the transaction in the
-  table's ``txn`` record and appends nothing.
-* **recover**: the restored epoch's append is re-issued, later staged output dropped.
+* **commit** (job master, after the manifest, ``commit_epoch``): the epoch's staged files are
+  moved into the table's folder under data-file names (a rename; a server-side copy on S3)
+  and added by reference as the transaction (app id, epoch): the master never reads a record.
+  A re-issue finds the transaction in the table's ``txn`` record and adds nothing; one after a
+  crash between the moves and the commit finds the files moved and commits them.
+* **recover**: the restored epoch's commit is re-issued, later staged output dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import collections
 import json
 import logging
 import os
+import re
 import secrets
 from collections.abc import Iterable
 from typing import Any
@@ -35,7 +38,7 @@ from ...runtime.errors import SchemaError
 from ...snapshot.manifest import CheckpointError
 from .. import spark_session
 from ..base import TransactionalSink
-from ..objects import parquet_table, safe_name
+from ..objects import safe_name
 from . import tables
 from .tables import SINK_FORMAT, STAGING, DeltaTables, is_delta_table, version_of_epoch
 
@@ -46,9 +49,10 @@ class DeltaSink(TransactionalSink):
     """Exactly-once output to a Delta table: one append transaction per epoch.
 
     ``schema`` is a pyarrow schema (or a list of (name, type) pairs); records are Arrow
-    batches, tuples in column order or dicts. Output is staged as Parquet by the workers (pre-commit) and
-    appended by the job master after the epoch's manifest, with ``txnAppId`` = job, sink
-    uid and run lineage and ``txnVersion`` = epoch, so a re-issued commit is skipped by Delta.
+    batches, tuples in column order or dicts. Output is staged as Parquet by the workers
+    (pre-commit) and added to the table by the job master after the epoch's manifest (the
+    files moved in, committed by reference), with ``txnAppId`` = job, sink uid and run lineage
+    and ``txnVersion`` = epoch, so a re-issued commit is skipped by Delta.
     ``path`` is a local path or an S3 URL (``s3://`` or ``s3a://``).
     """
 
@@ -150,8 +154,9 @@ class DeltaSink(TransactionalSink):
         table = self._table_of(records)
         if not table.num_rows:
             return None
-        rel = f"{STAGING}/{safe_name(uid)}/e{epoch}-s{subtask}-a{attempt}.parquet"
-        self.store.put(self.store.root / rel, tables.parquet_bytes(table))
+        body = tables.parquet_bytes(table)
+        rel = f"{STAGING}/{safe_name(uid)}/e{epoch}-s{subtask}-a{attempt}-n{table.num_rows}-b{len(body)}.parquet"
+        self.store.put(self.store.root / rel, body)
         return rel
 
     def start(self, uid: str, job: str, manifest: dict[str, Any] | None) -> None:
@@ -188,41 +193,36 @@ class DeltaSink(TransactionalSink):
         self.tables.mark_owned(self.path, SINK_FORMAT)
 
     def commit_epoch(self, uid: str, epoch: int, staged: list[str]) -> int | None:
-        """Append the epoch's staged files in ONE transaction; a re-issue is a no-op."""
+        """Add the epoch's staged files to the table in ONE transaction, by reference (moved
+        into the table's folder first); a re-issue is a no-op."""
         app_id = self._app_ids.get(uid)
         if app_id is None:
             raise CheckpointError(f"Delta sink {self.path}: commit of {uid!r} before start()")
         root = self.store.root
-        present = [rel for rel in staged if self.store.exists(root / rel)]
         done = version_of_epoch(self.path, app_id, epoch)
         if done is not None:
-            self.abort(present)
+            self.abort([rel for rel in staged if self.store.exists(root / rel)])
             return done
-        if len(present) != len(staged):
-            missing = sorted(set(staged) - set(present))
-            raise CheckpointError(
-                f"Delta sink {self.path}: staged output {missing[:3]} of epoch {epoch} is gone and was never "
-                f"committed; the epoch's output is lost (was the staging folder deleted by hand?)"
-            )
-        tables.append(self._staged_table(present), self.path, app_id, epoch,
-                      lambda exc: f"Delta sink {self.path}: epoch {epoch} kept conflicting: {exc}", checked=True)
-        self.abort(present)
-        return version_of_epoch(self.path, app_id, epoch)
-
-    def _staged_table(self, staged: list[str]) -> pa.Table:
-        """The staged Parquet files as one Arrow table of the sink's columns (empty if none)."""
-        parts = []
+        files = []
         for rel in staged:
+            name, size, rows = data_file(rel)
             try:
-                t = parquet_table(self.store.get(self.store.root / rel))
-                parts.append(t.select(self.schema.names).cast(self.schema))
-            except (pa.ArrowException, KeyError, ValueError) as exc:
-                raise CheckpointError(f"Delta sink {self.path}: staged output {rel} is damaged or not the sink's "
-                                      f"columns ({type(exc).__name__}: {exc}); nothing of its epoch was appended"
-                                      ) from exc
-        if not parts:
-            return self.schema.empty_table()
-        return pa.concat_tables(parts)
+                have = self.store.size(root / rel)
+            except FileNotFoundError:
+                if not self.store.exists(root / name):  # moved by a commit that crashed before the log
+                    raise CheckpointError(
+                        f"Delta sink {self.path}: staged output {rel} of epoch {epoch} is gone and was never "
+                        f"committed; the epoch's output is lost (was the staging folder deleted by hand?)"
+                    ) from None
+            else:
+                if have != size:
+                    raise CheckpointError(f"Delta sink {self.path}: staged output {rel} is damaged ({have} bytes, "
+                                          f"{size} when staged); nothing of epoch {epoch} was added")
+                self.store.move(root / rel, root / name)
+            files.append((name, size, rows))
+        tables.add_files(files, self.path, app_id, epoch,
+                         lambda exc: f"Delta sink {self.path}: epoch {epoch} kept conflicting: {exc}", checked=True)
+        return version_of_epoch(self.path, app_id, epoch)
 
     def commit(self, staged: Iterable[str]) -> int:
         raise CheckpointError("DeltaSink commits once per epoch (commit_epoch); the job master calls it")
@@ -284,6 +284,19 @@ class DeltaSink(TransactionalSink):
         # a rollback took back (a fallback restore) are not in the table's content
         return tables.live_epochs(tables.history(self.path),
                                   lambda m: isinstance(m, dict) and "/sink/" in str(m.get("epochstream")))
+
+
+_STAGED = re.compile(r"/([^/]+)/e(\d+)-s(\d+)-a(.+)-n(\d+)-b(\d+)\.parquet$")
+
+
+def data_file(staged: str) -> tuple[str, int, int]:
+    """The table's data file a staged file becomes at commit: (name in the table's folder,
+    bytes, rows). Names carry the attempt, so a replayed epoch never reuses one."""
+    m = _STAGED.search("/" + staged)
+    if m is None:
+        raise CheckpointError(f"not a staged file of a Delta sink: {staged!r}")
+    uid, epoch, subtask, attempt, rows, size = m.groups()
+    return f"part-e{int(epoch):08d}-s{subtask}-a{attempt}-{uid}.zstd.parquet", int(size), int(rows)
 
 
 class _ArrowWriter:

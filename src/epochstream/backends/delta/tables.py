@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -455,6 +456,26 @@ def append(data: pa.Table, table: str, app_id: str, epoch: int, conflict: Callab
 
     transact(table, app_id, epoch, run, conflict, {"replaced": True} if replace else None, checked=checked,
              writes_version=data.num_rows > 0)
+
+
+def add_files(files: list[tuple[str, int, int]], table: str, app_id: str, epoch: int,
+              conflict: Callable[[BaseException], str], checked: bool = False) -> None:
+    """Commit data files already in the table's folder (``(name, bytes, rows)``, written by the
+    workers) as the transaction (app_id, epoch): one Delta version that adds them, so no record
+    passes through the committing process. Without files the transaction is committed alone
+    (every epoch has its version)."""
+    from deltalake.transaction import AddAction
+
+    def run(props: Any) -> None:
+        if not files:
+            return  # ``transact`` commits the transaction alone
+        now = int(time.time() * 1000)
+        actions = [AddAction(name, size, {}, now, True, json.dumps({"numRecords": rows}))
+                   for name, size, rows in files]
+        dt = open_table(table)
+        dt.create_write_transaction(actions, mode="append", schema=dt.schema(), commit_properties=props)
+
+    transact(table, app_id, epoch, run, conflict, checked=checked, writes_version=bool(files))
 
 
 def create(table: str, schema: pa.Schema, properties: dict[str, str], app_id: str) -> None:

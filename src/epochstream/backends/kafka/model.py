@@ -24,7 +24,6 @@ refuse them (their workers are other processes).
 from __future__ import annotations
 
 import json
-import pickle
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -360,10 +359,11 @@ class ModelKafkaSource(Source):
 
 
 class ModelKafkaSink(KafkaSink):
-    """``KafkaSink("memory://<name>", topic, ...)``: the real sink's protocol (output staged
-    at pre-commit, one transaction per sink per epoch committed by the master with the epoch
-    as the marker group's offset, recovery that aborts what is open and produces again the
-    epoch the manifest has and the cluster lacks) against a ``KafkaModel``."""
+    """``KafkaSink("memory://<name>", topic, ...)``: the real sink's protocol (each subtask's
+    output staged and produced into its own open transaction at pre-commit, committed with its
+    marker once the master says the epoch's manifest exists; recovery that aborts what is open
+    and produces again what a manifest has and the cluster lacks) against a ``KafkaModel``.
+    Only the I/O primitives differ from the real sink's."""
 
     def __init__(self, bootstrap_servers: str, topic: str, guarantee: str = "exactly-once", **kwargs: Any) -> None:
         super().__init__(bootstrap_servers, topic, guarantee, **kwargs)
@@ -394,50 +394,32 @@ class ModelKafkaSink(KafkaSink):
 
     def start(self, uid: str, job: str, manifest: dict[str, Any] | None) -> None:
         self._check_topic(uid)
-        if self.guarantee != "exactly-once":
-            return
-        self._open(uid)
-        self._marker[uid] = self.read_marker(uid)
 
-    def _open(self, uid: str) -> None:
-        self.cluster.init_transactions(self.transactional_id(uid))  # aborts what is open, as librdkafka's does
-        self._producer = self.transactional_id(uid)
+    # the transactional primitives, on the model
+    def _txn_producer(self, tid: str) -> Any:
+        if tid not in self._txn_producers:
+            self.cluster.init_transactions(tid)  # aborts what is open, as librdkafka's does
+            self._txn_producers[tid] = tid
+        return tid
+
+    def _txn_produce(self, tid: str, messages: Any, epoch: int) -> None:
+        self._txn_producer(tid)
+        self.cluster.begin(tid)
+        self._produce_messages(messages, tid)
+
+    def _txn_commit(self, tid: str, group: str, epoch: int) -> bool:
+        self.cluster.send_offsets(tid, group, {(self.topic, 0): epoch})
+        self.cluster.commit(tid)
+        return True
+
+    def read_marker(self, uid: str, subtask: int) -> int:
+        return self.cluster.committed_offset(self.marker_group(uid, subtask), self.topic, 0)
 
     def release(self) -> None:
         self._producer = None
 
-    def read_marker(self, uid: str) -> int:
-        return self.cluster.committed_offset(self.transactional_id(uid), self.topic, 0)
-
-    def commit_epoch(self, uid: str, epoch: int, staged: Any) -> None:
-        from .sink import _staged_order
-
-        staged = sorted(staged, key=_staged_order)
-        if uid not in self._marker:
-            self.start(uid, "job", None)
-        if self._producer is None:
-            self._open(uid)
-        if epoch <= self._marker.get(uid, -1):
-            self._drop(staged)
-            return
-        tid = self.transactional_id(uid)
-        cluster = self.cluster
-        cluster.begin(tid)
-        for rel in staged:
-            try:
-                data = self.store.get(self.store.root / rel)
-            except FileNotFoundError:
-                raise KafkaSinkError(f"sink {uid!r} to topic {self.topic!r}, epoch {epoch}: staged output {rel} "
-                                     f"under {self.staging} is gone and Kafka never committed it") from None
-            self._produce_messages(pickle.loads(data), tid)
-        if self.fail_hook is not None:
-            self.fail_hook("produced")  # the transaction stays open: the next start aborts it
-        cluster.send_offsets(tid, tid, {(self.topic, 0): epoch})
-        cluster.commit(tid)
-        self._marker[uid] = epoch
-        if self.fail_hook is not None:
-            self.fail_hook("committed")
-        self._drop(staged)
+    def _close_transactions(self) -> None:
+        self._txn_producers.clear()
 
     def read(self, isolation: str = "read_committed") -> list[Any]:
         """The topic's records (values decoded as JSON where they are JSON, else bytes)."""
