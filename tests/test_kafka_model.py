@@ -427,3 +427,20 @@ def test_oracle_over_kafka_timestamps_on_arrow_batches(mode, tmp_path):
     assert report.ok, report.to_json()
     assert report.restarts >= 1 and report.epochs_checked >= 2
     assert FileSink(tmp_path / "chaos" / "out" / "late").read()
+
+
+def test_arrow_batches_are_encoded_per_column_as_their_rows_would_be():
+    """A KafkaSink takes an Arrow batch whole: values as one JSON object per row (encode_json),
+    keys and values from named columns, the same bytes the row path makes; a function turns the
+    batch into rows first."""
+    import pyarrow as pa
+
+    batch = pa.RecordBatch.from_pylist([{"k": "a", "n": 1, "x": 0.5, "s": 'q"\\\n'},
+                                        {"k": "b", "n": None, "x": 2.0, "s": "é"}])
+    rows = batch.to_pylist()
+    name, _c = _cluster_with_input(4)
+    for sink in (KafkaSink(name, "out"), KafkaSink(name, "out", key="k"), KafkaSink(name, "out", key="k", value="s"),
+                 KafkaSink(name, "out", key=lambda r: r["k"].upper())):
+        assert sink.encode_batch(batch) == [sink.encode(r) for r in rows]
+    with pytest.raises(Exception, match="no column 'missing'"):
+        KafkaSink(name, "out", key="missing").encode_batch(batch)

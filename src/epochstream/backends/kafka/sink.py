@@ -72,8 +72,9 @@ log = logging.getLogger(__name__)
 
 
 #: one encoder for every record: ``json.dumps`` with arguments builds a new encoder per call,
-#: which cost as much as the encoding itself (a worker's hottest line in the Kafka benchmark)
-_JSON = json.JSONEncoder(default=repr, separators=(",", ":")).encode
+#: which cost as much as the encoding itself (a worker's hottest line in the Kafka benchmark);
+#: non-ASCII as UTF-8, as ``encode_json`` writes Arrow batches and Spark's ``to_json`` does
+_JSON = json.JSONEncoder(default=repr, separators=(",", ":"), ensure_ascii=False).encode
 
 #: times a commit that failed with a retriable error is tried again before the worker fails over
 COMMIT_RETRIES = 5
@@ -630,10 +631,11 @@ def _column_bytes(batch: Any, name: str) -> list[bytes | None]:
 
 
 def _json_rows(batch: Any) -> list[bytes]:
-    """Every row of ``batch`` as one JSON object, encoded once per batch."""
-    from ...runtime.columns import to_rows
+    """Every row of ``batch`` as one JSON object, encoded once per batch (``encode_json``)."""
+    from ...runtime.jsoncodec import encode_json
 
-    return [to_bytes(r) for r in to_rows(batch)]  # type: ignore[misc]
+    values: list[bytes] = encode_json(batch).to_pylist()
+    return values
 
 
 #: seconds ``read_topic`` waits for a partition held back by a transaction before it counts the
