@@ -194,7 +194,7 @@ def test_sink_recovery_produces_exactly_the_epochs_kafka_lacks(kafka, tmp_path):
     # a new master restores epoch 2: it fences both subtasks' producers and produces subtask 0's epoch 2 again
     fresh = KafkaSink(kafka.bootstrap_servers, out, staging=staging)
     fresh.start("out", "job", None)
-    fresh.recover("out", [], epoch=2, subtasks=range(2))
+    fresh.recover("out", [], epoch=2, previous=2, parallelism=2)
     assert fresh.read_marker("out", 0) == 2 and fresh.read_marker("out", 1) == 2
     got = [m["value"] for m in read_topic(kafka.bootstrap_servers, out)]
     assert sorted(got) == [b"e1-r0", b"e1-r1", b"e2-r0", b"e2-s1"]
@@ -207,7 +207,7 @@ def test_sink_recovery_produces_exactly_the_epochs_kafka_lacks(kafka, tmp_path):
         sink.commit_subtask("out", 1, 3)
     assert b"never-in-a-manifest" not in [m["value"] for m in read_topic(kafka.bootstrap_servers, out)]
     # recovering again is idempotent
-    fresh.recover("out", [], epoch=2, subtasks=range(2))
+    fresh.recover("out", [], epoch=2, previous=2, parallelism=2)
     assert len(read_topic(kafka.bootstrap_servers, out)) == 4
     sink.close()
 

@@ -138,6 +138,11 @@ class TransactionalSink(ABC):
     #: each subtask commits its own output (``commit_subtask``); the master only tells it when
     commits_in_subtasks: bool = False
 
+    def open_subtask(self, uid: str, subtask: int) -> None:
+        """Before the subtask's first epoch, in the process that runs it (``commits_in_subtasks``
+        sinks: a Kafka sink opens its producers here, fencing those of earlier attempts)."""
+        return None
+
     def commit_subtask(self, uid: str, subtask: int, epoch: int) -> None:
         """The manifest of ``epoch`` exists: make this subtask's staged output of every epoch
         up to it visible (``commits_in_subtasks`` sinks; idempotent)."""

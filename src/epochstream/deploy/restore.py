@@ -192,8 +192,8 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
     aside damaged checkpoints whose epochs will be written again (the ``recover`` verbs).
     Sinks that commit once per epoch (``epoch_transactions``) are started first with the
     restored manifest, which names their transaction ids; sinks whose subtasks commit
-    (``commits_in_subtasks``) fence the producers of the restored manifest's subtasks and of
-    the attempt's (``parallelism``) before they produce again what Kafka lacks.
+    (``commits_in_subtasks``) fence the producers that need it (the attempt runs at
+    ``parallelism``) and produce again what Kafka lacks.
     """
     staged = restored.manifest["sinks"] if restored else {}
     if restored is not None:
@@ -208,10 +208,10 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
         manifest = restored.manifest if restored else None
         if sink.commits_in_subtasks:
             sink.start(uid, job or (manifest["job"] if manifest else "job"), manifest)
-            before = int(manifest["parallelism"]) if manifest else 0
             slots = entry.get("transactions", {}).get("slots")
             sink.recover(uid, entry.get("staged", []), epoch=restored.epoch if restored else None,
-                         subtasks=range(max(before, parallelism)), slots=slots)
+                         previous=int(manifest["parallelism"]) if manifest else 0, parallelism=parallelism,
+                         slots=slots)
         elif getattr(sink, "epoch_transactions", False):
             sink.start(uid, job or (manifest["job"] if manifest else "job"), manifest)
             delta_epoch = restored.epoch if restored is not None and entry.get("delta") else None

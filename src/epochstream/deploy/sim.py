@@ -208,6 +208,9 @@ class _SimAttempt:
         self.subtask_sinks = {tid: [uid for uid in t.chain.sink_writers if d.pipeline.sinks[uid].commits_in_subtasks]
                               for tid, t in self.tasks.items()}
         self.subtask_sinks = {tid: uids for tid, uids in self.subtask_sinks.items() if uids}
+        for tid, uids in self.subtask_sinks.items():
+            for uid in uids:
+                d.pipeline.sinks[uid].open_subtask(uid, tid[1])
         #: what the tasks' actions do here
         self.task_act: dict[type, Callable[[TaskId, Any, float], None]] = {
             Send: self._send, Snapshot: self._snapshot, SourceExhausted: self._exhausted}

@@ -345,6 +345,11 @@ class WorkerLoop:
     # -- threads
     def _writer(self) -> None:
         sinks = self.pipeline.sinks
+        try:  # before the first capture: its sinks' producers (fencing earlier attempts')
+            for uid, subtask in self.subtask_sinks:
+                sinks[uid].open_subtask(uid, subtask)
+        except Exception as exc:
+            self.results.put(WorkerError(f"worker {self.index}: opening sink {uid!r}: {type(exc).__name__}: {exc}"))
         while True:
             capture = self.writes.get()
             if capture is None:

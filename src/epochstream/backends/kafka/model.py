@@ -396,11 +396,13 @@ class ModelKafkaSink(KafkaSink):
         self._check_topic(uid)
 
     # the transactional primitives, on the model
-    def _txn_producer(self, tid: str) -> Any:
-        if tid not in self._txn_producers:
-            self.cluster.init_transactions(tid)  # aborts what is open, as librdkafka's does
-            self._txn_producers[tid] = tid
+    def _new_txn_producer(self, tid: str) -> Any:
+        self.cluster.init_transactions(tid)  # aborts what is open, as librdkafka's does
         return tid
+
+    def _fence(self, tids: list[str]) -> None:
+        for tid in tids:
+            self._txn_producer(tid)
 
     def _txn_produce(self, tid: str, messages: Any, epoch: int) -> None:
         self._txn_producer(tid)
