@@ -191,10 +191,12 @@ def test_sink_recovery_produces_exactly_the_epochs_kafka_lacks(kafka, tmp_path):
     # subtask 0's open transaction holds read_committed readers back at its first record
     assert [m["value"] for m in read_topic(kafka.bootstrap_servers, out)] == [b"e1-r0", b"e1-r1"]
     sink.pre_commit("out", 1, 3, "a", ["never-in-a-manifest"])  # epoch 3 gets no manifest
-    # a new master restores epoch 2: it fences both subtasks' producers and produces subtask 0's epoch 2 again
+    # a new master restores epoch 2: it fences subtask 0's producers and produces its epoch 2 again
     fresh = KafkaSink(kafka.bootstrap_servers, out, staging=staging)
     fresh.start("out", "job", None)
     fresh.recover("out", [], epoch=2, previous=2, parallelism=2)
+    for s in range(2):  # the new attempt's subtasks open their producers, fencing the old ones
+        fresh.open_subtask("out", s)
     assert fresh.read_marker("out", 0) == 2 and fresh.read_marker("out", 1) == 2
     got = [m["value"] for m in read_topic(kafka.bootstrap_servers, out)]
     assert sorted(got) == [b"e1-r0", b"e1-r1", b"e2-r0", b"e2-s1"]
