@@ -42,6 +42,7 @@ from pyflink.datastream.connectors.base import DeliveryGuarantee
 from pyflink.datastream.connectors.kafka import KafkaRecordSerializationSchema, KafkaSink
 from pyflink.datastream.functions import KeyedProcessFunction
 from pyflink.datastream.state import MapStateDescriptor, ValueStateDescriptor
+from pyflink.java_gateway import get_gateway
 from pyflink.table import StreamTableEnvironment
 from pyflink_kafka_count import connector_jars
 from pyflink_keyed_count import completed_checkpoints
@@ -157,9 +158,14 @@ def main() -> int:
         out = rows.key_by(lambda r: r[0], key_type=Types.STRING()).process(
             CountPerInterval(interval_ms, args.function == "transform", str(stats)), output_type=Types.STRING()
         ).assign_timestamps_and_watermarks(WatermarkStrategy.no_watermarks().with_timestamp_assigner(EmittedNow()))
+        serializer = (KafkaRecordSerializationSchema.builder().set_topic(args.sink_topic)
+                      .set_value_serialization_schema(SimpleStringSchema()))
+        # each sink subtask writes one partition (PyFlink's builder has no set_partitioner): a key's rows,
+        # all from the subtask that owns it, stay in order in one partition, as the other systems' by key
+        serializer._j_builder.setPartitioner(
+            get_gateway().jvm.org.apache.flink.streaming.connectors.kafka.partitioner.FlinkFixedPartitioner())
         builder = (KafkaSink.builder().set_bootstrap_servers(args.bootstrap)
-                   .set_record_serializer(KafkaRecordSerializationSchema.builder().set_topic(args.sink_topic)
-                                          .set_value_serialization_schema(SimpleStringSchema()).build())
+                   .set_record_serializer(serializer.build())
                    .set_delivery_guarantee(DeliveryGuarantee.EXACTLY_ONCE)
                    .set_transactional_id_prefix(f"pyflink-json-{uuid.uuid4().hex[:8]}"))
         for k, v in kafka_sink_properties(args.transaction_timeout_ms, args.interval).items():
