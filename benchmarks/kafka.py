@@ -69,14 +69,26 @@ KEYS = 100
 # ---------------------------------------------------------------- load and reader processes
 
 
-def _produce_bulk(bootstrap: str, topic: str, n: int) -> None:
+def _count_message(i: int, due_ms: int) -> tuple[bytes, bytes]:
+    """This benchmark's record ``i``: key ``k<i % KEYS>``, value ``i``."""
+    return f"k{i % KEYS}".encode(), str(i).encode()
+
+
+def _produce_bulk(bootstrap: str, topic: str, n: int, message=None) -> None:
+    """``n`` records into ``topic``, as fast as the broker takes them. ``message(i, due_ms)`` gives
+    record ``i``'s (key, value) (default ``_count_message``; ``due_ms`` is the produce start, ms).
+    Idempotent: a retried batch cannot reorder a partition (checks may rely on the order)."""
     from confluent_kafka import Producer
 
-    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "batch.num.messages": 10000, "log_level": 3})
+    message = message or _count_message
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "batch.num.messages": 10000, "log_level": 3,
+                  "enable.idempotence": True})
+    t0 = int(time.time() * 1000)
     for i in range(n):
+        key, value = message(i, t0)
         while True:
             try:
-                p.produce(topic, key=f"k{i % KEYS}".encode(), value=str(i).encode())
+                p.produce(topic, key=key, value=value)
                 break
             except BufferError:
                 p.poll(0.01)
@@ -102,10 +114,12 @@ def _wait_ready(bootstrap: str, topic: str, group: str | None, timeout: float = 
         c.close()
 
 
-def _load(bootstrap: str, topic: str, rate: float, seconds: float, group: str | None = None) -> None:
+def _load(bootstrap: str, topic: str, rate: float, seconds: float, group: str | None = None,
+          message=None) -> None:
     """Open-loop producer: record i is due at t0 + i / rate, and carries that moment as its
     Kafka timestamp, so a producer that falls behind does not hide the delay (no coordinated
-    omission). Records due are produced in bursts every ~2 ms. Starts once the job runs."""
+    omission). Records due are produced in bursts every ~2 ms. Starts once the job runs.
+    ``message(i, due_ms)``: record i's (key, value), default key ``k<i % KEYS>``, value ``i``."""
     from confluent_kafka import Producer
 
     _wait_ready(bootstrap, topic, group)
@@ -117,8 +131,13 @@ def _load(bootstrap: str, topic: str, rate: float, seconds: float, group: str | 
     while i < total:
         due_now = min(total, int((time.time() - t0) * rate) + 1)
         while i < due_now:
+            due_ms = int((t0 + i / rate) * 1000)
+            if message is None:
+                key, value = keys[i % KEYS], str(i).encode()
+            else:
+                key, value = message(i, due_ms)
             try:
-                p.produce(topic, str(i).encode(), keys[i % KEYS], timestamp=int((t0 + i / rate) * 1000))
+                p.produce(topic, value, key, timestamp=due_ms)
             except BufferError:
                 p.poll(0.01)
                 continue

@@ -399,15 +399,19 @@ def read_latencies(folder: str, pattern: str, after: float) -> list[float]:
 # ---------------------------------------------------------------- Spark
 
 
-def spark_session():
+def spark_session(extra: dict[str, str] | None = None, app_name: str = "pyspark-stateful-bench"):
+    """``local[2]``, 2 shuffle partitions, RocksDB state store; ``extra``: more settings
+    (``spark.jars`` for a connector, ...)."""
     from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master("local[2]").appName("pyspark-stateful-bench")
-             .config("spark.sql.shuffle.partitions", "2").config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")  # the bar garbles the progress lines
-             .config("spark.sql.streaming.stateStore.providerClass",
-                     "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
-             .getOrCreate())
+    builder = (SparkSession.builder.master("local[2]").appName(app_name)
+               .config("spark.sql.shuffle.partitions", "2").config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")  # the bar garbles the progress lines
+               .config("spark.sql.streaming.stateStore.providerClass",
+                       "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"))
+    for k, v in (extra or {}).items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("FATAL")  # stopping a query mid-batch logs aborts
     return spark
 
