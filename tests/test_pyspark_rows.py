@@ -203,7 +203,7 @@ INFERRED = {
 def test_without_an_input_schema_each_key_gets_the_types_its_own_rows_infer(name):
     rows = INFERRED[name]
     keys = [(r["k"],) for r in rows]
-    assert_same_groups(row_groups(rows, keys, None, "f"), per_key_reference(rows, keys, None))
+    assert_same_groups(row_groups(rows, keys, ["k"], None, "f"), per_key_reference(rows, keys, None))
     # and through the operator, in two runtime batches of one epoch
     assert_same_groups(frames_seen([rows[:1], rows[1:]], None), per_key_reference(rows, keys, None))
 
@@ -213,7 +213,7 @@ def test_rows_that_do_not_fit_the_input_schema_name_the_operator_and_the_key():
     rows = [{"k": "a", "n": 1}, {"k": "b", "n": "two"}]
     with pytest.raises(SchemaError, match=r"count: the rows of key \('b',\) do not convert to Arrow into the input "
                                           r"schema"):
-        row_groups(rows, [(r["k"],) for r in rows], schema, "count")
+        row_groups(rows, [(r["k"],) for r in rows], ["k"], schema, "count")
 
 
 # ---------------------------------------------------------------- any rows
@@ -236,6 +236,8 @@ _KINDS = {
     "map": (st.one_of(st.none(), st.dictionaries(st.sampled_from("pq"), st.one_of(
         st.none(), st.lists(st.one_of(st.none(), st.integers(0, 9)), max_size=2)), max_size=2)),
         "map<string,array<long>>"),
+    "map-of-longs": (st.one_of(st.none(), st.dictionaries(st.sampled_from("pq"), st.one_of(
+        st.none(), st.integers(0, 9)), max_size=2)), "map<string,long>"),
     "none": (st.none(), "long"),
 }
 
@@ -275,7 +277,7 @@ def test_any_rows_give_each_key_the_frame_its_rows_alone_give(case, declared):
     schema = arrow_schema(parse_schema(ddl)) if declared else None
     keys = [(r["k"],) for r in rows]
     want = _outcome(lambda: per_key_reference(rows, keys, schema))
-    got = _outcome(lambda: row_groups(rows, keys, schema, "f"))
+    got = _outcome(lambda: row_groups(rows, keys, ["k"], schema, "f"))
     if want == "error":
         assert got == "error"
         return

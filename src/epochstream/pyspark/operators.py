@@ -373,7 +373,7 @@ class _Keyed:
         one pandas frame (one Arrow conversion of all the rows, ``schema.row_groups``), or
         in Row mode as a list of dicts."""
         if self._pandas_in:
-            return row_groups(seg.rows, seg.keys, self._arrow_in, self.label)
+            return row_groups(seg.rows, seg.keys, self.key_columns, self._arrow_in, self.label)
         groups: dict[Any, list[dict]] = {}
         for r, k in zip(seg.rows, seg.keys, strict=True):
             g = groups.get(k)

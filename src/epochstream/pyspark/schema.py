@@ -410,35 +410,36 @@ def pandas_groups(batch: Any, key_columns: Sequence[str], schema: Any, what: str
     return keyed_frames(conform(batch, schema, what), codes.to_numpy(zero_copy_only=False), keys)
 
 
-def row_groups(rows: list[dict], keys: list[Any], schema: Any, what: str) -> list[tuple[Any, Any]]:
-    """Dict rows and their keys -> ``[(key, frame)]``, each frame what ``to_pandas`` makes of
-    the key's rows alone (``schema``: the Arrow input schema, or None to infer types from the
-    values), keys in first-appearance order, rows in arrival order: the rows become one
-    RecordBatch in one ``from_pylist`` and ``keyed_frames`` cuts it, instead of an Arrow and a
-    pandas conversion per key.
+def row_groups(rows: list[dict], keys: list[Any], key_columns: Sequence[str], schema: Any,
+               what: str) -> list[tuple[Any, Any]]:
+    """Dict rows and their keys (``tuple(row[c] for c in key_columns)``) -> ``[(key, frame)]``,
+    each frame what ``to_pandas`` makes of the key's rows alone (``schema``: the Arrow input
+    schema, or None to infer types from the values), keys in first-appearance order, rows in
+    arrival order: the rows become one RecordBatch in one ``from_pylist`` and ``keyed_frames``
+    cuts it, instead of an Arrow and a pandas conversion per key. Key columns of ints or
+    strings are numbered with Arrow (``distinct_keys``), others by their Python keys.
 
     Without a schema a key's own rows could infer other types than all the rows together:
     so the rows take that path only when each column holds one Python type whose inferred
     Arrow type no subset changes (int, float, str, bool, bytes, date, timedelta, datetimes
-    all naive or all of one zone); a key whose first row names other columns than the first row
-    of all (Arrow takes the columns from the first row) is converted alone. Anything else
+    all naive or all of one zone); a key whose first row names other columns than the first
+    row of all (Arrow takes the columns from the first row) is converted alone. Anything else
     (several types in a column, nested values, decimals, numpy scalars, rows Arrow refuses
     together) is converted key by key, as each key's rows alone give it."""
     import numpy as np
     import pyarrow as pa
 
-    index: dict[Any, int] = {}
-    codes = np.array([index.setdefault(k, len(index)) for k in keys], dtype=np.int64)
-    uniq = list(index)
     try:
         data = pa.RecordBatch.from_pylist(rows, schema=schema)
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         return _frames_key_by_key(rows, keys, schema, what)
+    names = data.schema.names
+    types = {n: _types_of(rows, n) for n in (names if schema is None else key_columns)}
+    if schema is None and not _inferred_alike(types, rows):
+        return _frames_key_by_key(rows, keys, schema, what)
+    codes, uniq = _key_codes(data, keys, key_columns, types)
     if schema is not None or len(uniq) == 1:
         return keyed_frames(data, codes, uniq)
-    names = data.schema.names
-    if not _inferred_alike(names, rows):
-        return _frames_key_by_key(rows, keys, schema, what)
     running = np.maximum.accumulate(codes)
     firsts = np.flatnonzero(np.concatenate(([True], running[1:] > running[:-1]))).tolist()
     want = tuple(names)
@@ -448,6 +449,39 @@ def row_groups(rows: list[dict], keys: list[Any], schema: Any, what: str) -> lis
         return to_pandas([rows[i] for i in at], None)
 
     return keyed_frames(data, codes, uniq, inferred=True, alone=alone, alone_codes=alone_codes)
+
+
+def _types_of(rows: list[dict], name: str) -> set[type]:
+    """The Python types of column ``name`` of dict rows (NoneType for a missing or null value)."""
+    import itertools
+
+    return set(map(type, map(dict.get, rows, itertools.repeat(name))))
+
+
+def _key_codes(data: Any, keys: list[Any], key_columns: Sequence[str], types: dict[str, set[type]]
+               ) -> tuple[Any, list[Any]]:
+    """``row_groups``' key numbers (first-appearance order) and keys. From the batch's key
+    columns with Arrow where each holds only ints or only strings (nulls aside) and stays an
+    integer or string column: their Arrow values are then the Python values, so equal keys
+    get equal numbers as in a dict. Otherwise from the Python keys, through a dict."""
+    import collections
+    import itertools
+
+    import numpy as np
+    import pyarrow.types as pt
+
+    from ..graph.keygroups import distinct_keys
+
+    none = type(None)
+    if all(c in types and (types[c] - {none} <= {int} or types[c] - {none} <= {str}) for c in key_columns):
+        columns = [data.column(c) for c in key_columns]
+        if all(pt.is_integer(col.type) or pt.is_string(col.type) or pt.is_large_string(col.type)
+               or pt.is_null(col.type) for col in columns):
+            codes, uniq = distinct_keys(columns, as_tuple=True)
+            return codes.to_numpy(zero_copy_only=False), uniq
+    index: collections.defaultdict[Any, int] = collections.defaultdict(itertools.count().__next__)
+    numbered = np.fromiter(map(index.__getitem__, keys), np.int64, len(keys))
+    return numbered, list(index)
 
 
 def _frames_key_by_key(rows: list[dict], keys: list[Any], schema: Any, what: str) -> list[tuple[Any, Any]]:
@@ -476,29 +510,26 @@ def _frames_key_by_key(rows: list[dict], keys: list[Any], schema: Any, what: str
 _ALIKE_TYPES = frozenset({int, float, str, bool, bytes})
 
 
-def _inferred_alike(names: list[str], rows: list[dict]) -> bool:
-    """Whether Arrow infers each column's type from any key's rows as from all of them: one
-    Python type per column (None aside) among ``_ALIKE_TYPES``, dates, timedeltas, or
-    datetimes all naive or all of one time zone."""
+def _inferred_alike(types: dict[str, set[type]], rows: list[dict]) -> bool:
+    """Whether Arrow infers each column's type from any key's rows as from all of them
+    (``types``: each column's Python types): one type per column (None aside) among
+    ``_ALIKE_TYPES``, dates, timedeltas, or datetimes all naive or all of one time zone."""
     import datetime
-    import itertools
 
-    get, none = dict.get, type(None)
-    for name in names:
-        values = list(map(get, rows, itertools.repeat(name)))
-        types = set(map(type, values))
-        types.discard(none)
-        if not types:
+    none = type(None)
+    for name, seen in types.items():
+        kinds = seen - {none}
+        if not kinds:
             continue
-        if len(types) > 1:
+        if len(kinds) > 1:
             return False
-        (kind,) = types
+        (kind,) = kinds
         if kind in _ALIKE_TYPES or kind is datetime.date or kind is datetime.timedelta:
             continue
         if kind is not datetime.datetime:
             return False
         # the first value's zone is the column's (PySpark shows wall times in it): one zone, or all naive
-        if len({v.tzinfo for v in values if v is not None}) > 1:
+        if len({v.tzinfo for v in map(dict.get, rows, [name] * len(rows)) if v is not None}) > 1:
             return False
     return True
 
@@ -560,7 +591,7 @@ def keyed_frames(data: Any, codes: Any, keys: list[Any], inferred: bool = False,
     members: list[list[int]] = [[] for _ in range(groups)]
     for code, group in zip(key_order.tolist(), group_of_key[key_order].tolist(), strict=True):
         members[group].append(code)
-    data = data.take(pa.array(order))
+    original, data = data, data.take(pa.array(order))
     frames: list[Any] = [None] * n_keys
     for group, codes_in in enumerate(members):
         if group == alone_group:
@@ -568,9 +599,11 @@ def keyed_frames(data: Any, codes: Any, keys: list[Any], inferred: bool = False,
             for code in codes_in:
                 s = start_of[code]
                 frames[code] = alone(order[s:s + count_of[code]].tolist())
-        elif by_key:
+        elif by_key:  # each key's rows taken alone: a slice of a map column still holds every key's values
             for code in codes_in:
-                frames[code] = spark_pandas(_nulled(data.slice(start_of[code], count_of[code]), nulled[group]))
+                s = start_of[code]
+                own = original.take(pa.array(order[s:s + count_of[code]]))
+                frames[code] = spark_pandas(_nulled(own, nulled[group]))
         elif codes_in:
             first = start_of[codes_in[0]]
             cut = row_slicer(spark_pandas(_nulled(data.slice(first, sum(count_of[c] for c in codes_in)),
@@ -634,14 +667,14 @@ def _null_blind(t: Any) -> bool:
 def _list_leaf_nulls(arr: Any, under_list: bool = False) -> bool:
     """Whether an integer or boolean value inside a list of ``arr`` is null: pandas then
     makes the list's values an ``object`` array, so a key's lists follow nulls in other
-    keys' rows. Struct children carry their parent's nulls (``flatten``), which can only
-    say yes where a key-by-key conversion was not needed, never the reverse. Maps become
-    dicts of Python values, lists in them ``object`` arrays, whatever their nulls."""
+    keys' rows (lists in maps too). Struct children carry their parent's nulls
+    (``flatten``) and a map's keys and items are all of its children, which can only say yes
+    where a key-by-key conversion was not needed, never the reverse."""
     import pyarrow.types as pt
 
     t = arr.type
-    if pt.is_map(t):
-        return False
+    if pt.is_map(t):  # its values become Python objects, lists in them arrays
+        return _list_leaf_nulls(arr.keys, False) or _list_leaf_nulls(arr.items, False)
     if pt.is_list(t) or pt.is_large_list(t) or pt.is_fixed_size_list(t):
         return _list_leaf_nulls(arr.flatten(), True)
     if pt.is_struct(t):
