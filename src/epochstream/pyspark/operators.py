@@ -239,6 +239,9 @@ class _Keyed:
         self.key_columns = (key,) if isinstance(key, str) else tuple(key)
         if not self.key_columns or not all(isinstance(c, str) for c in self.key_columns):
             raise ValueError(f"key must name one or more columns, got {key!r}")
+        #: ``key_of`` of a dict: its one key column, or a getter of the tuple of them
+        self._one_key = self.key_columns[0] if len(self.key_columns) == 1 else None
+        self._key_items = operator.itemgetter(*self.key_columns)
         self.output_schema: StructType = struct_schema(output_schema, "output schema")
         self.input_schema: StructType | None = (
             struct_schema(input_schema, "input schema") if input_schema is not None else None
@@ -398,8 +401,9 @@ class _Keyed:
 
     # the key function routes records to subtasks; the same tuple is the grouping key
     def key_of(self, record: Any) -> tuple:
-        if isinstance(record, dict):
-            return tuple(record[c] for c in self.key_columns)
+        if isinstance(record, dict):  # twice per row (routing, then the receiving chain): no generator
+            one = self._one_key
+            return (record[one],) if one is not None else self._key_items(record)
         if named_row(record):
             return tuple(record[c] for c in self.key_columns)
         if self.input_schema is not None:
