@@ -265,11 +265,11 @@ def state_tuple(value: Any, schema: StructType, what: str) -> tuple:
     if value is None:
         raise SchemaError(f"{what}: a state value cannot be None (Spark: ILLEGAL_STATE_STORE_VALUE.NULL_VALUE)")
     t = type(value)
-    if (t is Row or t is tuple) and len(value) == len(schema.fields) and "__fields__" not in getattr(
-            value, "__dict__", ()) and all(type(x) in _PLAIN for x in value) and _atomic_fields(schema):
-        # what GroupState.update stores (an unnamed Row of plain values) for a schema of scalars:
-        # _plain would give the same tuple, at about 25 us a call
-        return tuple(value)
+    if (t is tuple or (t is Row and "__fields__" not in value.__dict__)) and len(value) == _atomic_width(schema) \
+            and _PLAIN.issuperset(map(type, value)):
+        # what GroupState.update stores (an unnamed Row of plain values) and what handles get
+        # (plain tuples) for a schema of scalars: _plain would give the same tuple, at about 25 us a call
+        return value if t is tuple else tuple(value)
     if not isinstance(value, (tuple, list, dict, Row)) and not hasattr(value, "__dict__"):
         raise SchemaError(f"{what}: state values are tuples matching {schema.simpleString()}, "
                           f"got {type(value).__name__}")
@@ -290,10 +290,23 @@ def _atomic_fields(schema: StructType) -> bool:
     return bool(flag)
 
 
+def _atomic_width(schema: StructType) -> int:
+    """The number of fields of ``schema`` when none is a struct, array or map, else -1
+    (cached on the schema object: ``state_tuple`` asks on every state write)."""
+    width = schema.__dict__.get("_epochstream_width")
+    if width is None:
+        width = len(schema.fields) if _atomic_fields(schema) else -1
+        schema.__dict__["_epochstream_width"] = width
+    return int(width)
+
+
 def state_value(stored: tuple, schema: StructType) -> tuple:
     """A stored state tuple as Spark's state variables return it: a tuple at the top, a
     ``Row`` for every nested struct (``value[0].x`` works as in Spark)."""
-    if not any(_needs_rows(f.dataType) for f in schema.fields):
+    rows = schema.__dict__.get("_epochstream_rows")
+    if rows is None:  # cached on the schema object: asked on every state read
+        rows = schema.__dict__["_epochstream_rows"] = any(_needs_rows(f.dataType) for f in schema.fields)
+    if not rows:
         return stored
     return tuple(_spark(x, f.dataType) for x, f in zip(stored, schema.fields, strict=True))
 
