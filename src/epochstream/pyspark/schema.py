@@ -573,6 +573,7 @@ def keyed_frames(data: Any, codes: Any, keys: list[Any], inferred: bool = False,
     ``alone(row indices)`` makes instead (``row_groups``)."""
     import numpy as np
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     n_keys = len(keys)
     if n_keys == 1 and not alone_codes:
@@ -591,8 +592,8 @@ def keyed_frames(data: Any, codes: Any, keys: list[Any], inferred: bool = False,
         alone_group = len(nulled)
         group_of_key[np.asarray(alone_codes, dtype=np.int64)] = alone_group
     groups = int(group_of_key.max()) + 1
-    if groups == 1:
-        order = np.argsort(codes, kind="stable")
+    if groups == 1:  # Arrow's stable sort: several times numpy's on dense codes
+        order = pc.sort_indices(pa.array(codes)).to_numpy()
         key_order = np.arange(n_keys)
     else:  # by group, then key, then arrival (lexsort is stable)
         order = np.lexsort((codes, group_of_key[codes]))
