@@ -5,7 +5,7 @@ function with its ``GroupState``.
 Grouping (``micro_batch``). Spark calls the user once per key per micro-batch and
 partition, with every row of that key in the trigger. An epoch is Spark's micro-batch, so by
 default (``micro_batch="epoch"``) the operator keeps the runtime batches it is handed (Arrow
-RecordBatches as they came, rows grouped per key) and at the epoch's bound, before its state
+RecordBatches and rows as they came) and at the epoch's bound, before its state
 is captured, calls the user once per key with an iterator over all of that key's frames of
 the epoch, keys in first-appearance order, rows in arrival order; then timeouts and timers,
 as Spark runs them after the micro-batch's data. The output joins the epoch, so an
@@ -174,17 +174,15 @@ class GroupingKey(ColumnKey):
 class _Rows:
     """Row records kept for one round of calls: dicts in arrival order and their keys, late
     rows already dropped. Consecutive row batches share one, so their rows become Arrow
-    together (``schema.row_groups``) and a key gets one frame for them. The lists it is made
-    with are the caller's: copied before the first ``extend``."""
+    together (``schema.row_groups``) and a key gets one frame for them. It holds lists of
+    its own: the caller's may be reused once the batch is handed over."""
 
-    __slots__ = ("rows", "keys", "_owned")
+    __slots__ = ("rows", "keys")
 
     def __init__(self, rows: list[dict], keys: list[Any]) -> None:
-        self.rows, self.keys, self._owned = rows, keys, False
+        self.rows, self.keys = list(rows), list(keys)
 
     def extend(self, other: "_Rows") -> None:
-        if not self._owned:
-            self.rows, self.keys, self._owned = list(self.rows), list(self.keys), True
         self.rows.extend(other.rows)
         self.keys.extend(other.keys)
 
