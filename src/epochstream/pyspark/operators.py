@@ -5,7 +5,7 @@ function with its ``GroupState``.
 Grouping (``micro_batch``). Spark calls the user once per key per micro-batch and
 partition, with every row of that key in the trigger. An epoch is Spark's micro-batch, so by
 default (``micro_batch="epoch"``) the operator keeps the runtime batches it is handed (Arrow
-RecordBatches as they came, rows grouped per key) and at the epoch's bound, before its state
+RecordBatches and rows as they came) and at the epoch's bound, before its state
 is captured, calls the user once per key with an iterator over all of that key's frames of
 the epoch, keys in first-appearance order, rows in arrival order; then timeouts and timers,
 as Spark runs them after the micro-batch's data. The output joins the epoch, so an
@@ -35,7 +35,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import itertools
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -57,11 +59,11 @@ from .schema import (
     group_state_row,
     named_row,
     pandas_groups,
+    row_groups,
     rows_to_records,
     state_tuple,
     struct_schema,
     take_frames,
-    to_pandas,
     to_python,
 )
 
@@ -139,6 +141,10 @@ def _clock(clock: Any) -> Callable[[Any], int]:
     raise ValueError(f"clock must be None (wall clock), 'pipeline' or a callable returning ms, got {clock!r}")
 
 
+#: event-time values ``_event_time_ms`` reads as epoch milliseconds with ``int``
+_EPOCH_MS_TYPES = frozenset({int, float})
+
+
 def _event_time_ms(v: Any) -> int:
     if isinstance(v, bool) or v is None:
         raise ValueError(f"event time must be a timestamp or epoch milliseconds, got {v!r}")
@@ -165,19 +171,37 @@ class GroupingKey(ColumnKey):
         return self.key_of(record)
 
 
+class _Rows:
+    """Row records kept for one round of calls: dicts in arrival order and their keys, late
+    rows already dropped. Consecutive row batches share one, so their rows become Arrow
+    together (``schema.row_groups``) and a key gets one frame for them. It holds lists of
+    its own: the caller's may be reused once the batch is handed over."""
+
+    __slots__ = ("rows", "keys")
+
+    def __init__(self, rows: list[dict], keys: list[Any]) -> None:
+        self.rows, self.keys = list(rows), list(keys)
+
+    def extend(self, other: "_Rows") -> None:
+        self.rows.extend(other.rows)
+        self.keys.extend(other.keys)
+
+
 class _Keyed:
     """Shared by both operators: key columns, input conversion, event time and watermark.
 
     Columnar input. The chain hands ``process_batch`` a RecordBatch as it came
     (``takes_record_batches``) instead of making rows of it: it is grouped by the key columns
     with Arrow and each key's rows reach the user as a pandas DataFrame
-    (``schema.pandas_groups``), converted as the row path converts them. Where rows are
-    needed anyway (an ``event_time`` column: late rows are dropped row by row; Row-mode
-    ``transform_with_state``) the batch becomes rows once and takes the row path.
+    (``schema.pandas_groups``). Row input (dicts, Rows, tuples) becomes Arrow once per run
+    of kept row batches and is cut the same way (``schema.row_groups``), each key's frame
+    what converting its rows alone gives. Where rows are needed anyway (an ``event_time``
+    column: late rows are dropped row by row; Row-mode ``transform_with_state``) a
+    RecordBatch becomes rows once and takes the row path.
 
     Micro-batches. What one round of calls covers is a list of *segments*: RecordBatches as
-    they came, or dicts key -> rows (the row path, late rows already dropped: the late
-    threshold moves only at epoch bounds). ``micro_batch="epoch"`` keeps the segments of the
+    they came, or ``_Rows`` (the row path, late rows already dropped: the late threshold
+    moves only at epoch bounds). ``micro_batch="epoch"`` keeps the segments of the
     epoch in ``_pending`` and runs them at the bound (``on_epoch_end``), when event time is
     about to move (``drain_input``) or once ``max_rows_per_trigger`` rows wait;
     ``"batch"`` runs each runtime batch at once.
@@ -213,6 +237,9 @@ class _Keyed:
         self.key_columns = (key,) if isinstance(key, str) else tuple(key)
         if not self.key_columns or not all(isinstance(c, str) for c in self.key_columns):
             raise ValueError(f"key must name one or more columns, got {key!r}")
+        #: ``key_of`` of a dict: its one key column, or a getter of the tuple of them
+        self._one_key = self.key_columns[0] if len(self.key_columns) == 1 else None
+        self._key_items = operator.itemgetter(*self.key_columns)
         self.output_schema: StructType = struct_schema(output_schema, "output schema")
         self.input_schema: StructType | None = (
             struct_schema(input_schema, "input schema") if input_schema is not None else None
@@ -275,30 +302,25 @@ class _Keyed:
     _drain_output: Callable[[Any], Any]
 
     def _segment(self, records: Any, keys: list[Any] | None) -> Any:
-        """One runtime batch as a segment: a RecordBatch as it came, or its rows per key."""
+        """One runtime batch as a segment: a RecordBatch as it came, or its ``_Rows``."""
         if type(records) is not list:
             if self._columns_in:
                 return records
             records, keys = self._rows_of(records)
         assert keys is not None, "rows come with their keys"
-        return self._group(records, keys)
+        return self._kept_rows(records, keys)
 
     def _buffer(self, records: Any, keys: list[Any] | None) -> bool:
         """Keep a runtime batch for the epoch's calls; whether ``max_rows_per_trigger`` rows
-        now wait. Rows of consecutive row batches share one dict, so a key gets one frame
-        for them; consecutive RecordBatches of one schema are grouped as one (``_by_key``)."""
+        now wait. Consecutive row batches share one ``_Rows``, so a key gets one frame for
+        them; consecutive RecordBatches of one schema are grouped as one (``_by_key``)."""
         seg = self._segment(records, keys)
         pending = self._pending
-        if type(seg) is dict:
+        if type(seg) is _Rows:
             last = pending[-1] if pending else None
-            if type(last) is dict:
-                for k, rows in seg.items():
-                    have = last.get(k)
-                    if have is None:
-                        last[k] = rows
-                    else:
-                        have.extend(rows)
-            elif seg:
+            if type(last) is _Rows:
+                last.extend(seg)
+            elif seg.rows:
                 pending.append(seg)
             self._pending_rows += len(records)
         elif seg.num_rows:
@@ -313,7 +335,8 @@ class _Keyed:
     def _by_key(self, segments: list[Any]) -> dict[Any, list[Any]]:
         """Each key's data over ``segments``, keys in first-appearance order, a key's parts in
         arrival order: pandas frames (a run of RecordBatches of one schema is concatenated and
-        grouped once, so a key gets one frame for the run) or lists of row dicts."""
+        grouped once, so a key gets one frame for the run; a ``_Rows`` becomes one frame per
+        key) or, in Row mode, lists of row dicts."""
         per_key: dict[Any, list[Any]] = {}
         run: list[Any] = []
 
@@ -328,14 +351,14 @@ class _Keyed:
                 run.clear()
 
         for seg in segments:
-            if type(seg) is dict:
+            if type(seg) is _Rows:
                 group_run()
-                for key, rows in seg.items():
+                for key, part in self._row_parts(seg):
                     parts = per_key.get(key)
                     if parts is None:
-                        per_key[key] = [rows]
+                        per_key[key] = [part]
                     else:
-                        parts.append(rows)
+                        parts.append(part)
             else:
                 if run and seg.schema != run[0].schema:
                     group_run()
@@ -343,11 +366,27 @@ class _Keyed:
         group_run()
         return per_key
 
+    #: whether the user gets pandas frames (else Rows: Row-mode ``transform_with_state``)
+    _pandas_in: bool
+
+    def _row_parts(self, seg: _Rows) -> list[tuple[Any, Any]]:
+        """``[(key, part)]`` of kept rows, keys in first-appearance order: each key's rows as
+        one pandas frame (one Arrow conversion of all the rows, ``schema.row_groups``), or
+        in Row mode as a list of dicts."""
+        if self._pandas_in:
+            return row_groups(seg.rows, seg.keys, self.key_columns, self._arrow_in, self.label)
+        groups: dict[Any, list[dict]] = {}
+        for r, k in zip(seg.rows, seg.keys, strict=True):
+            g = groups.get(k)
+            if g is None:
+                groups[k] = [r]
+            else:
+                g.append(r)
+        return list(groups.items())
+
     def _frames(self, parts: list[Any]) -> list[Any]:
-        """A key's parts as pandas frames (row lists become one frame each, through Arrow)."""
-        if len(parts) == 1 and type(parts[0]) is not list:
-            return parts
-        return [to_pandas(p, self._arrow_in) if type(p) is list else p for p in parts]
+        """A key's parts as the user's frames (``_by_key`` made them)."""
+        return parts
 
     def drain_input(self, ctx) -> Any:
         """Job-wide event time is about to move here (``ChainRuntime.fire_timers``): run the
@@ -360,8 +399,9 @@ class _Keyed:
 
     # the key function routes records to subtasks; the same tuple is the grouping key
     def key_of(self, record: Any) -> tuple:
-        if isinstance(record, dict):
-            return tuple(record[c] for c in self.key_columns)
+        if isinstance(record, dict):  # twice per row (routing, then the receiving chain): no generator
+            one = self._one_key
+            return (record[one],) if one is not None else self._key_items(record)
         if named_row(record):
             return tuple(record[c] for c in self.key_columns)
         if self.input_schema is not None:
@@ -441,38 +481,34 @@ class _Keyed:
         if w != float("-inf"):
             self.watermark_ms = max(self.watermark_ms, int(math.ceil(w)) - 1)
 
-    def _group(self, records: list[Any], keys: list[Any]) -> dict[Any, list[dict]]:
-        """Records grouped per key (first-appearance order), late rows dropped in event time."""
+    def _kept_rows(self, records: list[Any], keys: list[Any]) -> _Rows:
+        """Records as dicts with their keys, in arrival order; in event time late rows dropped
+        and each key's newest event time kept (row by row: a Python value per row decides)."""
         rows = as_dicts(records, self.input_schema)
-        groups: dict[Any, list[dict]] = {}
         if self.event_time is None:
-            for r, k in zip(rows, keys, strict=True):
-                g = groups.get(k)
-                if g is None:
-                    groups[k] = [r]
-                else:
-                    g.append(r)
-            return groups
+            return _Rows(rows, keys)
         if self.tracker_time is not None:
             self._tracker_watermark()  # what TimerValues report (timers fire against it)
         # late against the watermark as of the start of the previous epoch (Spark: of the
         # previous micro-batch); it moves only at epoch bounds, whatever drives event time
         col, wm = self.event_time, self.late_ms
+        values = list(map(operator.itemgetter(col), rows))
+        if set(map(type, values)) <= _EPOCH_MS_TYPES:
+            times = list(map(int, values))  # what _event_time_ms gives an int or a float
+        else:
+            times = list(map(_event_time_ms, values))
         # Spark drops late rows only where event time drives the operator: transformWithState in
         # EventTime mode, applyInPandasWithState with EventTimeTimeout (measured on Spark 4.2)
-        drops = self.uses_event_time
+        if self.uses_event_time:
+            kept = [et > wm for et in times]  # late: at or below the watermark (Spark drops it before the operator)
+            if not all(kept):
+                rows = list(itertools.compress(rows, kept))
+                keys = list(itertools.compress(keys, kept))
+                times = list(itertools.compress(times, kept))
         maxima: dict[Any, int] = {}
-        for r, k in zip(rows, keys, strict=True):
-            et = _event_time_ms(r[col])
-            if et <= wm and drops:
-                continue  # late: at or below the watermark (Spark drops it before the operator)
+        for k, et in zip(keys, times, strict=True):
             if et > maxima.get(k, -(2**63)):
                 maxima[k] = et
-            g = groups.get(k)
-            if g is None:
-                groups[k] = [r]
-            else:
-                g.append(r)
         ctx, h = self.ctx, self._et
         for k, et in maxima.items():
             ctx.set_current_key(k)
@@ -481,7 +517,7 @@ class _Keyed:
                 h.update(et)
             if self._max_event is None or et > self._max_event:
                 self._max_event = et
-        return groups
+        return _Rows(rows, keys)
 
 
 class TransformWithState(_Keyed):
@@ -533,6 +569,7 @@ class TransformWithState(_Keyed):
         #: carry maps as dicts, ``runtime.columns.to_rows``)
         self._columnar_out = rows == "pandas"
         self._columns_in = event_time is None and rows == "pandas"
+        self._pandas_in = rows == "pandas"
         #: event-time timers fire from the trAcker's time bounds where the pipeline has them
         self.uses_event_time = mode == "eventtime"
 
@@ -790,6 +827,7 @@ class ApplyInPandasWithState(_Keyed):
         self.label = getattr(func, "__name__", "func")
         self._columnar_out = True
         self._columns_in = event_time is None
+        self._pandas_in = True
         self.state_schema = struct_schema(state_schema, "state schema")
         self.output_mode = str(output_mode).lower()
         self.timeout_conf = timeout_conf

@@ -265,11 +265,11 @@ def state_tuple(value: Any, schema: StructType, what: str) -> tuple:
     if value is None:
         raise SchemaError(f"{what}: a state value cannot be None (Spark: ILLEGAL_STATE_STORE_VALUE.NULL_VALUE)")
     t = type(value)
-    if (t is Row or t is tuple) and len(value) == len(schema.fields) and "__fields__" not in getattr(
-            value, "__dict__", ()) and all(type(x) in _PLAIN for x in value) and _atomic_fields(schema):
-        # what GroupState.update stores (an unnamed Row of plain values) for a schema of scalars:
-        # _plain would give the same tuple, at about 25 us a call
-        return tuple(value)
+    if (t is tuple or (t is Row and "__fields__" not in value.__dict__)) and len(value) == _atomic_width(schema) \
+            and _PLAIN.issuperset(map(type, value)):
+        # what GroupState.update stores (an unnamed Row of plain values) and what handles get
+        # (plain tuples) for a schema of scalars: _plain would give the same tuple, at about 25 us a call
+        return value if t is tuple else tuple(value)
     if not isinstance(value, (tuple, list, dict, Row)) and not hasattr(value, "__dict__"):
         raise SchemaError(f"{what}: state values are tuples matching {schema.simpleString()}, "
                           f"got {type(value).__name__}")
@@ -290,10 +290,23 @@ def _atomic_fields(schema: StructType) -> bool:
     return bool(flag)
 
 
+def _atomic_width(schema: StructType) -> int:
+    """The number of fields of ``schema`` when none is a struct, array or map, else -1
+    (cached on the schema object: ``state_tuple`` asks on every state write)."""
+    width = schema.__dict__.get("_epochstream_width")
+    if width is None:
+        width = len(schema.fields) if _atomic_fields(schema) else -1
+        schema.__dict__["_epochstream_width"] = width
+    return int(width)
+
+
 def state_value(stored: tuple, schema: StructType) -> tuple:
     """A stored state tuple as Spark's state variables return it: a tuple at the top, a
     ``Row`` for every nested struct (``value[0].x`` works as in Spark)."""
-    if not any(_needs_rows(f.dataType) for f in schema.fields):
+    rows = schema.__dict__.get("_epochstream_rows")
+    if rows is None:  # cached on the schema object: asked on every state read
+        rows = schema.__dict__["_epochstream_rows"] = any(_needs_rows(f.dataType) for f in schema.fields)
+    if not rows:
         return stored
     return tuple(_spark(x, f.dataType) for x, f in zip(stored, schema.fields, strict=True))
 
@@ -394,17 +407,10 @@ def conform(batch: Any, schema: Any, what: str) -> Any:
 def pandas_groups(batch: Any, key_columns: Sequence[str], schema: Any, what: str) -> list[tuple[tuple, Any]]:
     """A RecordBatch grouped by ``key_columns`` with Arrow kernels: ``[(key tuple, pandas
     DataFrame of that key's rows)]``, keys in order of first appearance, rows in batch order,
-    each frame as ``to_pandas`` makes it of the key's rows (``schema``: the Arrow input schema
-    or None for the batch's own types). No Python call per row.
-
-    The keys are those ``tuple(row[c] for c in key_columns)`` gives for ``batch.to_pylist()``
-    rows. One stable ``sort_indices`` and one ``take`` put each key's rows together. Without
-    nulls a column's pandas dtype depends only on its Arrow type, so the sorted batch becomes
-    pandas once and each key gets a slice of it (with its own 0-based index); with nulls (an
-    int column of one key may have none, of another some: int64 against float64) each key's
-    rows become pandas on their own."""
-    import pyarrow.compute as pc
-
+    each frame what ``spark_pandas`` makes of the key's rows alone (``schema``: the Arrow
+    input schema or None for the batch's own types). No Python call per row: the keys are
+    found once (those ``tuple(row[c] for c in key_columns)`` gives for ``batch.to_pylist()``
+    rows) and ``keyed_frames`` cuts the frames."""
     from ..graph.keygroups import distinct_keys
 
     names = batch.schema.names
@@ -414,26 +420,290 @@ def pandas_groups(batch: Any, key_columns: Sequence[str], schema: Any, what: str
     if batch.num_rows == 0:
         return []
     codes, keys = distinct_keys([batch.column(c) for c in key_columns], as_tuple=True)
-    data = conform(batch, schema, what)
-    if len(keys) == 1:
-        return [(keys[0], spark_pandas(data))]
-    order = pc.sort_indices(codes)  # stable: a key's rows keep their order
-    runs = pc.run_end_encode(codes.take(order))
-    ends = runs.run_ends.to_pylist()
-    values = runs.values.to_pylist()
-    data = data.take(order)
-    out: list[tuple[tuple, Any]] = []
-    start = 0
-    if all(c.null_count == 0 for c in data.columns):
-        cut = row_slicer(spark_pandas(data))
-        for code, end in zip(values, ends, strict=True):
-            out.append((keys[code], cut(start, end)))
-            start = end
-    else:
-        for code, end in zip(values, ends, strict=True):
-            out.append((keys[code], spark_pandas(data.slice(start, end - start))))
-            start = end
+    return keyed_frames(conform(batch, schema, what), codes.to_numpy(zero_copy_only=False), keys)
+
+
+def row_groups(rows: list[dict], keys: list[Any], key_columns: Sequence[str], schema: Any,
+               what: str) -> list[tuple[Any, Any]]:
+    """Dict rows and their keys (``tuple(row[c] for c in key_columns)``) -> ``[(key, frame)]``,
+    each frame what ``to_pandas`` makes of the key's rows alone (``schema``: the Arrow input
+    schema, or None to infer types from the values), keys in first-appearance order, rows in
+    arrival order: the rows become one RecordBatch in one ``from_pylist`` and ``keyed_frames``
+    cuts it, instead of an Arrow and a pandas conversion per key. Key columns of ints or
+    strings are numbered with Arrow (``distinct_keys``), others by their Python keys.
+
+    Without a schema a key's own rows could infer other types than all the rows together:
+    so the rows take that path only when each column holds one Python type whose inferred
+    Arrow type no subset changes (int, float, str, bool, bytes, date, timedelta, datetimes
+    all naive or all of one zone); a key whose first row names other columns than the first
+    row of all (Arrow takes the columns from the first row) is converted alone. Anything else
+    (several types in a column, nested values, decimals, numpy scalars, rows Arrow refuses
+    together) is converted key by key, as each key's rows alone give it."""
+    import numpy as np
+    import pyarrow as pa
+
+    try:
+        data = pa.RecordBatch.from_pylist(rows, schema=schema)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return _frames_key_by_key(rows, keys, schema, what)
+    names = data.schema.names
+    types = {n: _types_of(rows, n) for n in (names if schema is None else key_columns)}
+    if schema is None and not _inferred_alike(types, rows):
+        return _frames_key_by_key(rows, keys, schema, what)
+    codes, uniq = _key_codes(data, keys, key_columns, types)
+    if schema is not None or len(uniq) == 1:
+        return keyed_frames(data, codes, uniq)
+    running = np.maximum.accumulate(codes)
+    firsts = np.flatnonzero(np.concatenate(([True], running[1:] > running[:-1]))).tolist()
+    want = tuple(names)
+    alone_codes = [c for c, i in enumerate(firsts) if tuple(rows[i]) != want]
+
+    def alone(at: list[int]) -> Any:
+        return to_pandas([rows[i] for i in at], None)
+
+    return keyed_frames(data, codes, uniq, inferred=True, alone=alone, alone_codes=alone_codes)
+
+
+def _types_of(rows: list[dict], name: str) -> set[type]:
+    """The Python types of column ``name`` of dict rows (NoneType for a missing or null value)."""
+    import itertools
+
+    return set(map(type, map(dict.get, rows, itertools.repeat(name))))
+
+
+def _key_codes(data: Any, keys: list[Any], key_columns: Sequence[str], types: dict[str, set[type]]
+               ) -> tuple[Any, list[Any]]:
+    """``row_groups``' key numbers (first-appearance order) and keys. From the batch's key
+    columns with Arrow where each holds only ints or only strings (nulls aside) and stays an
+    integer or string column: their Arrow values are then the Python values, so equal keys
+    get equal numbers as in a dict. Otherwise from the Python keys, through a dict."""
+    import collections
+    import itertools
+
+    import numpy as np
+    import pyarrow.types as pt
+
+    from ..graph.keygroups import distinct_keys
+
+    none = type(None)
+    if all(c in types and (types[c] - {none} <= {int} or types[c] - {none} <= {str}) for c in key_columns):
+        columns = [data.column(c) for c in key_columns]
+        if all(pt.is_integer(col.type) or pt.is_string(col.type) or pt.is_large_string(col.type)
+               or pt.is_null(col.type) for col in columns):
+            codes, uniq = distinct_keys(columns, as_tuple=True)
+            return codes.to_numpy(zero_copy_only=False), uniq
+    index: collections.defaultdict[Any, int] = collections.defaultdict(itertools.count().__next__)
+    numbered = np.fromiter(map(index.__getitem__, keys), np.int64, len(keys))
+    return numbered, list(index)
+
+
+def _frames_key_by_key(rows: list[dict], keys: list[Any], schema: Any, what: str) -> list[tuple[Any, Any]]:
+    """``row_groups`` one key at a time: each key's rows through ``to_pandas`` alone."""
+    import pyarrow as pa
+
+    per_key: dict[Any, list[dict]] = {}
+    for r, k in zip(rows, keys, strict=True):
+        group = per_key.get(k)
+        if group is None:
+            per_key[k] = [r]
+        else:
+            group.append(r)
+    out = []
+    for k, group in per_key.items():
+        try:
+            out.append((k, to_pandas(group, schema)))
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+            fit = " into the input schema" if schema is not None else ""
+            raise SchemaError(f"{what}: the rows of key {k!r} do not convert to Arrow{fit}: "
+                              f"{type(exc).__name__}: {exc}") from None
     return out
+
+
+#: Python types whose inferred Arrow type is the same for any subset of a column's values
+_ALIKE_TYPES = frozenset({int, float, str, bool, bytes})
+
+
+def _inferred_alike(types: dict[str, set[type]], rows: list[dict]) -> bool:
+    """Whether Arrow infers each column's type from any key's rows as from all of them
+    (``types``: each column's Python types): one type per column (None aside) among
+    ``_ALIKE_TYPES``, dates, timedeltas, or datetimes all naive or all of one time zone."""
+    import datetime
+
+    none = type(None)
+    for name, seen in types.items():
+        kinds = seen - {none}
+        if not kinds:
+            continue
+        if len(kinds) > 1:
+            return False
+        (kind,) = kinds
+        if kind in _ALIKE_TYPES or kind is datetime.date or kind is datetime.timedelta:
+            continue
+        if kind is not datetime.datetime:
+            return False
+        # the first value's zone is the column's (PySpark shows wall times in it): one zone, or all naive
+        if len({v.tzinfo for v in map(dict.get, rows, [name] * len(rows)) if v is not None}) > 1:
+            return False
+    return True
+
+
+#: ``keyed_frames``' state of a column with nulls in one key: none in the key's rows, some,
+#: or all of them (the last only where types are inferred from Python values)
+_NO_NULLS, _SOME_NULLS, _ALL_NULLS = 0, 1, 2
+
+
+def keyed_frames(data: Any, codes: Any, keys: list[Any], inferred: bool = False,
+                 alone: Callable[[list[int]], Any] | None = None,
+                 alone_codes: Sequence[int] = ()) -> list[tuple[Any, Any]]:
+    """``[(key, frame)]`` of a RecordBatch whose row ``i`` belongs to ``keys[codes[i]]``
+    (``codes``: a numpy int array numbered in order of first appearance), keys in that order,
+    a key's rows in batch order; each frame is what ``spark_pandas`` makes of the key's rows
+    alone, with a 0-based index.
+
+    One stable sort puts each key's rows together and each key gets a slice (``row_slicer``)
+    of one pandas conversion. A column's dtype can depend on the key's own rows: an integer
+    column is ``int64`` for a key without nulls and ``float64`` for one with some, a boolean
+    ``bool`` or ``object``; where types are ``inferred`` from Python values (the row path
+    without an input schema) a column all null in a key has Arrow's null type (``object``).
+    So the keys are sorted first by the state (``_null_states``) each has in each such
+    column, and each group of keys alike is converted once: without nulls, or with nulls
+    only in columns whose dtype does not follow them, that is one conversion. Integer or
+    boolean values with nulls inside lists (the lists' arrays become ``object``) and types
+    this does not know convert key by key. ``alone_codes`` are keys whose frame
+    ``alone(row indices)`` makes instead (``row_groups``)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n_keys = len(keys)
+    if n_keys == 1 and not alone_codes:
+        return [(keys[0], spark_pandas(data))]
+    counts = np.bincount(codes, minlength=n_keys)
+    columns, states, by_key = _null_states(data, codes, counts, inferred)
+    if states is None:
+        group_of_key = np.zeros(n_keys, np.int64)
+        nulled: list[tuple[int, ...]] = [()]
+    else:
+        uniq, inverse = np.unique(states, axis=0, return_inverse=True)
+        group_of_key = inverse.reshape(-1).astype(np.int64)
+        nulled = [tuple(c for c, s in zip(columns, row, strict=True) if s == _ALL_NULLS) for row in uniq.tolist()]
+    alone_group = -1
+    if alone_codes:
+        alone_group = len(nulled)
+        group_of_key[np.asarray(alone_codes, dtype=np.int64)] = alone_group
+    groups = int(group_of_key.max()) + 1
+    if groups == 1:  # Arrow's stable sort: several times numpy's on dense codes
+        order = pc.sort_indices(pa.array(codes)).to_numpy()
+        key_order = np.arange(n_keys)
+    else:  # by group, then key, then arrival (lexsort is stable)
+        order = np.lexsort((codes, group_of_key[codes]))
+        key_order = np.argsort(group_of_key, kind="stable")
+    sizes = counts[key_order]
+    starts = np.empty(n_keys, np.int64)
+    starts[key_order] = np.cumsum(sizes) - sizes
+    start_of, count_of = starts.tolist(), counts.tolist()
+    members: list[list[int]] = [[] for _ in range(groups)]
+    for code, group in zip(key_order.tolist(), group_of_key[key_order].tolist(), strict=True):
+        members[group].append(code)
+    original, data = data, data.take(pa.array(order))
+    frames: list[Any] = [None] * n_keys
+    for group, codes_in in enumerate(members):
+        if group == alone_group:
+            assert alone is not None, "alone_codes come with alone"
+            for code in codes_in:
+                s = start_of[code]
+                frames[code] = alone(order[s:s + count_of[code]].tolist())
+        elif by_key:  # each key's rows taken alone: a slice of a map column still holds every key's values
+            for code in codes_in:
+                s = start_of[code]
+                own = original.take(pa.array(order[s:s + count_of[code]]))
+                frames[code] = spark_pandas(_nulled(own, nulled[group]))
+        elif codes_in:
+            first = start_of[codes_in[0]]
+            cut = row_slicer(spark_pandas(_nulled(data.slice(first, sum(count_of[c] for c in codes_in)),
+                                                  nulled[group])))
+            for code in codes_in:
+                s = start_of[code] - first
+                frames[code] = cut(s, s + count_of[code])
+    return list(zip(keys, frames, strict=True))
+
+
+def _null_states(data: Any, codes: Any, counts: Any, inferred: bool) -> tuple[list[int], Any, bool]:
+    """For ``keyed_frames``: the columns whose pandas dtype follows a key's nulls, a
+    ``(keys, columns)`` int8 matrix of each key's state in each (``_NO_NULLS``, ``_SOME_NULLS``,
+    ``_ALL_NULLS``; None without such columns), and whether the batch must be converted key
+    by key (nulls in a list's integer or boolean values, or in a type not known here)."""
+    import numpy as np
+    import pyarrow.types as pt
+
+    columns: list[int] = []
+    states: list[Any] = []
+    by_key = False
+    for i, col in enumerate(data.columns):
+        t = col.type
+        if _nested(t) and _list_leaf_nulls(col):
+            by_key = True
+        if col.null_count == 0 or pt.is_null(t):
+            continue
+        sensitive = pt.is_integer(t) or pt.is_boolean(t)
+        if not sensitive and not _null_blind(t):
+            by_key = True
+            continue
+        if not sensitive and not inferred:
+            continue
+        nulls = np.bincount(codes[col.is_null().to_numpy(zero_copy_only=False)], minlength=len(counts))
+        state = np.where(nulls == 0, _NO_NULLS, _SOME_NULLS).astype(np.int8)
+        if inferred:
+            if not sensitive:
+                state[:] = _NO_NULLS
+            state[nulls == counts] = _ALL_NULLS
+        columns.append(i)
+        states.append(state)
+    return columns, (np.stack(states, axis=1) if states else None), by_key
+
+
+def _nested(t: Any) -> bool:
+    import pyarrow.types as pt
+
+    return pt.is_list(t) or pt.is_large_list(t) or pt.is_fixed_size_list(t) or pt.is_map(t) or pt.is_struct(t)
+
+
+def _null_blind(t: Any) -> bool:
+    """Whether a column of Arrow type ``t`` has the same pandas dtype with nulls as without
+    (floats NaN, timestamps NaT, the rest ``object`` either way)."""
+    import pyarrow.types as pt
+
+    return (pt.is_floating(t) or pt.is_string(t) or pt.is_large_string(t) or pt.is_binary(t)
+            or pt.is_large_binary(t) or pt.is_date(t) or pt.is_timestamp(t) or pt.is_duration(t)
+            or pt.is_decimal(t) or pt.is_time(t) or _nested(t))
+
+
+def _list_leaf_nulls(arr: Any, under_list: bool = False) -> bool:
+    """Whether an integer or boolean value inside a list of ``arr`` is null: pandas then
+    makes the list's values an ``object`` array, so a key's lists follow nulls in other
+    keys' rows (lists in maps too). Struct children carry their parent's nulls
+    (``flatten``) and a map's keys and items are all of its children, which can only say yes
+    where a key-by-key conversion was not needed, never the reverse."""
+    import pyarrow.types as pt
+
+    t = arr.type
+    if pt.is_map(t):  # its values become Python objects, lists in them arrays
+        return _list_leaf_nulls(arr.keys, False) or _list_leaf_nulls(arr.items, False)
+    if pt.is_list(t) or pt.is_large_list(t) or pt.is_fixed_size_list(t):
+        return _list_leaf_nulls(arr.flatten(), True)
+    if pt.is_struct(t):
+        return any(_list_leaf_nulls(child, under_list) for child in arr.flatten())
+    return under_list and arr.null_count > 0 and (pt.is_integer(t) or pt.is_boolean(t))
+
+
+def _nulled(batch: Any, columns: tuple[int, ...]) -> Any:
+    """``batch`` with ``columns`` replaced by Arrow's null type (what a key's rows alone infer
+    for a column all null in them)."""
+    import pyarrow as pa
+
+    for i in columns:
+        batch = batch.set_column(i, batch.schema.field(i).name, pa.nulls(batch.num_rows))
+    return batch
 
 
 def row_slicer(df: Any) -> Callable[[int, int], Any]:
