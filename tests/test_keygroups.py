@@ -393,6 +393,8 @@ _KEYS = st.one_of(
                      None]),
     st.text(max_size=3), st.integers(-5, 5), st.floats(allow_nan=True), st.binary(max_size=2),
     st.tuples(st.integers(0, 2), st.text(max_size=1)),
+    st.tuples(st.sampled_from([1, 1.0, True, 0.0, -0.0, None, float("nan"), "a", b"a"])),
+    st.tuples(st.sampled_from([1, 1.0]), st.lists(st.integers(), max_size=1).map(tuple)),
 )
 
 
@@ -401,7 +403,8 @@ _KEYS = st.one_of(
 def test_records_reach_the_subtask_of_their_key_group_whatever_the_route_cache_holds(keys, cache):
     """The hash router caches routes of value keys (equal values, one key group); with a cache
     that fills and starts again every few keys, every record still lands on the subtask that
-    owns ``assign_to_key_group(key)`` (1, 1.0 and True alike; NaNs; tuples and None uncached)."""
+    owns ``assign_to_key_group(key)`` (1, 1.0 and True alike, also inside tuples; NaNs; tuples
+    of value keys and None cached, other tuples not)."""
     import tempfile
 
     from epochstream import FileSink, KeyedProcessFunction

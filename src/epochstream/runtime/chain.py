@@ -58,6 +58,22 @@ KEY_GROUP_MEMO = 1 << 16
 #: key types whose key group is a function of the value alone, equal values alike (``key_bytes``
 #: encodes 1, 1.0 and True, and -0.0 and 0.0, the same): a dict keyed by them may cache routes
 VALUE_KEYS = frozenset({str, int, float, bool, bytes})
+#: item types of tuple keys that may cache routes too: a tuple's bytes are its items' (``key_bytes``),
+#: so equal tuples of these share them (the PySpark wrappers key by tuples of their grouping columns)
+_TUPLE_ITEMS = VALUE_KEYS | {type(None)}
+
+
+def _cacheable(key: Any) -> bool:
+    """Whether ``key``'s route may be cached by value (see ``VALUE_KEYS``)."""
+    t = type(key)
+    if t in VALUE_KEYS:
+        return True
+    if t is tuple:  # a loop, not all(): ~0.25 us against ~0.7 us per key
+        for x in key:
+            if type(x) not in _TUPLE_ITEMS:
+                return False
+        return True
+    return False
 #: routes cached per router at most (then the cache starts again)
 ROUTE_CACHE = 1 << 16
 
@@ -249,7 +265,7 @@ class ChainRuntime:
                     raise UserFunctionError(f"key_by function after {name!r} failed", exc,
                                             record=records[len(ks)]) from exc
                 get = route.get
-                chs = [get(k) if type(k) in VALUE_KEYS else None for k in ks]
+                chs = [get(k) if _cacheable(k) else None for k in ks]
                 misses = [i for i, ch in enumerate(chs) if ch is None]
                 if misses:  # hashed as a batch (the murmur round vectorised): many keys, few repeats
                     if len(route) + len(misses) > ROUTE_CACHE:
@@ -257,14 +273,14 @@ class ChainRuntime:
                     for i, kg in zip(misses, key_groups_of([ks[i] for i in misses], m), strict=True):
                         k = ks[i]
                         dest = chs[i] = channels[table[kg]]
-                        if type(k) in VALUE_KEYS:
+                        if _cacheable(k):
                             route[k] = dest
                 for r, k, c in zip(records, ks, chs, strict=True):
                     buffers[c].append(r)  # type: ignore[index]  # every None was filled above
                     keybufs[c].append(k)  # type: ignore[index]
 
             #: key -> output channel of the keys seen lately (murmur in Python was a third of a
-            #: keyed record's cost); only keys whose key group follows from their value
+            #: keyed record's cost); only keys whose key group follows from their value (``_cacheable``)
             route: dict[Any, int] = {}
             return by_key
 
