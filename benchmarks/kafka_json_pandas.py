@@ -21,7 +21,9 @@ Systems:
   ``map(json.loads)`` -> the wrapper with ``input_schema``. Path ``arrow``:
   ``from_kafka(records="arrow")`` -> ``from_json(schema)`` -> the same wrapper; run only where the
   installed epochstream has both (feature-detected, so the same script measures before and after),
-  otherwise its rows say why in ``note``.
+  otherwise its rows say why in ``note``. Paths ``dicts`` and ``batches`` feed the same records without
+  Kafka (Python dicts from a collection source; Arrow batches built by hand), throughput only, for the
+  ratios to Spark's Kafka run of the same function.
 - **Spark Structured Streaming** (``local[2]``, 2 shuffle partitions, RocksDB state store): its Kafka
   source, ``from_json`` with the same schema, ``groupBy("k")`` + the same function, 1 s processing-time
   trigger, its Kafka sink (``--delta``: its Delta sink, append mode). Spark's Kafka sink is at-least-once:
@@ -168,6 +170,32 @@ def arrow_path_missing() -> str | None:
 # ---------------------------------------------------------------- epochstream
 
 
+def _fed_dicts(p: Any, n: int, keys: int, base_ms: int) -> Any:
+    """Path ``dicts``: the workload's records as Python dicts in a collection source (two splits:
+    record i in split i % 2, so a key's records keep their order)."""
+    return p.from_collection([{"k": f"k{i % keys}", "v": i, "ts": base_ms + i} for i in range(n)], splits=2,
+                             uid="src")
+
+
+def _fed_batches(p: Any, n: int, keys: int, base_ms: int) -> Any:
+    """Path ``batches``: the workload's records as Arrow batches built by hand (``generate_batches``)."""
+    import numpy as np
+    import pyarrow as pa
+
+    names = np.array([f"k{j}" for j in range(keys)], dtype=object)
+
+    def make(start: int, stop: int) -> Any:
+        i = np.arange(start, stop, dtype=np.int64)
+        return pa.RecordBatch.from_arrays([pa.array(names[i % keys], pa.string()), pa.array(i),
+                                           pa.array(base_ms + i)], names=["k", "v", "ts"])
+
+    return p.generate_batches(make, count=n, num_splits=2, uid="src", block_rows=65536)
+
+
+#: paths that feed the same records without Kafka (the issue's "fed Python dict records" and "Arrow-fed")
+FED = {"dicts": _fed_dicts, "batches": _fed_batches}
+
+
 def es_pipeline(bootstrap: str, src: str, out: str, *, mode: str, parallelism: int, path: str, function: str,
                 bounded: bool, staging: str, delta: str | None, args):
     """The job: Pipeline defaults but for parallelism, mode, 1 s epochs, one restart (a run that fails
@@ -182,7 +210,9 @@ def es_pipeline(bootstrap: str, src: str, out: str, *, mode: str, parallelism: i
     p = Pipeline(f"kafka-json-pandas-{mode}-{path}", parallelism=parallelism, mode=mode,
                  checkpoint_interval=INTERVAL, batch_rows=args.batch_rows, restart_attempts=1, **extra)
     end = "latest" if bounded else None
-    if path == "arrow":  # the new path (arrow_path_missing says whether this epochstream has it)
+    if path in FED:  # the same records, not from Kafka: Python dicts from a collection, or Arrow batches
+        parsed = FED[path](p, args.fed_records, args.fed_keys, args.fed_base_ms)
+    elif path == "arrow":  # the new path (arrow_path_missing says whether this epochstream has it)
         batches = p.from_kafka(bootstrap, src, end=end, uid="src", records="arrow")  # type: ignore[call-arg]
         parsed = batches.from_json(SCHEMA)
     else:  # today's path: a dict per record (asked for where from_kafka can also make Arrow batches)
@@ -262,6 +292,7 @@ def es_throughput(cluster, src: str, n: int, keys: int, base_ms: int, function: 
         cluster.create_topic(out, 2)
     label = f"epochstream {mode}/{path} p={parallelism}"
     load = os.getloadavg()[0]
+    args.fed_records, args.fed_keys, args.fed_base_ms = n, keys, base_ms
     with tempfile.TemporaryDirectory(prefix="kjp-es-") as d:
         delta = f"{d}/table" if args.delta else None
         job = es_pipeline(cluster.bootstrap_servers, src, out, mode=mode, parallelism=parallelism, path=path,
@@ -277,7 +308,10 @@ def es_throughput(cluster, src: str, n: int, keys: int, base_ms: int, function: 
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         outputs = read_delta(delta)[0] if delta else read_topic(cluster.bootstrap_servers, out)
     master = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
-    check = check_counts(outputs, n, keys, ts_of=ts_of_count(keys, base_ms))
+    # a key's records reach its subtask in order from Kafka (one partition) and the collection (one
+    # split); generated batches deal blocks to both splits, so only counts are checked there
+    ordered = path != "batches"
+    check = check_counts(outputs, n, keys, ts_of=ts_of_count(keys, base_ms) if ordered else None)
     epochs = data_epochs(res)
     lat = [e["trigger_to_commit_seconds"] * 1000 for e in epochs][args.skip_batches:]
     rps_total = n / res.metrics["run_seconds"]
@@ -760,7 +794,7 @@ def run_all(args) -> list[dict]:
                                 log(f"{keys:,} keys, {label}, epochstream {mode}/{path} p={par}: saturated run")
                                 tput = es_throughput(cluster, src, n, keys, base_ms, function, mode, path, par, args)
                                 parts = [tput]
-                                if par == 2 and not args.no_latency and tput.get("rows_per_s"):
+                                if par == 2 and not args.no_latency and tput.get("rows_per_s") and path not in FED:
                                     rate = max(100.0, args.load * tput["rows_per_s"])
                                     log(f"{keys:,} keys, {label}, epochstream {mode}/{path}: latency run at "
                                         f"{rate:,.0f} rows/s")
@@ -897,7 +931,9 @@ def parse_args(argv: list[str] | None):
                     help="apply (applyInPandasWithState), transform (transformWithStateInPandas); "
                          "default both (quick: apply)")
     ap.add_argument("--modes", default=None, help="epochstream modes (default aligned,tracker; quick aligned)")
-    ap.add_argument("--paths", default="rows,arrow", help="epochstream paths: rows, arrow (where it exists)")
+    ap.add_argument("--paths", default="rows,arrow", help="epochstream paths: rows, arrow (where it exists); "
+                    "dicts (the same records as Python dicts from a collection source) and batches (as Arrow "
+                    "batches built by hand), throughput only, compared with Spark's Kafka run")
     ap.add_argument("--seconds", type=float, default=None, help="latency run's load, seconds (default 45)")
     ap.add_argument("--warmup", type=float, default=None, help="seconds of the latency load left out (default 5)")
     ap.add_argument("--load", type=float, default=0.5, help="latency run's rate as a fraction of the steady rate")
@@ -937,8 +973,8 @@ def parse_args(argv: list[str] | None):
         if f not in FUNCTIONS:
             ap.error(f"--functions: {f!r} is not one of {', '.join(FUNCTIONS)}")
     for p in args.paths:
-        if p not in ("rows", "arrow"):
-            ap.error(f"--paths: {p!r} is not rows or arrow")
+        if p not in ("rows", "arrow", *FED):
+            ap.error(f"--paths: {p!r} is not rows, arrow, dicts or batches")
     if args.seconds is None:
         args.seconds = 10.0 if q else 45.0
     if args.warmup is None:

@@ -521,6 +521,10 @@ class KafkaSink(TransactionalSink):
                 f"sink {uid!r} to topic {self.topic!r}: the broker's transaction.max.timeout.ms is {limit} ms, below "
                 f"the sink's transaction_timeout of {self.transaction_timeout * 1000:.0f} ms (the longest a "
                 f"transaction may stay open); raise the broker setting or lower transaction_timeout")
+        # the markers' group coordinator must be up before a subtask sends offsets to a transaction:
+        # on a fresh cluster (no __consumer_offsets yet) librdkafka's send_offsets_to_transaction
+        # waited out its whole timeout, again and again; a committed() lookup (retried) brings it up
+        self.read_marker(uid, 0)
 
     def _check_topic(self, uid: str) -> None:
         """The cluster answers and has the topic, or a ``KafkaSinkError`` naming both."""
