@@ -228,7 +228,9 @@ def es_pipeline(bootstrap: str, src: str, out: str, *, mode: str, parallelism: i
         ts_type = pa.float64() if fn.output_schema.endswith("double") else pa.int64()
         sink: Any = DeltaSink(delta, pa.schema([("k", pa.string()), ("c", pa.int64()), ("ts", ts_type)]))
     else:
-        sink = KafkaSink(bootstrap, out, guarantee="exactly-once", key=output_key, staging=staging)
+        # the key as a column where the sink encodes Arrow batches per column (else a function of a row)
+        key: Any = "k" if hasattr(KafkaSink, "encode_batch") else output_key
+        sink = KafkaSink(bootstrap, out, guarantee="exactly-once", key=key, staging=staging)
     result.sink(sink, uid="out")
     return p
 

@@ -71,19 +71,32 @@ class CountHistogram(StatefulProcessor):
         yield pd.DataFrame({"k": [key[0]], "c": [c], "ts": [ts]})
 
 
+def count_each(key, pdfs, state):
+    """``applyInPandasWithState`` emitting a row per input row (its key's running count and its own
+    ts): output as large as the input, what the job master's CPU per output record is measured on."""
+    c = state.get[0] if state.exists else 0
+    for pdf in pdfs:
+        n = len(pdf)
+        yield pd.DataFrame({"k": [key[0]] * n, "c": range(c + 1, c + n + 1), "ts": pdf["ts"].astype("int64")})
+        c += n
+    state.update((c,))
+
+
 @dataclass(frozen=True)
 class Function:
-    """One of the two user functions and how each system calls it."""
+    """One of the user functions and how each system calls it."""
 
     label: str
     output_schema: str
+    #: the applyInPandasWithState function (None: the StatefulProcessor)
+    func: Any = None
 
     def spark(self, grouped: Any, output_mode: str) -> Any:
         """``df.groupBy("k")`` -> the stateful step (Spark)."""
         from pyspark.sql.streaming.state import GroupStateTimeout
 
-        if self.label == "applyInPandasWithState":
-            return grouped.applyInPandasWithState(count_ts, self.output_schema, "c long", output_mode,
+        if self.func is not None:
+            return grouped.applyInPandasWithState(self.func, self.output_schema, "c long", output_mode,
                                                   GroupStateTimeout.NoTimeout)
         return grouped.transformWithStateInPandas(CountHistogram(), self.output_schema, output_mode, "None")
 
@@ -91,8 +104,8 @@ class Function:
         """Parsed records -> the same step through epochstream's wrapper."""
         from pyspark.sql.streaming.state import GroupStateTimeout
 
-        if self.label == "applyInPandasWithState":
-            return stream.apply_in_pandas_with_state(count_ts, self.output_schema, "c long", output_mode,
+        if self.func is not None:
+            return stream.apply_in_pandas_with_state(self.func, self.output_schema, "c long", output_mode,
                                                      GroupStateTimeout.NoTimeout, key="k", input_schema=SCHEMA,
                                                      uid="state")
         return stream.transform_with_state(CountHistogram(), self.output_schema, "None", key="k",
@@ -100,10 +113,11 @@ class Function:
 
 
 #: ``--functions`` names: ``count_ts`` of benchmarks/pyspark_stateful.py (the keyed count that carries the
-#: newest ts) and ``CountHistogram``
+#: newest ts), ``CountHistogram`` and ``count_each`` (a row out per row in)
 FUNCTIONS = {
-    "apply": Function("applyInPandasWithState", "k string, c long, ts double"),
+    "apply": Function("applyInPandasWithState", "k string, c long, ts double", count_ts),
     "transform": Function("transformWithStateInPandas", "k string, c long, ts long"),
+    "each": Function("applyInPandasWithState, a row per input", "k string, c long, ts long", count_each),
 }
 
 
