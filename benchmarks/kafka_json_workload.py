@@ -31,13 +31,32 @@ class JsonRecord:
     record, so an output's ``ts`` tells which of its key's records its count covers (``ts_of_count``).
     The Kafka key puts all of a key's records in one partition, in order."""
 
-    def __init__(self, keys: int, base_ms: int | None = None) -> None:
-        self.keys, self.base_ms = keys, base_ms
+    def __init__(self, keys: int, base_ms: int | None = None, lag_file: str | None = None) -> None:
+        self.keys, self.base_ms, self.lag_file = keys, base_ms, lag_file
+        self.max_lag_ms = 0
 
     def __call__(self, i: int, due_ms: int) -> tuple[bytes, bytes]:
         k = f"k{i % self.keys}"
         ts = due_ms if self.base_ms is None else self.base_ms + i
+        if self.lag_file is not None and i % 2000 == 0:
+            self._note_lag(due_ms)
         return k.encode(), f'{{"k":"{k}","v":{i},"ts":{ts}}}'.encode()
+
+    def _note_lag(self, due_ms: int) -> None:
+        """The open-loop producer's own delay (now - due), its maximum kept in ``lag_file``: a
+        generator that falls behind its schedule adds its delay to every latency measured."""
+        lag = int(time.time() * 1000) - due_ms
+        if lag > self.max_lag_ms:
+            self.max_lag_ms = lag
+            Path(self.lag_file).write_text(str(lag))  # type: ignore[arg-type]
+
+
+def generator_lag_ms(lag_file: str) -> int | None:
+    """The largest delay of the open-loop producer behind its schedule (``JsonRecord(lag_file=)``)."""
+    try:
+        return int(Path(lag_file).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def ts_of_count(keys: int, base_ms: int) -> Callable[[str, int], int]:

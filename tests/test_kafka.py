@@ -29,7 +29,7 @@ from epochstream.backends.kafka import KafkaSinkError, KafkaSourceError, read_to
 from epochstream.deploy.failures import FailureSchedule, InjectedFailure
 from epochstream.runtime.errors import ConfigurationError
 from kafkaserver import new_topic, produce
-from pipelines import RunningCount, check_running_counts, make_pipeline
+from pipelines import BatchRunningCount, RunningCount, check_running_counts, make_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -300,26 +300,80 @@ def test_a_rescale_across_the_commit_window_keeps_every_output_once(kafka, tmp_p
 # ---------------------------------------------------------------- three brokers, one killed
 
 
+class _HoldUntilKilled:
+    """A batch step that, at the first batch holding an id >= ``at``, says so (file ``held``) and
+    waits until the test has killed a broker (file ``killed``): the kill is armed by the job's
+    progress and lands mid-run, whatever the machine's speed."""
+
+    def __init__(self, folder: Path, at: int):
+        self.held, self.killed, self.at = folder / "held", folder / "killed", at
+
+    def __call__(self, batch):
+        import pyarrow.compute as pc
+
+        if batch.num_rows and not self.killed.exists() and pc.max(batch.column("id")).as_py() >= self.at:
+            self.held.touch()
+            deadline = time.monotonic() + 120
+            while not self.killed.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the test never killed the broker")
+                time.sleep(0.02)
+        time.sleep(0.0004 * batch.num_rows)  # so the run goes on for a while after the kill
+        return batch
+
+
 @pytest.mark.parametrize("mode", ["aligned", "tracker"])
 def test_exactly_once_when_a_broker_dies(kafka3, tmp_path, mode):
-    """Three brokers, topics with replication 3 and min.insync.replicas 2; one broker is
-    SIGKILLed while the job runs (and started again after it): the output at read_committed
-    still holds every input's result exactly once."""
+    """Three brokers, topics with replication 3 and min.insync.replicas 2; Kafka JSON (Arrow
+    batches) -> ``from_json`` with dead letters -> keyed running count -> Kafka. Once the job
+    has read half its input, one broker is SIGKILLed (and started again after the job): the
+    output at read_committed still holds every good record's result exactly once, and every
+    bad record is once among the dead letters."""
+    from test_kafka_arrow import SCHEMA, _json_topic
+
+    src, bad, good_ids = _json_topic(kafka3)
+    out = new_topic(kafka3, "out", 2)
+    dead_topic = new_topic(kafka3, "dead", 1)
+    victim = 1 if mode == "aligned" else 2
+    gate = _HoldUntilKilled(tmp_path, at=N // 2)
+    killed: list[int] = []
+
+    def kill_when_held():
+        deadline = time.monotonic() + 120
+        while not gate.held.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if gate.held.exists():
+            kafka3.kill(victim)
+            killed.append(victim)
+        gate.killed.touch()
+
     import threading
 
-    src = _fill(kafka3)
-    out = new_topic(kafka3, "out", 2)
-    victim = 1 if mode == "aligned" else 2
-    killer = threading.Timer(0.8, kafka3.kill, args=(victim,))
-    p, sink = _count_job(kafka3, src, out, mode=mode, staging=tmp_path / "staging")
+    killer = threading.Thread(target=kill_when_held, daemon=True)
+    p = make_pipeline("kafka-broker-kill", mode=mode, interval=0.1, batch_size=16)
+    (p.from_kafka(kafka3.bootstrap_servers, src, end="latest", uid="src")
+     .from_json(SCHEMA, uid="json",
+                dead_letter=KafkaSink(kafka3.bootstrap_servers, dead_topic, staging=tmp_path / "staging-dead"))
+     .map_batches(gate)
+     .key_by("key")
+     .process_batches(BatchRunningCount(emit_ids=True), uid="count")
+     .sink(KafkaSink(kafka3.bootstrap_servers, out, key=lambda r: r["key"], staging=tmp_path / "staging"),
+           uid="out"))
     killer.start()
     try:
         res = p.run("local", checkpoint_dir=tmp_path / "chk")
     finally:
+        gate.killed.touch()
         killer.join()
-        kafka3.restart(victim)
+        for node in killed:
+            kafka3.restart(node)
+    assert killed, "the job never reached the kill point"
     assert res.completed_epochs
-    assert check_running_counts(_committed(kafka3, out), range(N)) == []
+    counts = [json.loads(m["value"]) for m in read_topic(kafka3.bootstrap_servers, out)]
+    assert check_running_counts([(r["key"], r["n"], r["id"]) for r in counts], good_ids) == []
+    dead = collections.Counter((d["partition"], d["offset"]) for d in (
+        json.loads(m["value"]) for m in read_topic(kafka3.bootstrap_servers, dead_topic)))
+    assert set(dead) == bad and set(dead.values()) == {1}
 
 
 # ---------------------------------------------------------------- event time from Kafka timestamps
