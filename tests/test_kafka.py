@@ -329,7 +329,7 @@ def test_exactly_once_when_a_broker_dies(kafka3, tmp_path, mode):
     has read half its input, one broker is SIGKILLed (and started again after the job): the
     output at read_committed still holds every good record's result exactly once, and every
     bad record is once among the dead letters."""
-    from test_kafka_arrow import SCHEMA, _json_topic
+    from test_kafka_arrow import MAX_RECORD_BYTES, SCHEMA, _json_topic
 
     src, bad, good_ids = _json_topic(kafka3)
     out = new_topic(kafka3, "out", 2)
@@ -352,7 +352,7 @@ def test_exactly_once_when_a_broker_dies(kafka3, tmp_path, mode):
     killer = threading.Thread(target=kill_when_held, daemon=True)
     p = make_pipeline("kafka-broker-kill", mode=mode, interval=0.1, batch_size=16)
     (p.from_kafka(kafka3.bootstrap_servers, src, end="latest", uid="src")
-     .from_json(SCHEMA, uid="json",
+     .from_json(SCHEMA, uid="json", max_record_bytes=MAX_RECORD_BYTES,
                 dead_letter=KafkaSink(kafka3.bootstrap_servers, dead_topic, staging=tmp_path / "staging-dead"))
      .map_batches(gate)
      .key_by("key")

@@ -31,8 +31,11 @@ N = 1200
 KEYS = 7
 SCHEMA = "key string, id long NOT NULL"
 #: what a bad record looks like, in turn (a value of the wrong type, not JSON, a NOT NULL field
-#: missing, empty, not an object)
-BAD_VALUES = [b'{"key": "k1", "id": "seven"}', b'{"key": "k1", "id": 7', b'{"key": "k1"}', b"", b"[7]"]
+#: missing, empty, not an object, valid but larger than ``MAX_RECORD_BYTES``)
+BAD_VALUES = [b'{"key": "k1", "id": "seven"}', b'{"key": "k1", "id": 7', b'{"key": "k1"}', b"", b"[7]",
+              b'{"key": "k1", "id": 7, "note": "' + b"x" * 300 + b'"}']
+#: the jobs' ``from_json(max_record_bytes=)``: the good records are below it
+MAX_RECORD_BYTES = 200
 
 
 def _value(i: int) -> bytes:
@@ -118,7 +121,7 @@ def test_kafka_json_to_keyed_counts_to_kafka_exactly_once_with_dead_letters(kafk
     dead_topic = new_topic(kafka, "dead", 1)
     p = make_pipeline("kafka-json", mode=mode, interval=0.1, batch_size=16)
     (p.from_kafka(kafka.bootstrap_servers, src, end="latest", uid="src")
-     .from_json(SCHEMA, keep=("partition", "offset"), uid="json",
+     .from_json(SCHEMA, keep=("partition", "offset"), uid="json", max_record_bytes=MAX_RECORD_BYTES,
                 dead_letter=KafkaSink(kafka.bootstrap_servers, dead_topic, staging=tmp_path / "staging-dead"))
      .map_batches(_slow_batch)
      .key_by("key")

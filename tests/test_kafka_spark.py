@@ -1,7 +1,8 @@
-"""Kafka in, Kafka out on the spark driver: the source and the sink's staging run inside Spark
-tasks (their Python workers use the same confluent-kafka client), the job master commits the
-Kafka transactions in the driver. A task Python worker is SIGKILLed mid-run in each mode; the
-output topic at read_committed holds every input's result exactly once."""
+"""Kafka in, Kafka out on the spark driver: the source and the sink subtasks run inside Spark
+tasks (their Python workers use the same confluent-kafka client); each sink subtask produces
+into its own Kafka transactions and commits them when the driver's manifest exists. A task's
+Python worker is SIGKILLed mid-run in each mode; the output topic at read_committed holds
+every input's result exactly once."""
 
 from __future__ import annotations
 
@@ -47,26 +48,26 @@ def _pandas_counts(key, pdfs, state):
     state.update((count,))
 
 
-def test_kafka_json_to_pandas_state_to_kafka_on_spark_with_a_worker_kill(kafka, spark, tmp_path):
+@pytest.mark.parametrize("mode", ["aligned", "tracker"])
+def test_kafka_json_to_pandas_state_to_kafka_on_spark_with_a_worker_kill(kafka, spark, tmp_path, mode):
     """The pipeline PySpark users run, on the spark driver: Kafka (Arrow batches) -> from_json
-    with malformed records -> applyInPandasWithState running count -> Kafka, dead letters to a
-    second topic; a task's Python worker SIGKILLed mid-run (tracker mode; aligned on the local
-    driver in tests/test_kafka_arrow.py). Every good id once, each key's counts 1..n, every bad
-    record once among the dead letters."""
+    with malformed and oversized records -> applyInPandasWithState running count -> Kafka, dead
+    letters to a second topic; a task's Python worker SIGKILLed mid-run. Every good id once,
+    each key's counts 1..n, every bad record once among the dead letters."""
     import collections
     import json
 
     from epochstream import KafkaSink
     from epochstream.backends.kafka import read_topic
     from pipelines import make_pipeline
-    from test_kafka_arrow import SCHEMA, _json_topic
+    from test_kafka_arrow import MAX_RECORD_BYTES, SCHEMA, _json_topic
 
     src, bad, good_ids = _json_topic(kafka)
     out = new_topic(kafka, "counts", 2)
     dead_topic = new_topic(kafka, "dead", 1)
-    p = make_pipeline("kafka-json-spark", mode="tracker", interval=0.1, batch_size=64)
+    p = make_pipeline("kafka-json-spark", mode=mode, interval=0.1, batch_size=64)
     (p.from_kafka(kafka.bootstrap_servers, src, end="latest", uid="src")
-     .from_json(SCHEMA, uid="json",
+     .from_json(SCHEMA, uid="json", max_record_bytes=MAX_RECORD_BYTES,
                 dead_letter=KafkaSink(kafka.bootstrap_servers, dead_topic, staging=str(tmp_path / "staging-dead")))
      .apply_in_pandas_with_state(_pandas_counts, "key string, n long, id long", "count long", "append",
                                  "NoTimeout", key="key", uid="count")
