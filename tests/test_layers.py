@@ -16,25 +16,33 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "epochstream"
 PROTOCOL = ("runtime", "alignment", "tracker", "loops", "snapshot")
 IO_MODULES = {"time", "random", "threading", "socket", "multiprocessing", "asyncio", "subprocess", "os",
               "shutil", "tempfile", "datetime", "secrets", "io", "pathlib", "boto3", "pyspark"}
-#: package -> packages of epochstream it may import (besides itself)
+#: package -> packages of epochstream it may import (besides itself), bottom layer first; the
+#: table in docs/ARCHITECTURE.md is generated from it (``python3 tests/test_layers.py --write``)
 ALLOWED = {
     "graph": set(),
     "runtime": {"graph"},
     "alignment": {"runtime"},
+    "snapshot": {"runtime"},
     "tracker": {"runtime", "graph"},
     "loops": {"runtime", "graph"},
-    "snapshot": {"runtime"},
-    # graph is the bottom layer: key groups and canonical keys (a keyed-state backend lays its
-    # keys out by key group)
+    # graph: key groups and canonical keys (a keyed-state backend lays its keys out by key group)
     "backends": {"snapshot", "runtime", "graph"},
-    "deploy": {"graph", "runtime", "alignment", "tracker", "loops", "snapshot", "backends", "ui"},
     # the dashboard, /metrics and the status line: documents from status dicts and manifests (the
     # servers that carry them are deploy's and the CLI's)
     "ui": {"graph", "tracker", "snapshot", "backends", "runtime"},
-    "api": {"graph", "runtime", "deploy", "backends", "pyspark"},
+    "deploy": {"graph", "runtime", "alignment", "tracker", "loops", "snapshot", "backends", "ui"},
     # PySpark's stateful operators: imports pyspark and pandas, so nothing below api/ imports it
     "pyspark": {"runtime", "graph"},
+    "api": {"graph", "runtime", "deploy", "backends", "pyspark"},
 }
+#: what the doc's table says beside a package, and beside one of its imports
+PACKAGE_NOTES = {
+    "ui": "the dashboard, `/metrics`, the status line",
+    "pyspark": "PySpark's stateful operators; [PYSPARK.md](PYSPARK.md)",
+}
+IMPORT_NOTES = {("api", "pyspark"): "inside methods only"}
+DOC = SRC.parents[1] / "docs" / "ARCHITECTURE.md"
+BEGIN, END = "<!-- layers:begin -->", "<!-- layers:end -->"
 #: third-party packages only epochstream.pyspark may import (the base install has none of them)
 OPTIONAL = {"pyspark", "pandas", "numpy"}
 
@@ -154,3 +162,56 @@ def test_epochstream_imports_without_pyspark_and_pandas():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "lazy blocked: pyspark" in res.stdout, res.stdout
+
+
+def markdown_table() -> str:
+    """``ALLOWED`` as the doc's table: a row per package, bottom first; packages with the same
+    imports share a row unless one has a note."""
+    order = list(ALLOWED)
+    alone = set(PACKAGE_NOTES) | {pkg for pkg, _target in IMPORT_NOTES}
+    rows: list[tuple[list[str], set[str]]] = []
+    for pkg in order:
+        same = next((r for r in rows if r[1] == ALLOWED[pkg] and not alone & {pkg, *r[0]}), None)
+        if same is not None:
+            same[0].append(pkg)
+        else:
+            rows.append(([pkg], ALLOWED[pkg]))
+    lines = ["| package | may import |", "|---|---|"]
+    for pkgs, allowed in rows:
+        left = ", ".join(f"`{p}/`" for p in pkgs)
+        if pkgs[0] in PACKAGE_NOTES:
+            left += f" ({PACKAGE_NOTES[pkgs[0]]})"
+        targets = [f"`{t}/`" + (f" ({IMPORT_NOTES[pkgs[0], t]})" if (pkgs[0], t) in IMPORT_NOTES else "")
+                   for t in order if t in allowed]
+        lines.append(f"| {left} | {', '.join(targets) or 'nothing in the package'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _doc_parts() -> tuple[str, str, str]:
+    text = DOC.read_text()
+    head, sep, rest = text.partition(BEGIN + "\n")
+    table, sep2, tail = rest.partition(END)
+    assert sep and sep2, f"{DOC.name} has no {BEGIN} ... {END} block"
+    return head + sep, table, sep2 + tail
+
+
+def test_every_package_is_in_the_table():
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(ALLOWED)
+    assert all(targets <= set(ALLOWED) for targets in ALLOWED.values())
+
+
+def test_the_architecture_doc_shows_this_table():
+    assert _doc_parts()[1] == markdown_table(), "run: python3 tests/test_layers.py --write"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--markdown"]:
+        print(markdown_table(), end="")
+    elif sys.argv[1:] == ["--write"]:
+        head, _table, tail = _doc_parts()
+        DOC.write_text(head + markdown_table() + tail)
+    else:
+        sys.exit("usage: python3 tests/test_layers.py --markdown | --write")

@@ -330,20 +330,6 @@ def arrow_schema(schema: StructType):
     return to_arrow_schema(schema, timezone="UTC")
 
 
-def column_getter(record: Any, input_schema: StructType | None):
-    """How to read named columns from a record: dicts and Rows by name, tuples by position."""
-    if isinstance(record, dict):
-        return lambda r, c: r[c]
-    if named_row(record):
-        return lambda r, c: r[c]
-    if isinstance(record, (tuple, list)) and input_schema is not None:
-        index = {f.name: i for i, f in enumerate(input_schema.fields)}
-        return lambda r, c: r[index[c]]
-    raise SchemaError(
-        f"records must be dicts or pyspark Rows (or tuples with input_schema=...), got {type(record).__name__}"
-    )
-
-
 def as_dicts(records: Sequence[Any], input_schema: StructType | None) -> list[dict]:
     first = records[0]
     if isinstance(first, dict):

@@ -34,11 +34,6 @@ class BatchPolicy:
     def __post_init__(self) -> None:
         check_batching(self.rows, self.linger)
 
-    @property
-    def lingers(self) -> bool:
-        """Whether output may stay buffered after a step (else every step sends everything)."""
-        return self.linger > 0
-
 
 def check_batching(rows: object, linger: object) -> None:
     """Raise ``ValueError``/``TypeError`` naming the knob for a batch size or linger out of range."""

@@ -20,11 +20,6 @@ from ..graph.plan import ColumnKey
 from .errors import SchemaError, UserFunctionError
 
 
-def is_columnar(records: Any) -> bool:
-    """Whether ``records`` is a columnar batch (anything but the row path's list)."""
-    return type(records) is not list
-
-
 def is_columnar_batch(value: Any) -> bool:
     """Whether ``value`` is an Arrow RecordBatch (what columnar operators pass on)."""
     return hasattr(value, "schema") and hasattr(value, "num_rows") and hasattr(value, "column")

@@ -574,12 +574,6 @@ def _data_bytes(values: Any) -> int:
     return int(total or 0)
 
 
-def _concat(batches: list[Any]) -> Any:
-    import pyarrow as pa
-
-    return pa.concat_batches(batches)
-
-
 def _json_kind(obj: Any) -> str:
     if isinstance(obj, list):
         return "array"

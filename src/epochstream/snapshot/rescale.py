@@ -2,8 +2,8 @@
 
 Keyed state moves by key group: a new subtask reads, from the checkpoint's files, only the
 rows of the key groups in its range (``graph.keygroups.key_group_range``); a file whose
-range does not overlap is never opened (``overlapping_files``). Operator (non-keyed)
-state is redistributed by the mode it was declared with (Flink's
+range does not overlap is never opened (the storage's ``read_operator_rows``). Operator
+(non-keyed) state is redistributed by the mode it was declared with (Flink's
 ``RoundRobinOperatorStateRepartitioner``; thesis 003, section 4.2.2):
 
 - ``split``: the entries of all old subtasks, in subtask order, are cut into ``new_p``
@@ -17,7 +17,7 @@ splits ``s`` with ``s % new_p == subtask`` and resumes each at its checkpointed 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from ..runtime.state import BROADCAST, SPLIT, UNION
 
@@ -50,8 +50,3 @@ def splits_of(num_splits: int, parallelism: int, subtask: int) -> list[int]:
     """The source splits subtask ``subtask`` reads at ``parallelism`` (``split % parallelism``)."""
     return [s for s in range(num_splits) if s % parallelism == subtask]
 
-
-def overlapping_files(files: Iterable[Mapping[str, Any]], key_groups: tuple[int, int]) -> list[Mapping[str, Any]]:
-    """The file references (manifest JSON) whose key-group range meets ``key_groups`` (inclusive)."""
-    lo, hi = key_groups
-    return [f for f in files if not (f["key_group_range"][1] < lo or f["key_group_range"][0] > hi)]

@@ -237,10 +237,6 @@ class TrackingAgent:
         self.failed: str | None = None
 
     # ------------------------------------------------------------ queries
-    @property
-    def tracks_time(self) -> bool:
-        return len(self._dims) > 1
-
     def bound(self, segment: int, dim: int = EPOCHS) -> int:
         return self._dims[dim].bound[segment]
 

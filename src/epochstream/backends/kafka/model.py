@@ -156,10 +156,6 @@ class KafkaModel:
         return sorted(self._txns)
 
     # ------------------------------------------------------------ reading
-    def end_offset(self, topic: str, partition: int) -> int:
-        """The high watermark: the offset the next entry gets."""
-        return len(self._topic(topic, "end_offset")[partition])
-
     def last_stable_offset(self, topic: str, partition: int) -> int:
         log = self._topic(topic, "last_stable_offset")[partition]
         for i, e in enumerate(log):

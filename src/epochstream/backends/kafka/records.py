@@ -36,10 +36,6 @@ def kafka_schema() -> Any:
     return _SCHEMA[0]
 
 
-def headers_type() -> Any:
-    return kafka_schema().field("headers").type
-
-
 def records_format(records: str | None, key_deserializer: Any, value_deserializer: Any, what: str) -> str:
     """The ``records=`` of a source: given, or by default ``"arrow"`` unless a deserializer is
     given (a deserializer makes Python values per record: rows)."""

@@ -205,10 +205,6 @@ class KafkaSource(Source):
             return split % parallelism
         return ((split >> PARTITION_BITS) + (split & ((1 << PARTITION_BITS) - 1))) % parallelism
 
-    def split_name(self, split: int) -> str:
-        topic, partition = self.partitions[split]
-        return f"{topic}:{partition}"
-
     # ------------------------------------------------------------ partition discovery
     def discover(self, now: float, force: bool = False) -> None:
         """Add the partitions created since the last look (at most once per
