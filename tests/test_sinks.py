@@ -288,3 +288,63 @@ def test_parquet_sink_takes_columnar_batches_whole(tmp_path):
     assert sum(taken) == 300
     got = FileSink(tmp_path / "out", format="parquet").read()
     assert sorted(r["id"] for r in got) == list(range(300))
+
+
+class _JsonArraySink:
+    """A sink written as docs/API.md's "Writing a sink" says: any object with the verbs, no base
+    class and no ``commits_in_subtasks`` (the job master commits it)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def pre_commit(self, uid, subtask, epoch, attempt, records):
+        import json
+
+        if not records:
+            return None
+        staged = self.path / "staged" / f"{uid}-e{epoch}-s{subtask}-a{attempt}.json"
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        staged.write_text(json.dumps(records))
+        return staged.name
+
+    def commit(self, staged):
+        for name in staged:
+            src = self.path / "staged" / name
+            if src.exists():
+                src.replace(self.path / name)
+
+    def recover(self, uid, staged):
+        self.commit(staged)
+        for leftover in (self.path / "staged").glob(f"{uid}-*") if (self.path / "staged").is_dir() else []:
+            leftover.unlink()
+
+    def abort(self, staged):
+        for name in staged:
+            (self.path / "staged" / name).unlink(missing_ok=True)
+
+    def read(self):
+        import json
+
+        return [r for f in sorted(self.path.glob("*.json")) for r in json.loads(f.read_text())]
+
+
+@pytest.mark.parametrize("deployment", ["sim", "local"])
+def test_a_sink_without_the_base_class_commits_exactly_once_under_a_kill(tmp_path, deployment):
+    from epochstream.deploy.failures import FailureSchedule
+    from pipelines import PacedSource, RunningCount, _key, check_running_counts, input_records, make_pipeline, sim_run
+
+    out = _JsonArraySink(tmp_path / "out")
+    records = input_records(300, 5)
+    if deployment == "sim":  # virtual time: the run lasts about 0.012 s
+        p = make_pipeline("duck-sink")
+        p.from_collection(records, uid="src").key_by(_key).process(RunningCount(emit_ids=True), uid="count") \
+            .sink(out, uid="out")
+        res = sim_run(p, tmp_path / "chk", failures=FailureSchedule(kill_times=[0.006]))
+    else:  # paced, so the run lasts long enough for the kill on any machine
+        p = make_pipeline("duck-sink", interval=0.05)
+        p.from_source(PacedSource(records, 2, pause=0.02), uid="src").key_by(_key).process(
+            RunningCount(emit_ids=True), uid="count").sink(out, uid="out")
+        res = p.run("local", checkpoint_dir=tmp_path / "chk",
+                    failures=FailureSchedule(kill_times=[0.3], kill_moments=["snapshot_write"]))
+    assert res.restarts >= 1
+    assert check_running_counts(out.read(), range(300)) == []

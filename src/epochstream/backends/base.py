@@ -126,6 +126,13 @@ class CheckpointStorage(ABC):
         return self.commit(manifest)
 
 
+def commits_in_subtasks(sink: object) -> bool:
+    """Whether ``sink``'s subtasks commit their own output (``TransactionalSink.commits_in_subtasks``).
+    A sink is any object with the verbs (docs/API.md, "Writing a sink"): one without the attribute is
+    committed by the job master."""
+    return getattr(sink, "commits_in_subtasks", False) is True
+
+
 class TransactionalSink(ABC):
     """A sink whose output becomes visible only when its epoch commits.
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..backends.base import commits_in_subtasks
 from ..runtime.errors import ProtocolError
 from ..runtime.messages import TaskId
 from ..snapshot.coordinator import FINAL, SAVEPOINT
@@ -85,7 +86,7 @@ class AttemptController:
                  stop_asked: bool = False) -> None:
         self.master = master
         #: some sink commits in its subtasks: they are told of every committed epoch (``Committed``)
-        self.subtask_commits = any(getattr(s, "commits_in_subtasks", False) for s in master.sinks.values())
+        self.subtask_commits = any(commits_in_subtasks(s) for s in master.sinks.values())
         #: trAcker mode's segments and agent (None in the aligned modes)
         self.tracking = tracking
         #: the attempt's service-traffic counter

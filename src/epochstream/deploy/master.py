@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, cast
 
 from ..backends import open_object_storage
+from ..backends.base import commits_in_subtasks
 from ..backends.objects import StorageAccessError
 from ..graph.plan import PhysicalPlan
 from ..runtime.messages import TaskId
@@ -240,7 +241,7 @@ class JobMaster:
                 continue
             if getattr(sink, "epoch_transactions", False):
                 manifest["sinks"][uid]["delta"] = sink.manifest_entry(uid)
-            elif sink.commits_in_subtasks:
+            elif commits_in_subtasks(sink):
                 manifest["sinks"][uid]["transactions"] = sink.manifest_entry(uid)
         self.fail_point("before_manifest")
         self.fence()
@@ -304,7 +305,7 @@ class JobMaster:
             commit_state(manifest, self.fail_point)
         first = commit_state is None
         for uid, entry in sorted(manifest["sinks"].items()):
-            if self.sinks[uid].commits_in_subtasks:
+            if commits_in_subtasks(self.sinks[uid]):
                 continue  # its subtasks commit, told by the driver (``MasterOutput.committed``)
             if getattr(self.sinks[uid], "epoch_transactions", False):
                 if not first:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends import location, open_storage, scheme_of
+from ..backends.base import commits_in_subtasks
 from ..graph.kinds import OpKind
 from ..graph.plan import PhysicalPlan
 from ..snapshot.manifest import CheckpointError, source_splits
@@ -206,7 +207,7 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
         fail_point("recovery")
         entry = staged.get(uid, {})
         manifest = restored.manifest if restored else None
-        if sink.commits_in_subtasks:
+        if commits_in_subtasks(sink):
             sink.start(uid, job or (manifest["job"] if manifest else "job"), manifest)
             slots = entry.get("transactions", {}).get("slots")
             sink.recover(uid, entry.get("staged", []), epoch=restored.epoch if restored else None,

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..backends.base import commits_in_subtasks
 from ..runtime.messages import (
     Marker,
     Send,
@@ -205,7 +206,7 @@ class _SimAttempt:
         self.act = {Trigger: self._trigger, Neoss: self._neoss, Committed: self._committed,
                     CaptureFull: self._capture_full, Stop: None}
         #: task -> its sinks that commit in their subtasks (told of committed epochs on the task's writer lane)
-        self.subtask_sinks = {tid: [uid for uid in t.chain.sink_writers if d.pipeline.sinks[uid].commits_in_subtasks]
+        self.subtask_sinks = {tid: [uid for uid in t.chain.sink_writers if commits_in_subtasks(d.pipeline.sinks[uid])]
                               for tid, t in self.tasks.items()}
         self.subtask_sinks = {tid: uids for tid, uids in self.subtask_sinks.items() if uids}
         for tid, uids in self.subtask_sinks.items():

@@ -65,6 +65,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
+from ..backends.base import commits_in_subtasks
 from ..runtime.columns import from_ipc, to_ipc
 from ..runtime.messages import Batch, Marker, Send, Snapshot, SourceExhausted, Watermark
 from ..runtime.meters import LoopTimes, WorkerSample, task_key
@@ -340,7 +341,7 @@ class WorkerLoop:
             Die: self._on_die}
         #: (sink uid, subtask) of this worker's sinks that commit in their subtasks (``Committed``)
         self.subtask_sinks = [(uid, tid[1]) for tid, t in self.tasks.items() for uid in t.chain.sink_writers
-                              if pipeline.sinks[uid].commits_in_subtasks]
+                              if commits_in_subtasks(pipeline.sinks[uid])]
 
     # -- threads
     def _writer(self) -> None:
