@@ -39,12 +39,11 @@ from epochstream.deploy.failures import FailureSchedule
 from epochstream.deploy.restart import FixedDelayRestart
 from epochstream.deploy.spark import spark_session
 from epochstream.oracle import check_exactly_once
-from epochstream.runtime.errors import ConfigurationError
 from pipelines import PacedSource, RunningCount, _key, input_records, make_pipeline
 
 pytestmark = pytest.mark.slow
 
-MASTER = "local[3,4]"  # parallelism 2 plus one slot for the Delta commits
+MASTER = "local[3,4]"  # the jobs run at parallelism 2, and one test at 3
 SCHEMA = pa.schema([("key", pa.string()), ("n", pa.int64())])
 
 
@@ -279,11 +278,18 @@ def test_exactly_once_on_the_spark_driver_with_delta(spark, tmp_path):
     assert txn_epochs(tmp_path / "chaos" / "out" / "counts") == completed
 
 
-def test_spark_driver_with_delta_needs_a_slot_beyond_the_barrier_stage(spark, tmp_path):
-    """At parallelism 3 on local[3,4] the barrier stage would hold every slot and the job
-    master's Delta commit would wait for it forever: refused up front, nothing started."""
+def test_spark_driver_with_delta_runs_with_every_slot_in_the_barrier_stage(spark, tmp_path):
+    """At parallelism 3 on local[3,4] the barrier stage holds every slot: the job master's Delta
+    commits go through delta-rs in the driver process and need none, so the job runs exactly."""
+    from deltalake import DeltaTable
+
     p = spark_delta_count(out=tmp_path / "out")
     p.parallelism = 3
-    with pytest.raises(ConfigurationError, match="needs 4 task slots"):
-        p.run(deployment="spark", checkpoint_dir=str(tmp_path / "chk"), spark=spark)
-    assert not (tmp_path / "chk" / "delta").exists()
+    res = p.run(deployment="spark", checkpoint_dir=str(tmp_path / "chk"), spark=spark)
+    assert res.completed_epochs
+    rows = DeltaTable(str(tmp_path / "out" / "counts")).to_pyarrow_table().to_pylist()
+    counts: dict[str, list[int]] = {}
+    for r in rows:
+        counts.setdefault(r["key"], []).append(r["n"])
+    expected = {f"k{k}": SPARK_N // 4 for k in range(4)}
+    assert {k: sorted(v) for k, v in counts.items()} == {k: list(range(1, n + 1)) for k, n in expected.items()}

@@ -24,9 +24,8 @@ their loop at EOF) and its restart strategy (``deploy.restart``) submits a new j
 tasks restore from the latest completed epoch. The sans-IO core is the same as everywhere.
 
 Requirements: ``parallelism`` barrier slots at once (``local[N]``/``local[N,F]`` with N >= p;
-``local-cluster[W,C,M]`` with W*C >= p; a cluster with that many cores free), one slot more
-for a job that commits to Delta (the job master's MERGEs and appends are Spark jobs of the same
-session, run while the barrier stage holds its p slots), no dynamic allocation, the driver
+``local-cluster[W,C,M]`` with W*C >= p; a cluster with that many cores free; Delta commits go
+through delta-rs in the driver process and need no slot), no dynamic allocation, the driver
 reachable from executors, and the checkpoint dir and sink paths on storage every executor sees
 (the same machine, or a shared filesystem).
 """
@@ -45,7 +44,7 @@ from typing import Any
 
 import cloudpickle
 
-from ..backends.spark_session import delta_conf, has_delta, uses_delta
+from ..backends.spark_session import delta_conf, uses_delta
 from ..runtime.errors import ConfigurationError
 from .cluster import ClusterDriver, WorkerGroup
 from .failures import Failover
@@ -341,7 +340,7 @@ class SparkDriver(ClusterDriver):
             raise TypeError(f"unknown option(s) for the spark driver: {sorted(options)}")
         super().__init__(pipeline, storage, seed, failures, parallelism, savepoint_dir=savepoint_dir,
                          stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start)
-        if spark is None and uses_delta(pipeline):  # its job master commits to Delta through this session
+        if spark is None and uses_delta(pipeline):  # Delta's settings, so this session reads the job's tables
             spark_conf = {**delta_conf(), **(spark_conf or {})}
         self.spark = spark if spark is not None else spark_session(master, spark_conf)
         self.sc = self.spark.sparkContext
@@ -359,20 +358,6 @@ class SparkDriver(ClusterDriver):
             raise ConfigurationError(
                 f"parallelism {p} needs {p} barrier task slots at once, master {self.spark_master!r} offers {slots}; "
                 f"use local[{p}] (or more), local-cluster[W,C,M] with W*C >= {p}, or a lower parallelism")
-        if uses_delta(pipeline):
-            # the job master's Delta commits are Spark jobs of this session, run while the barrier
-            # stage holds p slots: without a free slot they wait for the stage, which waits for them
-            if not has_delta(self.spark):
-                raise ConfigurationError(
-                    "the job commits to Delta tables but the SparkSession has no Delta Lake support: let the "
-                    "spark driver start the session, or start it with "
-                    "epochstream.backends.spark_session.delta_conf() in its settings")
-            if slots is not None and slots <= p:
-                raise ConfigurationError(
-                    f"parallelism {p} with Delta needs {p + 1} task slots: {p} for the barrier stage and at least "
-                    f"one for the job master's Delta commits (Spark jobs of the same session); master "
-                    f"{self.spark_master!r} offers {slots}; use local[{p + 1}] (or more) or local-cluster[W,C,M] with "
-                    f"W*C > {p}")
         if self.sc.getConf().get("spark.dynamicAllocation.enabled", "false").lower() == "true":
             raise ConfigurationError("barrier stages do not work with dynamic allocation: set "
                                      "spark.dynamicAllocation.enabled=false")
