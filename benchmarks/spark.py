@@ -24,7 +24,6 @@ summary. Not a test: nothing here asserts timings.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import tempfile
@@ -32,8 +31,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from benchmarks.harness import pyplot, write_csv  # noqa: E402
 from epochstream import DiscardingSink, KeyedProcessFunction, Pipeline, ValueStateDescriptor  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.deploy.failures import FailureSchedule  # noqa: E402
@@ -136,10 +137,7 @@ def main() -> None:
 
     fields = ["kind", "deployment", "repeat", "records", "seconds", "records_per_second", "epochs",
               "trigger_to_commit_median_ms", "target"]
-    with open(out / "spark.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "spark.csv", rows, fields)
 
     tput = {d: statistics.median(r["records_per_second"] for r in rows
                                  if r["kind"] == "throughput" and r["deployment"] == d) for d in ("local", "spark")}
@@ -160,10 +158,7 @@ def main() -> None:
 
 
 def _plot(out: Path, rows, epochs, rec, ratio) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 3, figsize=(14, 4))
     for i, d in enumerate(("local", "spark")):
