@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from benchmarks.harness import pyplot, write_csv  # noqa: E402
+from benchmarks.harness import percentile, pyplot, write_csv  # noqa: E402
 from epochstream import DiscardingSink, KeyedProcessFunction, Pipeline, ValueStateDescriptor  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.deploy.failures import FailureSchedule  # noqa: E402
@@ -147,7 +147,7 @@ def main() -> None:
     print(f"{'throughput, median (records/s)':<42} {tput['local']:>12.0f} {tput['spark']:>12.0f}")
     print(f"{'spark / local throughput':<42} {'':>12} {ratio:>12.2f}")
     med = {d: 1e3 * statistics.median(epochs[d]) for d in epochs}
-    p95 = {d: 1e3 * sorted(epochs[d])[int(0.95 * (len(epochs[d]) - 1))] for d in epochs}
+    p95 = {d: 1e3 * percentile(epochs[d], 0.95) for d in epochs}
     print(f"{'epoch trigger -> commit, median (ms)':<42} {med['local']:>12.1f} {med['spark']:>12.1f}")
     print(f"{'epoch trigger -> commit, p95 (ms)':<42} {p95['local']:>12.1f} {p95['spark']:>12.1f}")
     if rec:
