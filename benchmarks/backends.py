@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import gc
 import os
 import pickle
@@ -61,7 +60,9 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.harness import pyplot, write_csv  # noqa: E402
 from epochstream.backends import CheckpointStorage, open_storage  # noqa: E402
 from epochstream.backends.objects import encode_state  # noqa: E402
 from epochstream.graph.keygroups import key_group_range  # noqa: E402
@@ -437,10 +438,7 @@ COLORS = {"local": "tab:blue", "s3": "tab:orange", "delta": "tab:green", "delta-
 
 
 def plot(table: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
     series = sorted({(r["backend"], r["snapshot"]) for r in table})
@@ -511,10 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             epochs = args.epochs if args.epochs_large is None or mb < args.large_mb else args.epochs_large
             progress(f"[{i}/{len(runs)}] {b} {mb} MB {kind}, {epochs} epochs (load {os.getloadavg()[0]:.2f})")
             rows += run_one(BACKENDS[b], mb, kind, epochs, args.dirty, args.value_bytes, args.parallelism, progress)
-            with open(csv_path, "w", newline="") as f:  # after every run: an interrupted run keeps its rows
-                wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-                wr.writeheader()
-                wr.writerows(rows)
+            write_csv(csv_path, rows)  # after every run: an interrupted run keeps its rows
     finally:
         shutdown()
     table = summary(rows)

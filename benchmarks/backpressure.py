@@ -36,7 +36,6 @@ The summary and the plot leave out each run's first epoch (``--warmup-epochs``);
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import shutil
 import sys
@@ -48,7 +47,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.state_scale import pct  # noqa: E402
+from benchmarks.harness import percentile, pyplot, write_csv  # noqa: E402
 from epochstream import (  # noqa: E402
     CheckpointConfig,
     DiscardingSink,
@@ -221,20 +220,17 @@ def summary(rows: list[dict[str, Any]], warmup: int = 0) -> list[dict[str, Any]]
         xs = [r for r in rows if (r["mode"], r["debloat"], r["k"]) == (mode, debloat, k) and int(r["epoch"]) > warmup]
         t2c = [r["trigger_to_commit_s"] for r in xs]
         out.append({"mode": mode, "debloat": debloat, "k": k, "epochs": len(xs),
-                    "p50": pct(t2c, 0.5), "p99": pct(t2c, 0.99),
-                    "alignment_p99": pct([r["alignment_s"] for r in xs], 0.99),
-                    "channel_bytes_p99": pct([float(r["channel_bytes"]) for r in xs], 0.99),
-                    "state_bytes_p50": pct([float(r["state_bytes"]) for r in xs], 0.5),
+                    "p50": percentile(t2c, 0.5), "p99": percentile(t2c, 0.99),
+                    "alignment_p99": percentile([r["alignment_s"] for r in xs], 0.99),
+                    "channel_bytes_p99": percentile([float(r["channel_bytes"]) for r in xs], 0.99),
+                    "state_bytes_p50": percentile([float(r["state_bytes"]) for r in xs], 0.5),
                     "records_per_s": xs[0]["records_per_s"] if xs else float("nan"),
                     "recovery_s": xs[0]["recovery_s"] if xs else None})
     return out
 
 
 def plot(table: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode, debloat in dict.fromkeys((r["mode"], r["debloat"]) for r in table):
@@ -307,15 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             rows += got
             t2c = [r["trigger_to_commit_s"] for r in got]
             print(f"[{i}/{len(runs)}] {mode:<17} debloating {'on ' if debloat else 'off'} k={k:<4}: {len(got)} epochs, "
-                  f"p50 {pct(t2c, 0.5):.2f}s p99 {pct(t2c, 0.99):.2f}s, "
+                  f"p50 {percentile(t2c, 0.5):.2f}s p99 {percentile(t2c, 0.99):.2f}s, "
                   f"{got[0]['records_per_s'] if got else 0:,.0f} records/s, load {os.getloadavg()[0]:.1f}",
                   flush=True)
             shutil.rmtree(work / f"chk-{mode}-{debloat}-{k}", ignore_errors=True)
             if rows:
-                with open(out / f"{args.name}.csv", "w", newline="") as f:
-                    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                    w.writeheader()
-                    w.writerows(rows)
+                write_csv(out / f"{args.name}.csv", rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if spark is not None:

@@ -17,7 +17,6 @@ test: nothing asserts timings.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ sys.path.insert(0, str(HERE.parent))
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
+from benchmarks.harness import percentile, pyplot, write_csv  # noqa: E402
 from epochstream import (  # noqa: E402
     CheckpointConfig,
     DiscardingSink,
@@ -76,7 +76,7 @@ def run_one(rows: int, keys: int, batch_rows: int, linger: float, interval: floa
     return {"batch_rows": batch_rows, "batch_linger_ms": round(linger * 1000, 1), "rows": rows, "keys": keys,
             "seconds": round(seconds, 2), "rows_per_s": round(rows / seconds), "periodic_epochs": len(lat),
             "trigger_to_commit_p50_ms": round(1000 * statistics.median(lat), 1) if lat else "",
-            "trigger_to_commit_p99_ms": round(1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1) if lat else "",
+            "trigger_to_commit_p99_ms": round(1000 * percentile(lat, 0.99), 1) if lat else "",
             "rows_per_key_call": round(rows / calls, 1)}
 
 
@@ -102,10 +102,7 @@ def main() -> None:
                   f"{row['rows_per_key_call']} rows per key per call")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "batching.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(results[0]))
-        w.writeheader()
-        w.writerows(results)
+    write_csv(out / "batching.csv", results)
     print(f"\n{'batch_rows':>10} {'linger ms':>9} {'rows/s':>11} {'epoch p50 ms':>12} {'epoch p99 ms':>12} "
           f"{'rows/key/call':>13}")
     med = {}
@@ -121,10 +118,7 @@ def main() -> None:
 
 
 def _plot(med: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for batch_rows in sorted({b for b, _ in med}):

@@ -25,14 +25,15 @@ Not a test: timings vary with the machine and its load.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.harness import percentile, pyplot, write_csv  # noqa: E402
 from epochstream import CheckpointConfig, DiscardingSink, KeyedProcessFunction, Pipeline, ValueStateDescriptor  # noqa: E402
 
 MODES = ("aligned", "tracker")
@@ -59,11 +60,6 @@ def build(mode: str, records: int, rounds: int, interval: float, parallelism: in
     return p
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
-
-
 def measure(mode: str, records: int, rounds: int, interval: float, parallelism: int):
     with tempfile.TemporaryDirectory(prefix="es-cycles-") as chk:
         result = build(mode, records, rounds, interval, parallelism).run(deployment="local", checkpoint_dir=chk)
@@ -76,7 +72,7 @@ def measure(mode: str, records: int, rounds: int, interval: float, parallelism: 
         "seconds": round(result.seconds, 3), "epochs": len(done),
         "records_per_s": round(records / result.seconds), "passes_per_s": round(records * rounds / result.seconds),
         "epoch_p50_ms": round(statistics.median(lat), 2) if lat else None,
-        "epoch_p99_ms": round(_pct(lat, 0.99), 2) if lat else None,
+        "epoch_p99_ms": round(percentile(lat, 0.99), 2) if lat else None,
         "log_records_mean": round(statistics.mean(logs), 1) if logs else 0,
         "log_records_max": max(logs, default=0),
         "log_bytes_mean": round(statistics.mean(log_bytes)) if log_bytes else 0,
@@ -116,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, data in (("cycles.csv", rows), ("cycles_epochs.csv", epochs)):
-        with open(out / name, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(data[0]))
-            wr.writeheader()
-            wr.writerows(data)
+        write_csv(out / name, data)
     print(f"\n{args.records} records, parallelism {args.parallelism}, interval {args.interval}s (local driver)")
     print(f"{'rounds':>6} | {'aligned passes/s':>16} {'p50 ms':>8} {'p99 ms':>8} {'log rec':>8} {'log KiB':>8} | "
           f"{'tracker passes/s':>16} {'p50 ms':>8} {'p99 ms':>8} | {'thr t/a':>7}")
@@ -135,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows, rounds, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for mode in MODES:

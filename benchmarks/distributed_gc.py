@@ -42,7 +42,6 @@ Writes benchmarks/results/distributed_gc.csv and .png and prints a summary table
 from __future__ import annotations
 
 import argparse
-import csv
 import heapq
 import os
 import sys
@@ -54,7 +53,9 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.harness import pyplot, write_csv  # noqa: E402
 from epochstream import CheckpointConfig, DiscardingSink, KeyedProcessFunction, Pipeline  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.deploy.sim import SimConfig, SimDriver  # noqa: E402
@@ -340,10 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     name = ("distributed_gc_quick" if args.quick else "distributed_gc") + ("" if args.roots == "uniform" else
                                                                              f"_{args.roots}")
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(out / f"{name}.csv", rows)
     for cost_us, gc in gcs.items():
         sel_c = [r for r in rows if r["record_cost_us"] == cost_us]
         reads_n = sel_c[0]["reads"]
@@ -371,10 +369,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows, budgets, ttls, gcs, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(gcs), figsize=(6 * len(gcs), 4), sharey=True, squeeze=False)
     for ax, (cost_us, gc) in zip(axes[0], gcs.items(), strict=True):

@@ -19,14 +19,15 @@ p50 and max. Not a test: timings vary with the machine and its load.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.harness import pyplot, write_csv  # noqa: E402
 from epochstream import (  # noqa: E402
     CheckpointConfig,
     DiscardingSink,
@@ -80,16 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                      "reason": f["reason"].splitlines()[0]})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["freeze"])
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out.with_suffix(".csv"), rows, list(rows[0]) if rows else ["freeze"])
     lags = [r["freeze_to_failover_s"] for r in rows]
     if lags:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         fig, ax = plt.subplots(figsize=(6, 3.2))
         ax.bar([r["freeze"] for r in rows], lags, color="tab:blue")

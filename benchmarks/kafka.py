@@ -49,7 +49,6 @@ left, broker, load generator and reader included). Not a test.
 from __future__ import annotations
 
 import argparse
-import csv
 import multiprocessing as mp
 import os
 import sys
@@ -61,7 +60,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peers._procinfo import MachineCpu  # noqa: E402
+from benchmarks.harness import MachineCpu, percentile, pyplot, write_csv  # noqa: E402
 
 KEYS = 100
 
@@ -272,10 +271,10 @@ def _percentiles(lat: list[tuple[float, float]], warmup: float) -> tuple[float, 
     if not lat:
         return float("nan"), float("nan"), 0
     t0 = min(p for p, _ in lat)
-    vals = sorted(v for p, v in lat if p - t0 >= warmup * 1000)
+    vals = [v for p, v in lat if p - t0 >= warmup * 1000]
     if not vals:
         return float("nan"), float("nan"), 0
-    return vals[len(vals) // 2], vals[min(len(vals) - 1, int(len(vals) * 0.99))], len(vals)
+    return percentile(vals, 0.5), percentile(vals, 0.99), len(vals)
 
 
 # ---------------------------------------------------------------- Spark Structured Streaming
@@ -652,10 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             r.setdefault(k, "")
         r.setdefault("note", "")
     _summary(rows)
-    with open(out / f"{args.name}.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(out / f"{args.name}.csv", rows)
     _plot(rows, out / f"{args.name}.png")
     print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"wrote {out / (args.name + '.csv')} and {out / (args.name + '.png')}")
@@ -717,10 +713,7 @@ def _summary(rows: list[dict]) -> None:
 
 
 def _plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     systems = sorted({r["system"] for r in rows})

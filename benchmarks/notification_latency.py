@@ -25,17 +25,18 @@ uses for triggers. Writes notification_latency_local.csv and .png.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from traffic import RATE, rr_n  # noqa: E402
 
+from benchmarks.harness import percentile, pyplot, write_csv  # noqa: E402
 from epochstream import CheckpointConfig, DiscardingSink, Pipeline, Source, TrackerConfig  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.deploy.local import LocalDriver  # noqa: E402
@@ -55,7 +56,7 @@ def measure(n_maps: int, workers: int, granularity: int, epochs: int, label: str
     lat = sorted(s * 1000 for _e, t, s in driver.bound_latency if t[0] not in sources)
     return {"mode": label, "graph_size": n_maps, "workers": workers, "granularity": granularity,
             "net_delay_ms": net_delay * 1000, "samples": len(lat), "p50_ms": statistics.median(lat),
-            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "max_ms": lat[-1]}
+            "p99_ms": percentile(lat, 0.99), "max_ms": lat[-1]}
 
 
 class PacedSource(Source):
@@ -96,7 +97,7 @@ def measure_local(n_maps: int, mode: str, seconds: float, rate: float, workers: 
     lat = sorted(s * 1000 for _e, t, s in driver.bound_latency if t[0] not in sources)
     return {"mode": mode, "graph_size": n_maps, "workers": workers, "rate_per_worker": rate, "samples": len(lat),
             "epochs": len(driver.completed), "p50_ms": statistics.median(lat),
-            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "max_ms": lat[-1]}
+            "p99_ms": percentile(lat, 0.99), "max_ms": lat[-1]}
 
 
 def _ident(x):
@@ -119,10 +120,7 @@ def main_local(args) -> int:
                   f"({row['samples']} bounds, {row['epochs']} epochs)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "notification_latency_local.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(out / "notification_latency_local.csv", rows)
     print("\nlocal driver: median / p99 ms from an epoch's trigger to each downstream task's bound")
     for r in rows:
         print(f"  {r['mode']:<8} N={r['graph_size']:<3} W={r['workers']} "
@@ -131,10 +129,7 @@ def main_local(args) -> int:
         lo = next(r for r in rows if (r["mode"], r["graph_size"], r["workers"]) == (mode, n_values[0], 2))
         hi = next(r for r in rows if (r["mode"], r["graph_size"], r["workers"]) == (mode, n_values[-1], 2))
         print(f"  {mode}: median N={n_values[-1]} / N={n_values[0]} = {hi['p50_ms'] / lo['p50_ms']:.2f}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 4))
     for mode in ("aligned", "tracker"):
@@ -179,10 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"p50 {row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms ({row['samples']} bounds)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "notification_latency.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(out / "notification_latency.csv", rows)
     print("\nmedian / p99 ms from an epoch's end at the sources to each process's bound")
     for label, _m, _a in MODES:
         for n, w in points:
@@ -199,10 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows, n_values, w_values, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, xs, fixed in ((axes[0], "graph_size", n_values, ("workers", 15)),

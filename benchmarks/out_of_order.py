@@ -21,8 +21,8 @@ table. Not a test; the machine is shared, so compare ratios within one run.
 from __future__ import annotations
 
 import argparse
-import csv
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +30,10 @@ from epochstream.runtime.reader import SplitReader
 from epochstream.runtime.sources import CollectionSource
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+
+from benchmarks.harness import pyplot, write_csv  # noqa: E402
 
 
 def inputs(n: int) -> dict[str, tuple[list[tuple[int, float]], float | None, bool]]:
@@ -75,19 +79,13 @@ def main() -> None:
     base = rows[0]["records_per_second"]
     out = HERE / "results"
     out.mkdir(exist_ok=True)
-    with open(out / "out_of_order.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "out_of_order.csv", rows)
     print(f"{'case':20s} {'records/s':>12s} {'vs strict':>10s} {'runs':>8s} {'late':>7s}")
     for r in rows:
         print(f"{r['case']:20s} {r['records_per_second']:12,d} {r['records_per_second'] / base:10.2f} "
               f"{r['runs']:8d} {r['late']:7d}")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 3))

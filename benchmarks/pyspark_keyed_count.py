@@ -17,8 +17,8 @@ test: nothing asserts timings.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +31,11 @@ from pyspark.sql.streaming.state import GroupStateTimeout
 from epochstream import CheckpointConfig, DiscardingSink, Pipeline
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.oracle import committed_state
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.harness import percentile, pyplot, write_csv  # noqa: E402
 
 
 def count(key, pdfs, state):
@@ -70,7 +75,7 @@ def run_one(rows: int, keys: int, batch_size: int, layout: str, interval: float)
     return {"layout": layout, "rows": rows, "keys": keys, "batch_size": batch_size, "seconds": round(seconds, 2),
             "rows_per_s": round(rows / seconds), "epochs": len(lat),
             "trigger_to_commit_p50_s": round(statistics.median(lat), 3) if lat else "",
-            "trigger_to_commit_p99_s": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3) if lat else ""}
+            "trigger_to_commit_p99_s": round(percentile(lat, 0.99), 3) if lat else ""}
 
 
 def main() -> None:
@@ -80,7 +85,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1024,65536", help="comma list of rows per source read")
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
     plan = [(k, b, layout) for k in map(int, args.keys.split(",")) for b in map(int, args.batch_sizes.split(","))
             for layout in ("rows", "arrow")]
@@ -94,10 +99,7 @@ def main() -> None:
             print(f"{row['rows_per_s']:,} rows/s, p50 epoch {row['trigger_to_commit_p50_s']} s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "pyspark_keyed_count.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(results[0]))
-        w.writeheader()
-        w.writerows(results)
+    write_csv(out / "pyspark_keyed_count.csv", results)
     print(f"\n{'keys':>6} {'batch':>6} {'rows rows/s':>12} {'arrow rows/s':>13} {'arrow/rows':>10}")
     med = {}
     for keys, batch, layout in plan:
@@ -111,10 +113,7 @@ def main() -> None:
 
 
 def _plot(med: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     groups = list(dict.fromkeys((k, b) for k, b, _ in med))
     fig, ax = plt.subplots(figsize=(8, 4))

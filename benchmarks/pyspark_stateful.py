@@ -68,7 +68,6 @@ per epoch, Spark's granularity, the default; ``batch``: one per key per runtime 
 from __future__ import annotations
 
 import argparse
-import csv
 import glob
 import inspect
 import json
@@ -93,17 +92,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.peers._procinfo import MachineCpu  # noqa: E402
+from benchmarks.harness import T0, MachineCpu, log, percentile, pyplot, write_csv  # noqa: E402
 from epochstream import CheckpointConfig, DiscardingSink, Pipeline  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.oracle import committed_state  # noqa: E402
 
 OUTPUT = "k string, n long"
-T0 = time.monotonic()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:6.0f}s load {os.getloadavg()[0]:4.1f}] {msg}", flush=True)
 
 
 # ---------------------------------------------------------------- the user code, as Spark users write it
@@ -146,11 +140,6 @@ class CountSumHistogram(StatefulProcessor):
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def result(workload: str, keys: int, system: str, variant: str, **fields: Any) -> dict:
@@ -320,8 +309,9 @@ def es_keyed_count(keys: int, rows: int, args, micro_batch: str = "epoch", rate:
     lat = every[args.skip_batches:] or every
     return result("keyed count", keys, "epochstream", variant, rows=rows, seconds=round(wall, 2),
                   rows_per_s=rate, rows_per_s_wall=rows / wall, batches=len(lat),
-                  latency_kind="epoch trigger-to-commit", latency_p50_ms=pct(lat, 0.5), latency_p99_ms=pct(lat, 0.99),
-                  latency_p99_all_ms=pct(every, 0.99), epoch_ms=" ".join(f"{v:.0f}" for v in every),
+                  latency_kind="epoch trigger-to-commit", latency_p50_ms=percentile(lat, 0.5),
+                  latency_p99_ms=percentile(lat, 0.99),
+                  latency_p99_all_ms=percentile(every, 0.99), epoch_ms=" ".join(f"{v:.0f}" for v in every),
                   state_ok=total == rows and len(state) == keys, load_1min=round(load, 2), **cpu,
                   note=f"steady window {steady_s:.1f} s, {steady_rows} rows")
 
@@ -349,7 +339,7 @@ def es_processor(data: list[dict], args, work: Path, layout: str) -> dict:
                   f"local p=2, 1 s epochs, {'from_arrow' if layout == 'arrow' else 'from_collection (rows)'}",
                   rows=len(data), seconds=round(seconds, 2), rows_per_s=len(data) / seconds,
                   rows_per_s_wall=len(data) / seconds, batches=len(lat), latency_kind="epoch trigger-to-commit",
-                  latency_p50_ms=pct(lat, 0.5), latency_p99_ms=pct(lat, 0.99),
+                  latency_p50_ms=percentile(lat, 0.5), latency_p99_ms=percentile(lat, 0.99),
                   state_ok=got == expected_counts(len(data), args.processor_keys), load_1min=round(load, 2))
 
 
@@ -379,9 +369,9 @@ def es_latency(args) -> dict:
     return result("real-time latency", keys, "epochstream",
                   f"local p=2, 1 s epochs, rate {args.rtm_rate:g}/s (arrow)" + (f", {label}" if label else ""),
                   rows=rows, seconds=args.rtm_seconds, batches=len(lat), latency_kind="input to sink (output row)",
-                  latency_p50_ms=pct(lat, 0.5), latency_p99_ms=pct(lat, 0.99), load_1min=round(load, 2),
-                  note=(f"epoch trigger-to-commit p50 {pct(epochs, 0.5):.0f} ms, p99 {pct(epochs, 0.99):.0f} ms "
-                        f"over {len(epochs)} epochs (exactly-once output)"))
+                  latency_p50_ms=percentile(lat, 0.5), latency_p99_ms=percentile(lat, 0.99), load_1min=round(load, 2),
+                  note=(f"epoch trigger-to-commit p50 {percentile(epochs, 0.5):.0f} ms, "
+                        f"p99 {percentile(epochs, 0.99):.0f} ms over {len(epochs)} epochs (exactly-once output)"))
 
 
 def read_latencies(folder: str, pattern: str, after: float) -> list[float]:
@@ -477,7 +467,7 @@ def spark_keyed_count(spark, keys: int, args, work: Path) -> dict:
         notes.append(f"state not read: {str(exc).splitlines()[0][:120]}")
     return result("keyed count", keys, "spark", variant, rows=rows, seconds=round(wall, 2), rows_per_s=rows / wall,
                   rows_per_s_wall=rows / wall, batches=len(steady), latency_kind="micro-batch duration",
-                  latency_p50_ms=pct(lat, 0.5), latency_p99_ms=pct(lat, 0.99), state_ok=state_ok,
+                  latency_p50_ms=percentile(lat, 0.5), latency_p99_ms=percentile(lat, 0.99), state_ok=state_ok,
                   load_1min=round(load, 2), **cpu, note="; ".join(notes))
 
 
@@ -528,9 +518,10 @@ def spark_processor(spark, src: Path, args, work: Path) -> dict:
     return result("StatefulProcessor", args.processor_keys, "spark",
                   "local[2], JSON files, 1 per batch, availableNow, RocksDB, noop", rows=args.records,
                   seconds=round(busy, 2), rows_per_s=args.records / busy, rows_per_s_wall=args.records / wall,
-                  batches=len(lat), latency_kind="micro-batch duration", latency_p50_ms=pct(lat, 0.5),
-                  latency_p99_ms=pct(lat, 0.99), state_ok=got == expected_counts(args.records, args.processor_keys),
-                  load_1min=round(load, 2), note="rows/s = records / busy time (start-up excluded)")
+                  batches=len(lat), latency_kind="micro-batch duration", latency_p50_ms=percentile(lat, 0.5),
+                  latency_p99_ms=percentile(lat, 0.99),
+                  state_ok=got == expected_counts(args.records, args.processor_keys), load_1min=round(load, 2),
+                  note="rows/s = records / busy time (start-up excluded)")
 
 
 def _spark_message(error: Any) -> str:
@@ -625,8 +616,8 @@ def spark_real_time(spark, args, work: Path, allowlist_check: bool) -> dict:
     if not lat:
         note += "; no output row reached the sink"
     return result("real-time latency", keys, "spark", variant, rows=fed[0], seconds=args.rtm_spark_seconds,
-                  batches=len(lat), latency_kind="input to sink (output row)", latency_p50_ms=pct(lat, 0.5),
-                  latency_p99_ms=pct(lat, 0.99), load_1min=round(load, 2), note=note)
+                  batches=len(lat), latency_kind="input to sink (output row)", latency_p50_ms=percentile(lat, 0.5),
+                  latency_p99_ms=percentile(lat, 0.99), load_1min=round(load, 2), note=note)
 
 
 # ---------------------------------------------------------------- profile
@@ -789,13 +780,8 @@ def main() -> None:
 
     fields = list(results[0]) if results else []
     csv_path, png_path = out / f"{args.name}.csv", out / f"{args.name}.png"
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in results:
-            w.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
-    with open(csv_path, "a") as f:
-        f.write(f"# command: {' '.join(sys.argv)}\n# uptime at start: {uptime}\n# uptime at end: {uptime_end}\n")
+    write_csv(csv_path, [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in results],
+              fields, notes=(f"uptime at start: {uptime}", f"uptime at end: {uptime_end}"))
     summary(results)
     plot(results, png_path)
     print(f"wrote {csv_path} and {png_path}")
@@ -838,10 +824,7 @@ def summary(results: list[dict]) -> None:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     color = {"epochstream": "C0", "spark": "C1"}

@@ -40,6 +40,10 @@ from epochstream.pyspark.operators import ApplyInPandasWithState, TransformWithS
 from epochstream.runtime.context import Context
 from epochstream.runtime.state import HeapKeyedState, OperatorStateBackend
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import percentile  # noqa: E402
+
 
 def _subtask(op):
     state = HeapKeyedState("op", lambda k: 0, (0, 0))
@@ -116,7 +120,7 @@ def job(layout: str, keys: int = 1000, rows: int = 2_000_000) -> None:
         ok = sum(v[0][0] for v in state.values()) == rows and len(state) == keys
     lat = sorted(epoch_latencies(res))
     print(f"job {layout}, {keys} keys, {rows} rows: {rows / wall:,.0f} rows/s over {wall:.1f} s, steady "
-          f"{rate:,.0f} rows/s ({steady_s:.1f} s); {len(lat)} epochs, p50 {lat[len(lat) // 2] if lat else 0:.0f} ms; "
+          f"{rate:,.0f} rows/s ({steady_s:.1f} s); {len(lat)} epochs, p50 {percentile(lat, 0.5) if lat else 0:.0f} ms; "
           f"counts ok {ok}; load {load:.1f}", flush=True)
 
 

@@ -20,7 +20,6 @@ Not a test.
 from __future__ import annotations
 
 import argparse
-import csv
 import pickle
 import sys
 import tempfile
@@ -28,8 +27,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from benchmarks.harness import pyplot, rss_mb, write_csv  # noqa: E402
 from epochstream.backends.rocksdb_state import RocksDBKeyedState  # noqa: E402
 from epochstream.graph.keygroups import assign_to_key_group  # noqa: E402
 
@@ -37,14 +38,6 @@ BATCH = 65536
 MAX_PARALLELISM = 128
 PROPS = ("block-cache-usage", "block-cache-pinned-usage", "cur-size-all-mem-tables",
          "estimate-table-readers-mem", "total-sst-files-size")
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def db_key(k: int) -> bytes:
@@ -98,19 +91,13 @@ def main() -> None:
                       f"{row['total_sst_files_size_mb']:.0f} MB", flush=True)
         del state, db
     csv_path, png_path = out / f"{a.name}.csv", out / f"{a.name}.png"
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(csv_path, rows)
     cache_max = max(r["block_cache_usage_mb"] for r in rows)
     within = "within" if cache_max <= a.memory_mb else "ABOVE"
     print(f"\nsetting {a.memory_mb} MB: RocksDB's block cache (memtables charged to it) peaked at {cache_max:.1f} MB "
           f"({within} the setting); RSS grew {rows[-1]['rss_growth_mb']:.0f} MB over the open DB, "
           f"{rows[len(rows) // 2]['rss_growth_mb']:.0f} MB at half the keys")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4))
     ks = [r["keys"] / 1e6 for r in rows]

@@ -23,7 +23,6 @@ Writes ``benchmarks/results/<name>.csv`` and ``<name>.png``, prints a summary ta
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import random
 import shutil
@@ -37,6 +36,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.harness import pyplot, write_csv  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.backends.rocksdb_state import RocksDBKeyedState  # noqa: E402
 from epochstream.runtime.state import ValueStateDescriptor  # noqa: E402
@@ -122,10 +122,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     a.out.mkdir(parents=True, exist_ok=True)
-    with open(a.out / f"{a.name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(a.out / f"{a.name}.csv", rows)
     med = {k: statistics.median(x["restore_s"] for x in rows if x["kind"] == k) for k in ("rows", "native",
                                                                                          "native-half")}
     print(f"\n{'restore':<14}{'median s':>10}{'vs rows':>10}{'next capture uploads':>24}")
@@ -133,10 +130,7 @@ def main() -> int:
         up = next((x["next_capture_uploaded_bytes"] for x in rows
                    if x["kind"] == k and x["next_capture_uploaded_bytes"]), "")
         print(f"{k:<14}{v:>10.2f}{med['rows'] / v if v else float('nan'):>9.1f}x{up:>24}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(list(med), list(med.values()), color=["#999999", "#3572b0", "#6fa8dc"])

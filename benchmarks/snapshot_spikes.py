@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import csv
 import os
 import statistics
 import sys
@@ -46,10 +45,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from sustainable_throughput import Clock, Stamp  # noqa: E402
 
+from benchmarks.harness import percentile, pyplot, write_csv  # noqa: E402
 from epochstream import (  # noqa: E402
     CheckpointConfig,
     DiscardingSink,
@@ -137,7 +138,7 @@ def _spikes(windows: list[tuple[float, float]], log: list[tuple[float, float]], 
     inn = sorted(lat for t, lat in log if t > warm and inside(t))
     out = sorted(lat for t, lat in log if t > warm and not inside(t))
     steady = statistics.median(out) if out else float("nan")
-    p99 = inn[min(len(inn) - 1, int(len(inn) * 0.99))] if inn else float("nan")
+    p99 = percentile(inn, 0.99) if inn else float("nan")
     # the worst record of each epoch's window: its median over epochs is the typical epoch's spike
     worst: dict[int, float] = {}
     for t, lat in log:
@@ -235,10 +236,7 @@ def main_local(args, saves: list[float]) -> int:
                          **{m: statistics.median(r[m] for r in sel) for m in measures}})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{args.name}.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(runs + rows)
+    write_csv(out / f"{args.name}.csv", runs + rows, list(rows[0]))
     print(f"\nlatency spike inside snapshot windows (p99 / max minus steady p50, ms), RR-{args.graph_size}, "
           f"local driver, {args.workers} workers, {args.rate:g} records/s, {args.interval:g} s epochs")
     print(f"  median of {args.repeats} run(s) per setting; 'epoch' = the median over epochs of each window's worst "
@@ -250,10 +248,7 @@ def main_local(args, saves: list[float]) -> int:
             print(f"  {save * 1000:>7g}  {mode:<10} {r['steady_p50_ms']:>10.2f} {r['spike_p99_ms']:>10.1f} "
                   f"{r['spike_max_ms']:>10.1f} {r['spike_epoch_median_ms']:>8.1f}")
     print("  paper (blocking saves, FlameStream): the trAcker's spikes are 50-120 ms smaller")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in modes:
@@ -323,10 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"max {row['spike_max_ms']:.1f} ms over {row['epochs']} epochs [{row['wall_s']}s]")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "snapshot_spikes.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(out / "snapshot_spikes.csv", rows)
     print(f"\nlatency spike inside snapshot windows (p99 / max minus steady p50, ms), RR-{args.graph_size}, "
           f"{args.workers} workers, {args.rate:g} records/s, simulator")
     print(f"  {'saves':<9} {'save ms':>7}  {'aligned p99':>11} {'tracker p99':>11}  {'aligned max':>11} "
@@ -345,10 +337,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows, saves, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(DISCIPLINES), figsize=(11, 4), sharey=True)
     for ax, discipline in zip(axes, DISCIPLINES, strict=True):

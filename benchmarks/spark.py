@@ -24,7 +24,6 @@ summary. Not a test: nothing here asserts timings.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import tempfile
@@ -32,8 +31,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from benchmarks.harness import percentile, pyplot, write_csv  # noqa: E402
 from epochstream import DiscardingSink, KeyedProcessFunction, Pipeline, ValueStateDescriptor  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.deploy.failures import FailureSchedule  # noqa: E402
@@ -136,10 +137,7 @@ def main() -> None:
 
     fields = ["kind", "deployment", "repeat", "records", "seconds", "records_per_second", "epochs",
               "trigger_to_commit_median_ms", "target"]
-    with open(out / "spark.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "spark.csv", rows, fields)
 
     tput = {d: statistics.median(r["records_per_second"] for r in rows
                                  if r["kind"] == "throughput" and r["deployment"] == d) for d in ("local", "spark")}
@@ -149,7 +147,7 @@ def main() -> None:
     print(f"{'throughput, median (records/s)':<42} {tput['local']:>12.0f} {tput['spark']:>12.0f}")
     print(f"{'spark / local throughput':<42} {'':>12} {ratio:>12.2f}")
     med = {d: 1e3 * statistics.median(epochs[d]) for d in epochs}
-    p95 = {d: 1e3 * sorted(epochs[d])[int(0.95 * (len(epochs[d]) - 1))] for d in epochs}
+    p95 = {d: 1e3 * percentile(epochs[d], 0.95) for d in epochs}
     print(f"{'epoch trigger -> commit, median (ms)':<42} {med['local']:>12.1f} {med['spark']:>12.1f}")
     print(f"{'epoch trigger -> commit, p95 (ms)':<42} {p95['local']:>12.1f} {p95['spark']:>12.1f}")
     if rec:
@@ -160,10 +158,7 @@ def main() -> None:
 
 
 def _plot(out: Path, rows, epochs, rec, ratio) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(1, 3, figsize=(14, 4))
     for i, d in enumerate(("local", "spark")):

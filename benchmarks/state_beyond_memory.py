@@ -24,7 +24,6 @@ Writes ``benchmarks/results/<name>.csv`` (one row per run), ``<name>_rss.csv`` a
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import shutil
 import statistics
@@ -38,9 +37,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.state_scale import _private_mb as private_mb  # noqa: E402
-from benchmarks.state_scale import pct  # noqa: E402
-from benchmarks.throughput import BatchCount, _worker_rss_mb  # noqa: E402
+from benchmarks.harness import children_rss_mb, percentile, private_mb, pyplot, write_csv  # noqa: E402
+from benchmarks.throughput import BatchCount  # noqa: E402
 from epochstream import CheckpointConfig, DiscardingSink, Pipeline  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.graph.keygroups import assign_to_key_group  # noqa: E402
@@ -113,7 +111,7 @@ def main() -> int:
         last_print = 0.0
         while not stop.wait(0.5):
             t = time.perf_counter() - t0
-            rss = _worker_rss_mb()
+            rss = children_rss_mb()
             for pid, mb in rss.items():
                 samples.append({"phase": phase, "t_s": round(t, 1), "pid": pid, "rss_mb": round(mb, 1),
                                 "private_mb": round(private_mb(pid), 1)})
@@ -154,29 +152,20 @@ def main() -> int:
     run = [s for s in samples if s["phase"] == "run"]
     row = {"keys": a.keys, "updates": a.updates, "records": records, "rocksdb_memory_mb": a.rocksdb_memory_mb,
            "interval_s": a.interval, "wall_s": round(wall, 1), "rows_per_s": round(records / wall),
-           "epochs": len(epochs), "trigger_to_manifest_p50_s": round(pct(lat, 0.5), 2) if lat else "",
-           "trigger_to_manifest_p99_s": round(pct(lat, 0.99), 2) if lat else "",
+           "epochs": len(epochs), "trigger_to_manifest_p50_s": round(percentile(lat, 0.5), 2) if lat else "",
+           "trigger_to_manifest_p99_s": round(percentile(lat, 0.99), 2) if lat else "",
            "max_rss_mb_per_worker": max((s["rss_mb"] for s in run), default=float("nan")),
            "max_private_mb_per_worker": max((s["private_mb"] for s in run), default=float("nan")),
            "median_private_mb_per_worker": statistics.median(s["private_mb"] for s in run) if run else "",
            "checkpoint_folder_mib": round(chk_mib), "restore_run_s": round(restore_s, 1),
            "keys_checked": checked, "load1": round(os.getloadavg()[0], 2)}
     a.out.mkdir(parents=True, exist_ok=True)
-    with open(a.out / f"{a.name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(row))
-        w.writeheader()
-        w.writerow(row)
-    with open(a.out / f"{a.name}_rss.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["phase", "t_s", "pid", "rss_mb", "private_mb"])
-        w.writeheader()
-        w.writerows(samples)
+    write_csv(a.out / f"{a.name}.csv", [row])
+    write_csv(a.out / f"{a.name}_rss.csv", samples, ["phase", "t_s", "pid", "rss_mb", "private_mb"])
     print()
     for k, v in row.items():
         print(f"{k:<30}{v}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for pid in sorted({s["pid"] for s in run}):

@@ -49,7 +49,6 @@ RSS and checkpoint size. Written to ``<name>_spark.csv`` and printed under the t
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import shutil
 import statistics
@@ -63,7 +62,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.throughput import _worker_rss_mb  # noqa: E402
+from benchmarks.harness import children_rss_mb, percentile, private_mb, pyplot, write_csv  # noqa: E402
 from epochstream import (  # noqa: E402
     CheckpointConfig,
     DiscardingSink,
@@ -124,7 +123,7 @@ def _spark_count(keys: int, rate: float, seconds: float, interval: float, parall
 
     def sample() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], sum(_worker_rss_mb().values()))
+            peak[0] = max(peak[0], sum(children_rss_mb().values()))
             time.sleep(0.2)
 
     chk = tempfile.mkdtemp(prefix="spark-state-scale-")
@@ -185,36 +184,13 @@ def run_spark(keys: int, args: argparse.Namespace) -> dict[str, Any]:
     return {"backend": "spark-rocksdb", "keys": keys, "micro_batches": len(prog),
             "rows": sum(p["numInputRows"] for p in prog),
             "records_per_s": round(sum(p["numInputRows"] for p in later) / busy) if busy else None,
-            "batch_p50_s": round(pct(durations, 0.5), 3), "batch_p99_s": round(pct(durations, 0.99), 3),
+            "batch_p50_s": round(percentile(durations, 0.5), 3), "batch_p99_s": round(percentile(durations, 0.99), 3),
             "state_rows": state_rows, "state_ok": state_rows == min(keys, sum(p["numInputRows"] for p in prog)),
             "peak_rss_mb_jvm": round(got["peak_rss_mb"]), "checkpoint_mib": round(got["checkpoint_mib"], 1),
             "failed": got["failed"] or "", "load1": round(load, 2),
             "settings": f"local[{args.parallelism}], rate-micro-batch {int(args.rate * args.interval)} rows per "
                         f"micro-batch every {args.interval:g} s, RocksDB state store bounded to "
                         f"{args.rocksdb_memory_mb * args.parallelism} MB, noop sink, update mode"}
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    i = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
-    return xs[i]
-
-
-def _private_mb(pid: int) -> float:
-    """Memory private to one process (MB; Private_Clean + Private_Dirty of smaps_rollup): unlike
-    RSS, not the pages a forked worker still shares with the job master (whose heap holds
-    whatever earlier runs of this benchmark left), so runs do not inherit each other's memory."""
-    total = 0
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                    total += int(line.split()[1])
-    except OSError:
-        return float("nan")
-    return total / 1024.0
 
 
 def _run_sampled(p: Pipeline, trace: list[tuple[float, int, float, float]] | None = None,
@@ -228,10 +204,10 @@ def _run_sampled(p: Pipeline, trace: list[tuple[float, int, float, float]] | Non
     def sample() -> None:
         while not stop.wait(0.2):
             now = time.perf_counter() - start
-            for pid, mb in _worker_rss_mb().items():
+            for pid, mb in children_rss_mb().items():
                 peaks[pid] = max(peaks.get(pid, 0.0), mb)
                 if trace is not None:
-                    trace.append((now, pid, mb, _private_mb(pid)))
+                    trace.append((now, pid, mb, private_mb(pid)))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -313,13 +289,15 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         t2c = [r["trigger_to_commit_s"] for r in xs]
         out.append({
             "backend": b, "keys": k, "epochs": len(xs), "run_wall_s": xs[0]["run_wall_s"] if xs else float("nan"),
-            "t2c_p50": pct(t2c, 0.5), "t2c_p99": pct(t2c, 0.99), "t2c_max": max(t2c) if t2c else float("nan"),
-            "commit_p50": pct([r["commit_s"] for r in xs], 0.5), "commit_p99": pct([r["commit_s"] for r in xs], 0.99),
-            "t2m_p50": pct([r["trigger_to_manifest_s"] for r in xs], 0.5),
+            "t2c_p50": percentile(t2c, 0.5), "t2c_p99": percentile(t2c, 0.99),
+            "t2c_max": max(t2c) if t2c else float("nan"),
+            "commit_p50": percentile([r["commit_s"] for r in xs], 0.5),
+            "commit_p99": percentile([r["commit_s"] for r in xs], 0.99),
+            "t2m_p50": percentile([r["trigger_to_manifest_s"] for r in xs], 0.5),
             "mean": statistics.fmean(t2c) if t2c else float("nan"),
             "records_per_s": xs[0]["records_per_s"] if xs else 0, "rss": xs[0]["peak_rss_mb_per_worker"] if xs else "",
             "restore_s": xs[0]["restore_run_s"] if xs else float("nan"), "load1": xs[0]["load1"] if xs else 0.0,
-            "bytes_p50": pct([r["checkpoint_bytes"] for r in xs], 0.5),
+            "bytes_p50": percentile([r["checkpoint_bytes"] for r in xs], 0.5),
             "bytes_max": max((r["checkpoint_bytes"] for r in xs), default=0),
         })
     return out
@@ -351,18 +329,12 @@ def targets(table: list[dict[str, Any]], interval: float, path: Path) -> list[di
         print(f"\n{'target':<48} {'value':>6}  {'bound':<24} holds")
         for t in out:
             print(f"{t['target']:<48} {t['value']:>6}  {t['bound']:<24} {'yes' if t['holds'] else 'NO'}")
-        with open(path, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(out[0]))
-            w.writeheader()
-            w.writerows(out)
+        write_csv(path, out)
     return out
 
 
 def plot(rows: list[dict[str, Any]], path: Path, trace: list[dict[str, Any]] | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     ax, bx, cx = axes
@@ -447,22 +419,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"{g.get('records_per_s')} records/s, peak RSS per worker {g.get('peak_rss_mb_per_worker')} MB, "
                       f"restore run {g.get('restore_run_s')} s, load {os.getloadavg()[0]:.1f}", flush=True)
                 shutil.rmtree(work / f"chk-{b}", ignore_errors=True)
-                with open(out / f"{args.name}.csv", "w", newline="") as f:
-                    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                    w.writeheader()
-                    w.writerows(rows)
-                with open(out / f"{args.name}_rss.csv", "w", newline="") as f:
-                    w = csv.DictWriter(f, fieldnames=["backend", "keys", "t_s", "pid", "rss_mb", "private_mb"])
-                    w.writeheader()
-                    w.writerows(trace)
+                write_csv(out / f"{args.name}.csv", rows)
+                write_csv(out / f"{args.name}_rss.csv", trace,
+                          ["backend", "keys", "t_s", "pid", "rss_mb", "private_mb"])
         spark_rows = []
         for keys in key_counts if args.spark else ():
             spark_rows.append(run_spark(keys, args))
             print(f"spark-rocksdb {keys} keys: {spark_rows[-1]}", flush=True)
-            with open(out / f"{args.name}_spark.csv", "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(spark_rows[0]))
-                w.writeheader()
-                w.writerows(spark_rows)
+            write_csv(out / f"{args.name}_spark.csv", spark_rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = summary(rows)

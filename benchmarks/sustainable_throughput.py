@@ -65,7 +65,6 @@ input rate per setup) and prints the sustainable rates with their ratios. Not a 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -76,8 +75,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from benchmarks.harness import percentile, pyplot, read_csv, write_csv  # noqa: E402
 from epochstream import CheckpointConfig, DiscardingSink, JobFailedError, Pipeline, TrackerConfig  # noqa: E402
 from epochstream.backends.local import LocalCheckpointStorage  # noqa: E402
 from epochstream.deploy.sim import SimConfig, SimDriver  # noqa: E402
@@ -250,7 +251,7 @@ def _verdict(seen: list[float], bounds: list[float], read_at: list[float], rate:
     return {"records_done": len(seen), "read_ratio": round(len(read_at) / (span * rate), 3) if span else 0.0,
             "growth": round(growth, 3), "epochs": len(bounds),
             "bound_p50_ms": statistics.median(bounds) * 1000 if bounds else 0.0, "bound_growth": round(bound_growth, 3),
-            "p50_ms": statistics.median(lat) * 1000, "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000}
+            "p50_ms": statistics.median(lat) * 1000, "p99_ms": percentile(lat, 0.99) * 1000}
 
 
 class FileProbe:
@@ -432,9 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     if args.merge:  # a sweep split into several (locked) runs: their CSVs as one table and figure
         for path in args.merge.split(","):
-            with open(path, newline="") as f:
-                rows += [{**r, "rate": float(r["rate"]), "p50_ms": float(r["p50_ms"]),
-                          "sustained": r["sustained"] == "True"} for r in csv.DictReader(f)]
+            rows += [{**r, "rate": float(r["rate"]), "p50_ms": float(r["p50_ms"]),
+                      "sustained": r["sustained"] == "True"} for r in read_csv(path)]
         for r in rows:  # one setup run with several flush intervals: one line per interval
             flushes = {x.get("flush_ms", "") for x in rows if x["setup"] == r["setup"]}
             if len(flushes) > 1:
@@ -513,17 +513,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_csv(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(path, rows, list(dict.fromkeys(k for r in rows for k in r)))
 
 
 def _plot(rows, path: Path, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for label in dict.fromkeys(r["setup"] for r in rows):

@@ -47,7 +47,6 @@ in a child process each, so neither has the benchmark's own process to itself.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import resource
@@ -61,6 +60,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.harness import children_rss_mb, percentile, pyplot, write_csv  # noqa: E402
 from epochstream import (  # noqa: E402
     DiscardingSink,
     FileSink,
@@ -148,8 +148,8 @@ def run_epochstream(records: int, variant: str) -> dict:
                "workers_cpu_per_wall": round(workers_cpu / seconds, 2)}
         if lat_dir:
             lat = sorted(FileSink(lat_dir).read())
-            row["p50_ms"] = lat[len(lat) // 2]
-            row["p99_ms"] = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+            row["p50_ms"] = percentile(lat, 0.5)
+            row["p99_ms"] = percentile(lat, 0.99)
         return row
 
 
@@ -262,27 +262,6 @@ def _source_rows_per_s(rows: int, seconds: float = 1.0) -> float:
     return made / (time.perf_counter() - t0)
 
 
-def _worker_rss_mb() -> dict[int, float]:
-    """Resident set size (MB) of every child process of this one (the local driver's workers)."""
-    me = os.getpid()
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) != me:  # ppid
-                continue
-            with open(f"/proc/{entry}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        out[int(entry)] = int(line.split()[1]) / 1024.0
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
 def run_slow_operator(seconds: float, rows: int) -> dict:
     """The vectorised path with an operator 10x slower than its source, for ``seconds``: max RSS per worker."""
     import threading
@@ -295,7 +274,7 @@ def run_slow_operator(seconds: float, rows: int) -> dict:
     def sample() -> None:
         t0 = time.perf_counter()
         while not stop.wait(0.1):
-            samples.append((time.perf_counter() - t0, _worker_rss_mb()))
+            samples.append((time.perf_counter() - t0, children_rss_mb()))
 
     with tempfile.TemporaryDirectory(prefix="es-bench-mem-") as tmp:
         p = build_vectorised(None, rows, slow_per_row=per_row)
@@ -448,11 +427,7 @@ def main(argv: list[str] | None = None) -> int:
               "workers", "workers_cpu_per_wall", "p50_ms", "p99_ms", "batch_rows", "ratio_to_python_limit",
               "source_alone_rows_per_s", "operator_cap_rows_per_s", "max_rss_mb", "max_rss_mb_per_worker",
               "max_rss_mb_first_half", "max_rss_mb_second_half", "checkpoints", "checkpoint_ms_mean", "settings"]
-    with open(out / f"{args.name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k, "") for k in fields})
+    write_csv(out / f"{args.name}.csv", rows, fields, extrasaction="ignore")
     med: dict[tuple[str, str], float] = {}
     for key in sorted({(r["system"], r["variant"]) for r in rows}):
         med[key] = statistics.median(r["records_per_s"] for r in rows if (r["system"], r["variant"]) == key)
@@ -503,10 +478,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(med, lat, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
     labels = [f"{s}\n{v}" for s, v in med]

@@ -25,7 +25,6 @@ alignment, ~1 for the tracker). Not a test.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
 import tempfile
@@ -33,7 +32,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.harness import pyplot, write_csv  # noqa: E402
 from epochstream import CheckpointConfig, DiscardingSink, Pipeline, TrackerConfig  # noqa: E402
 from epochstream.deploy.sim import SimConfig  # noqa: E402
 
@@ -102,10 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['service_messages']} messages in {row['epochs']} epochs ({row['sim_seconds']}s)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "traffic.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(out / "traffic.csv", rows)
 
     def pick(label, n, w, g):
         return next(r for r in rows if (r["mode"], r["graph_size"], r["workers"], r["granularity"]) == (label, n, w, g))
@@ -128,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows, n_values, w_values, g_values, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     sweeps = [("graph_size", n_values, {"workers": 15, "granularity": 10}, "N (operators)"),

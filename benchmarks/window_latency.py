@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import csv
 import math
 import statistics
 import sys
@@ -38,7 +37,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.harness import percentile, pyplot, write_csv  # noqa: E402
 from epochstream import (  # noqa: E402
     CheckpointConfig,
     DiscardingSink,
@@ -112,11 +113,6 @@ def q8_pipeline(mode: str, workers: int, rate: float, seconds: float, window: fl
     return p
 
 
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(len(values) * q))]
-
-
 def measure(mode: str, workers: int, args, straggle: float = 0.0) -> dict:
     # every label of the run must stay in the tasks' time logs (one per slack, and a little more)
     eventtime.TIME_LOG_LENGTH = max(eventtime.TIME_LOG_LENGTH, 2 * int(args.seconds / args.slack) + 1024)
@@ -150,9 +146,9 @@ def measure(mode: str, workers: int, args, straggle: float = 0.0) -> dict:
             "straggler_min_ms": args.straggler_min * 1000, "window_s": args.window, "slack_s": args.slack,
             "net_delay_ms": args.net_delay * 1000, "seconds": args.seconds, "seed": args.seed,
             "windows": len(lat), "mean_ms": statistics.fmean(lat),
-            "p50_ms": statistics.median(lat), "p99_ms": _pct(lat, 0.99), "max_ms": max(lat),
-            "floor_p50_ms": statistics.median(floor), "floor_p99_ms": _pct(floor, 0.99),
-            "over_floor_p50_ms": statistics.median(over), "over_floor_p99_ms": _pct(over, 0.99),
+            "p50_ms": statistics.median(lat), "p99_ms": percentile(lat, 0.99), "max_ms": max(lat),
+            "floor_p50_ms": statistics.median(floor), "floor_p99_ms": percentile(floor, 0.99),
+            "over_floor_p50_ms": statistics.median(over), "over_floor_p99_ms": percentile(over, 0.99),
             "flush_interval_ms": args.flush_interval * 1000, "service_messages": traffic["messages"]}
 
 
@@ -219,10 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{args.name}.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(out / f"{args.name}.csv", rows)
     print("\nwindow latency (ms) from a window's last element being in to its firing, NEXMark Q8, simulator")
     for straggle in settings:
         sel = [r for r in rows if r["straggler_rate"] == straggle]
@@ -244,10 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows, w_values, settings, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), squeeze=False, sharey=True)
     for ax, straggle in zip(axes[0], settings, strict=True):

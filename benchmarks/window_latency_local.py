@@ -37,10 +37,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from window_latency import Q8, _pct, add_workload_args  # noqa: E402
+from window_latency import Q8, add_workload_args  # noqa: E402
 
+from benchmarks.harness import percentile, pyplot  # noqa: E402
 from epochstream import CheckpointConfig, DiscardingSink, Pipeline, TrackerConfig  # noqa: E402
 from epochstream.deploy.sources import RateSource  # noqa: E402
 
@@ -192,9 +194,9 @@ def measure(mode: str, args, stragglers: bool) -> dict:
             "window_s": args.window, "slack_s": args.slack, "rate_per_subtask": args.rate,
             "seconds": args.seconds, "windows": len(lat),
             "mean_ms": statistics.fmean(lat),
-            "p50_ms": statistics.median(lat), "p99_ms": _pct(lat, 0.99), "max_ms": max(lat),
-            "floor_p50_ms": statistics.median(floor), "floor_p99_ms": _pct(floor, 0.99),
-            "over_floor_p50_ms": statistics.median(over), "over_floor_p99_ms": _pct(over, 0.99),
+            "p50_ms": statistics.median(lat), "p99_ms": percentile(lat, 0.99), "max_ms": max(lat),
+            "floor_p50_ms": statistics.median(floor), "floor_p99_ms": percentile(floor, 0.99),
+            "over_floor_p50_ms": statistics.median(over), "over_floor_p99_ms": percentile(over, 0.99),
             "flush_interval_ms": args.flush_interval * 1000, "load_1min": round(load, 2)}
 
 
@@ -246,10 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{r['mode']}\nslowed {r['stragglers']}" for r in rows]

@@ -24,7 +24,6 @@ Not a test: timings vary with the load.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import tempfile
@@ -33,8 +32,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))  # the standalone cluster helper of the slow suite
 
+from benchmarks.harness import pyplot, read_csv, write_csv  # noqa: E402
 from epochstream import CheckpointConfig, DiscardingSink, KeyedProcessFunction, Pipeline, ValueStateDescriptor  # noqa: E402
 from epochstream.deploy.failures import FailureSchedule  # noqa: E402
 from epochstream.deploy.spark import spark_session  # noqa: E402
@@ -128,13 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         r["spares"] = args.spares if r["setup"] == "spare" else 0
         r["gap_s"] = args.gap
     if out.with_suffix(".csv").exists():  # keep the other set-ups' rows of an earlier run
-        with open(out.with_suffix(".csv"), newline="") as fh:
-            rows = [r for r in csv.DictReader(fh) if r["setup"] not in args.setups.split(",")] + rows
+        rows = [r for r in read_csv(out.with_suffix(".csv")) if r["setup"] not in args.setups.split(",")] + rows
     setups = list(dict.fromkeys(r["setup"] for r in rows))
-    with open(out.with_suffix(".csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), restval="")
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out.with_suffix(".csv"), rows, list(dict.fromkeys(k for r in rows for k in r)), restval="")
     print(f"{'setup':>10} {'kills':>5} {'measured':>8} {'p50 s':>7} {'max s':>7} {'ready p50 s':>11}")
     series = {}
     for setup in setups:
@@ -144,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         series[setup] = lat
         print(f"{setup:>10} {len(mine):>5} {len(lat):>8} {statistics.median(lat) if lat else float('nan'):>7.2f} "
               f"{max(lat) if lat else float('nan'):>7.2f} {statistics.median(ready) if ready else float('nan'):>11.2f}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
     for i, (setup, lat) in enumerate(series.items()):
