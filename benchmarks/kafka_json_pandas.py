@@ -970,7 +970,8 @@ def plot(rows: list[dict], path: Path) -> None:
     short_name = {f.label: name for name, f in FUNCTIONS.items()}
     labels = [f"{c[2]}\n{c[3]}{'/' + c[4] if c[4] else ''}\n{c[0]:,} keys\n{short_name[c[1]]}" for c in configs]
     colors = [{"epochstream": "C0", "spark": "C1", "pyflink": "C2"}[c[2]] for c in configs]
-    fig, axes = plt.subplots(1, 4, figsize=(max(16.0, 4 * 0.9 * len(configs) + 3), 5.0))
+    fig, grid = plt.subplots(2, 2, figsize=(max(12.0, 0.9 * len(configs) + 3), 10.0))
+    axes = grid.flatten()
     xs = range(len(configs))
     axes[0].bar(xs, [worst(c, "rows_per_s", min) / 1000 for c in configs], color=colors)
     axes[0].set_title("thousand rows/s\n(saturated, start-up left out)", fontsize=9)
@@ -989,7 +990,7 @@ def plot(rows: list[dict], path: Path) -> None:
                                                                                                    strict=True)]])
     axes[3].set_title("end-to-end p50 to p99, ms\nat Spark's load (50% of Spark's rate)", fontsize=9)
     for ax in axes:
-        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_xticks(list(xs), [lab.replace("\n", " ") for lab in labels], fontsize=7, rotation=90)
     fig.suptitle("Kafka JSON -> PySpark pandas state -> Kafka (worst repeat): epochstream (local, p=2, "
                  "exactly-once), Spark Structured Streaming (local[2], at-least-once)", fontsize=9)
     fig.tight_layout()

@@ -450,8 +450,10 @@ SECTIONS: tuple[Section, ...] = (
         note="Paths: `arrow` is `from_kafka` (Arrow batches) -> `from_json`; `dicts` and `batches` feed the same "
              "records without Kafka (Python dicts from a collection; Arrow batches built by hand). Spark's "
              "Kafka sink is at-least-once; epochstream's is exactly-once. At 50% of epochstream's own rate the "
-             "one-process load generator falls behind (its delay is in `generator_lag_ms`), so the comparison "
-             "is at Spark's load. Master CPU per million outputs: `kafka_json_pandas_master_cpu_*.csv`.",
+             "load generator (one Python process producing 45-195K JSON records/s) shares the 2 cores with the "
+             "job and the broker: the machine is 99% busy and the generator falls behind (`generator_lag_ms`), "
+             "so the comparison is at Spark's load. Master CPU per million outputs: "
+             "`kafka_json_pandas_master_cpu_*.csv`.",
     ),
     Section(
         "Peers: Flink, PyFlink, Bytewax, Spark",
