@@ -15,7 +15,7 @@ from benchmarks import report  # noqa: E402
 from benchmarks.harness import RESULTS, percentile, read_csv, write_csv  # noqa: E402
 
 #: mapped result files that may not exist yet (their section says "not run yet")
-NOT_RUN_YET = {"kafka_json_pandas.csv", "kafka_json_pandas_100k.csv", "pyspark_keyed_count.csv"}
+NOT_RUN_YET = {"pyspark_keyed_count.csv"}
 
 
 def test_percentile_is_the_value_at_index_floor_q_n():
