@@ -90,15 +90,16 @@ class FlowLimits:
 
     #: data envelopes a sender may have outstanding per link (>= 1)
     window: int = WINDOW
-    #: backlog in messages: pressure turns on above ``high`` and off below ``low`` (0 <= low <= high)
+    #: backlog in messages: pressure turns on above ``high`` and off below ``low`` (1 <= low <= high:
+    #: with low = 0 pressure would never turn off, the backlog is never below 0)
     high: int = HIGH_WATERMARK
     low: int = LOW_WATERMARK
     #: mailbox messages at or above which a receiver keeps the credit it owes (>= 1)
     hold: int = CREDIT_HOLD
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.hold < 1 or not 0 <= self.low <= self.high:
-            raise ValueError(f"flow limits need window >= 1, hold >= 1 and 0 <= low <= high, got {self}")
+        if self.window < 1 or self.hold < 1 or not 1 <= self.low <= self.high:
+            raise ValueError(f"flow limits need window >= 1, hold >= 1 and 1 <= low <= high, got {self}")
 
 
 class SendWindow:
