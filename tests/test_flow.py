@@ -45,7 +45,7 @@ from pipelines import check_running_counts, committed_output, running_count, sim
 RATE = 20_000.0
 #: a consumer's seconds per record: 4x what a source subtask needs at RATE (backpressure)
 SLOW = 2e-4
-COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---------------------------------------------------------------- buffer debloating
