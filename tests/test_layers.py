@@ -81,8 +81,9 @@ def test_protocol_packages_do_no_io(package):
     assert not bad, "sans-IO core imports I/O, clocks or threads:\n" + "\n".join(bad)
 
 
-#: sans-IO modules inside deploy/ (a driver package): the attempt policy, the control messages, liveness
-SANS_IO_DEPLOY = ("attempt.py", "protocol.py", "liveness.py", "slots.py")
+#: sans-IO modules inside deploy/ (a driver package): the attempt policy, the control messages, liveness,
+#: flow control
+SANS_IO_DEPLOY = ("attempt.py", "protocol.py", "liveness.py", "slots.py", "flow.py")
 
 
 @pytest.mark.parametrize("module", SANS_IO_DEPLOY)

@@ -15,8 +15,10 @@ from multiprocessing import AuthenticationError
 
 import pytest
 
+from epochstream.deploy.flow import WINDOW
 from epochstream.deploy.net import Server, connect, mesh
-from epochstream.deploy.worker import CREDIT, PRESSURE, WINDOW, PeerLink
+from epochstream.deploy.protocol import Backpressure, Credit
+from epochstream.deploy.worker import PeerLink
 
 
 def _mesh(n: int, key: bytes):
@@ -101,11 +103,11 @@ def test_credit_window_stops_data_not_control():
         time.sleep(0.01)
     time.sleep(0.2)
     assert link.sent == WINDOW and link.backlog == 5  # the rest waits for credit
-    link.send_control([(PRESSURE, True)])
+    link.send_control(Backpressure(True))
     got = [b.recv() for _ in range(WINDOW + 1)]
-    assert got[-1] == [(PRESSURE, True)]  # overtook the data waiting for credit
+    assert got[-1] == Backpressure(True)  # overtook the data waiting for credit
     assert [env[0][1] for env in got[:-1]] == list(range(WINDOW))  # FIFO
-    link.grant(5)
+    link.on_credit(Credit(5))
     got = [b.recv() for _ in range(5)]
     assert [env[0][1] for env in got] == list(range(WINDOW, WINDOW + 5))
     deadline = time.monotonic() + 10  # the sender thread counts a message after the peer may have read it
@@ -116,4 +118,3 @@ def test_credit_window_stops_data_not_control():
     link.thread.join(5)
     a.close()
     b.close()
-    assert CREDIT != PRESSURE and CREDIT < 0 and PRESSURE < 0

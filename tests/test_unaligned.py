@@ -468,25 +468,44 @@ def test_the_strict_oracle_completes_epochs_with_their_channel_state(tmp_path):
 
 
 def test_a_link_sends_an_unaligned_marker_ahead_of_the_data_waiting_for_credit():
-    from epochstream.deploy.worker import PRIORITY, PeerLink
+    from epochstream.deploy.protocol import PriorityMarker
+    from epochstream.deploy.worker import PeerLink
 
-    link = PeerLink(conn=None, window=0)  # no credit: data waits; the sender thread is not started
-    link.send_data([(5, Batch(1, ["a"])), (6, Batch(1, ["x"]))], overtake=True)
-    link.send_data([(5, Batch(1, ["b"])), (5, Marker(1)), (5, Batch(2, ["c"])), (6, Marker(1))], overtake=True)
-    (m5,), (m6,) = link._control
-    assert m5[0] == m6[0] == PRIORITY and m5[1][0] == 5 and m6[1][0] == 6
-    assert m5[1][1].overtook == 2 and [b.records for b in m5[1][1].carried] == [["a"], ["b"]]
-    assert m6[1][1].overtook == 1 and [b.records for b in m6[1][1].carried] == [["x"]]
-    assert [m.records for env in link._data for _c, m in env] == [["a"], ["x"], ["b"], ["c"]]
+    link = PeerLink(conn=None, window=0, overtake=True)  # no credit: data waits; the sender thread is not started
+    link.send_data([(5, Batch(1, ["a"])), (6, Batch(1, ["x"]))])
+    link.send_data([(5, Batch(1, ["b"])), (5, Marker(1)), (5, Batch(2, ["c"])), (6, Marker(1))])
+    m5, m6 = link.window.control
+    assert type(m5) is type(m6) is PriorityMarker and m5.channel == 5 and m6.channel == 6
+    assert m5.marker.overtook == 2 and [b.records for b in m5.marker.carried] == [["a"], ["b"]]
+    assert m6.marker.overtook == 1 and [b.records for b in m6.marker.carried] == [["x"]]
+    assert [m.records for env in link.window.data for _c, m in env] == [["a"], ["x"], ["b"], ["c"]]
+    assert link.queued == 2 and link.queued_rows == 4  # the markers left the data queue
     # a savepoint's marker stays in line, and a marker never passes another of its channel
-    link.send_data([(5, Marker(2, aligned=True))], overtake=True)
-    link.send_data([(5, Marker(3))], overtake=True)
-    assert len(link._control) == 2 and [env[-1][1] for env in list(link._data)[-2:]] == [
+    link.send_data([(5, Marker(2, aligned=True))])
+    link.send_data([(5, Marker(3))])
+    assert len(link.window.control) == 2 and [env[-1][1] for env in list(link.window.data)[-2:]] == [
         Marker(2, aligned=True), Marker(3)]
     # aligned modes: no overtaking at all
     plain = PeerLink(conn=None, window=0)
     plain.send_data([(5, Batch(1, ["a"])), (5, Marker(1))])
-    assert not plain._control and len(plain._data) == 1
+    assert not plain.window.control and len(plain.window.data) == 1
+
+
+def test_overtaking_is_a_pure_step_over_the_queue():
+    """``alignment.overtaking.overtake``: what leaves ahead and what stays, the queue untouched."""
+    from epochstream.alignment.overtaking import overtake
+
+    queued = [[(5, Batch(1, ["a"])), (7, Batch(1, ["z"]))], [(5, Marker(1, aligned=True))]]
+    snapshot = [list(env) for env in queued]
+    rest, ahead = overtake(queued, [(6, Batch(1, ["x"])), (6, Marker(1)), (5, Marker(2)), (6, Batch(2, ["y"]))])
+    assert queued == snapshot  # pure: the queue is read, never changed
+    # channel 6: one record ahead of it in the envelope itself; channel 5: a marker is queued ahead
+    assert [(c, m.epoch, m.overtook) for c, m in ahead] == [(6, 1, 1)]
+    assert [b.records for b in ahead[0][1].carried] == [["x"]]
+    assert [(c, m) for c, m in rest] == [(6, Batch(1, ["x"])), (5, Marker(2)), (6, Batch(2, ["y"]))]
+    envelope = [(5, Batch(1, ["a"]))]
+    assert overtake(queued, envelope) == (envelope, [])  # no marker: the envelope as it is
+    assert overtake([], [(5, Marker(3, aligned=True))]) == ([(5, Marker(3, aligned=True))], [])
 
 
 def test_messages_a_marker_overtook_at_the_sender_are_channel_state_when_they_arrive(tmp_path):

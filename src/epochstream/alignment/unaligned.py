@@ -16,7 +16,7 @@ channel state, and channel state plus later input is what a restore processes: n
 lost or counted twice, and no channel waits (alignment time 0).
 
 A marker can overtake at the sender too: a driver whose link queues data waiting for credit
-sends an unaligned marker ahead of it (``deploy.worker.PeerLink``) and says how many messages of
+sends an unaligned marker ahead of it (``alignment.overtaking``) and says how many messages of
 its channel it passed (``Marker.overtook``). Those arrive after the marker; the channel's state
 is complete once they have (``owed``, ``on_overtaken``).
 

@@ -199,6 +199,10 @@ def _result(pipeline, deployment: str, storage, driver, seconds: float):
             "job_id": driver.job_id,
             # spark: every wait of an attempt for its barrier slots (deploy.slots)
             "slot_waits": getattr(driver, "slot_waits", []),
+            # the simulator with flow control (SimConfig.flow): data envelopes that waited for
+            # credit, and source reads held back by backpressure, over every attempt
+            "sim_flow": ({"credit_waits": driver.credit_waits, "throttled_reads": driver.throttled_reads}
+                         if deployment == "sim" and driver.cfg.flow is not None else None),
         },
         savepoints=list(driver.savepoints_written),
     )

@@ -1,8 +1,14 @@
-"""The control channel between a cluster driver and its workers: one frozen value per message.
+"""Control messages of a cluster (driver <-> worker, and worker <-> worker on the data links):
+one frozen value per message.
 
 Every worker has one control connection to the driver (a pipe for the local driver, a TCP
-connection for spark); it carries only the messages below, pickled whole. The data links
-between workers carry envelopes (``deploy.worker``), never these.
+connection for spark); it carries only the driver's messages below, pickled whole.
+
+The data link between two workers carries *envelopes*: a data envelope is a list of
+(channel, message) pairs (``deploy.worker``), and a control envelope is one of the link
+messages at the end (``Credit``, ``Backpressure``, ``PriorityMarker``; ``deploy.flow``). A
+sender queues control envelopes ahead of the data waiting for credit, so flow control can
+never be stuck behind the data it controls; on the wire both keep their order.
 
 Worker -> driver, in the order a healthy attempt sends them::
 
@@ -14,10 +20,11 @@ checkpoint: restarting cannot help). Driver -> worker: ``Trigger``, ``Neoss`` an
 has finished. A worker carries out everything it was sent before ``Stop`` (a ``Committed``
 of the final epoch included) before it reports ``Stopped``.
 
-Both ends dispatch on the message's type (``type(msg)`` in a dict of handlers), so a new
-message is a new class plus one handler on the receiving side. ``__reduce__`` rebuilds a
-message from its fields in order, which pickles about twice as fast as the slot-by-slot
-state frozen dataclasses use by default (the tracker's reports cross this channel often).
+Both ends dispatch on the message's type (``type(msg)`` in a dict of handlers on the control
+connection, a ``match`` on the links' three), so a new message is a new class plus one
+handler on the receiving side. ``__reduce__`` rebuilds a message from its fields in order,
+which pickles about twice as fast as the slot-by-slot state frozen dataclasses use by
+default (the tracker's reports cross this channel often).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..runtime.messages import TaskId
+from ..runtime.messages import Marker, TaskId
 from ..runtime.meters import WorkerSample
 from ..snapshot.manifest import AckInfo
 
@@ -186,6 +193,36 @@ class Stop(_Message):
     """The job master has finished: leave the loop and report ``Stopped``."""
 
 
+# ---------------------------------------------------------------- worker -> worker (link control envelopes)
+
+
+@dataclass(frozen=True, slots=True)
+class Credit(_Message):
+    """The receiver delivered ``envelopes`` data envelopes of this link into its mailboxes: the
+    sender may have that many more outstanding (``deploy.flow.ReceiveWindow``)."""
+
+    envelopes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Backpressure(_Message):
+    """The sending worker's backlog went over its bound (``on``) or back under it: sources stop
+    reading while any worker is over (``deploy.flow.Pressure``)."""
+
+    on: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityMarker(_Message):
+    """Unaligned mode: ``marker`` of ``channel`` left ahead of the data the link queued for
+    credit (``alignment.overtaking``); what it passed follows it."""
+
+    channel: int
+    marker: Marker
+
+
+#: control envelopes on the data links between workers
+ON_LINKS = (Credit, Backpressure, PriorityMarker)
 #: messages a worker sends, for a driver's dispatch table
 FROM_WORKER = (Hello, Ready, Ack, Decline, Exhausted, TrackerReport, Stopped, Heartbeat, LinkLost, WorkerError,
                Fatal)

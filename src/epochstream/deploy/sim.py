@@ -12,6 +12,14 @@ All randomness comes from one seeded generator, so a seed *is* a schedule, and t
 replays the same run. The real storage and sinks are used; only time is
 virtual.
 
+Flow control (``SimConfig.flow``, off by default) is modelled with the objects a worker
+drives (``deploy.flow``): each directed link between two workers has a credit window,
+carries a step's remote output to that worker as one envelope, FIFO, and sends control
+envelopes (credit, backpressure, overtaking markers) ahead of the data waiting for credit;
+each worker has a ``Pressure``, and its sources stop reading while it or a peer is over its
+bound. ``SimConfig.time_limit`` turns a run that never finishes into a ``SimStalled`` naming
+what waits (the links without credit, the pressured workers, the parked sources).
+
 Failures are injected from a ``FailureSchedule``: worker kills at virtual times, crashes at
 named fail points of the job master (``before_manifest``, ``after_manifest``,
 ``mid_commit``, ``after_commit``, ``recovery``), and failed state-file writes. A kill rolls
@@ -45,11 +53,28 @@ from .attempt import MARKER_BYTES, AttemptController, CaptureFull
 from .control import SavepointRequest
 from .driver import Driver
 from .failures import Failover, FailureSchedule
+from .flow import FlowLimits, Pressure, ReceiveWindow, SendWindow
 from .persist import StateWriteError, persist, writes_files
-from .protocol import Ack, Committed, Decline, Exhausted, Neoss, Stop, TrackerReport, Trigger
+from .protocol import (
+    Ack,
+    Backpressure,
+    Committed,
+    Credit,
+    Decline,
+    Exhausted,
+    Neoss,
+    PriorityMarker,
+    Stop,
+    TrackerReport,
+    Trigger,
+)
 from .tracking import Tracking, new_local_tracker
 
-__all__ = ["MARKER_BYTES", "FailureSchedule", "SimConfig", "SimDriver"]
+__all__ = ["MARKER_BYTES", "FailureSchedule", "FlowLimits", "SimConfig", "SimDriver", "SimStalled"]
+
+
+class SimStalled(RuntimeError):
+    """The run passed ``SimConfig.time_limit`` without finishing; the message names what waits."""
 
 
 @dataclass
@@ -98,6 +123,12 @@ class SimConfig:
     #: the task itself writes its snapshot and processes nothing meanwhile (the blocking save of
     #: paper 000 §5.3.2); off = epochstream's asynchronous writer lane beside the task
     blocking_writes: bool = False
+    #: flow control between workers, as a worker does it (``deploy.flow``): credit windows per
+    #: link and backpressure per worker with these bounds; None = every message leaves at once
+    #: on a channel of its own (latency experiments on an unloaded system)
+    flow: FlowLimits | None = None
+    #: virtual seconds the whole run may take; past them it raises ``SimStalled`` (None: no limit)
+    time_limit: float | None = None
 
 
 class SimDriver(Driver):
@@ -126,6 +157,10 @@ class SimDriver(Driver):
         #: (worker, start, end) of every straggler pause drawn, every attempt (``SimConfig.straggler_rate``):
         #: benchmarks set a latency against the pauses that no protocol can hide
         self.pause_log: list[tuple[int, float, float]] = []
+        #: flow control over the run (``SimConfig.flow``): data envelopes that had to wait for credit,
+        #: and source reads held back by backpressure
+        self.credit_waits = 0
+        self.throttled_reads = 0
 
     def clock(self) -> float:
         return self.now
@@ -215,6 +250,10 @@ class _SimAttempt:
         #: what the tasks' actions do here
         self.task_act: dict[type, Callable[[TaskId, Any, float], None]] = {
             Send: self._send, Snapshot: self._snapshot, SourceExhausted: self._exhausted}
+        #: flow control between the workers (``SimConfig.flow``; None: off)
+        self.flow = None if self.cfg.flow is None else _SimFlow(self, self.cfg.flow)
+        #: with flow control, the remote output of the step being handled: worker -> its envelope
+        self.outbox: dict[int, list[tuple[int, Any]]] = {}
 
     # -- the loop
     def run(self) -> None:
@@ -224,7 +263,11 @@ class _SimAttempt:
         for t in self.tasks.values():  # a loop head re-emits its restored log first
             if not t.is_source and t.has_input():
                 self.schedule_step(t.id)
+        limit = self.cfg.time_limit
         while not c.master.finished:
+            if limit is not None and d.now > limit:
+                raise SimStalled(f"the run did not finish in {limit} virtual seconds (t={d.now:.6f}): "
+                                 + self._waiting())
             self._kill_if_due()
             self.apply(c.tick(d.now, self._due_savepoints()))
             deadline = self._deadline()
@@ -251,6 +294,12 @@ class _SimAttempt:
         d.collect(c.master)
         for t in self.tasks.values():
             t.chain.close()
+
+    def _waiting(self) -> str:
+        """What waits now: tasks with input, and with flow control its links and workers."""
+        busy = sorted(str(tid) for tid, t in self.tasks.items() if t.has_input() or t.held)
+        text = f"tasks with input or held messages: {', '.join(busy) or 'none'}"
+        return text if self.flow is None else f"{text}; {self.flow.describe()}"
 
     def _next_kill(self) -> float | None:
         kill_times, done = self.driver.failures.kill_times, self.driver.kills_done
@@ -355,11 +404,20 @@ class _SimAttempt:
     def handle(self, tid, actions: list[Any], done_at: float) -> None:
         for a in actions:
             self.task_act[type(a)](tid, a, done_at)
+        if self.outbox:  # with flow control: the step's remote output, one envelope per worker
+            outbox, self.outbox = self.outbox, {}
+            assert self.flow is not None
+            for worker, envelope in outbox.items():
+                self.flow.send(tid[1], worker, envelope, done_at)
 
     def _send(self, tid, a: Send, done_at: float) -> None:
         ch = self.plan.channels[a.channel]
-        delay = self.cfg.local_delay if ch.src[1] == ch.dst[1] else self.cfg.net_delay
-        self.push(self.fifo(a.channel, done_at, delay), self._on_deliver, a)
+        if ch.src[1] == ch.dst[1]:
+            self.push(self.fifo(a.channel, done_at, self.cfg.local_delay), self._on_deliver, a)
+        elif self.flow is not None:
+            self.outbox.setdefault(ch.dst[1], []).append((a.channel, a.message))
+        else:
+            self.push(self.fifo(a.channel, done_at, self.cfg.net_delay), self._on_deliver, a)
         if type(a.message) is Marker:
             self.controller.count_sent("marker", tid, a.message.epoch)
         elif type(a.message) is Watermark:
@@ -410,6 +468,8 @@ class _SimAttempt:
             self.schedule_step(tid)
 
     def _on_read(self, tid) -> None:
+        if self.flow is not None and self.flow.holds_read(tid):
+            return
         wait = self._core_free_at(tid)
         if wait is not None:
             self.push(wait, self._on_read, tid)
@@ -442,6 +502,8 @@ class _SimAttempt:
         if cfg.check_invariants:
             task.check_invariants()
         self.handle(task.id, actions, done)
+        if self.flow is not None:  # mailboxes drained, output queued: credit and pressure
+            self.flow.update(task.id[1], done)
         due = task.flush_deadline()
         if due is not None and self.linger_at.get(task.id) != due:  # lingering output: step again when it is due
             self.linger_at[task.id] = due
@@ -508,3 +570,127 @@ class _SimAttempt:
             self.apply(c.on_decline(Decline(capture.task, capture.epoch, str(exc), exc.staged), d.now))
             return
         self.apply(c.on_ack(Ack(info), d.now))
+
+
+class _SimFlow:
+    """Flow control on the virtual network: the ``deploy.flow`` objects a worker drives, one
+    ``SendWindow`` and ``ReceiveWindow`` per directed link between two workers and one
+    ``Pressure`` per worker, with ``SimConfig.flow``'s bounds. An envelope crosses its link
+    after a random delay, FIFO with the link's other envelopes (one connection per pair).
+
+    Invariant (``check_invariants``), per link: the data envelopes a sender may not send for
+    want of credit (window - credit) are on the wire, owed by the receiver, or credited back
+    by a ``Credit`` still on the wire."""
+
+    def __init__(self, run: _SimAttempt, limits: FlowLimits) -> None:
+        self.run = run
+        workers = range(run.plan.parallelism)
+        pipeline = run.driver.pipeline
+        overtake = pipeline.mode == "unaligned" and getattr(pipeline, "aligned_timeout", None) is None
+        pairs = [(a, b) for a in workers for b in workers if a != b]
+        #: (sender, receiver) -> the sender's window of that link / the receiver's
+        self.sending = {ab: SendWindow(limits.window, overtake) for ab in pairs}
+        self.receiving = {ab: ReceiveWindow(limits.window) for ab in pairs}
+        self.pressure = {w: Pressure(limits.high, limits.low, limits.hold) for w in workers}
+        self.peers = {w: [b for b in workers if b != w] for w in workers}
+        self.consumers = {w: [t for t in run.tasks.values() if not t.is_source and t.id[1] == w] for w in workers}
+        #: per worker, its sources whose next read waits for the backpressure to end
+        self.parked: dict[int, set[TaskId]] = {w: set() for w in workers}
+        #: per link, data envelopes on the wire, and credit on its way back
+        self.data_on_wire = {ab: 0 for ab in pairs}
+        self.credit_on_wire = {ab: 0 for ab in pairs}
+
+    def send(self, src: int, dst: int, envelope: list[tuple[int, Any]], at: float) -> None:
+        """A step of worker ``src`` ending at ``at`` sent ``envelope`` to worker ``dst``."""
+        window = self.sending[(src, dst)]
+        queued = window.queue_data(envelope)
+        self._pump(src, dst, at)
+        if queued and window.data and window.data[-1] is queued:  # it waits for credit
+            self.run.driver.credit_waits += 1
+
+    def _pump(self, src: int, dst: int, at: float) -> None:
+        """Put on the wire whatever the link's window lets leave at ``at``."""
+        run, window = self.run, self.sending[(src, dst)]
+        while (out := window.next_envelope()) is not None:
+            item, data = out
+            if data:
+                self.data_on_wire[(src, dst)] += 1
+            elif type(item) is Credit:
+                self.credit_on_wire[(dst, src)] += item.envelopes
+            run.push(run.fifo(("link", src, dst), at, run.cfg.net_delay), self._on_envelope, (src, dst, item))
+
+    def _on_envelope(self, payload: tuple[int, int, Any]) -> None:
+        src, dst, item = payload
+        run, now = self.run, self.run.driver.now
+        if type(item) is list:
+            self.data_on_wire[(src, dst)] -= 1
+            self.receiving[(src, dst)].on_data()
+            for ch, msg in item:
+                task = run.plan.channels[ch].dst
+                run.tasks[task].receive(ch, msg)
+                run.schedule_step(task)
+        else:
+            match item:
+                case Credit():
+                    self.credit_on_wire[(dst, src)] -= item.envelopes
+                    self.sending[(dst, src)].on_credit(item)
+                    self._pump(dst, src, now)
+                case Backpressure():
+                    self.pressure[dst].on_signal(src, item)
+                    self._wake(dst, now)
+                case PriorityMarker(channel=ch, marker=marker):
+                    task = run.plan.channels[ch].dst
+                    run.tasks[task].receive(ch, marker)
+                    run.schedule_step(task)
+        self.update(dst, now)
+        if run.cfg.check_invariants:
+            self.check_invariants()
+
+    def update(self, worker: int, at: float) -> None:
+        """The worker's loop after a turn: its pressure, then the credit it hands back."""
+        consumers, pressure = self.consumers[worker], self.pressure[worker]
+        mailbox = sum(len(t.mailbox) for t in consumers)
+        backlog = mailbox + sum(len(t.held) for t in consumers) + sum(
+            len(self.sending[(worker, b)].data) for b in self.peers[worker])
+        signal = pressure.on_backlog(backlog)
+        if signal is not None:
+            for b in self.peers[worker]:
+                self.sending[(worker, b)].queue_control(signal)
+                self._pump(worker, b, at)
+            self._wake(worker, at)
+        if not pressure.withholds_credit(mailbox):
+            for a in self.peers[worker]:
+                credit = self.receiving[(a, worker)].grant()
+                if credit is not None:
+                    self.sending[(worker, a)].queue_control(credit)
+                    self._pump(worker, a, at)
+
+    def holds_read(self, source: TaskId) -> bool:
+        """Park ``source``'s read while its worker is throttled (``_wake`` reads again)."""
+        if not self.pressure[source[1]].throttled:
+            return False
+        self.parked[source[1]].add(source)
+        self.run.driver.throttled_reads += 1
+        return True
+
+    def _wake(self, worker: int, at: float) -> None:
+        parked = self.parked[worker]
+        if parked and not self.pressure[worker].throttled:
+            for tid in sorted(parked):
+                self.run.push(at, self.run._on_read, tid)
+            parked.clear()
+
+    def describe(self) -> str:
+        stalled = [f"{a}->{b} ({len(w.data)} waiting, credit {w.credit}, owed {self.receiving[(a, b)].owed})"
+                   for (a, b), w in self.sending.items() if w.data]
+        pressured = [w for w, p in self.pressure.items() if p.pressured]
+        parked = sorted(str(t) for tids in self.parked.values() for t in tids)
+        return (f"links with data waiting: {', '.join(stalled) or 'none'}; pressured workers: {pressured}; "
+                f"parked sources: {', '.join(parked) or 'none'}")
+
+    def check_invariants(self) -> None:
+        for ab, window in self.sending.items():
+            out = window.window - window.credit
+            assert out == self.data_on_wire[ab] + self.receiving[ab].owed + self.credit_on_wire[ab], \
+                f"link {ab}: {out} envelopes without credit, but {self.data_on_wire[ab]} on the wire, " \
+                f"{self.receiving[ab].owed} owed and {self.credit_on_wire[ab]} credited on the wire"

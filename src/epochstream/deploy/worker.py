@@ -9,28 +9,12 @@ without blocking, steps the tasks, delivers local sends directly and queues remo
 thread per connection keep every channel FIFO). A writer thread persists snapshots in the
 background (pre-commit) and the loop forwards its acks to the driver.
 
-Flow control has two parts:
-
-- **Credits (per link).** A sender may have at most ``WINDOW`` data envelopes that the
-  receiver has not yet handed back; the receiver hands credits back once it has delivered
-  the envelopes into mailboxes and its mailboxes (work it can do now) are below
-  ``CREDIT_HOLD`` messages. A slow receiver therefore stops its senders instead of having its
-  memory filled. Credits and pressure signals are control envelopes: they bypass the credit
-  window, so they can never be stuck behind data waiting for credit. Mailboxes always drain
-  (a blocked channel's messages move to ``held``), so withheld credit always comes back and
-  a marker waiting behind data always gets through.
-- **Pressure (per worker).** A worker whose backlog (mailboxes, held messages, envelopes not
-  yet sent) crosses ``HIGH_WATERMARK`` messages, or, with buffer debloating
-  (``Pipeline.buffer_debloat_target``, ``deploy.flow``), holds more rows than its consuming
-  tasks get through in that many seconds, tells its peers; sources stop reading while any
-  worker is over it, and resume below a quarter of it. This bounds what alignment holds back:
-  sized by time, an epoch's marker or NEOSS waits about the target behind a full queue
-  however slow the operator in front of it is.
-
-Loops cannot deadlock on either: the loop never blocks (a link queues envelopes without
-limit while it waits for credit), only sources are throttled, a loop head is not a source,
-and the phantom channel (loop tail -> head) is a hand-over inside the worker. So a loop's
-feedback keeps moving while the sources pause, and it drains (ARCHITECTURE.md §6a).
+Flow control is ``deploy.flow``'s (its rules, and why loops cannot deadlock on them): each
+``PeerLink`` drives a ``SendWindow`` from its sender thread, and the loop keeps a
+``ReceiveWindow`` per peer and one ``Pressure``. The link messages (``Credit``,
+``Backpressure``, ``PriorityMarker``: ``deploy.protocol``) are control envelopes, told apart
+from data envelopes (lists) by type. The condition variable of a link is I/O glue only: it
+wakes the sender thread and guards the window the loop and the thread share.
 
 Metering (``runtime.meters``) only reads this: each turn of the loop is a round of
 ``LoopTimes`` (the clock read around every task step), a task is backpressured for the rest
@@ -60,24 +44,26 @@ import signal
 import threading
 import time
 import traceback
-from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
 from ..backends.base import commits_in_subtasks
 from ..runtime.columns import from_ipc, to_ipc
+from ..runtime.errors import ProtocolError
 from ..runtime.messages import Batch, Marker, Send, Snapshot, SourceExhausted, Watermark
 from ..runtime.meters import LoopTimes, WorkerSample, task_key
 from ..snapshot.manifest import CheckpointError
 from .assembly import build_tasks
-from .flow import DEFAULT_TARGET, Debloater
+from .flow import DEFAULT_TARGET, ROWS_EVERY, WINDOW, Debloater, Pressure, ReceiveWindow, SendWindow
 from .liveness import DEFAULT_INTERVAL, HeartbeatSender
 from .persist import StateWriteError, persist
 from .protocol import (
     MOMENTS,
     Ack,
+    Backpressure,
     Committed,
+    Credit,
     Decline,
     Die,
     Exhausted,
@@ -85,6 +71,7 @@ from .protocol import (
     Heartbeat,
     LinkLost,
     Neoss,
+    PriorityMarker,
     Ready,
     Stop,
     Stopped,
@@ -94,10 +81,6 @@ from .protocol import (
 )
 from .tracking import new_local_tracker
 
-HIGH_WATERMARK = 32  # messages
-LOW_WATERMARK = 8
-#: seconds between two counts of the backlog's rows (debloating)
-ROWS_EVERY = 0.005
 STEP_BUDGET = 4096  # records per task step
 #: debloating: seconds of work a consuming task's step aims at (at least one message)
 STEP_SECONDS = 0.05
@@ -108,12 +91,6 @@ CUT_SECONDS = 0.01
 #: unaligned mode, before the first measurement: rows a consuming step takes (it cuts messages
 #: there, so a marker waits for at most this much work even behind a very slow operator)
 FIRST_CUT = 256
-#: data envelopes a sender may have outstanding per link
-WINDOW = 16
-#: mailbox messages above which a receiver keeps the credits it owes
-CREDIT_HOLD = 64
-
-PRESSURE, CREDIT, PRIORITY = -1, -2, -3  # channel ids of control envelopes (PRIORITY: an overtaking marker)
 
 __all__ = ["MOMENTS", "PeerLink", "WorkerLoop", "run_worker"]
 
@@ -168,20 +145,20 @@ class SharedConnection:
 
 
 class PeerLink:
-    """One connection to a peer: a sender thread, a priority queue for control envelopes and
-    a credit window for data envelopes.
+    """One connection to a peer: its ``flow.SendWindow`` (what leaves next), written out by a
+    sender thread. The condition guards the window, shared by the loop and the thread.
 
-    Invariant: ``credit`` + data envelopes sent and not yet credited back == ``WINDOW``.
+    ``queued``/``sent`` (and their rows) count data envelopes queued by the loop and written by
+    the thread, one writer each: the loop reads them without the lock, as measurements.
     """
 
-    def __init__(self, conn, window: int = WINDOW) -> None:
+    def __init__(self, conn, window: int = WINDOW, overtake: bool = False) -> None:
         self.conn = conn
+        #: unaligned mode (``overtake``): markers leave ahead of the data queued for credit,
+        #: carrying copies of the messages of their channel they passed (``alignment.overtaking``)
+        self.window = SendWindow(window, overtake)
         self._cond = threading.Condition()
-        self._data: deque[list] = deque()
-        self._control: deque[list] = deque()
-        self.credit = window
         self._closed = False
-        #: data envelopes queued by the loop / sent by the thread (one writer each), and their rows
         self.queued = 0
         self.sent = 0
         self.queued_rows = 0
@@ -191,49 +168,33 @@ class PeerLink:
     def start(self) -> None:
         self.thread.start()
 
-    def send_data(self, envelope: list, overtake: bool = False) -> None:
-        """Queue a data envelope. ``overtake`` (unaligned mode): an unaligned marker in it leaves
-        as a control envelope, ahead of the data queued for credit, carrying copies of the
-        messages of its channel it passed (``Marker.overtook``, ``carried``): the receiver has
-        its channel state at once, and processes the messages when they arrive. A marker does
-        not pass another marker of its channel."""
+    def send_data(self, envelope: list) -> None:
         with self._cond:
-            if overtake:
-                envelope = self._overtake(envelope)
-            if envelope:
-                self._data.append(envelope)
+            queued = self.window.queue_data(envelope)
+            if queued:
                 self.queued += 1
-                self.queued_rows += rows_of(envelope)
+                self.queued_rows += rows_of(queued)
             self._cond.notify()
 
-    def _overtake(self, envelope: list) -> list:
-        """Move the unaligned markers of ``envelope`` to the control queue (under the lock)."""
-        if not any(type(m) is Marker and not m.aligned for _c, m in envelope):
-            return envelope
-        rest: list = []
-        for ch, msg in envelope:
-            if type(msg) is Marker and not msg.aligned:
-                before = [m for env in self._data for c, m in env if c == ch] + [m for c, m in rest if c == ch]
-                if not any(type(m) is Marker for m in before):
-                    self._control.append([(PRIORITY, (ch, replace(msg, overtook=len(before), carried=tuple(before))))])
-                    continue
-            rest.append((ch, msg))
-        return rest
-
-    def send_control(self, envelope: list) -> None:
+    def send_control(self, message: Any) -> None:
+        """Send a link message (``deploy.protocol.ON_LINKS``) ahead of the data waiting for credit."""
         with self._cond:
-            self._control.append(envelope)
+            self.window.queue_control(message)
             self._cond.notify()
 
-    def grant(self, n: int) -> None:
+    def on_credit(self, credit: Credit) -> None:
         with self._cond:
-            self.credit += n
+            self.window.on_credit(credit)
             self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify()
+
+    @property
+    def credit(self) -> int:
+        return self.window.credit
 
     @property
     def backlog(self) -> int:
@@ -246,20 +207,17 @@ class PeerLink:
     @property
     def stalled(self) -> bool:
         """Data waits for credit (read without the lock: a measurement, not a decision)."""
-        return self.credit <= 0 and bool(self._data)
+        return self.window.stalled
 
     def _run(self) -> None:
+        window, cond = self.window, self._cond
         while True:
-            with self._cond:
-                while not (self._control or (self._data and self.credit > 0) or self._closed):
-                    self._cond.wait()
-                if self._control:
-                    item, data = self._control.popleft(), False
-                elif self._data and self.credit > 0:
-                    item, data = self._data.popleft(), True
-                    self.credit -= 1
-                else:
-                    return
+            with cond:
+                while (out := window.next_envelope()) is None and not self._closed:
+                    cond.wait()
+            if out is None:  # closed, and nothing left that may leave
+                return
+            item, data = out
             try:
                 self.conn.send(to_wire(item) if data else item)
             except (BrokenPipeError, OSError):
@@ -294,13 +252,13 @@ class WorkerLoop:
         self.triggered = [t for t in self.tasks.values() if t.takes_triggers]
         self.channel_dst = {c.id: c.dst for c in plan.channels}
         self.outbox: dict[int, list] = {p: [] for p in peers}
-        self.links = {p: PeerLink(c) for p, c in peers.items()}
-        #: unaligned mode: markers overtake the data a link queues for credit (``PeerLink.send_data``)
-        self.overtake = pipeline.mode == "unaligned" and getattr(pipeline, "aligned_timeout", None) is None
-        #: data envelopes received per peer and not yet credited back
-        self.owed: dict[int, int] = {p: 0 for p in peers}
-        self.peer_pressure: set[int] = set()
-        self.pressured = False
+        #: unaligned mode: markers overtake the data a link queues for credit (``alignment.overtaking``)
+        overtake = pipeline.mode == "unaligned" and getattr(pipeline, "aligned_timeout", None) is None
+        self.links = {p: PeerLink(c, overtake=overtake) for p, c in peers.items()}
+        #: per peer, the data envelopes delivered and not yet credited back
+        self.receiving = {p: ReceiveWindow() for p in peers}
+        #: this worker's backpressure and its peers' (``flow.Pressure``)
+        self.pressure = Pressure()
         target = getattr(pipeline, "buffer_debloat_target", DEFAULT_TARGET)
         #: the backlog bound in rows, sized by time (None: debloating off, or no consuming task)
         self.debloat = Debloater(target, pipeline.batch_rows) if target and self.others else None
@@ -312,11 +270,6 @@ class WorkerLoop:
         self._first_budget = FIRST_CUT if overtaking else STEP_BUDGET
         self._step_seconds = CUT_SECONDS if overtaking else STEP_SECONDS
         self._meter_at = 0.0
-        self._rows_at = 0.0
-        #: the last count of the backlog's rows: (over the bound, under a quarter of it), and
-        #: whether the mailboxes alone are over it (then the senders wait for their credit)
-        self._rows_verdict = (False, True)
-        self._inbound_over = False
         self.writes: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = False
@@ -445,66 +398,22 @@ class WorkerLoop:
         self.control.send(Ready(self.index))
         inbound = list(self.peers.values())
         peer_of = {id(c): p for p, c in self.peers.items()}
-        batch = self.pipeline.batch_rows
         # output lingers, or an alignment may time out: step tasks at their deadlines
         lingering = self.pipeline.batch_linger > 0 or getattr(self.pipeline, "aligned_timeout", None) is not None
-        # output may wait for batch_linger: a live source may then wait for its records too
-        chunked = self.pipeline.batch_linger > 0
         config = getattr(self.pipeline, "heartbeat", None)
         beat = HeartbeatSender(config.interval if config is not None else DEFAULT_INTERVAL, time.monotonic())
-        times, clock = self.times, time.monotonic
         while not self.stopping:
-            # debloating: a consuming step does about STEP_SECONDS of work (whole messages, so
-            # the batches a function sees are unchanged), so triggers, markers and deliveries
-            # are not kept waiting behind a long step of a slow operator
-            meter = self.step_meter
-            budget = STEP_BUDGET if meter is None else \
-                meter.rows_in(self._step_seconds, STEP_BUDGET, self._first_budget)
-            now = clock()
-            times.round_end(now, self.blocked, self.pending)  # the last round: its steps and its wait
+            now = time.monotonic()
+            self.times.round_end(now, self.blocked, self.pending)  # the last round: its steps and its wait
             if beat.due(now):  # from the loop itself: a loop that stops turning goes silent
                 self.control.send(Heartbeat(self.index, self.sample(now)))
             did = self._control()
-            ready: list[Any] = wait(inbound, timeout=0) if inbound else []  # Connections: inbound holds no socket
-            for conn in ready:
-                did = True
-                try:
-                    while conn.poll():
-                        self._deliver(peer_of[id(conn)], conn.recv())
-                except (EOFError, OSError) as exc:
-                    # the peer exited (after a clean stop that is expected, after a crash the driver
-                    # sees the death on its own connection), or the link between two live workers
-                    # failed (reset, cut): the driver tells which and fails the job over
-                    inbound.remove(conn)
-                    self.control.send(LinkLost(self.index, peer_of[id(conn)], f"{type(exc).__name__}: {exc}"
-                                               if str(exc) else type(exc).__name__))
+            did = self._read_peers(inbound, peer_of) or did
             if self.die_at is not None and self.die_at[0] == "alignment" and any(t.held for t in self.others):
                 self._maybe_die("alignment")
-            now = time.monotonic()
-            for task in self.others:
-                # mailbox, NEOSS, triggers (loop heads), a restored loop log; or output whose linger is up
-                if task.has_input() or (lingering and (due := task.flush_deadline()) is not None and due <= now):
-                    began = self.step_began = clock()
-                    self._handle(task.step(began, budget))
-                    self.step_began = None
-                    times.worked(task.id, clock() - began)
-                    did = True
-            throttled = self.pressured or bool(self.peer_pressure)
-            for task in self.sources:
-                if task.triggers or not task.exhausted_reported:
-                    had_triggers = bool(task.triggers)
-                    before = task.records_in
-                    began = self.step_began = clock()
-                    self._handle(task.step(began, batch, read_source=not throttled))
-                    self.step_began = None
-                    times.worked(task.id, clock() - began)
-                    got = task.records_in - before
-                    self.records_in += got
-                    # with a linger, a live source's short read has caught up: wait below (a
-                    # message, the idle timeout or the linger) rather than read again at once the
-                    # few records due since; below capacity that took both cores for tiny reads
-                    caught_up = chunked and got < batch and task.reader is not None and task.reader.source.live
-                    did = did or (got > 0 and not caught_up) or had_triggers
+            did = self._step_consumers(lingering) or did
+            throttled = self.pressure.throttled
+            did = self._step_sources(throttled) or did
             self._flush()
             self._results()
             self._pressure()
@@ -512,24 +421,90 @@ class WorkerLoop:
             self.blocked = self._blocked(throttled)
             self.pending = frozenset(tid for tid, t in self.tasks.items()
                                      if t.has_input() or (t.reader is not None and t.reader.has_more()))
-            timeout = 0.002
-            if self.tracker is not None:
-                now = time.monotonic()
-                for msg in self.tracker.poll(now):
-                    self.control.send(TrackerReport(msg))
-                due = self.tracker.next_deadline(now)
-                if due is not None:
-                    timeout = max(0.0, min(timeout, due - now))
-            if lingering:  # wake for the earliest buffered output that must leave
-                now = time.monotonic()
-                for task in self.tasks.values():
-                    due = task.flush_deadline()
-                    if due is not None:
-                        timeout = max(0.0, min(timeout, due - now))
+            timeout = self._timeout(lingering)
             if not did:
                 wait(inbound + [self.control], timeout=timeout)
         for task in self.tasks.values():
             task.chain.close()
+
+    def _read_peers(self, inbound: list, peer_of: dict[int, int]) -> bool:
+        """Deliver every envelope the peers' connections hold now; drop a connection that ended."""
+        ready: list[Any] = wait(inbound, timeout=0) if inbound else []  # Connections: inbound holds no socket
+        for conn in ready:
+            try:
+                while conn.poll():
+                    self._deliver(peer_of[id(conn)], conn.recv())
+            except (EOFError, OSError) as exc:
+                # the peer exited (after a clean stop that is expected, after a crash the driver
+                # sees the death on its own connection), or the link between two live workers
+                # failed (reset, cut): the driver tells which and fails the job over
+                inbound.remove(conn)
+                self.control.send(LinkLost(self.index, peer_of[id(conn)], f"{type(exc).__name__}: {exc}"
+                                           if str(exc) else type(exc).__name__))
+        return bool(ready)
+
+    def _step_consumers(self, lingering: bool) -> bool:
+        """Step every consuming task with input, or whose lingering output is due."""
+        # debloating: a consuming step does about STEP_SECONDS of work (whole messages, so
+        # the batches a function sees are unchanged), so triggers, markers and deliveries
+        # are not kept waiting behind a long step of a slow operator
+        meter = self.step_meter
+        budget = STEP_BUDGET if meter is None else meter.rows_in(self._step_seconds, STEP_BUDGET, self._first_budget)
+        times, clock = self.times, time.monotonic
+        did = False
+        now = clock()
+        for task in self.others:
+            # mailbox, NEOSS, triggers (loop heads), a restored loop log; or output whose linger is up
+            if task.has_input() or (lingering and (due := task.flush_deadline()) is not None and due <= now):
+                began = self.step_began = clock()
+                self._handle(task.step(began, budget))
+                self.step_began = None
+                times.worked(task.id, clock() - began)
+                did = True
+        return did
+
+    def _step_sources(self, throttled: bool) -> bool:
+        """Step every source with triggers or input left; it reads only while not ``throttled``."""
+        batch = self.pipeline.batch_rows
+        # output may wait for batch_linger: a live source may then wait for its records too
+        chunked = self.pipeline.batch_linger > 0
+        times, clock = self.times, time.monotonic
+        did = False
+        for task in self.sources:
+            if task.triggers or not task.exhausted_reported:
+                had_triggers = bool(task.triggers)
+                before = task.records_in
+                began = self.step_began = clock()
+                self._handle(task.step(began, batch, read_source=not throttled))
+                self.step_began = None
+                times.worked(task.id, clock() - began)
+                got = task.records_in - before
+                self.records_in += got
+                # with a linger, a live source's short read has caught up: wait below (a
+                # message, the idle timeout or the linger) rather than read again at once the
+                # few records due since; below capacity that took both cores for tiny reads
+                caught_up = chunked and got < batch and task.reader is not None and task.reader.source.live
+                did = did or (got > 0 and not caught_up) or had_triggers
+        return did
+
+    def _timeout(self, lingering: bool) -> float:
+        """Seconds the loop may wait for a message: 2 ms, or less to the local tracker's next
+        flush (polling it now) or to the earliest lingering output."""
+        timeout = 0.002
+        if self.tracker is not None:
+            now = time.monotonic()
+            for msg in self.tracker.poll(now):
+                self.control.send(TrackerReport(msg))
+            due = self.tracker.next_deadline(now)
+            if due is not None:
+                timeout = max(0.0, min(timeout, due - now))
+        if lingering:  # wake for the earliest buffered output that must leave
+            now = time.monotonic()
+            for task in self.tasks.values():
+                due = task.flush_deadline()
+                if due is not None:
+                    timeout = max(0.0, min(timeout, due - now))
+        return timeout
 
     def _control(self) -> bool:
         did = False
@@ -562,21 +537,26 @@ class WorkerLoop:
         if msg.moment == "now":
             self._maybe_die("now")
 
-    def _deliver(self, peer: int, envelope: list) -> None:
-        if envelope and envelope[0][0] < 0:  # a control envelope
-            for ch, value in envelope:
-                if ch == PRESSURE:
-                    (self.peer_pressure.add if value else self.peer_pressure.discard)(peer)
-                elif ch == CREDIT:
-                    self.links[peer].grant(value)
-                elif ch == PRIORITY:  # a marker that overtook data at the sender
-                    channel, marker = value
-                    self.tasks[self.channel_dst[channel]].receive(channel, marker)
+    def _deliver(self, peer: int, envelope: Any) -> None:
+        if type(envelope) is not list:  # a control envelope
+            self._on_link(peer, envelope)
             return
-        self.owed[peer] += 1
+        self.receiving[peer].on_data()
         tasks, dst = self.tasks, self.channel_dst
         for ch, msg in envelope:
             tasks[dst[ch]].receive(ch, msg.batch() if type(msg) is ArrowFrame else msg)
+
+    def _on_link(self, peer: int, message: Any) -> None:
+        match message:
+            case Credit():
+                self.links[peer].on_credit(message)
+            case Backpressure():
+                self.pressure.on_signal(peer, message)
+            case PriorityMarker(channel=channel, marker=marker):  # it overtook data at the sender
+                self.tasks[self.channel_dst[channel]].receive(channel, marker)
+            case _:
+                raise ProtocolError("WorkerLoop", "running", type(message).__name__,
+                                    f"worker {peer} sent what is neither a data envelope nor a link message")
 
     def _handle(self, actions: list[Any]) -> None:
         for a in actions:
@@ -598,7 +578,7 @@ class WorkerLoop:
     def _flush(self) -> None:
         for peer, items in self.outbox.items():
             if items:
-                self.links[peer].send_data(items, self.overtake)
+                self.links[peer].send_data(items)
                 self.outbox[peer] = []
 
     def _results(self) -> None:
@@ -621,53 +601,38 @@ class WorkerLoop:
                          or not stalled.isdisjoint(self.out_peers[tid]))
 
     def _credit(self) -> None:
-        """Hand back credits (in halves of the window, so not one message per envelope),
-        unless this worker's mailboxes are long (in messages, or with debloating in rows):
-        then its senders wait. Only the mailboxes count: they always drain, so withheld credit
-        always comes back (held messages and queued output may wait for a peer's credit)."""
-        if self._inbound_over or sum(len(t.mailbox) for t in self.others) >= CREDIT_HOLD:
+        """Hand back the credit owed per link (``flow.ReceiveWindow``), unless this worker's
+        mailboxes are long (``flow.Pressure.withholds_credit``): then its senders wait."""
+        if self.pressure.withholds_credit(sum(len(t.mailbox) for t in self.others)):
             return
-        for peer, n in self.owed.items():
-            if n >= WINDOW // 2:
-                self.owed[peer] = 0
-                self.links[peer].send_control([(CREDIT, n)])
+        for peer, window in self.receiving.items():
+            credit = window.grant()
+            if credit is not None:
+                self.links[peer].send_control(credit)
 
     def _pressure(self) -> None:
-        backlog = sum(len(t.mailbox) + len(t.held) for t in self.others) + sum(
-            link.backlog for link in self.links.values())
+        others, links = self.others, self.links.values()
+        backlog = sum(len(t.mailbox) + len(t.held) for t in others) + sum(link.backlog for link in links)
         meter = self.step_meter
         if meter is not None and meter is not self.debloat:  # debloating off: only the step budget
             now = time.monotonic()
             if now - self._meter_at >= ROWS_EVERY:
                 self._meter_at = now
                 busy = self.times.busy
-                meter.observe(now, sum(t.records_in for t in self.others), sum(busy[t.id] for t in self.others))
-        over, under = backlog > HIGH_WATERMARK, backlog < LOW_WATERMARK
-        debloat = self.debloat
+                meter.observe(now, sum(t.records_in for t in others), sum(busy[t.id] for t in others))
+        pressure, debloat = self.pressure, self.debloat
         if debloat is not None and backlog:
             now = time.monotonic()
-            if now - self._rows_at >= ROWS_EVERY:  # counting rows walks the mailboxes: not every turn
-                self._rows_at = now
+            if pressure.count_rows(now, backlog):  # counting rows walks the mailboxes: not every turn
                 busy = self.times.busy
-                debloat.observe(now, sum(t.records_in for t in self.others), sum(busy[t.id] for t in self.others))
-                limit = debloat.limit()
-                inbound = sum(rows_of(t.mailbox) for t in self.others)
-                rows = inbound + sum(rows_of(t.held) for t in self.others) + sum(
-                    link.backlog_rows for link in self.links.values())
-                self._rows_verdict = (rows > limit, rows < limit // 4)
-                self._inbound_over = inbound > limit
-            rows_over, rows_under = self._rows_verdict
-            over, under = over or rows_over, under and rows_under
-        elif debloat is not None:
-            self._rows_verdict, self._inbound_over = (False, True), False
-        if not self.pressured and over:
-            self.pressured = True
-        elif self.pressured and under:
-            self.pressured = False
-        else:
-            return
-        for link in self.links.values():
-            link.send_control([(PRESSURE, self.pressured)])
+                debloat.observe(now, sum(t.records_in for t in others), sum(busy[t.id] for t in others))
+                inbound = sum(rows_of(t.mailbox) for t in others)
+                rows = inbound + sum(rows_of(t.held) for t in others) + sum(link.backlog_rows for link in links)
+                pressure.on_rows(now, inbound, rows, debloat.limit())
+        signal = pressure.on_backlog(backlog)
+        if signal is not None:
+            for link in links:
+                link.send_control(signal)
 
 
 def run_worker(index: int, pipeline, plan, storage, restored, attempt: str, control, peers: dict) -> bool:
