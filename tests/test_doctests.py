@@ -16,6 +16,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "epochstream"
 #: modules of epochstream whose docstrings hold ``>>>`` examples
 MODULES = (
+    "epochstream.alignment.overtaking",
     "epochstream.deploy.restart",
     "epochstream.deploy.spark",
     "epochstream.graph.cycles",
