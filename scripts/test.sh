@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
-# pyproject.toml configures both: ruff ([tool.ruff]: pyflakes, pycodestyle errors, isort, bugbear)
+# pyproject.toml configures both: ruff ([tool.ruff]: pyflakes, pycodestyle errors, isort, bugbear,
+# complexity and statement ceilings per function)
 # and mypy ([tool.mypy]: basic for the package, strict for the sans-IO core); any error fails the run
 "$PY" -m ruff check .
 "$PY" -m mypy src/epochstream
