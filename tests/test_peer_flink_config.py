@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kafka import _pyflink_row, flink_error  # noqa: E402
+from benchmarks.kafka.kafka import _pyflink_row  # noqa: E402
 from benchmarks.peers.flink_setup import (  # noqa: E402
     cluster_config,
     job_config,
@@ -17,7 +17,7 @@ from benchmarks.peers.flink_setup import (  # noqa: E402
     kafka_table_ddl,
     variant_label,
 )
-from benchmarks.peers.run_peers import PYFLINK_VARIANTS, _flags  # noqa: E402
+from benchmarks.peers.run_peers import PYFLINK_VARIANTS, _flags, flink_error  # noqa: E402
 
 
 def test_job_config_keeps_flink_defaults_unless_tuned(tmp_path):

@@ -1,4 +1,4 @@
-"""The rules by which ``benchmarks/sustainable_throughput.py`` calls a rate sustained (Figure 13b).
+"""The rules by which ``benchmarks/paper/sustainable_throughput.py`` calls a rate sustained (Figure 13b).
 
 Only the verdict on a run's row is tested here (no run: the benchmark's numbers are measured by the
 benchmark). The drain rule matters most: a simulated job ends when its last epoch commits, so a job
@@ -11,9 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import sustainable_throughput as st  # noqa: E402
+from benchmarks.paper import sustainable_throughput as st  # noqa: E402
 
 ARGS = argparse.Namespace(growth=1.5, read_rate=0.9, saturated=10.0, drain=1.2)
 

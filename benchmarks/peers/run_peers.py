@@ -134,6 +134,23 @@ def run_pyflink_variant(variant: str, *, records: int, keys: int = 1000, snapsho
                     workers=workers, timeout=timeout, **PYFLINK_VARIANTS[variant])
 
 
+def last_json(text: str) -> dict | None:
+    """The last JSON object line of a peer script's output (its result), None if it printed none."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def flink_error(text: str) -> str:
+    """The line that says why a PyFlink job failed: the innermost ``Caused by:`` of a Java trace, else
+    the last Python exception line, else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    caused = [ln for ln in lines if ln.startswith("Caused by:")]
+    if caused:
+        return caused[-1][len("Caused by:"):].strip()
+    errors = [ln for ln in lines if not ln.startswith(("at ", "File ", "...")) and ("Error" in ln or "Exception" in ln)]
+    return (errors or lines or ["no output"])[-1]
+
+
 def run_peer_args(system: str, args: List[str], timeout: float = 3600, script: str | None = None) -> Dict[str, Any]:
     """Run a peer script with raw CLI args; return its JSON line plus host-load info.
 
