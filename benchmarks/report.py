@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import RESULTS, percentile  # noqa: E402
 
@@ -159,10 +161,10 @@ def cols(*pairs: str) -> tuple[tuple[str, str], ...]:
     return tuple((p.split(":", 1)[0], p.split(":", 1)[-1]) for p in pairs)
 
 
-BP = "python benchmarks/backpressure.py"
-ST = "python benchmarks/state_scale.py"
-SBM = "python benchmarks/state_beyond_memory.py"
-SUS = "python3 benchmarks/sustainable_throughput.py"
+BP = "python benchmarks/epochs/backpressure.py"
+ST = "python benchmarks/state/state_scale.py"
+SBM = "python benchmarks/state/state_beyond_memory.py"
+SUS = "python3 benchmarks/paper/sustainable_throughput.py"
 R = "benchmarks/results"
 
 _bp_cols = cols("mode", "debloat:debloating", "k", "setting", "epochs", "p50:p50 s", "p99:p99 s",
@@ -194,7 +196,7 @@ _sbm_cols = cols("keys", "rocksdb_memory_mb:rocksdb_memory_mb", "rows_per_s:rows
 
 _ps_cols = cols("workload", "keys", "system", "variant", "rows_per_s:rows/s", "latency_kind:latency",
                 "latency_p50_ms:p50 ms", "latency_p99_ms:p99 ms", "cpu_busy_pct:machine busy %", "state_ok:state ok")
-_PS34 = ("python benchmarks/pyspark_stateful.py --keys 100,10000 --es-rows 8000000,10000000 --es-rates "
+_PS34 = ("python benchmarks/spark/pyspark_stateful.py --keys 100,10000 --es-rows 8000000,10000000 --es-rates "
          "x1.1,x1.0/x1.05 --es-rate-seconds 30 --batch-rows 65536 --batch-linger 0.05 --skip-batches 1 "
          "--spark-batches 2 --no-processor --no-real-time --name ")
 
@@ -216,7 +218,7 @@ _peer_throughput = label(then(lambda rows: [r for r in keep(rows, repeat="1") if
                                            and r["variant"] != "latency"], as_is()),
                          workload="keyed running count, 1,000 keys", latency="",
                          settings=lambda r: ", ".join(x for x in (r.get("variant"), r.get("settings")) if x))
-_TP29 = ("python benchmarks/throughput.py --records 1000000 --repeats 1 --peers pyflink-tuned,pyflink-thread,"
+_TP29 = ("python benchmarks/epochs/throughput.py --records 1000000 --repeats 1 --peers pyflink-tuned,pyflink-thread,"
          "flink-sql --pyflink-records 300000 --vector-records 0 --memory-seconds 0 --name ")
 
 _spikes_cols = cols("driver", "discipline", "mode", "save_ms:save ms", "steady_p50_ms:steady p50 ms",
@@ -224,7 +226,7 @@ _spikes_cols = cols("driver", "discipline", "mode", "save_ms:save ms", "steady_p
 _window_cols = cols("driver", "mode", "workers", "stragglers", "windows", "p50_ms:p50 ms", "p99_ms:p99 ms",
                     "floor_p50_ms:floor p50 ms", "floor_p99_ms:floor p99 ms",
                     "over_floor_p50_ms:over floor p50 ms", "over_floor_p99_ms:over floor p99 ms")
-_WL = "python benchmarks/window_latency.py --seconds 60 --no-baseline "
+_WL = "python benchmarks/paper/window_latency.py --seconds 60 --no-baseline "
 
 
 def _gc_pivot(rows: list[Row]) -> list[dict[str, object]]:
@@ -272,15 +274,15 @@ SECTIONS: tuple[Section, ...] = (
         "Throughput per mode",
         "How many records/s does a keyed running count reach on the local driver (2 workers), with and without "
         "epochs, on the row and the vectorised path, against a plain Python loop on one core?",
-        "throughput.py",
+        "epochs/throughput.py",
         cols("system", "variant", "records", "records_per_s:records/s", "p50_ms:latency p50 ms",
              "p99_ms:latency p99 ms", "workers_cpu_per_wall:cores used", "runs"),
-        (Source("throughput_rows.csv", "python benchmarks/throughput.py --records 1000000 --repeats 1 "
+        (Source("throughput_rows.csv", "python benchmarks/epochs/throughput.py --records 1000000 --repeats 1 "
                 "--vector-records 0 --memory-seconds 0 --name throughput_rows",
                 medians(("system", "variant"), {"records_per_s": "records_per_s", "p50_ms": "p50_ms",
                         "p99_ms": "p99_ms", "workers_cpu_per_wall": "workers_cpu_per_wall"}, ("records",)),
                 inferred=True),
-         Source("throughput_vectorised.csv", "python benchmarks/throughput.py --records 1000000 --repeats 2 "
+         Source("throughput_vectorised.csv", "python benchmarks/epochs/throughput.py --records 1000000 --repeats 2 "
                 "--vector-records 10000000 --memory-seconds 0 --baseline-src BASELINE/src --name throughput_vectorised",
                 then(lambda rows: keep(rows, variant="vectorised"),
                      medians(("system", "variant"), {"records_per_s": "records_per_s",
@@ -293,23 +295,23 @@ SECTIONS: tuple[Section, ...] = (
         "Epoch time and trigger-to-visible latency",
         "How long does an epoch take from its trigger until its output is committed (visible), and what do "
         "the source's batch size and linger trade for it?",
-        "batching.py, spark.py",
+        "epochs/batching.py, spark/spark.py",
         cols("setting", "rows_per_s:rows/s", "epochs", "p50:trigger -> commit p50 ms",
              "p99:trigger -> commit p99 ms", "rows_per_key_call:rows per key call", "runs"),
-        (Source("batching.csv", "python benchmarks/batching.py --rows 10000000 --interval 0.5",
+        (Source("batching.csv", "python benchmarks/epochs/batching.py --rows 10000000 --interval 0.5",
                 label(medians(("batch_rows", "batch_linger_ms"),
                               {"rows_per_s": "rows_per_s", "epochs": "periodic_epochs",
                                "p50": "trigger_to_commit_p50_ms", "p99": "trigger_to_commit_p99_ms",
                                "rows_per_key_call": "rows_per_key_call"}),
                       setting=lambda r: f"local driver, batch_rows {r['batch_rows']}, "
                                         f"linger {r['batch_linger_ms']} ms")),
-         Source("spark.csv", "python benchmarks/spark.py", _spark_epochs)),
+         Source("spark.csv", "python benchmarks/spark/spark.py", _spark_epochs)),
     ),
     Section(
         "Backpressure",
         "How long do epochs take when a downstream stage is k times slower than the source, per mode, with and "
         "without buffer debloating?",
-        "backpressure.py",
+        "epochs/backpressure.py",
         _bp_cols,
         (Source("backpressure_cut10ms.csv", f"{BP} --factors 0.5,2,10 --seconds 15 --name backpressure_cut10ms",
                 _bp("defaults")),
@@ -332,7 +334,7 @@ SECTIONS: tuple[Section, ...] = (
         "State size and scale",
         "What happens to throughput, epoch time and memory as the keyed state grows from 10K to 10M keys, on the "
         "heap and on RocksDB, against Spark's RocksDB state store?",
-        "state_scale.py",
+        "state/state_scale.py",
         _ss_cols,
         (Source("state_scale_s28_records_per_s.csv", f"{ST} --keys 10000,1000000 --rate 1000000 --seconds 3 "
                 "--backends files --name state_scale_s28_records_per_s", _ss, inferred=True),
@@ -353,7 +355,7 @@ SECTIONS: tuple[Section, ...] = (
         "State beyond memory (RocksDB)",
         "Does a job keep going with more keys than its workers' memory holds, and what does `rocksdb_memory_mb` "
         "do to each worker's memory?",
-        "state_beyond_memory.py",
+        "state/state_beyond_memory.py",
         _sbm_cols,
         tuple(Source(f"state_beyond_memory_{n}.csv", f"{SBM} --keys {k} --interval 5 --name state_beyond_memory_{n}",
                      inferred=True) for n, k in (("1m_after_s29", 1_000_000), ("5m_after_s29", 5_000_000),
@@ -370,30 +372,30 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "RocksDB memory",
         "Does RocksDB stay within `rocksdb_memory_mb` as one worker's share of keys grows (one DB in one process)?",
-        "rocksdb_memory.py",
+        "state/rocksdb_memory.py",
         cols("keys", "seconds", "rss_mb:RSS MB", "rss_growth_mb:RSS growth MB",
              "block_cache_usage_mb:block cache MB", "block_cache_pinned_usage_mb:pinned MB",
              "cur_size_all_mem_tables_mb:memtables MB", "total_sst_files_size_mb:SST MB"),
-        (Source("rocksdb_memory_s30_25m.csv", "python benchmarks/rocksdb_memory.py --keys 25000000 --memory-mb 64 "
-                "--name rocksdb_memory_s30_25m", inferred=True),),
+        (Source("rocksdb_memory_s30_25m.csv", "python benchmarks/state/rocksdb_memory.py --keys 25000000 "
+                "--memory-mb 64 --name rocksdb_memory_s30_25m", inferred=True),),
     ),
     Section(
         "RocksDB restore",
         "How long does a restore take when checkpoint files are opened as the DB, against re-inserting rows?",
-        "rocksdb_restore.py",
+        "state/rocksdb_restore.py",
         cols("kind", "keys", "restore_s:restore s (median)", "checkpoint_mib:checkpoint MiB",
              "next_capture_uploaded_bytes:next capture uploads, bytes", "runs"),
-        (Source("rocksdb_restore.csv", "python benchmarks/rocksdb_restore.py --keys 2000000",
+        (Source("rocksdb_restore.csv", "python benchmarks/state/rocksdb_restore.py --keys 2000000",
                 medians(("kind",), {"restore_s": "restore_s", "checkpoint_mib": "checkpoint_mib",
                                     "next_capture_uploaded_bytes": "next_capture_uploaded_bytes"}, ("keys",))),),
     ),
     Section(
         "Checkpoint backends",
         "How long do the local, S3 and Delta backends take to write, commit and restore 10 MB to 1 GB of state?",
-        "backends.py",
+        "state/backends.py",
         cols("backend", "state_mb:state MB", "snapshot", "runs:epochs", "mb:written MB (median)",
              "pre_commit_s:pre-commit s", "commit_s:commit s", "restore:restore s"),
-        (Source("backends.csv", "python benchmarks/backends.py",
+        (Source("backends.csv", "python benchmarks/state/backends.py",
                 lambda rows: [{**r, "mb": r["mb"] / 1e6, "restore": median(
                     x["restore_s"] for x in keep(rows, phase="restore", backend=str(r["backend"]),
                                                  state_mb=str(r["state_mb"]), snapshot=str(r["snapshot"])))}
@@ -405,13 +407,13 @@ SECTIONS: tuple[Section, ...] = (
         "PySpark wrappers against Spark",
         "How do `applyInPandasWithState` and `transformWithStateInPandas` jobs on epochstream compare with the same "
         "code on Spark Structured Streaming, in rows/s and latency?",
-        "pyspark_stateful.py, pyspark_keyed_count.py",
+        "spark/pyspark_stateful.py, spark/pyspark_keyed_count.py",
         _ps_cols,
         tuple(Source(f"pyspark_stateful_{n}.csv", _PS34 + f"pyspark_stateful_{n}") for n in ("s34", "s34b", "s34c",
                                                                                                  "s34d"))
         + (Source("pyspark_stateful.csv", table=then(lambda rows: [r for r in rows if r["workload"] != "keyed count"],
                                                      as_is())),
-           Source("pyspark_keyed_count.csv", "python benchmarks/pyspark_keyed_count.py",
+           Source("pyspark_keyed_count.csv", "python benchmarks/spark/pyspark_keyed_count.py",
                   as_is(workload="layout", variant="batch_size", latency_p50_ms="trigger_to_commit_p50_s",
                         latency_p99_ms="trigger_to_commit_p99_s"))),
         note="The s34 runs pace epochstream at Spark's measured rate (x1.0-x1.1) so latencies compare at equal load; "
@@ -421,12 +423,13 @@ SECTIONS: tuple[Section, ...] = (
         "Kafka pipeline",
         "Kafka -> keyed count -> Kafka exactly once: records/s and record latency (due -> visible at "
         "read_committed) against Spark Structured Streaming and PyFlink's KafkaSink.",
-        "kafka.py",
+        "kafka/kafka.py",
         _kafka_cols,
-        (Source("kafka_s34_100ms.csv", "python benchmarks/kafka.py --intervals 0.1 --name kafka_s34_100ms"),
-         Source("kafka_s33_all.csv", "python benchmarks/kafka.py --pyflink process,thread --name kafka_s33_all",
+        (Source("kafka_s34_100ms.csv", "python benchmarks/kafka/kafka.py --intervals 0.1 --name kafka_s34_100ms"),
+         Source("kafka_s33_all.csv", "python benchmarks/kafka/kafka.py --pyflink process,thread --name kafka_s33_all",
                 inferred=True),
-         Source("kafka_s29_rtm.csv", "python benchmarks/kafka.py --real-time --intervals 1.0 --name kafka_s29_rtm",
+         Source("kafka_s29_rtm.csv", "python benchmarks/kafka/kafka.py --real-time --intervals 1.0 "
+                "--name kafka_s29_rtm",
                 then(lambda rows: [r for r in rows if r["system"].startswith("spark-real-time")], as_is()),
                 inferred=True)),
         note="Latency load: 50% of each system's rate with start-up. Spark's Real-time Mode refuses the keyed "
@@ -437,11 +440,11 @@ SECTIONS: tuple[Section, ...] = (
         "The pipeline PySpark users run: JSON records from Kafka, parsed, PySpark's own pandas state functions "
         "unchanged, results back to Kafka. Rows/s, epoch time and end-to-end latency against Spark Structured "
         "Streaming running the same functions, the worst of the repeats.",
-        "kafka_json_pandas.py",
+        "kafka/kafka_json_pandas.py",
         cols("keys", "function", "system", "mode", "path", "guarantee", "runs", "rows_per_s:rows/s",
              "epoch_p99_ms:epoch p99 ms", "latency_rate:load/s", "p99_ms:e2e p99 ms",
              "same_load_rate:Spark's load/s", "same_load_p99_ms:e2e p99 ms at Spark's load", "check"),
-        tuple(Source(name, "python benchmarks/kafka_json_pandas.py",
+        tuple(Source(name, "python benchmarks/kafka/kafka_json_pandas.py",
                      worst_of(("keys", "function", "system", "mode", "path"), {"rows_per_s": "rows_per_s"},
                               {"epoch_p99_ms": "epoch_p99_ms", "p99_ms": "p99_ms",
                                "same_load_p99_ms": "same_load_p99_ms"},
@@ -459,11 +462,11 @@ SECTIONS: tuple[Section, ...] = (
         "Peers: Flink, PyFlink, Bytewax, Spark",
         "The same workloads on PyFlink (at Flink's defaults and tuned), Flink SQL, Bytewax and Spark, side by side "
         "with epochstream in the same run.",
-        "throughput.py, backpressure.py, kafka.py",
+        "epochs/throughput.py, epochs/backpressure.py, kafka/kafka.py",
         _peer_cols,
         (Source("throughput_s29.csv", _TP29 + "throughput_s29", _peer_throughput),
          Source("throughput_s29_r2.csv", _TP29 + "throughput_s29_r2", _peer_throughput),
-         Source("throughput_rows.csv", "python benchmarks/throughput.py --records 1000000 --repeats 1 "
+         Source("throughput_rows.csv", "python benchmarks/epochs/throughput.py --records 1000000 --repeats 1 "
                 "--vector-records 0 --memory-seconds 0 --name throughput_rows",
                 then(lambda rows: keep(rows, system="bytewax"), _peer_throughput), inferred=True),
          Source("backpressure_pyflink.csv", f"{BP} --rate 500 --batch-rows 16 --factors 0.5,10 --seconds 40 "
@@ -472,7 +475,7 @@ SECTIONS: tuple[Section, ...] = (
                       workload=lambda r: f"backpressure k = {fmt(r['k'])}, checkpoint end to end",
                       system=lambda r: "PyFlink 2.3" if str(r["mode"]).startswith("pyflink") else "epochstream",
                       settings=lambda r: r["mode"], latency=_latency("p50", "p99", "s"))),
-         Source("kafka_s31_pyflink.csv", "python benchmarks/kafka.py --quick --pyflink --name kafka_s31_pyflink",
+         Source("kafka_s31_pyflink.csv", "python benchmarks/kafka/kafka.py --quick --pyflink --name kafka_s31_pyflink",
                 label(as_is(), workload=lambda r: f"Kafka keyed count, {fmt(r['interval_s'])} s interval",
                       settings=lambda r: r.get("guarantee", ""), latency=_latency("p50_ms", "p99_ms", "ms")))),
         note="Bytewax 0.21 and PyFlink 2.3.0 run in their own venvs, made by `benchmarks/peers/run_peers.py`. "
@@ -482,42 +485,42 @@ SECTIONS: tuple[Section, ...] = (
         "Notification latency (Figure 10)",
         "How long after an epoch ends at the sources does each downstream task learn its bound, with markers "
         "(aligned) and with the trAcker, as the graph grows?",
-        "notification_latency.py",
+        "paper/notification_latency.py",
         cols("driver", "mode", "graph_size:N", "workers", "granularity", "samples", "p50_ms:p50 ms", "p99_ms:p99 ms",
              "max_ms:max ms"),
-        (Source("notification_latency.csv", "python benchmarks/notification_latency.py",
+        (Source("notification_latency.csv", "python benchmarks/paper/notification_latency.py",
                 label(as_is(), driver="simulator")),
-         Source("notification_latency_local.csv", "python benchmarks/notification_latency.py --deployment local",
+         Source("notification_latency_local.csv", "python benchmarks/paper/notification_latency.py --deployment local",
                 label(as_is(), driver="local"))),
         group="trAcker paper reproduction",
     ),
     Section(
         "Service traffic (Figure 10)",
         "How many control messages per epoch do markers and the trAcker send on RR-N?",
-        "traffic.py",
+        "paper/traffic.py",
         cols("mode", "graph_size:N", "workers", "granularity", "epochs", "service_messages:messages",
              "messages_per_epoch:per epoch", "service_bytes:bytes"),
-        (Source("traffic.csv", "python benchmarks/traffic.py"),),
+        (Source("traffic.csv", "python benchmarks/paper/traffic.py"),),
         group="trAcker paper reproduction",
     ),
     Section(
         "Cycles",
         "What does a loop cost each mode: the loop head's log in aligned mode, longer epochs in tracker mode?",
-        "cycles.py",
+        "paper/cycles.py",
         cols("mode", "rounds", "records_per_s:records/s", "passes_per_s:passes/s", "epochs", "epoch_p50_ms:p50 ms",
              "epoch_p99_ms:p99 ms", "log_records_max:log records max"),
-        (Source("cycles.csv", "python benchmarks/cycles.py --records 250000"),),
+        (Source("cycles.csv", "python benchmarks/paper/cycles.py --records 250000"),),
         group="trAcker paper reproduction",
     ),
     Section(
         "Distributed garbage collection (Figure 13c)",
         "How often does a per-key cache miss when the trAcker frees per-key substreams, against LRU caches?",
-        "distributed_gc.py",
+        "paper/distributed_gc.py",
         cols("record_cost_us:µs per record", "roots", "gc:GC misses", "gc_memory:GC memory mean / peak",
              "lru_gc_mean:LRU at GC's mean", "lru_100:LRU 100", "lru_1000:LRU 1,000", "lru_5000:LRU 5,000",
              "lru_ttl:LRU+TTL 0.1 s, 1,000", "floor:floor (every user once)"),
-        (Source("distributed_gc.csv", "python benchmarks/distributed_gc.py", _gc_pivot),
-         Source("distributed_gc_quick_popular.csv", "python benchmarks/distributed_gc.py --quick --roots popular",
+        (Source("distributed_gc.csv", "python benchmarks/paper/distributed_gc.py", _gc_pivot),
+         Source("distributed_gc_quick_popular.csv", "python benchmarks/paper/distributed_gc.py --quick --roots popular",
                 _gc_pivot)),
         note="Miss ratios (lower is better).",
         group="trAcker paper reproduction",
@@ -526,7 +529,7 @@ SECTIONS: tuple[Section, ...] = (
         "Sustainable throughput by granularity (Figure 13b)",
         "The highest rate each setting sustains on RR-30 (20 workers x 2 cores, simulator): no tracking, and the "
         "trAcker with one epoch per record.",
-        "sustainable_throughput.py",
+        "paper/sustainable_throughput.py",
         cols("setup", "rate:rate/s", "records_done:records", "read_ratio:read ratio", "growth",
              "drain_ratio:drain ratio", "p50_ms:p50 ms", "p99_ms:p99 ms", "sustained"),
         (Source("sustainable_throughput_s31.csv", f"{SUS} --merge {R}/sustainable_throughput_s31_none.csv,"
@@ -539,11 +542,11 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "Snapshot spikes (Figure 12)",
         "How much do record latencies rise while an epoch's snapshot is taken, with blocking and asynchronous saves?",
-        "snapshot_spikes.py",
+        "paper/snapshot_spikes.py",
         _spikes_cols,
-        (Source("snapshot_spikes_sim_s31.csv", "python benchmarks/snapshot_spikes.py --quick",
+        (Source("snapshot_spikes_sim_s31.csv", "python benchmarks/paper/snapshot_spikes.py --quick",
                 label(as_is(), driver="simulator"), inferred=True),
-         Source("snapshot_spikes_local.csv", "python benchmarks/snapshot_spikes.py --driver local --quick",
+         Source("snapshot_spikes_local.csv", "python benchmarks/paper/snapshot_spikes.py --driver local --quick",
                 then(lambda rows: keep(rows, repeat="median"), label(as_is(), driver="local")))),
         note="Spikes are minus the steady p50. The local rows are medians of 3 interleaved runs.",
         group="trAcker paper reproduction",
@@ -551,15 +554,15 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "Window latency with stragglers (Figure 13a)",
         "How late do NEXMark Q8 windows fire when workers pause, with markers and with the trAcker?",
-        "window_latency.py, window_latency_local.py",
+        "paper/window_latency.py, paper/window_latency_local.py",
         _window_cols,
-        (Source("window_latency.csv", "python benchmarks/window_latency.py",
+        (Source("window_latency.csv", "python benchmarks/paper/window_latency.py",
                 then(lambda rows: keep(rows, stragglers="off"), label(as_is(), driver="simulator"))),
          Source("window_latency_s31_w2_20.csv", _WL + "--workers 2,5,10,20 --name window_latency_s31_w2_20",
                 label(as_is(), driver="simulator")),
          Source("window_latency_s31_w30.csv", _WL + "--workers 30 --name window_latency_s31_w30",
                 label(as_is(), driver="simulator")),
-         Source("window_latency_local_s31.csv", "python benchmarks/window_latency_local.py --seconds 60 --name "
+         Source("window_latency_local_s31.csv", "python benchmarks/paper/window_latency_local.py --seconds 60 --name "
                 "window_latency_local_s31", label(as_is(), driver="local"))),
         note="Runs without stragglers last 5 virtual seconds, those with stragglers 60 s. The floor is how long a "
              "pause covering the window's end still lasted: no protocol fires earlier.",
@@ -568,34 +571,34 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "Failover and worker loss",
         "How long from a frozen or killed worker to a failover, and to the job committing again?",
-        "freeze_failover.py, worker_loss.py, spark.py",
+        "failures/freeze_failover.py, failures/worker_loss.py, spark/spark.py",
         cols("what", "setup", "events", "p50:p50 s", "max:max s"),
-        (Source("freeze_failover.csv", "python benchmarks/freeze_failover.py",
+        (Source("freeze_failover.csv", "python benchmarks/failures/freeze_failover.py",
                 lambda rows: _failover("SIGSTOP -> failover (heartbeat timeout 10 s)", "freeze_to_failover_s")(rows)
                 + _failover("failover -> recovered", "recovery_s")(rows)),
-         Source("worker_loss_spare_5kills.csv", "python benchmarks/worker_loss.py --setups spare --spares 2 --kills 5 "
-                "--gap 45 --out benchmarks/results/worker_loss_spare_5kills",
+         Source("worker_loss_spare_5kills.csv", "python benchmarks/failures/worker_loss.py --setups spare --spares 2 "
+                "--kills 5 --gap 45 --out benchmarks/results/worker_loss_spare_5kills",
                 _failover("Spark Worker killed -> next epoch", "kill_to_next_epoch_s", "setup")),
-         Source("worker_loss.csv", "python benchmarks/worker_loss.py --setups restarted --kills 3 --gap 45",
+         Source("worker_loss.csv", "python benchmarks/failures/worker_loss.py --setups restarted --kills 3 --gap 45",
                 then(lambda rows: keep(rows, setup="restarted"),
                      _failover("Spark Worker killed -> next epoch", "kill_to_next_epoch_s", "setup"))),
-         Source("spark.csv", "python benchmarks/spark.py",
+         Source("spark.csv", "python benchmarks/spark/spark.py",
                 then(lambda rows: keep(rows, kind="recovery"),
                      _failover("task Python worker SIGKILL -> all tasks restored", "seconds", "target")))),
     ),
     Section(
         "Out-of-order input",
         "What does event-time reordering cost a source reader, per disorder pattern?",
-        "out_of_order.py",
+        "epochs/out_of_order.py",
         cols("case", "records", "seconds", "records_per_second:records/s", "runs", "late"),
-        (Source("out_of_order.csv", "python benchmarks/out_of_order.py"),),
+        (Source("out_of_order.csv", "python benchmarks/epochs/out_of_order.py"),),
     ),
     Section(
         "JSON codec",
         "What do `from_json` decoding and `encode_json` cost per record?",
-        "json_codec.py",
+        "kafka/json_codec.py",
         cols("what", "way", "rows", "us_per_record:µs per record"),
-        (Source("json_codec.csv", "python benchmarks/json_codec.py"),),
+        (Source("json_codec.csv", "python benchmarks/kafka/json_codec.py"),),
     ),
 )
 
@@ -619,11 +622,28 @@ def result_date(path: Path) -> str:
     return out or f"not committed ({date.fromtimestamp(path.stat().st_mtime).isoformat()})"
 
 
+def current_command(command: str, file: str) -> str:
+    """``command`` as it is run now: each ``benchmarks/<script>.py`` at the script's path in its question's
+    folder, and ``--name`` the result file's name (a file renamed after its run keeps its old one)."""
+    def script(m: re.Match[str]) -> str:
+        if (ROOT / m.group(0)).exists():
+            return m.group(0)
+        moved = sorted(HERE.glob(f"*/{m.group(1)}.py"))
+        return moved[0].relative_to(ROOT).as_posix() if len(moved) == 1 else m.group(0)
+
+    def name(m: re.Match[str]) -> str:
+        stem = Path(file).stem
+        return m.group(0) if stem == m.group(2) or stem.startswith(m.group(2) + "_") else m.group(1) + stem
+
+    command = re.sub(r"benchmarks/([\w/]+?)\.py\b", script, command)
+    return re.sub(r"(--name[ =])(\S+)", name, command)
+
+
 def shown_command(recorded: str, source: Source) -> str:
     """The command of a row: the file's own line (run as ``python ...``), else the mapping's."""
     if recorded:
         cmd = recorded if recorded.split()[0].startswith(("python", "PYTHONPATH")) else f"python {recorded}"
-        return f"`{cmd}`"
+        return f"`{current_command(cmd, source.file)}`"
     return f"`{source.command}`" + (" (flags inferred)" if source.inferred else "")
 
 

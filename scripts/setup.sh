@@ -52,7 +52,7 @@ if [ "$(cat "$KSTAMP" 2>/dev/null)" != "$KWANT" ] || ! ls "$KJARS"/kafka_2.13-*.
 fi
 echo "kafka broker jars: $(ls "$KJARS"/*.jar | wc -l) in $KJARS"
 
-# Spark Structured Streaming's own Kafka connector: only the Spark peer of benchmarks/kafka.py uses it
+# Spark Structured Streaming's own Kafka connector: only the Spark peer of benchmarks/kafka/kafka.py uses it
 SKJARS=jars/kafka-spark/lib
 SKSTAMP="$SKJARS/.pom-sha256"
 SKWANT=$(sha256sum jars/kafka-spark/pom.xml | cut -d' ' -f1)

@@ -2,7 +2,7 @@
 classes: one ``org.apache.spark.deploy.master.Master`` and Workers of one core each
 (``org.apache.spark.deploy.worker.Worker``), started with ``bin/spark-class`` of pyspark.
 
-Used by ``test_spark_standalone.py`` and ``benchmarks/worker_loss.py``. ``kill_worker`` is a
+Used by ``test_spark_standalone.py`` and ``benchmarks/failures/worker_loss.py``. ``kill_worker`` is a
 lost machine: SIGKILL of the Worker JVM and, with it, of every executor JVM (and their Python
 workers) it started.
 """

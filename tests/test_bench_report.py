@@ -52,7 +52,7 @@ def test_a_files_own_command_line_wins_over_the_mapping(tmp_path):
     part = report.render(tmp_path).split("## JSON codec")[1].split("\n## ")[0]
     assert "| decode | from_json | 1,000 | 0.97 |" in part
     assert "(not committed" in part and "# command" not in part
-    assert "`python benchmarks/json_codec.py`" not in part  # the file's line (this test's command) is shown
+    assert "`python benchmarks/kafka/json_codec.py`" not in part  # the file's line (this test's command) is shown
 
 
 def test_per_epoch_leaves_out_each_runs_first_epoch():

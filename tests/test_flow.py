@@ -4,7 +4,7 @@
   the ``Pipeline`` and the CLI; slow: the local driver with a slow stage and a bound small
   enough that the sources are throttled and the senders kept waiting for credit most of the
   time, and workers SIGKILLed: the oracle finds every record exactly once. How much the bound
-  shortens epochs is a benchmark's question (``benchmarks/backpressure.py``);
+  shortens epochs is a benchmark's question (``benchmarks/epochs/backpressure.py``);
 * ``SendWindow`` / ``ReceiveWindow`` / ``Pressure`` driven event by event: control before
   data, credit bounds what leaves, credit comes back half a window at a time, hysteresis,
   peers' signals, the row verdict of debloating; a peer that breaks the window is a

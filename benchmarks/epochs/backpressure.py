@@ -27,7 +27,7 @@ Writes ``benchmarks/results/<name>.csv`` (one row per epoch) and ``<name>.png`` 
 against k per mode), and prints a summary: p50/p99 per (mode, debloat, k) and the p99 at the
 highest k over the unloaded p99 (targets: unaligned <= 2x; aligned with debloating <= 3x).
 
-    python benchmarks/backpressure.py [--quick] [--modes aligned,tracker] [--factors 0.5,1,2,5,10]
+    python benchmarks/epochs/backpressure.py [--quick] [--modes aligned,tracker] [--factors 0.5,1,2,5,10]
         [--debloat on,off] [--skew] [--kill] [--warmup-epochs 1]
 
 The summary and the plot leave out each run's first epoch (``--warmup-epochs``); the CSV has every epoch.

@@ -11,7 +11,7 @@ function (what a keyed pandas function sees). Committed counts are checked again
 Writes benchmarks/results/batching.csv and batching.png and prints a summary table. Not a
 test: nothing asserts timings.
 
-    python benchmarks/batching.py [--rows 4000000] [--batch-rows 1024,16384,65536] [--lingers 0,0.005,0.05,0.2]
+    python benchmarks/epochs/batching.py [--rows 4000000] [--batch-rows 1024,16384,65536] [--lingers 0,0.005,0.05,0.2]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ read, as a source task does, with no operator behind it (the source's own cost):
 Best of ``--repeat`` runs. Writes benchmarks/results/out_of_order.csv and .png and prints a
 table. Not a test; the machine is shared, so compare ratios within one run.
 
-    python benchmarks/out_of_order.py [--records N] [--repeat R]
+    python benchmarks/epochs/out_of_order.py [--records N] [--repeat R]
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ it in a dict; for the vectorised path the same Arrow batches counted per key wit
 Writes benchmarks/results/throughput.csv and throughput.png; prints a summary table.
 Not a test: nothing here asserts timings.
 
-    python benchmarks/throughput.py [--records 3000000] [--repeats 3] [--peers bytewax,pyflink]
+    python benchmarks/epochs/throughput.py [--records 3000000] [--repeats 3] [--peers bytewax,pyflink]
         [--vector-records 20000000] [--vector-rows 65536] [--memory-seconds 8] [--name throughput]
 
 Peers (``--peers``, run by benchmarks/peers/run_peers.py in their own venvs): ``bytewax``,

@@ -13,7 +13,7 @@ detection lag) and failover -> every worker ready again. Writes
 benchmarks/results/freeze_failover.csv (one row per freeze) and freeze_failover.png; prints
 p50 and max. Not a test: timings vary with the machine and its load.
 
-    python benchmarks/freeze_failover.py [--freezes 10] [--timeout 10] [--interval 1]
+    python benchmarks/failures/freeze_failover.py [--freezes 10] [--timeout 10] [--interval 1]
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ attempt ready (``recovery_seconds``), and kill -> the first epoch that attempt c
 Writes benchmarks/results/worker_loss.csv and worker_loss.png; prints p50 and max per set-up.
 Not a test: timings vary with the load.
 
-    python benchmarks/worker_loss.py [--kills 5] [--gap 25] [--setups restarted,spare] [--spares 1]
+    python benchmarks/failures/worker_loss.py [--kills 5] [--gap 25] [--setups restarted,spare] [--spares 1]
 """
 
 from __future__ import annotations

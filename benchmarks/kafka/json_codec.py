@@ -18,7 +18,7 @@ row and ``json.dumps`` per row (the rows given as dicts, and made with ``to_pyli
 Each figure is the best of ``--repeat`` runs (the machine is shared: the best run is the one
 least disturbed), per record. Writes benchmarks/results/json_codec.csv. Not a test.
 
-    python benchmarks/json_codec.py [--repeat 7]
+    python benchmarks/kafka/json_codec.py [--repeat 7]
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ rows of epochstream and Spark also say how busy the whole machine was while the 
 (``cpu_busy_pct``, ``cpu_steal_pct``, ``cpu_saturated_pct``: the share of its seconds with no CPU
 left, broker, load generator and reader included). Not a test.
 
-    flock /work/wt/bench.lock python benchmarks/kafka.py --intervals 0.1 --name kafka_s28_100ms
+    flock /work/wt/bench.lock python benchmarks/kafka/kafka.py --intervals 0.1 --name kafka_s28_100ms
 """
 
 from __future__ import annotations

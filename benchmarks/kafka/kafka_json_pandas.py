@@ -4,11 +4,11 @@ Workload: one KRaft broker (``epochstream.deploy.kafka_broker``), an input topic
 ``--records`` JSON records ``{"k": "k<i % KEYS>", "v": i, "ts": <ms>}`` (Kafka key = k), for each of
 ``--keys`` (default 1,000 and 100,000), produced once and read by every system in the same run. Each
 system parses the JSON, runs one of two user functions, written as Spark users write them and run
-unchanged on both sides (``--functions``; benchmarks/kafka_json_workload.py), and writes one JSON row
+unchanged on both sides (``--functions``; benchmarks/kafka/kafka_json_workload.py), and writes one JSON row
 ``{"k", "c", "ts"}`` per key per micro-batch (the key's running count and the newest ``ts`` of its rows in
 the batch) to an output topic of 2 partitions (``--delta``: to a Delta table instead):
 
-- ``apply``: ``applyInPandasWithState`` with ``count_ts`` of benchmarks/pyspark_stateful.py (the running
+- ``apply``: ``applyInPandasWithState`` with ``count_ts`` of benchmarks/spark/pyspark_stateful.py (the running
   count of ``count`` that also carries the newest ts);
 - ``transform``: ``transformWithStateInPandas`` with a ``StatefulProcessor`` holding a ValueState (the
   count) and a MapState (a histogram of ``v % 10``).
@@ -37,7 +37,7 @@ Systems:
 Figures per system, keys, function and mode/path (a CSV row each, per ``--repeats``):
 
 - ``rows_per_s``: input rows/s on the pre-produced topic with start-up left out the same way for every
-  system, as benchmarks/kafka.py does: epochstream's input of the epochs after the first that read any,
+  system, as benchmarks/kafka/kafka.py does: epochstream's input of the epochs after the first that read any,
   over the time from that epoch's commit to the last one's; Spark's rows of the micro-batches after the
   first, over the time from the end of the first to the end of the last (``maxOffsetsPerTrigger`` =
   records / 35, at least 10,000, or ``--spark-max-offsets``: >= 30 batches, each more than a second of
@@ -52,7 +52,7 @@ Figures per system, keys, function and mode/path (a CSV row each, per ``--repeat
   ``epochs_measured`` says how many (>= 30 wanted: a smaller count is noted). ``lat_epoch_p99_ms``: the
   same at the latency run's load.
 - ``p50_ms`` / ``p99_ms``: end-to-end latency at ``--load`` (50%) of each system's own steady rate: a
-  separate open-loop load generator process (benchmarks/kafka.py's) produces for ``--seconds`` once the job
+  separate open-loop load generator process (benchmarks/kafka/kafka.py's) produces for ``--seconds`` once the job
   runs, each record's ``ts`` the moment it was due; a reader process (kafka.py's) takes each output row
   when it first is visible at ``read_committed``: latency = then - ts, the first ``--warmup`` seconds
   left out. Each output row carries the newest input ts of its key in its micro-batch, so the latency is
@@ -89,9 +89,9 @@ With ``--repeats N`` every measurement runs N times and the summary quotes the w
 (lowest ratio, highest p99). ``--quick`` is a smoke run of a few minutes. Not a test: nothing asserts a
 timing.
 
-    PYTHONPATH=$PWD/src nice -n 5 python benchmarks/kafka_json_pandas.py --keys 1000 \\
+    PYTHONPATH=$PWD/src nice -n 5 python benchmarks/kafka/kafka_json_pandas.py --keys 1000 \\
         --functions apply --modes aligned --paths rows --name kafka_json_pandas_baseline
-    PYTHONPATH=$PWD/src python benchmarks/kafka_json_pandas.py --quick     # a smoke run, ~4 minutes
+    PYTHONPATH=$PWD/src python benchmarks/kafka/kafka_json_pandas.py --quick     # a smoke run, ~4 minutes
 """
 
 from __future__ import annotations

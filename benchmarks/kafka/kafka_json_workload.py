@@ -1,4 +1,4 @@
-"""The workload of benchmarks/kafka_json_pandas.py: its records, its two user functions as Spark users write
+"""The workload of benchmarks/kafka/kafka_json_pandas.py: its records, its two user functions as Spark users write
 them, and the checks of a run's output.
 
 A module of its own so that Spark's Python workers import the functions by name (the benchmark puts the
@@ -131,7 +131,7 @@ class Function:
                                            output_mode=output_mode.lower(), input_schema=SCHEMA, uid="state")
 
 
-#: ``--functions`` names: ``count_ts`` of benchmarks/pyspark_stateful.py (the keyed count that carries the
+#: ``--functions`` names: ``count_ts`` of benchmarks/spark/pyspark_stateful.py (the keyed count that carries the
 #: newest ts), ``CountHistogram`` and ``count_each`` (a row out per row in)
 FUNCTIONS = {
     "apply": Function("applyInPandasWithState", "k string, c long, ts double", count_ts),

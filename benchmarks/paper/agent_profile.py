@@ -8,8 +8,8 @@ touched between messages (inside the simulator the agent shares its process with
 caches are cold). Prints counts per record
 (messages, reports, promises) and the timings. A profile, not a benchmark: it writes no files.
 
-    python benchmarks/agent_profile.py [--rate 1000] [--records 60] [--flush-interval 0.0002] [--cold 2]
-    python benchmarks/agent_profile.py --calibrate [--flush-interval 0.0002]
+    python benchmarks/paper/agent_profile.py [--rate 1000] [--records 60] [--flush-interval 0.0002] [--cold 2]
+    python benchmarks/paper/agent_profile.py --calibrate [--flush-interval 0.0002]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ per-epoch log size. Writes benchmarks/results/cycles.csv (one row per run),
 cycles_epochs.csv (one row per completed epoch) and cycles.png; prints a summary table.
 Not a test: timings vary with the machine and its load.
 
-    python benchmarks/cycles.py [--records 40000] [--rounds 1 2 4 8 16] [--quick]
+    python benchmarks/paper/cycles.py [--records 40000] [--rounds 1 2 4 8 16] [--quick]
 """
 
 from __future__ import annotations

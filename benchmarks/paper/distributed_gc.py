@@ -36,7 +36,7 @@ A read is a miss when the user's subscriber set is not in memory. Reported: miss
 
 Writes benchmarks/results/distributed_gc.csv and .png and prints a summary table. Not a test.
 
-    python benchmarks/distributed_gc.py [--quick]
+    python benchmarks/paper/distributed_gc.py [--quick]
 """
 
 from __future__ import annotations

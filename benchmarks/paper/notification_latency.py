@@ -7,7 +7,7 @@ closes the epoch arrived), on the simulator's network model (exponential one-way
 mean ``--net-delay`` between workers, 10 us within a worker; FIFO per channel; a task is
 busy 5 us per message plus 2 us per record).
 
-Workload RR-N as in benchmarks/traffic.py, sweeping N (operators) and workers. Writes
+Workload RR-N as in benchmarks/paper/traffic.py, sweeping N (operators) and workers. Writes
 benchmarks/results/notification_latency.csv and .png; prints medians and p99. The issue's
 target: the tracker's median stays within 25% from N=10 to N=100 while alignment's grows.
 Not a test.
@@ -18,8 +18,8 @@ at ``--rate`` records/s per worker, run for ``--seconds`` with an epoch every 0.
 task's bound time is taken in the worker with the system-wide monotonic clock the driver
 uses for triggers. Writes notification_latency_local.csv and .png.
 
-    python benchmarks/notification_latency.py [--epochs 20] [--quick]
-    python benchmarks/notification_latency.py --deployment local [--seconds 4] [--rate 2000]
+    python benchmarks/paper/notification_latency.py [--epochs 20] [--quick]
+    python benchmarks/paper/notification_latency.py --deployment local [--seconds 4] [--rate 2000]
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ records go to a FileSink, so only committed epochs are counted.
 Writes benchmarks/results/snapshot_spikes.csv and .png (``snapshot_spikes_local.*`` with
 ``--driver local``) and prints the spikes. Not a test.
 
-    python benchmarks/snapshot_spikes.py [--quick] [--driver local]
+    python benchmarks/paper/snapshot_spikes.py [--quick] [--driver local]
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ calibration; the load average is in every row.
 Writes benchmarks/results/sustainable_throughput.csv (every run) and .png (median latency by
 input rate per setup) and prints the sustainable rates with their ratios. Not a test.
 
-    python benchmarks/sustainable_throughput.py [--quick] [--graph-size 30] [--workers 20] [--driver local]
+    python benchmarks/paper/sustainable_throughput.py [--quick] [--graph-size 30] [--workers 20] [--driver local]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Writes benchmarks/results/traffic.csv and traffic.png; prints a summary with the
 without aggregation >= 1.5x fewer; fitted exponent of messages vs workers ~2 for
 alignment, ~1 for the tracker). Not a test.
 
-    python benchmarks/traffic.py [--epochs 20] [--quick]
+    python benchmarks/paper/traffic.py [--epochs 20] [--quick]
 """
 
 from __future__ import annotations

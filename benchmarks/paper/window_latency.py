@@ -23,7 +23,7 @@ firing step's output leaves (``_out_at``). With stragglers (whole workers pause,
 paused after it. Every worker runs a window subtask, and a paused subtask cannot fire, so
 no protocol's latency is below the floor; what a protocol adds to it is its own.
 
-    python benchmarks/window_latency.py [--quick] [--workers 20,30 --seconds 60 --no-baseline --name NAME]
+    python benchmarks/paper/window_latency.py [--quick] [--workers 20,30 --seconds 60 --no-baseline --name NAME]
 """
 
 from __future__ import annotations

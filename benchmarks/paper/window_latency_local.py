@@ -18,7 +18,7 @@ long a pause that covered the window's end still lasted after it: a paused windo
 cannot fire, so no protocol does better. The first ``--warmup`` s of windows (worker start-up)
 are not counted. Writes benchmarks/results/<name>.csv and .png and prints p50/p99. Not a test.
 
-    python benchmarks/window_latency_local.py [--seconds 60] [--name window_latency_local]
+    python benchmarks/paper/window_latency_local.py [--seconds 60] [--name window_latency_local]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Keyed running count on Bytewax 0.21 -- peer baseline for benchmarks/throughput.py.
+"""Keyed running count on Bytewax 0.21 -- peer baseline for benchmarks/epochs/throughput.py.
 
 Workload (identical to pyflink_keyed_count.py, see README.md):
 records i = 0..N-1 -> (f"k{i % K}", 1); map (value * 1); key by key;

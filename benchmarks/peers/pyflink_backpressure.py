@@ -1,5 +1,5 @@
 """Epochs under backpressure on PyFlink: aligned against unaligned checkpoints, the shape of
-benchmarks/backpressure.py (issue 15's peer comparison).
+benchmarks/epochs/backpressure.py (issue 15's peer comparison).
 
 Workload: Flink's ``NumberSequenceSource`` paced to ``--rate`` records/s (a Python map chained
 to the source sleeps to keep the pace) -> key by ``i % 1000`` -> a keyed running count
@@ -80,7 +80,7 @@ class RunningCount(KeyedProcessFunction):
 
 class Slow(MapFunction):
     """``cost`` seconds per record, slept in slices of at least a millisecond (as in
-    benchmarks/backpressure.py)."""
+    benchmarks/epochs/backpressure.py)."""
 
     def __init__(self, cost: float) -> None:
         self.cost = cost

@@ -1,5 +1,5 @@
 """Kafka -> keyed running count -> Kafka on PyFlink, with ``KafkaSink`` exactly-once: the PyFlink row of
-benchmarks/kafka.py (which starts the broker, fills the topics, loads and reads them; this script only runs
+benchmarks/kafka/kafka.py (which starts the broker, fills the topics, loads and reads them; this script only runs
 the job). Run with the interpreter of benchmarks/.venv-pyflink (run_peers.ensure_venv).
 
 Job: Flink's Kafka source (the SQL connector's table source, ``key.format`` raw so the Kafka key is read,
@@ -84,7 +84,7 @@ def connector_jars() -> list[str]:
     lib = HERE.parents[1] / "jars" / "kafka-flink" / "lib"
     jars = sorted(lib.glob("*.jar"))
     if not jars:
-        raise SystemExit(f"no Flink Kafka connector jars in {lib} (benchmarks/kafka.py --pyflink fetches them)")
+        raise SystemExit(f"no Flink Kafka connector jars in {lib} (benchmarks/kafka/kafka.py --pyflink fetches them)")
     return [p.as_uri() for p in jars]
 
 

@@ -1,5 +1,5 @@
 """Kafka JSON -> per-key running count (and histogram) -> Kafka on PyFlink with ``KafkaSink`` exactly-once:
-the PyFlink row of benchmarks/kafka_json_pandas.py (which starts the broker, fills and loads the topics and
+the PyFlink row of benchmarks/kafka/kafka_json_pandas.py (which starts the broker, fills and loads the topics and
 reads the output; this script only runs the job). Run with the interpreter of benchmarks/.venv-pyflink.
 
 PyFlink cannot run PySpark's ``applyInPandasWithState`` function or ``StatefulProcessor``, so the same logic

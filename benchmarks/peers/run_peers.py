@@ -108,7 +108,7 @@ def _flags(kw: Dict[str, Any]) -> List[str]:
     return out
 
 
-# PyFlink at its defaults and at its best (flags of pyflink_keyed_count.py); benchmarks/throughput.py
+# PyFlink at its defaults and at its best (flags of pyflink_keyed_count.py); benchmarks/epochs/throughput.py
 # runs these as peers "pyflink" (default), "pyflink-tuned", "pyflink-thread" and "flink-sql".
 PYFLINK_TUNING: Dict[str, Any] = {"bundle_size": 100_000, "no_metrics": True, "unaligned": True}
 PYFLINK_VARIANTS: Dict[str, Dict[str, Any]] = {

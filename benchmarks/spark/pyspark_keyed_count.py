@@ -11,7 +11,7 @@ latency = trigger-to-commit seconds. The committed counts are checked against th
 Writes benchmarks/results/pyspark_keyed_count.csv and .png and prints a summary table. Not a
 test: nothing asserts timings.
 
-    python benchmarks/pyspark_keyed_count.py [--rows 2000000] [--keys 100,10000] [--batch-sizes 1024,65536]
+    python benchmarks/spark/pyspark_keyed_count.py [--rows 2000000] [--keys 100,10000] [--batch-sizes 1024,65536]
 """
 
 from __future__ import annotations

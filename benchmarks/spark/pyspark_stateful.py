@@ -57,7 +57,7 @@ p99 read while the machine had no CPU to spare is the machine's as much as the j
 epochstream keyed count (simulator: one process, the same operator code). Not a test: nothing
 asserts timings.
 
-    python benchmarks/pyspark_stateful.py [--quick] [--keys 100,10000] [--batch-size 65536]
+    python benchmarks/spark/pyspark_stateful.py [--quick] [--keys 100,10000] [--batch-size 65536]
         [--batch-rows N --batch-linger S] [--micro-batch epoch,batch] [--max-rows-per-trigger N]
         [--name pyspark_stateful] [--no-processor] [--no-real-time] [--profile]
 

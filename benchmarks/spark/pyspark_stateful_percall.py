@@ -6,7 +6,8 @@ after one warm-up. Prints the wall and thread-CPU time of a bound (min over the 
 user's ``count`` alone (its frame and GroupState made outside the timing). Not a test: nothing is asserted but the
 output row count. Run it with PYTHONPATH at the tree to measure (a baseline worktree too, alternating):
 
-    PYTHONPATH=src python benchmarks/pyspark_stateful_percall.py [KEYS=5000] [ROWS_PER_EPOCH=65536] [EPOCHS=4] [prof]
+    PYTHONPATH=src python benchmarks/spark/pyspark_stateful_percall.py [KEYS=5000] [ROWS_PER_EPOCH=65536] [EPOCHS=4]
+        [prof]
 
 ``prof`` adds a cProfile of the measured epochs. A second bound is timed with ``count_prebuilt``: ``count``
 yielding one frame made once instead of its own ``pd.DataFrame`` per call, so what it costs is the wrapper's

@@ -14,9 +14,10 @@ Three measurements, each printed as one line per case (not a test: nothing asser
 - ``percall``: one subtask fed Arrow batches, thread CPU per key of an epoch bound with ``count`` or the
   StatefulProcessor ``CountSumHistogram`` (a ValueState and a MapState).
 
-    PYTHONPATH=src python benchmarks/pyspark_stateful_rows.py convert [KEYS=1000] [ROWS=200000] [REPEATS=3]
-    PYTHONPATH=src python benchmarks/pyspark_stateful_rows.py job rows|arrow [KEYS=1000] [ROWS=2000000]
-    PYTHONPATH=src python benchmarks/pyspark_stateful_rows.py percall count|hist [KEYS=1000] [ROWS=200000] [EPOCHS=3]
+    PYTHONPATH=src python benchmarks/spark/pyspark_stateful_rows.py convert [KEYS=1000] [ROWS=200000] [REPEATS=3]
+    PYTHONPATH=src python benchmarks/spark/pyspark_stateful_rows.py job rows|arrow [KEYS=1000] [ROWS=2000000]
+    PYTHONPATH=src python benchmarks/spark/pyspark_stateful_rows.py percall count|hist [KEYS=1000] [ROWS=200000]
+        [EPOCHS=3]
 """
 
 from __future__ import annotations

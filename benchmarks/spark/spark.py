@@ -18,7 +18,7 @@ Trigger to commit: every completed epoch of the throughput runs (per driver).
 Writes benchmarks/results/spark.csv (one row per run or kill) and spark.png; prints a
 summary. Not a test: nothing here asserts timings.
 
-    python benchmarks/spark.py [--records 1200000] [--repeats 3] [--kills 10] [--master local[2,4]]
+    python benchmarks/spark/spark.py [--records 1200000] [--repeats 3] [--kills 10] [--master local[2,4]]
 """
 
 from __future__ import annotations

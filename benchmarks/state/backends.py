@@ -27,7 +27,7 @@ run; rewritten after every run, so an interrupted run keeps what it measured) an
 Each row carries the 1-minute load average when it was measured (``load1``): the machine is
 shared, so read the numbers with it. Not a test.
 
-    python benchmarks/backends.py [--sizes 10,100,1000] [--backends local,s3,delta,delta-s3] [--epochs 4]
+    python benchmarks/state/backends.py [--sizes 10,100,1000] [--backends local,s3,delta,delta-s3] [--epochs 4]
 
 The ``delta`` and ``delta-s3`` backends commit each epoch as the job master does (``commit``
 writes the manifest, then ``commit_epoch`` makes the Delta MERGE through delta-rs, so "commit"

@@ -14,7 +14,7 @@ process's RSS.
 Writes ``benchmarks/results/<name>.csv`` and ``<name>.png``, prints each sample and a summary.
 Not a test.
 
-    python benchmarks/rocksdb_memory.py [--keys 25000000] [--memory-mb 64] [--name rocksdb_memory]
+    python benchmarks/state/rocksdb_memory.py [--keys 25000000] [--memory-mb 64] [--name rocksdb_memory]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ job's own storage shares the restored files on; ``rows`` uploads everything).
 
 Writes ``benchmarks/results/<name>.csv`` and ``<name>.png``, prints a summary table. Not a test.
 
-    python benchmarks/rocksdb_restore.py [--keys 1000000] [--repeats 3] [--name rocksdb_restore]
+    python benchmarks/state/rocksdb_restore.py [--keys 1000000] [--repeats 3] [--name rocksdb_restore]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ groups read back from the final checkpoint, every key's count equal to ``--updat
 Writes ``benchmarks/results/<name>.csv`` (one row per run), ``<name>_rss.csv`` and ``<name>.png``
 (memory per worker over time), prints progress every 10 s and a summary. Not a test.
 
-    python benchmarks/state_beyond_memory.py [--keys 50000000] [--updates 1] [--interval 5]
+    python benchmarks/state/state_beyond_memory.py [--keys 50000000] [--updates 1] [--interval 5]
         [--rocksdb-memory-mb 64] [--name state_beyond_memory]
 """
 

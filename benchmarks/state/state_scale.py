@@ -42,8 +42,9 @@ records/s over the micro-batches after the first, micro-batch duration p50/p99 (
 state and offsets at a micro-batch's end), state rows checked against the keys, the JVM's peak
 RSS and checkpoint size. Written to ``<name>_spark.csv`` and printed under the table.
 
-    python benchmarks/state_scale.py [--keys 100000[,1000000]] [--rate 50000] [--seconds 40] [--backends files,delta]
-        [--state-backend-types hashmap,rocksdb] [--incremental-modes on,off] [--restore] [--spark] [--name state_scale]
+    python benchmarks/state/state_scale.py [--keys 100000[,1000000]] [--rate 50000] [--seconds 40]
+        [--backends files,delta] [--state-backend-types hashmap,rocksdb] [--incremental-modes on,off] [--restore]
+        [--spark] [--name state_scale]
 """
 
 from __future__ import annotations
