@@ -196,7 +196,7 @@ _sbm_cols = cols("keys", "rocksdb_memory_mb:rocksdb_memory_mb", "rows_per_s:rows
 
 _ps_cols = cols("workload", "keys", "system", "variant", "rows_per_s:rows/s", "latency_kind:latency",
                 "latency_p50_ms:p50 ms", "latency_p99_ms:p99 ms", "cpu_busy_pct:machine busy %", "state_ok:state ok")
-_PS34 = ("python benchmarks/spark/pyspark_stateful.py --keys 100,10000 --es-rows 8000000,10000000 --es-rates "
+_PACED = ("python benchmarks/spark/pyspark_stateful.py --keys 100,10000 --es-rows 8000000,10000000 --es-rates "
          "x1.1,x1.0/x1.05 --es-rate-seconds 30 --batch-rows 65536 --batch-linger 0.05 --skip-batches 1 "
          "--spark-batches 2 --no-processor --no-real-time --name ")
 
@@ -336,18 +336,18 @@ SECTIONS: tuple[Section, ...] = (
         "heap and on RocksDB, against Spark's RocksDB state store?",
         "state/state_scale.py",
         _ss_cols,
-        (Source("state_scale_s28_records_per_s.csv", f"{ST} --keys 10000,1000000 --rate 1000000 --seconds 3 "
-                "--backends files --name state_scale_s28_records_per_s", _ss, inferred=True),
-         Source("state_scale_s28_after_1m.csv", f"{ST} --keys 1000000 --rate 30000 --seconds 40 --interval 1 "
-                "--backends files,delta --name state_scale_s28_after_1m", _ss, inferred=True),
+        (Source("state_scale_records_per_s.csv", f"{ST} --keys 10000,1000000 --rate 1000000 --seconds 3 "
+                "--backends files --name state_scale_records_per_s", _ss, inferred=True),
+         Source("state_scale_1m_files_delta.csv", f"{ST} --keys 1000000 --rate 30000 --seconds 40 --interval 1 "
+                "--backends files,delta --name state_scale_1m_files_delta", _ss, inferred=True),
          Source("state_scale_1m_memory.csv", f"{ST} --keys 1000000 --rate 30000 --seconds 40 --interval 2 "
                 "--backends files --state-backend-types rocksdb,hashmap --incremental-modes on "
                 "--rocksdb-memory-mb 64 --name state_scale_1m_memory", _ss),
-         Source("state_scale_s29_spark.csv", f"{ST} --keys 10000,1000000 --rate 100000 --seconds 10 --backends files "
-                "--state-backend-types hashmap,rocksdb --restore --spark --name state_scale_s29_spark", _ss,
+         Source("state_scale_vs_spark.csv", f"{ST} --keys 10000,1000000 --rate 100000 --seconds 10 --backends files "
+                "--state-backend-types hashmap,rocksdb --restore --spark --name state_scale_vs_spark", _ss,
                 inferred=True),
-         Source("state_scale_s29_spark_spark.csv", f"{ST} --keys 10000,1000000 --rate 100000 --seconds 10 --backends "
-                "files --state-backend-types hashmap,rocksdb --restore --spark --name state_scale_s29_spark",
+         Source("state_scale_vs_spark_spark.csv", f"{ST} --keys 10000,1000000 --rate 100000 --seconds 10 --backends "
+                "files --state-backend-types hashmap,rocksdb --restore --spark --name state_scale_vs_spark",
                 _spark_state, inferred=True)),
         note="p50 / p99 of epoch trigger -> commit (Spark: of its micro-batches) over every epoch.",
     ),
@@ -358,15 +358,15 @@ SECTIONS: tuple[Section, ...] = (
         "state/state_beyond_memory.py",
         _sbm_cols,
         tuple(Source(f"state_beyond_memory_{n}.csv", f"{SBM} --keys {k} --interval 5 --name state_beyond_memory_{n}",
-                     inferred=True) for n, k in (("1m_after_s29", 1_000_000), ("5m_after_s29", 5_000_000),
-                                                  ("10m_after_s29", 10_000_000)))
-        + (Source("state_beyond_memory_50m_s30.csv", f"{SBM} --keys 50000000 --interval 5 --rocksdb-memory-mb 64 "
-                  "--name state_beyond_memory_50m_s30"),)
-        + tuple(Source(f"state_beyond_memory_s30_{n}.csv", f"{pre}{SBM} --keys {k} --interval 5 --rocksdb-memory-mb "
-                       f"{m} --name state_beyond_memory_s30_{n}", inferred=True)
-                for n, k, m, pre in (("k100000_m64", 100_000, 64, ""), ("k5000000_m16", 5_000_000, 16, ""),
-                                     ("k5m_m64", 5_000_000, 64, ""), ("k5000000_m256", 5_000_000, 256, ""),
-                                     ("k5m_m64_arena2", 5_000_000, 64, "MALLOC_ARENA_MAX=2 "))),
+                     inferred=True) for n, k in (("1m_batch_scope", 1_000_000), ("5m_batch_scope", 5_000_000),
+                                                  ("10m_batch_scope", 10_000_000)))
+        + (Source("state_beyond_memory_50m_m64.csv", f"{SBM} --keys 50000000 --interval 5 --rocksdb-memory-mb 64 "
+                  "--name state_beyond_memory_50m_m64"),)
+        + tuple(Source(f"state_beyond_memory_{n}.csv", f"{pre}{SBM} --keys {k} --interval 5 --rocksdb-memory-mb "
+                       f"{m} --name state_beyond_memory_{n}", inferred=True)
+                for n, k, m, pre in (("100k_m64", 100_000, 64, ""), ("5m_m16", 5_000_000, 16, ""),
+                                     ("5m_m64", 5_000_000, 64, ""), ("5m_m256", 5_000_000, 256, ""),
+                                     ("5m_m64_arena2", 5_000_000, 64, "MALLOC_ARENA_MAX=2 "))),
         note="Vectorised keyed count, one update per key, local driver p = 2; p50 / p99 of trigger -> manifest.",
     ),
     Section(
@@ -376,8 +376,8 @@ SECTIONS: tuple[Section, ...] = (
         cols("keys", "seconds", "rss_mb:RSS MB", "rss_growth_mb:RSS growth MB",
              "block_cache_usage_mb:block cache MB", "block_cache_pinned_usage_mb:pinned MB",
              "cur_size_all_mem_tables_mb:memtables MB", "total_sst_files_size_mb:SST MB"),
-        (Source("rocksdb_memory_s30_25m.csv", "python benchmarks/state/rocksdb_memory.py --keys 25000000 "
-                "--memory-mb 64 --name rocksdb_memory_s30_25m", inferred=True),),
+        (Source("rocksdb_memory_25m_m64.csv", "python benchmarks/state/rocksdb_memory.py --keys 25000000 "
+                "--memory-mb 64 --name rocksdb_memory_25m_m64", inferred=True),),
     ),
     Section(
         "RocksDB restore",
@@ -409,15 +409,15 @@ SECTIONS: tuple[Section, ...] = (
         "code on Spark Structured Streaming, in rows/s and latency?",
         "spark/pyspark_stateful.py, spark/pyspark_keyed_count.py",
         _ps_cols,
-        tuple(Source(f"pyspark_stateful_{n}.csv", _PS34 + f"pyspark_stateful_{n}") for n in ("s34", "s34b", "s34c",
-                                                                                                 "s34d"))
+        tuple(Source(f"pyspark_stateful_at_spark_rate_{n}.csv", _PACED + f"pyspark_stateful_at_spark_rate_{n}")
+              for n in range(1, 5))
         + (Source("pyspark_stateful.csv", table=then(lambda rows: [r for r in rows if r["workload"] != "keyed count"],
                                                      as_is())),
            Source("pyspark_keyed_count.csv", "python benchmarks/spark/pyspark_keyed_count.py",
                   as_is(workload="layout", variant="batch_size", latency_p50_ms="trigger_to_commit_p50_s",
                         latency_p99_ms="trigger_to_commit_p99_s"))),
-        note="The s34 runs pace epochstream at Spark's measured rate (x1.0-x1.1) so latencies compare at equal load; "
-             "four runs of the same command.",
+        note="The `at_spark_rate` runs pace epochstream at Spark's measured rate (x1.0-x1.1) so latencies compare "
+             "at equal load; four runs of the same command.",
     ),
     Section(
         "Kafka pipeline",
@@ -425,11 +425,12 @@ SECTIONS: tuple[Section, ...] = (
         "read_committed) against Spark Structured Streaming and PyFlink's KafkaSink.",
         "kafka/kafka.py",
         _kafka_cols,
-        (Source("kafka_s34_100ms.csv", "python benchmarks/kafka/kafka.py --intervals 0.1 --name kafka_s34_100ms"),
-         Source("kafka_s33_all.csv", "python benchmarks/kafka/kafka.py --pyflink process,thread --name kafka_s33_all",
+        (Source("kafka_count_100ms.csv", "python benchmarks/kafka/kafka.py --intervals 0.1 --name kafka_count_100ms"),
+         Source("kafka_count_all_systems.csv", "python benchmarks/kafka/kafka.py --pyflink process,thread "
+                "--name kafka_count_all_systems",
                 inferred=True),
-         Source("kafka_s29_rtm.csv", "python benchmarks/kafka/kafka.py --real-time --intervals 1.0 "
-                "--name kafka_s29_rtm",
+         Source("kafka_count_spark_real_time.csv", "python benchmarks/kafka/kafka.py --real-time --intervals 1.0 "
+                "--name kafka_count_spark_real_time",
                 then(lambda rows: [r for r in rows if r["system"].startswith("spark-real-time")], as_is()),
                 inferred=True)),
         note="Latency load: 50% of each system's rate with start-up. Spark's Real-time Mode refuses the keyed "
@@ -464,8 +465,8 @@ SECTIONS: tuple[Section, ...] = (
         "with epochstream in the same run.",
         "epochs/throughput.py, epochs/backpressure.py, kafka/kafka.py",
         _peer_cols,
-        (Source("throughput_s29.csv", _TP29 + "throughput_s29", _peer_throughput),
-         Source("throughput_s29_r2.csv", _TP29 + "throughput_s29_r2", _peer_throughput),
+        (Source("throughput_pyflink_peers.csv", _TP29 + "throughput_pyflink_peers", _peer_throughput),
+         Source("throughput_pyflink_peers_run2.csv", _TP29 + "throughput_pyflink_peers_run2", _peer_throughput),
          Source("throughput_rows.csv", "python benchmarks/epochs/throughput.py --records 1000000 --repeats 1 "
                 "--vector-records 0 --memory-seconds 0 --name throughput_rows",
                 then(lambda rows: keep(rows, system="bytewax"), _peer_throughput), inferred=True),
@@ -475,7 +476,8 @@ SECTIONS: tuple[Section, ...] = (
                       workload=lambda r: f"backpressure k = {fmt(r['k'])}, checkpoint end to end",
                       system=lambda r: "PyFlink 2.3" if str(r["mode"]).startswith("pyflink") else "epochstream",
                       settings=lambda r: r["mode"], latency=_latency("p50", "p99", "s"))),
-         Source("kafka_s31_pyflink.csv", "python benchmarks/kafka/kafka.py --quick --pyflink --name kafka_s31_pyflink",
+         Source("kafka_count_pyflink_quick.csv", "python benchmarks/kafka/kafka.py --quick --pyflink "
+                "--name kafka_count_pyflink_quick",
                 label(as_is(), workload=lambda r: f"Kafka keyed count, {fmt(r['interval_s'])} s interval",
                       settings=lambda r: r.get("guarantee", ""), latency=_latency("p50_ms", "p99_ms", "ms")))),
         note="Bytewax 0.21 and PyFlink 2.3.0 run in their own venvs, made by `benchmarks/peers/run_peers.py`. "
@@ -532,11 +534,11 @@ SECTIONS: tuple[Section, ...] = (
         "paper/sustainable_throughput.py",
         cols("setup", "rate:rate/s", "records_done:records", "read_ratio:read ratio", "growth",
              "drain_ratio:drain ratio", "p50_ms:p50 ms", "p99_ms:p99 ms", "sustained"),
-        (Source("sustainable_throughput_s31.csv", f"{SUS} --merge {R}/sustainable_throughput_s31_none.csv,"
-                f"{R}/sustainable_throughput_s31_t1.csv,{R}/sustainable_throughput_s31_t1_5ms_24k_long.csv,"
-                f"{R}/sustainable_throughput_s31_t1_5ms_32k.csv --name sustainable_throughput_s31"),),
+        (Source("sustainable_throughput.csv", f"{SUS} --merge {R}/sustainable_throughput_none.csv,"
+                f"{R}/sustainable_throughput_t1.csv,{R}/sustainable_throughput_t1_5ms_24k_long.csv,"
+                f"{R}/sustainable_throughput_t1_5ms_32k.csv --name sustainable_throughput"),),
         note="Merged from four runs (their commands are in docs/PAPER.md). Markers were last run with earlier "
-             "costs (`sustainable_throughput_s28.csv`).",
+             "costs (`sustainable_throughput_agent26us_unmerged.csv`).",
         group="trAcker paper reproduction",
     ),
     Section(
@@ -544,7 +546,7 @@ SECTIONS: tuple[Section, ...] = (
         "How much do record latencies rise while an epoch's snapshot is taken, with blocking and asynchronous saves?",
         "paper/snapshot_spikes.py",
         _spikes_cols,
-        (Source("snapshot_spikes_sim_s31.csv", "python benchmarks/paper/snapshot_spikes.py --quick",
+        (Source("snapshot_spikes_sim.csv", "python benchmarks/paper/snapshot_spikes.py --quick",
                 label(as_is(), driver="simulator"), inferred=True),
          Source("snapshot_spikes_local.csv", "python benchmarks/paper/snapshot_spikes.py --driver local --quick",
                 then(lambda rows: keep(rows, repeat="median"), label(as_is(), driver="local")))),
@@ -558,12 +560,13 @@ SECTIONS: tuple[Section, ...] = (
         _window_cols,
         (Source("window_latency.csv", "python benchmarks/paper/window_latency.py",
                 then(lambda rows: keep(rows, stragglers="off"), label(as_is(), driver="simulator"))),
-         Source("window_latency_s31_w2_20.csv", _WL + "--workers 2,5,10,20 --name window_latency_s31_w2_20",
+         Source("window_latency_stragglers_w2_20.csv", _WL + "--workers 2,5,10,20 "
+                "--name window_latency_stragglers_w2_20",
                 label(as_is(), driver="simulator")),
-         Source("window_latency_s31_w30.csv", _WL + "--workers 30 --name window_latency_s31_w30",
+         Source("window_latency_stragglers_w30.csv", _WL + "--workers 30 --name window_latency_stragglers_w30",
                 label(as_is(), driver="simulator")),
-         Source("window_latency_local_s31.csv", "python benchmarks/paper/window_latency_local.py --seconds 60 --name "
-                "window_latency_local_s31", label(as_is(), driver="local"))),
+         Source("window_latency_local_stragglers.csv", "python benchmarks/paper/window_latency_local.py --seconds 60 "
+                "--name window_latency_local_stragglers", label(as_is(), driver="local"))),
         note="Runs without stragglers last 5 virtual seconds, those with stragglers 60 s. The floor is how long a "
              "pause covering the window's end still lasted: no protocol fires earlier.",
         group="trAcker paper reproduction",

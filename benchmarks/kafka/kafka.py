@@ -43,7 +43,7 @@ rows of epochstream and Spark also say how busy the whole machine was while the 
 (``cpu_busy_pct``, ``cpu_steal_pct``, ``cpu_saturated_pct``: the share of its seconds with no CPU
 left, broker, load generator and reader included). Not a test.
 
-    flock /work/wt/bench.lock python benchmarks/kafka/kafka.py --intervals 0.1 --name kafka_s28_100ms
+    flock /work/wt/bench.lock python benchmarks/kafka/kafka.py --intervals 0.1 --name kafka_count_100ms
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def run_epochstream(cluster, mode: str, interval: float, n: int, load: float, se
     cluster.create_topic(out2, 2)
     # the latency load is a fraction of the rate WITH start-up: the steady rate over-reads a
     # saturated run (its first epoch commits late, so the span after it is short), and 50% of
-    # it was more than the job sustains beside the loader and reader (kafka_s28_100ms)
+    # it was more than the job sustains beside the loader and reader (kafka_count_100ms_2026-11-26)
     rate = max(100.0, load * rps_total)
     q = ctx.Queue()
     # the loader starts once the job completed its first epoch (its group has offsets): start-up
