@@ -276,8 +276,7 @@ def run_local(n_maps: int, workers: int, rate: float, seconds: float, mode: str,
     records/s for the whole job (snapshot_spikes' paced source); epochs every ``granularity / rate`` s.
     The epochs' side is, as on the simulator, an epoch's trigger to its bound at the last task; the
     median trigger-to-commit time is in the row too."""
-    from snapshot_spikes import StampedPaced
-
+    from benchmarks.paper.snapshot_spikes import StampedPaced
     from epochstream.deploy.local import LocalDriver
 
     t0 = time.perf_counter()
