@@ -59,3 +59,12 @@ def test_per_epoch_leaves_out_each_runs_first_epoch():
     rows = [{"mode": "aligned", "epoch": str(e), "t": str(t)} for e, t in ((1, 9.0), (2, 1.0), (3, 2.0))]
     (row,) = report.per_epoch(("mode",), "t")(rows)
     assert (row["epochs"], row["p50"], row["p99"]) == (2, 2.0, 2.0)
+
+
+def test_a_recorded_command_names_the_script_where_it_is_and_the_file_by_its_name():
+    cmd = report.current_command("python benchmarks/kafka.py --intervals 0.1 --name kafka_old", "kafka_count_100ms.csv")
+    assert cmd == "python benchmarks/kafka/kafka.py --intervals 0.1 --name kafka_count_100ms"
+    kept = "python benchmarks/state/state_scale.py --spark --name state_scale_vs_spark"
+    assert report.current_command(kept, "state_scale_vs_spark_spark.csv") == kept  # <name>_spark.csv is its file
+    same = "python benchmarks/report.py --check"
+    assert report.current_command(same, "x.csv") == same
