@@ -719,8 +719,9 @@ def render(results: Path = RESULTS) -> str:
     mapped = {src.file for s in SECTIONS for src in s.sources}
     others = [p for p in results.iterdir() if p.name not in mapped]
     lines += ["## Other result files", "",
-              f"`benchmarks/results/` holds {len(others)} more files: earlier runs that the docs cite, logs,",
-              "per-sample traces (`*_rss.csv`) and targets. `python benchmarks/report.py --unmapped` lists them.", ""]
+              f"`benchmarks/results/` holds {len(others)} more files: runs of setups no section shows, earlier runs",
+              "that the docs cite, PNGs, logs, per-sample traces (`*_rss.csv`) and targets.",
+              "`python benchmarks/report.py --unmapped` lists them.", ""]
     return "\n".join(lines)
 
 
