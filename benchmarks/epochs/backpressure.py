@@ -1,6 +1,6 @@
 """Epochs under backpressure: how long an epoch takes when a downstream stage is slower than the source.
 
-Workload (issue 15): a ``rate`` source at ``--rate`` rows/s -> ``key_by`` -> a keyed running
+Workload: a ``rate`` source at ``--rate`` rows/s -> ``key_by`` -> a keyed running
 count -> a *slow stage* -> a discarding sink, local driver, ``--parallelism`` workers, epochs
 every ``--interval`` seconds. The slow stage costs ``parallelism * k / rate`` seconds per
 record, so all its subtasks together take ``rate / k`` rows/s: ``k`` = 0.5 is an unloaded job

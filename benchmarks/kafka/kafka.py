@@ -37,7 +37,7 @@ Flink's Kafka source -> key_by -> running count in Python -> ``KafkaSink`` with
 (benchmarks/peers/pyflink_kafka_count.py). Its records/s: the bounded run's records over first record
 in the Python count -> job finished (final checkpoint and commit in); its latency load is a fraction
 of that steady rate, as Spark's; a job that fails keeps its cause in ``note``. Writes
-benchmarks/results/<--name>.csv and .png and prints a table with issue 20's targets
+benchmarks/results/<--name>.csv and .png and prints a table with the targets
 (records/s >= 1.5x Spark's at an equal or lower p99; p99 <= 2 x interval + 100 ms). The latency
 rows of epochstream and Spark also say how busy the whole machine was while the load ran
 (``cpu_busy_pct``, ``cpu_steal_pct``, ``cpu_saturated_pct``: the share of its seconds with no CPU
@@ -518,7 +518,7 @@ def _real_time_rows(cluster, interval: float, rate: float, args) -> list[dict]:
 
 
 def _summary(rows: list[dict]) -> None:
-    """The table, and issue 20's targets per epochstream row: records/s >= 1.5x Spark's at an
+    """The table, and the targets per epochstream row: records/s >= 1.5x Spark's at an
     equal or lower p99 (same interval), and p99 <= 2 x interval + 100 ms at the latency load."""
     print(f"\n{'system':28} {'interval':>8} {'records/s':>10} {'w/ start':>9} {'load/s':>8} {'p50 ms':>8} "
           f"{'p99 ms':>8} {'x Spark':>8} {'>=1.5x & p99<=Spark':>20} {'p99<=2i+100ms':>14} {'cpu busy/sat %':>14}")

@@ -191,7 +191,7 @@ def _fed_batches(p: Any, n: int, keys: int, base_ms: int) -> Any:
     return p.generate_batches(make, count=n, num_splits=2, uid="src", block_rows=65536)
 
 
-#: paths that feed the same records without Kafka (the issue's "fed Python dict records" and "Arrow-fed")
+#: paths that feed the same records without Kafka: Python dict records, and Arrow batches
 FED = {"dicts": _fed_dicts, "batches": _fed_batches}
 
 
@@ -881,7 +881,7 @@ def run_all(args) -> list[dict]:
 
 
 def target_ratio(keys: int, path: str) -> float:
-    """The issue's rows/s target against Spark: the pipeline >= 3x at 1,000 keys and >= 2x above, fed
+    """The rows/s target against Spark: the pipeline >= 3x at 1,000 keys and >= 2x above, fed
     Python dicts >= 1x, fed Arrow batches >= 3x."""
     if path == "dicts":
         return 1.0

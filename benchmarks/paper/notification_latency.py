@@ -8,7 +8,7 @@ mean ``--net-delay`` between workers, 10 us within a worker; FIFO per channel; a
 busy 5 us per message plus 2 us per record).
 
 Workload RR-N as in benchmarks/paper/traffic.py, sweeping N (operators) and workers. Writes
-benchmarks/results/notification_latency.csv and .png; prints medians and p99. The issue's
+benchmarks/results/notification_latency.csv and .png; prints medians and p99. The
 target: the tracker's median stays within 25% from N=10 to N=100 while alignment's grows.
 Not a test.
 

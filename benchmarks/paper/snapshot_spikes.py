@@ -20,7 +20,7 @@ blocking saves): the trAcker's spikes are 50-120 ms smaller than punctuations'. 
 simulator's defaults (5 us per step, 2 us per record), worker cores shared (``--cores``).
 
 ``--driver local`` runs the same on the local driver (``--modes aligned,tracker,unaligned`` adds
-unaligned snapshots, issue 22's "and unaligned"): real worker processes (``--workers``,
+unaligned snapshots): real worker processes (``--workers``,
 default 2 there), a paced source stamping each record with the host's monotonic clock, 1 s
 epochs of wall time, and the save delay injected into the storage layer
 (``LocalCheckpointStorage(save_delay=...)``: every state pre-commit sleeps that long in the

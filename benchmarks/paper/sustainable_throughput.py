@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="trAcker: stateless maps process later epochs at once (only the sink's chain waits for "
                          "NEOSS), as FlameStream's maps do")
     ap.add_argument("--no-merge-segments", action="store_true",
-                    help="trAcker with --pass-through: one segment per map, as before session 29 (default: "
+                    help="trAcker with --pass-through: one segment per map (default: "
                          "neighbouring pass-through chains are one segment, so a hop's RCV and SND fold)")
     ap.add_argument("--batched", action="store_true",
                     help="trAcker: FlameStream's batching, all three: --promise-timer --coalesce-neoss --pass-through")

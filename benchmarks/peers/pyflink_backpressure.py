@@ -1,5 +1,5 @@
 """Epochs under backpressure on PyFlink: aligned against unaligned checkpoints, the shape of
-benchmarks/epochs/backpressure.py (issue 15's peer comparison).
+benchmarks/epochs/backpressure.py (its ``--peers pyflink`` comparison).
 
 Workload: Flink's ``NumberSequenceSource`` paced to ``--rate`` records/s (a Python map chained
 to the source sleeps to keep the pace) -> key by ``i % 1000`` -> a keyed running count

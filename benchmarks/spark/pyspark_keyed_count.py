@@ -1,6 +1,6 @@
-"""Spark's own keyed count (issue 13) through ``apply_in_pandas_with_state``, rows against Arrow batches.
+"""Spark's own keyed count through ``apply_in_pandas_with_state``, rows against Arrow batches.
 
-The function is the issue's, unchanged. Local driver, parallelism 2, 1 s epochs, a
+The function is Spark's, unchanged. Local driver, parallelism 2, 1 s epochs, a
 DiscardingSink; the input is ``{"id": i, "k": i % keys}``, read either as dict rows
 (``generate``: the chain hands the wrapper rows, which it groups in Python) or as Arrow
 batches (``generate_batches``: the wrapper groups each batch with Arrow kernels). Every

@@ -2,7 +2,7 @@
 
 Three workloads, each run on both systems (``local[2]`` / parallelism 2, RocksDB state store):
 
-1. **Spark's own keyed count** (issue 13): ``count(key, pdfs, state)`` below, unchanged, through
+1. **Spark's own keyed count**: ``count(key, pdfs, state)`` below, unchanged, through
    ``applyInPandasWithState`` at each ``--keys`` count (100 and 10,000).
 
    - Spark: a ``rate-micro-batch`` source of ``--spark-rows-per-batch`` rows (key = value % K),
@@ -24,7 +24,7 @@ Three workloads, each run on both systems (``local[2]`` / parallelism 2, RocksDB
    - With ``--es-rates`` epochstream also runs paced: Spark's ``rate`` source (Arrow) at each given
      rows/s for ``--es-rate-seconds`` of input, so the epoch p99 is read at a load below capacity.
      A rate written ``x1.05`` is that multiple of Spark's rows/s at the same key count in the same
-     run (Spark then runs first for that key count): issue 13's target is the epoch p99 at >= 1.0x
+     run (Spark then runs first for that key count): the target is the epoch p99 at >= 1.0x
      Spark's rate, and Spark's own rate moves between runs with the machine.
    - With ``--batch-rows`` / ``--batch-linger`` the epochstream Pipeline gets the batching policy
      (``Pipeline(batch_rows=..., batch_linger=...)``) when its signature takes them; otherwise

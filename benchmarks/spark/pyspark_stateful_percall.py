@@ -1,7 +1,7 @@
 """The per-key cost of apply_in_pandas_with_state at many keys, in-process on one subtask.
 
 The operator with its keyed state (as a task builds it) is fed one Arrow batch of ROWS_PER_EPOCH rows over KEYS
-keys per epoch, then the epoch bound (``on_epoch_end``: one call of issue 13's ``count`` per key), for EPOCHS epochs
+keys per epoch, then the epoch bound (``on_epoch_end``: one call of Spark's keyed ``count`` per key), for EPOCHS epochs
 after one warm-up. Prints the wall and thread-CPU time of a bound (min over the epochs) and, as the floor, the
 user's ``count`` alone (its frame and GroupState made outside the timing). Not a test: nothing is asserted but the
 output row count. Run it with PYTHONPATH at the tree to measure (a baseline worktree too, alternating):
@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 from pyspark.sql.types import Row
-from pyspark_stateful import count  # issue 13's keyed count, as the end-to-end benchmark runs it
+from pyspark_stateful import count  # Spark's keyed count, as the end-to-end benchmark runs it
 
 from epochstream.pyspark.operators import ApplyInPandasWithState
 from epochstream.runtime.context import Context

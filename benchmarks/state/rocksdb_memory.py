@@ -1,6 +1,6 @@
 """Where one RocksDB keyed state's memory goes as its keys grow: RocksDB's own accounting beside RSS.
 
-Issue 21 asks that the LSM backend run 50M keys with memory per worker under its setting
+The target: the LSM backend runs 50M keys with memory per worker under its setting
 (``rocksdb_memory_mb``). ``state_beyond_memory.py`` measures a worker's RSS; this script says what
 part of it RocksDB holds. It opens one ``RocksDBKeyedState`` with the backend's own options (one
 LRU block cache of ``--memory-mb``, memtables charged to it, partitioned filters and indexes) in

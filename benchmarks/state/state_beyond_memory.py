@@ -1,6 +1,6 @@
 """State larger than memory: tens of millions of keys on the RocksDB keyed-state backend.
 
-Issue 21's target: the LSM backend runs 50M keys with RSS per worker under its setting and a
+The target: the LSM backend runs 50M keys with RSS per worker under its setting and a
 restore under 30 s. Workload: a vectorised source (``generate_batches``) of ``--keys * --updates``
 rows, row i with key ``i % keys`` (int64), ``key_by("k")``, a keyed batch function whose
 ValueState counts each key's rows (``throughput.BatchCount``), a discarding sink; local driver,

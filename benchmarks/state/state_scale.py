@@ -29,7 +29,7 @@ epoch, worker RSS over time); prints a summary table with p50/p99 per backend an
 Delta/files ratio of the p99. Each run is checked: the final committed state holds every
 key's exact count. Not a test.
 
-Several ``--keys`` (``10000,1000000``) run one after another; the summary then states issue 21's
+Several ``--keys`` (``10000,1000000``) run one after another; the summary then states the
 targets this run measured (``targets``: Delta/files p99 per key count, the heap's p99 against
 the interval, the heap's records/s at the largest key count against the smallest) and writes
 them to ``<name>_targets.csv``.
@@ -305,7 +305,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def targets(table: list[dict[str, Any]], interval: float, path: Path) -> list[dict[str, Any]]:
-    """Issue 21's targets that this run measured, as ratios within the run: Delta's p99 within
+    """The targets that this run measured, as ratios within the run: Delta's p99 within
     1.2x of the files backend's per key count; the heap's p99 <= 2x the interval; the heap's
     records/s at its largest key count >= 0.7x of its smallest. Printed and written as CSV."""
     by = {(r["backend"], r["keys"]): r for r in table}

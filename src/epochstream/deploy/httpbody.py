@@ -17,7 +17,7 @@ changes nothing:
   job can stop it or trigger its savepoints.
 
 pydantic was chosen over hand-written checks because the dashboard and metrics grow this
-server's surface (issue 16): one declared model per body, its errors naming the field.
+server's surface: one declared model per body, its errors naming the field.
 """
 
 from __future__ import annotations

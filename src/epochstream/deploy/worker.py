@@ -86,7 +86,7 @@ STEP_BUDGET = 4096  # records per task step
 STEP_SECONDS = 0.05
 #: unaligned mode: seconds of work a step aims at. Its tasks cut messages there, so this is
 #: how long an overtaking marker waits per hop (0.05 s gave epochs of 0.23 s at 10x
-#: backpressure, 0.01 s 0.06 s, at the same throughput: benchmarks/backpressure.py)
+#: backpressure, 0.01 s 0.06 s, at the same throughput: benchmarks/epochs/backpressure.py)
 CUT_SECONDS = 0.01
 #: unaligned mode, before the first measurement: rows a consuming step takes (it cuts messages
 #: there, so a marker waits for at most this much work even behind a very slow operator)

@@ -41,7 +41,7 @@ class EventClock:
         #: minimum of the channel watermarks once it last grew; only grows
         self.watermark = -1
         #: newest entries (label, now): a source promised the label, or the task fired timers
-        #: up to it (window latency = fire time - promise time; benchmarks/window_latency.py)
+        #: up to it (window latency = fire time - promise time; benchmarks/paper/window_latency.py)
         self.time_log: deque[tuple[int, float]] = deque(maxlen=TIME_LOG_LENGTH)
         #: channels whose watermark came from restored channel state (unaligned mode): the
         #: restored sender may announce that watermark again (it was sent before the cut, and

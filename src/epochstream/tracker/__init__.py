@@ -16,13 +16,12 @@ Data flow: task --snd/rcv--> LocalTracker --TrackerMessage (FIFO link)--> Tracki
 
 Which hops are tracked. Every batch that crosses a channel between two tasks is tracked,
 including channels between tasks of the same worker; operators chained inside one task
-are one process and need nothing. Skipping a same-worker channel (issue 3 allows "hops
-inside one worker may skip both") is unsafe when the receiving task runs later than the
-sender: the agent would see the sender's segment finished while the batch waits in the
-receiver's mailbox, bound the receiver's segment, and then the receiver's outputs (SND
-after that NEOSS) would reach a segment already bounded downstream. Tracking them is
-nearly free: a SND and RCV that fall between the same two flushes cancel in the fold and
-are dropped from the message.
+are one process and need nothing. Skipping a same-worker channel (both its SND and its
+RCV) is unsafe when the receiving task runs later than the sender: the agent would see
+the sender's segment finished while the batch waits in the receiver's mailbox, bound the
+receiver's segment, and then the receiver's outputs (SND after that NEOSS) would reach a
+segment already bounded downstream. Tracking them is nearly free: a SND and RCV that fall
+between the same two flushes cancel in the fold and are dropped from the message.
 """
 
 from .agent import TrackingAgent

@@ -1,9 +1,9 @@
 """Service-traffic accounting: how many control messages (and bytes) a mode costs.
 
-The paper's Figure 10 compares modes by the number of service messages; issue 3 asks for
-counts and bytes per kind, per epoch and per process. ``ServiceTraffic`` is a plain
-counter both modes can feed: the tracking agent records every ``TrackerMessage`` it
-receives and every NEOSS it sends; an aligned-mode driver records its markers.
+The paper's Figure 10 compares modes by the number of service messages; this module counts
+them and their bytes per kind, per epoch and per process. ``ServiceTraffic`` is a plain
+counter both modes can feed: the tracking agent records every ``TrackerMessage`` it receives
+and every NEOSS it sends; an aligned-mode driver records its markers.
 
 Kinds (choose one per message, so totals never double count):
 

@@ -1,7 +1,7 @@
 """An in-memory model of a Kafka cluster for the simulator (``deployment="sim"``).
 
 Theory of operation. The simulator runs a whole job in one thread on a virtual clock, so it
-cannot wait on a real broker; the issue allows it a model. ``KafkaModel`` keeps what the
+cannot wait on a real broker, so it runs against a model. ``KafkaModel`` keeps what the
 source and the sink rely on, and nothing else:
 
 - topics of partitions, each a log of entries at consecutive **offsets**; a transaction's
