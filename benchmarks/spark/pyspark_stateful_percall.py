@@ -20,17 +20,22 @@ import cProfile
 import pstats
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 from pyspark.sql.types import Row
-from pyspark_stateful import count  # Spark's keyed count, as the end-to-end benchmark runs it
 
 from epochstream.pyspark.operators import ApplyInPandasWithState
 from epochstream.runtime.context import Context
 from epochstream.runtime.state import HeapKeyedState, OperatorStateBackend
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.spark.pyspark_stateful import count  # noqa: E402  (Spark's keyed count, as the end-to-end benchmark runs it)
 
 _PREBUILT = pd.DataFrame({"k": [0], "c": [0]})
 

@@ -32,7 +32,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.streaming.state import GroupStateTimeout
-from pyspark_stateful import CountSumHistogram, ProbeSink, count, epoch_latencies, steady_rate
 
 from epochstream import CheckpointConfig, Pipeline
 from epochstream.backends.local import LocalCheckpointStorage
@@ -41,9 +40,17 @@ from epochstream.pyspark.operators import ApplyInPandasWithState, TransformWithS
 from epochstream.runtime.context import Context
 from epochstream.runtime.state import HeapKeyedState, OperatorStateBackend
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import percentile  # noqa: E402
+from benchmarks.spark.pyspark_stateful import (  # noqa: E402
+    CountSumHistogram,
+    ProbeSink,
+    count,
+    epoch_latencies,
+    steady_rate,
+)
 
 
 def _subtask(op):
