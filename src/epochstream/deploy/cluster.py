@@ -24,18 +24,14 @@ import time
 from multiprocessing.connection import wait
 from typing import Any, Iterator
 
-from ..runtime.meters import RunMeters
+from ..chaos.kills import Kill, KillTarget
 from ..snapshot.manifest import CheckpointError
 from ..tracker.traffic import ServiceTraffic
-from ..ui.app import Dashboard
-from ..ui.graph import job_graph
-from ..ui.model import dashboard, task_metrics
-from ..ui.offline import checkpoint_rows
-from . import jobs as _jobs
 from .attempt import AttemptController, CaptureFull
-from .control import JobControl, SavepointRequest
+from .control import SavepointRequest
 from .driver import Driver
 from .failures import Failover
+from .lease import Lease
 from .liveness import HeartbeatMonitor
 from .protocol import (
     Ack,
@@ -50,8 +46,7 @@ from .protocol import (
     TrackerReport,
     WorkerError,
 )
-from .rest import RestServer
-from .tracking import tracking_segments
+from .status import StatusPublisher
 
 log = logging.getLogger("epochstream")
 
@@ -65,9 +60,25 @@ class WorkerGroup:
     def check(self, stopped: dict[int, int], stop_sent: bool) -> None:
         """Raise ``Failover`` if a worker is gone in a way its connection does not show."""
 
-    def pid(self, worker: int, target: str) -> int:
+    def pid(self, worker: int, target: KillTarget) -> int:
         """The pid a chaos kill of ``worker`` hits: ``worker`` (its process) or ``executor``."""
         raise NotImplementedError
+
+    def kill(self, worker: int, target: KillTarget) -> None:
+        """Carry out a chaos kill of ``worker`` now: SIGKILL what ``target`` names (a freeze:
+        SIGSTOP of its process, alive but silent; a lost machine: its cluster daemon and the
+        executor at once). A process already gone is no error."""
+        try:
+            if target is KillTarget.FREEZE:  # a hung or cut-off host (liveness.py)
+                os.kill(self.pid(worker, KillTarget.WORKER), signal.SIGSTOP)
+            elif target is KillTarget.MACHINE:
+                daemon, executor = self.pid(worker, KillTarget.MACHINE), self.pid(worker, KillTarget.EXECUTOR)
+                os.kill(daemon, signal.SIGKILL)
+                os.kill(executor, signal.SIGKILL)
+            else:
+                os.kill(self.pid(worker, target), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def abort(self) -> None:
         """Failover: make every worker of the attempt go away."""
@@ -88,38 +99,27 @@ class ClusterDriver(Driver):
 
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  savepoint_dir: str | None = None, stop_with_savepoint: bool = False, rest: bool = True,
-                 rest_port: int = 0, on_start=None) -> None:
-        super().__init__(pipeline, storage, failures, parallelism, savepoint_dir, stop_with_savepoint)
-        #: serve the job's HTTP API (``deploy.rest``) on 127.0.0.1 and register it for the CLI
-        self.rest = rest
-        self.rest_port = rest_port
-        #: called with the job file's content once the HTTP API is up (the CLI prints it)
-        self.on_start = on_start
-        self.control = JobControl()
-        self.endpoint: str | None = None
-        self._published = 0.0
+                 rest_port: int = 0, on_start=None, *, job_id: str | None = None, lease: Lease | None = None,
+                 allow_sources_from_start: bool = False) -> None:
+        super().__init__(pipeline, storage, failures, parallelism, savepoint_dir, stop_with_savepoint,
+                         job_id=job_id, lease=lease, allow_sources_from_start=allow_sources_from_start)
+        #: the status document, the HTTP API (``rest``: served on 127.0.0.1 and registered for the CLI;
+        #: ``on_start``: called with the job file's content once it is up, the CLI prints it)
+        self.status = StatusPublisher(job_id=self.job_id, pipeline=pipeline, plan=self.plan, storage=storage,
+                                      deployment=self.deployment, savepoint_dir=self.savepoint_dir,
+                                      record=self.record, rest=rest, port=rest_port, on_start=on_start)
+        #: picks the victims of chaos kills
         self.rng = random.Random(seed)
-        self.recovery_seconds: list[float] = []
+        self.chaos = self.failures.chaos_plan(self.rng.randrange, self.MOMENT_TIMEOUT)
         #: (epoch, task, seconds from the epoch trigger to the task reaching its bound); the
         #: task's clock is the driver's only where both share a host's monotonic clock
         self.bound_latency: list[tuple[int, Any, float]] = []
         self.t0 = time.monotonic()
         self.deadline: float | None = None
-        #: chaos: a kill armed for the driver's next commit (victim, target)
-        self._commit_kill: tuple[int, str] | None = None
+        #: the running attempt's workers and controller
         self._group: WorkerGroup | None = None
-        #: the running attempt's controller
         self._controller: AttemptController | None = None
-        #: every chaos kill: time, worker, target, moment
-        self.kill_log: list[dict[str, Any]] = []
-        #: a kill waiting for its moment: (armed at, victim, target, moment)
-        self._armed: tuple[float, int, str, str] | None = None
-        self._attempt_killed = False
         self._liveness = HeartbeatMonitor(self.pipeline.heartbeat)
-        #: every task's counters from its worker's heartbeats (``runtime.meters``)
-        self.meters = RunMeters()
-        #: why the run failed (the REST status's ``error`` once it ended FAILED)
-        self.final_error: str | None = None
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -131,57 +131,20 @@ class ClusterDriver(Driver):
         self.t0 = time.monotonic()
         self.deadline = None if duration is None else self.t0 + duration
         restored = self.prepare(restore, allow_non_restored_state)  # refuse bad input before serving anything
-        server = None
-        self._publish("CREATED", force=True)
-        if self.rest:
-            server = RestServer(self.job_id, self.control, self._checkpoints_doc, self.savepoint_dir,
-                                self.rest_port, pages=self._dashboard().page).start()
-            self.endpoint = server.endpoint
-            _jobs.register({
-                "id": self.job_id, "name": self.pipeline.name, "endpoint": server.endpoint, "pid": os.getpid(),
-                "token": server.token,
-                "deployment": self.deployment, "checkpoint_dir": str(self.storage.root),
-                "savepoint_dir": self.savepoint_dir, "started_at": time.time(), "parallelism": self.plan.parallelism,
-            })
-            log.info("job %s (%s) serves its REST API at %s", self.pipeline.name, self.job_id, server.endpoint)
-            if self.on_start is not None:
-                self.on_start({"id": self.job_id, "name": self.pipeline.name, "endpoint": server.endpoint})
-        state = "FAILED"
+        status = self.status
         try:
+            status.start(self.clock())
             self.run_prepared(restored, duration)
-            state = "FINISHED"
         except BaseException as exc:
-            self.final_error = f"{type(exc).__name__}: {exc}"
+            status.error = f"{type(exc).__name__}: {exc}"
+            status.close("FAILED", self.clock())
             raise
-        finally:
-            self.control.fail_pending(f"the job is {state.lower()}")
-            self._publish(state, force=True)
-            if server is not None:
-                _jobs.unregister(self.job_id)
-                linger = time.monotonic() + 5.0  # let clients read the outcome of their last requests
-                while self.control.untold() and time.monotonic() < linger:
-                    time.sleep(0.02)
-                server.close()
+        status.close("FINISHED", self.clock())
 
-    # -- the HTTP API's side of the loop
     def _publish(self, state: str, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._published < 0.1:
-            return
-        self._published = now
-        self.control.publish(
-            jid=self.job_id, name=self.pipeline.name, state=state, mode=self.pipeline.mode,
-            deployment=self.deployment, parallelism=self.plan.parallelism,
-            **{"max-parallelism": self.plan.max_parallelism, "checkpoint-dir": str(self.storage.root),
-               "savepoint-dir": self.savepoint_dir, "completed-epochs": len(self.completed),
-               "latest-epoch": self.completed[-1] if self.completed else None, "records-in": self.records_in},
-            restarts=self.restarts, savepoints=list(self.savepoints_written), epochs=self.epoch_log[-200:],
-            **{"last-failover": self.failover_log[-1] if self.failover_log else None},
-            # the failover reasons, the same text as in the logs and JobResult (operator, subtask, key, record,
-            # source split and offset of a user-function failure)
-            failures=[{"time": f["time"], "reason": f["reason"].splitlines()[0]} for f in self.failover_log[-10:]],
-            duration=self.clock(), error=self.final_error, **self._progress(), **self._status_extra(),
-        )
+        self.status.publish(state, self.clock(), force=force,
+                            running=None if self._controller is None else self._controller.traffic,
+                            extra=self._status_extra())
 
     def collect(self, master) -> None:
         """As ``Driver.collect``; a completed epoch is stamped with the driver's clock (``time``,
@@ -190,7 +153,7 @@ class ClusterDriver(Driver):
         super().collect(master)
         if fresh:
             now = self.clock()
-            for entry in self.epoch_log[-fresh:]:
+            for entry in self.record.epoch_log[-fresh:]:
                 entry.setdefault("time", now)
 
     def _status_extra(self) -> dict[str, Any]:
@@ -201,53 +164,10 @@ class ClusterDriver(Driver):
         # RESTARTING with the failure just counted, until the next attempt runs (or the run ends)
         self._publish("RESTARTING", force=True)
 
-    def _progress(self) -> dict[str, Any]:
-        """What the dashboard, ``/metrics`` and the status line read beyond the summary (``ui``)."""
-        traffic = ServiceTraffic()
-        traffic.merge(self.traffic)
-        if self._controller is not None:
-            traffic.merge(self._controller.traffic)  # the running attempt's, merged into the run's at its end
-        return {
-            "records-committed": sum(e.get("records") or 0 for e in self.epoch_log),
-            "aborted-epochs": sum(1 for e in self.epoch_log if e.get("state") == "aborted"),
-            "failovers": self.failover_log[-50:], "recovery-seconds": self.recovery_seconds[-50:],
-            "kills": self.kill_log[-50:], "traffic": traffic.as_dict()["by_kind"],
-            "task-metrics": task_metrics(self.meters.as_dict()),
-        }
-
-    def _dashboard(self) -> Dashboard:
-        """The dashboard and ``/metrics`` of this job (``ui``), from the published status."""
-        graph = job_graph(self.plan, self.pipeline.mode, tracking_segments(self.plan, self.pipeline))
-        rows: dict[str, Any] = {"key": None, "rows": []}
-
-        def build() -> dict[str, Any]:
-            status = self.control.status()
-            key = (status.get("completed-epochs"), status.get("state"))
-            if key != rows["key"]:  # storage is read again only when an epoch completed
-                rows["key"], rows["rows"] = key, checkpoint_rows(self.storage)
-            return dashboard(status, graph, rows["rows"])
-
-        return Dashboard(build, cache_seconds=0.0)
-
-    def _checkpoints_doc(self) -> dict[str, Any]:
-        """GET /jobs/<id>/checkpoints: what storage holds (read on the REST thread, read-only)."""
-        rows = []
-        for epoch in self.storage.list_checkpoints():
-            try:
-                m, _root = self.storage.load_manifest(epoch)
-            except CheckpointError as exc:
-                rows.append({"epoch": epoch, "status": "damaged", "error": str(exc)})
-                continue
-            rows.append({"epoch": epoch, "status": "completed", "kind": m.get("kind"),
-                         "path": str(self.storage.checkpoint_dir(epoch)), "created_at": m.get("created_at"),
-                         "parallelism": m["parallelism"], "metrics": m.get("metrics", {})})
-        done = [r for r in rows if r["status"] == "completed"]
-        return {"counts": {"completed": len(done)}, "latest": done[-1] if done else None, "checkpoints": rows}
-
     def _commands(self) -> Iterator[SavepointRequest]:
         """REST requests, drained when the controller reads them; a stop is remembered across
         attempts (asked again after a failover until it completes)."""
-        for req in self.control.drain():
+        for req in self.status.control.drain():
             if req.stop:
                 self.stop_request = req
                 self.stop_asked = True
@@ -256,82 +176,44 @@ class ClusterDriver(Driver):
     def launch(self, restored, attempt: str) -> WorkerGroup:
         raise NotImplementedError
 
-    # -- chaos
+    # -- chaos (the plan says which kill is due: ``chaos.plan``; the worker group carries it out)
     def fail_point(self, name: str) -> None:
-        if name == "mid_commit" and self._commit_kill is not None and self._group is not None:
-            victim, target = self._commit_kill
-            self._commit_kill = None
-            self._kill(self._group, victim, target, None)
-            time.sleep(0.05)  # let the death land while the commit is still in progress
+        if name == "mid_commit" and self._group is not None:
+            kill = self.chaos.at_commit(self.clock())  # logged when it was armed, as it reads now
+            if kill is not None:
+                self._group.kill(kill.worker, kill.target)
+                time.sleep(0.05)  # let the death land while the commit is still in progress
         super().fail_point(name)
 
-    def _chaos(self, group: WorkerGroup, c: AttemptController, now: float) -> None:
-        """Inject the next scheduled kill: at most one per attempt, so every kill causes its
-        own failover. A kill waiting for a protocol moment that has not come within
-        ``MOMENT_TIMEOUT`` seconds is carried out at once (logged as ``<moment>/timeout``), and
-        so is one still waiting when the attempt asks for its final epoch (``<moment>/final``):
-        its moment may not come again (a final epoch need not hold any channel), and a kill
-        counted as injected must happen. A ``commit`` or ``sink_commit`` kill waits: the final
-        epoch commits too."""
-        armed = self._armed
-        if armed is not None:
-            final = c.final_requested and not c.master.finished and armed[3] not in ("commit", "sink_commit")
-            if final or now - armed[0] >= self.MOMENT_TIMEOUT:
-                self._commit_kill = None
-                self.kill_log[-1]["moment"] += "/final" if final else "/timeout"
-                self._kill(group, armed[1], armed[2], None)
-            return
-        times = self.failures.kill_times
-        if self._attempt_killed or self.kills_done >= len(times) or now - self.t0 < times[self.kills_done]:
-            return
-        i = self.kills_done
-        self.kills_done += 1
-        self.injected += 1
-        self._attempt_killed = True
-        moments, targets = self.failures.kill_moments, self.failures.kill_targets
-        moment = moments[i] if i < len(moments) else "now"
-        target = targets[i] if i < len(targets) else "worker"
-        victim = self.rng.randrange(len(group.conns))
-        if moment == "now" or target in ("freeze", "machine"):  # kills the driver does itself, now
-            moment = "now"
-            self._kill(group, victim, target, moment)
-            return
-        self._armed = (now, victim, target, moment)
-        self.kill_log.append({"time": self.clock(), "worker": victim, "target": target, "moment": moment})
-        if moment == "commit":
-            self._commit_kill = (victim, target)
-        else:  # the worker kills at the moment itself
-            self._send(group.conns, victim, Die(moment, group.pid(victim, target)))
-
-    def _kill(self, group: WorkerGroup, victim: int, target: str, moment: str | None) -> None:
-        """SIGKILL now; ``moment`` None: the kill was logged when it was armed."""
-        self._armed = None
-        if moment is not None:
-            self.kill_log.append({"time": self.clock(), "worker": victim, "target": target, "moment": moment})
-        try:
-            if target == "freeze":  # alive but silent: a hung or cut-off host (liveness.py)
-                os.kill(group.pid(victim, "worker"), signal.SIGSTOP)
-            elif target == "machine":  # a lost machine: its cluster daemon and the executor at once
-                daemon, executor = group.pid(victim, "machine"), group.pid(victim, "executor")
-                os.kill(daemon, signal.SIGKILL)
-                os.kill(executor, signal.SIGKILL)
+    def _chaos(self, group: WorkerGroup, c: AttemptController) -> None:
+        """Carry out the kills the plan says are due now (``chaos.plan.ChaosPlan.step``), and
+        log them: an armed kill when it is armed, its entry then saying how it came
+        (``<moment>/timeout``, ``<moment>/final``) once the driver kills it itself."""
+        final = c.final_requested and not c.master.finished
+        kills = self.record.kills
+        for action in self.chaos.step(self.clock(), workers=len(group.conns), final=final):
+            if isinstance(action, Kill) and action.armed:
+                kills[-1]["moment"] = action.moment
             else:
-                os.kill(group.pid(victim, target), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+                self.record.injected += 1
+                kills.append({"time": action.at, "worker": action.worker, "target": action.target.value,
+                              "moment": str(action.moment)})
+            if isinstance(action, Kill):
+                group.kill(action.worker, action.target)
+            elif action.moment.in_worker:  # the worker kills at the moment itself
+                die = Die(action.moment.value, group.pid(action.worker, action.target))
+                self._send(group.conns, action.worker, die)
 
     # -- one attempt
     def attempt(self, restored, attempt: str, duration: float | None) -> None:
         group = self.launch(restored, attempt)
         self._group = group
-        self._attempt_killed = False
-        self._armed = None
-        self._commit_kill = None
+        self.chaos.new_attempt()
         traffic = ServiceTraffic()
         c = self._controller = self.new_attempt(restored, attempt, time.monotonic(), self.deployment, traffic,
                                                 workers=len(group.conns), stop_at=self.deadline)
         self._liveness = HeartbeatMonitor(self.pipeline.heartbeat)
-        self.meters.new_attempt()  # the last attempt's counts stay in the run's totals
+        self.record.meters.new_attempt()  # the last attempt's counts stay in the run's totals
         launched = time.monotonic()
         for w in range(len(group.conns)):
             self._liveness.launched(w, launched)
@@ -345,13 +227,13 @@ class ClusterDriver(Driver):
             while True:
                 now = time.monotonic()
                 if c.all_ready or not self.KILL_AFTER_READY:
-                    self._chaos(group, c, now)
+                    self._chaos(group, c)
                 if c.done:
                     break
                 self._step(group, c, on, now)
         except BaseException:
             self._controller = None  # its traffic is the run's from here on (the status must not count it twice)
-            self.traffic.merge(traffic)  # a failed attempt's service messages were sent all the same
+            self.record.traffic.merge(traffic)  # a failed attempt's service messages were sent all the same
             c.fail(time.monotonic())
             self.collect(c.master)
             self._group = None
@@ -362,8 +244,8 @@ class ClusterDriver(Driver):
         self._group = None
         self.collect(c.master)
         self._controller = None
-        self.traffic.merge(traffic)
-        self.records_in += c.records_in
+        self.record.traffic.merge(traffic)
+        self.record.records_in += c.records_in
         group.finish()
 
     def _step(self, group: WorkerGroup, c: AttemptController, on: dict, now: float) -> None:
@@ -421,18 +303,18 @@ class ClusterDriver(Driver):
 
     # -- worker -> driver messages the driver handles itself (the rest go to the controller)
     def _on_heartbeat(self, msg: Heartbeat, now: float) -> list[Any]:
-        self.meters.sample(msg.worker, msg.meters)
+        self.record.meters.sample(msg.worker, msg.meters)
         self._liveness.busy(msg.worker, now, msg.busy_for)
         return []
 
     def _on_stopped(self, c: AttemptController, msg: Stopped, now: float) -> list[Any]:
-        self.meters.sample(msg.worker, msg.meters)  # the final counts, exact at the job's end
+        self.record.meters.sample(msg.worker, msg.meters)  # the final counts, exact at the job's end
         return c.on_stopped(msg, now)
 
     def _on_ready(self, c: AttemptController, msg: Ready, now: float) -> list[Any]:
         out = c.on_ready(msg, now)
         if c.all_ready and self.last_failure is not None:
-            self.recovery_seconds.append(self.clock() - self.last_failure)
+            self.record.recovery_seconds.append(self.clock() - self.last_failure)
         return out
 
     def _on_ack(self, c: AttemptController, msg: Ack, now: float) -> list[Any]:

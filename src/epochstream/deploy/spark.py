@@ -45,9 +45,11 @@ from typing import Any
 import cloudpickle
 
 from ..backends.spark_session import delta_conf, uses_delta
+from ..chaos.kills import KillTarget
 from ..runtime.errors import ConfigurationError
 from .cluster import ClusterDriver, WorkerGroup
 from .failures import Failover
+from .lease import Lease
 from .net import MeshRoute, Server, connect, mesh
 from .protocol import Hello, WorkerError
 from .slots import SlotWait, spark_slot_message
@@ -279,17 +281,17 @@ class SparkGroup(WorkerGroup):
             raise Failover(f"spark job failed: {self.job.error}")
         self.driver.warm_spares()
 
-    def pid(self, worker: int, target: str) -> int:
+    def pid(self, worker: int, target: KillTarget) -> int:
         py, jvm = self.pids[worker]
-        if target == "worker":
+        if target is KillTarget.WORKER:
             return py
-        if target in ("executor", "machine"):
+        if target in (KillTarget.EXECUTOR, KillTarget.MACHINE):
             if self.driver.local_mode or jvm is None:
                 raise ConfigurationError(
-                    f"cannot kill the {target} of worker {worker} on master {self.driver.spark_master!r}: "
+                    f"cannot kill the {target.value} of worker {worker} on master {self.driver.spark_master!r}: "
                     f"in local mode the executor is the driver's own JVM; use local-cluster[W,C,M] or a standalone "
                     f"cluster to kill executors")
-            if target == "executor":
+            if target is KillTarget.EXECUTOR:
                 return jvm
             if self.driver.spark_master.startswith("local-cluster"):  # its Workers are threads of the driver's JVM
                 raise ConfigurationError("kill target 'machine' needs a standalone cluster (spark://host:port); on "
@@ -298,7 +300,7 @@ class SparkGroup(WorkerGroup):
             if daemon is None:
                 raise ConfigurationError(f"cannot find the process that started executor {jvm} of worker {worker}")
             return daemon
-        raise ConfigurationError(f"unknown kill target {target!r} (worker, executor, machine)")
+        raise ConfigurationError(f"unknown kill target {target.value!r} (worker, executor, machine)")
 
     def abort(self) -> None:
         t0 = time.monotonic()
@@ -334,12 +336,14 @@ class SparkDriver(ClusterDriver):
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  spark=None, master: str | None = None, spark_conf: dict[str, str] | None = None,
                  connect_timeout: float = 300.0, savepoint_dir: str | None = None, stop_with_savepoint: bool = False,
-                 rest: bool = True, rest_port: int = 0, on_start=None, mesh_route: MeshRoute | None = None,
+                 rest: bool = True, rest_port: int = 0, on_start=None, mesh_route: MeshRoute | None = None, *,
+                 job_id: str | None = None, lease: Lease | None = None, allow_sources_from_start: bool = False,
                  **options: Any) -> None:
         if options:
             raise TypeError(f"unknown option(s) for the spark driver: {sorted(options)}")
         super().__init__(pipeline, storage, seed, failures, parallelism, savepoint_dir=savepoint_dir,
-                         stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start)
+                         stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start,
+                         job_id=job_id, lease=lease, allow_sources_from_start=allow_sources_from_start)
         if spark is None and uses_delta(pipeline):  # Delta's settings, so this session reads the job's tables
             spark_conf = {**delta_conf(), **(spark_conf or {})}
         self.spark = spark if spark is not None else spark_session(master, spark_conf)
@@ -362,9 +366,8 @@ class SparkDriver(ClusterDriver):
             raise ConfigurationError("barrier stages do not work with dynamic allocation: set "
                                      "spark.dynamicAllocation.enabled=false")
         self.host = self.sc.getConf().get("spark.driver.host", "127.0.0.1")
-        #: the running attempt's wait for barrier slots (deploy.slots); every shortage of the run
+        #: the running attempt's wait for barrier slots (deploy.slots; every shortage of the run: the record's)
         self._slot_wait: SlotWait | None = None
-        self.slot_waits: list[dict[str, Any]] = []
         self._await_executors(p)
         #: slots whose Python workers were warmed (``warm_spares``)
         self._warmed_slots = max(1, self.slots() or p)
@@ -465,7 +468,7 @@ class SparkDriver(ClusterDriver):
         finally:
             if wait.waiting:  # the run ends waiting: its record still shows the shortage
                 wait.slots_back(time.monotonic())
-            self.slot_waits.extend(wait.history)
+            self.record.slot_waits.extend(wait.history)
             self._slot_wait = None
 
     def _submit(self, restored, attempt: str, wait: SlotWait) -> SparkGroup | None:
