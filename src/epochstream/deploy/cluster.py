@@ -5,24 +5,24 @@ A subclass only says how workers come to life and how they die: ``launch`` start
 attempt's workers and returns a ``WorkerGroup`` holding one control connection per worker
 (a pipe for the local driver, a TCP connection for spark). The attempt's policy (triggers,
 acks and declines, the final epoch, the trAcker agent's NEOSS, the stop handshake) is the
-``attempt.AttemptController``'s, the same the simulator drives; this loop does its I/O:
-it reads the workers' ``deploy.protocol`` messages, hands each to its handler by type and
-sends the controller's actions to every worker. It also detects failovers, carries out
-the chaos kills and serves the job's HTTP API (``deploy.rest``: savepoints, stop, status)
-from a thread of the driver process, whose requests the loop hands to the controller
-between its own steps (``deploy.control.JobControl``).
+``attempt.AttemptController``'s, the same the simulator drives; an attempt's loop
+(``_AttemptLoop``) does its I/O: it reads the workers' ``deploy.protocol`` messages, hands
+each to its handler by type, sends the controller's actions to every worker, detects
+failovers and carries out the kills the chaos plan (``chaos.plan``) says are due. What the
+run has done is its ``RunRecord``; its ``StatusPublisher`` (``deploy.status``) serves the job's
+HTTP API from a thread of the driver process, whose requests the loop hands to the
+controller between its own steps (``deploy.control.JobControl``).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import random
 import signal
 import time
 from multiprocessing.connection import wait
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..chaos.kills import Kill, KillTarget
 from ..snapshot.manifest import CheckpointError
@@ -119,7 +119,6 @@ class ClusterDriver(Driver):
         #: the running attempt's workers and controller
         self._group: WorkerGroup | None = None
         self._controller: AttemptController | None = None
-        self._liveness = HeartbeatMonitor(self.pipeline.heartbeat)
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -185,25 +184,6 @@ class ClusterDriver(Driver):
                 time.sleep(0.05)  # let the death land while the commit is still in progress
         super().fail_point(name)
 
-    def _chaos(self, group: WorkerGroup, c: AttemptController) -> None:
-        """Carry out the kills the plan says are due now (``chaos.plan.ChaosPlan.step``), and
-        log them: an armed kill when it is armed, its entry then saying how it came
-        (``<moment>/timeout``, ``<moment>/final``) once the driver kills it itself."""
-        final = c.final_requested and not c.master.finished
-        kills = self.record.kills
-        for action in self.chaos.step(self.clock(), workers=len(group.conns), final=final):
-            if isinstance(action, Kill) and action.armed:
-                kills[-1]["moment"] = action.moment
-            else:
-                self.record.injected += 1
-                kills.append({"time": action.at, "worker": action.worker, "target": action.target.value,
-                              "moment": str(action.moment)})
-            if isinstance(action, Kill):
-                group.kill(action.worker, action.target)
-            elif action.moment.in_worker:  # the worker kills at the moment itself
-                die = Die(action.moment.value, group.pid(action.worker, action.target))
-                self._send(group.conns, action.worker, die)
-
     # -- one attempt
     def attempt(self, restored, attempt: str, duration: float | None) -> None:
         group = self.launch(restored, attempt)
@@ -212,25 +192,9 @@ class ClusterDriver(Driver):
         traffic = ServiceTraffic()
         c = self._controller = self.new_attempt(restored, attempt, time.monotonic(), self.deployment, traffic,
                                                 workers=len(group.conns), stop_at=self.deadline)
-        self._liveness = HeartbeatMonitor(self.pipeline.heartbeat)
         self.record.meters.new_attempt()  # the last attempt's counts stay in the run's totals
-        launched = time.monotonic()
-        for w in range(len(group.conns)):
-            self._liveness.launched(w, launched)
-        #: worker -> driver messages by type (each handler returns the controller's actions)
-        on = {Ready: functools.partial(self._on_ready, c), Ack: functools.partial(self._on_ack, c),
-              Decline: c.on_decline, Exhausted: c.on_exhausted, TrackerReport: c.on_tracker_report,
-              Stopped: functools.partial(self._on_stopped, c), Heartbeat: self._on_heartbeat,
-              WorkerError: self._on_worker_error, Fatal: self._on_fatal,
-              LinkLost: functools.partial(self._on_link_lost, c, group)}
         try:
-            while True:
-                now = time.monotonic()
-                if c.all_ready or not self.KILL_AFTER_READY:
-                    self._chaos(group, c)
-                if c.done:
-                    break
-                self._step(group, c, on, now)
+            _AttemptLoop(self, group, c).run()
         except BaseException:
             self._controller = None  # its traffic is the run's from here on (the status must not count it twice)
             self.record.traffic.merge(traffic)  # a failed attempt's service messages were sent all the same
@@ -248,25 +212,80 @@ class ClusterDriver(Driver):
         self.record.records_in += c.records_in
         group.finish()
 
-    def _step(self, group: WorkerGroup, c: AttemptController, on: dict, now: float) -> None:
+
+class _AttemptLoop:
+    """One attempt's loop over its worker group: reads what the workers send, hands each
+    message to its handler by type (the controller's, or one here), sends the controller's
+    actions to every worker, watches the workers' liveness and carries out the chaos kills."""
+
+    #: how long a lost link waits for its peer's own connection to show a death (a killed worker's
+    #: sockets all close at once; its peer's notice comes after)
+    LINK_LOST_GRACE = 1.0
+
+    def __init__(self, driver: ClusterDriver, group: WorkerGroup, controller: AttemptController) -> None:
+        self.driver = driver
+        self.group = group
+        self.c = c = controller
+        self.liveness = HeartbeatMonitor(driver.pipeline.heartbeat)
+        launched = time.monotonic()
+        for w in range(len(group.conns)):
+            self.liveness.launched(w, launched)
+        #: worker -> driver messages by type (each handler returns the controller's actions)
+        self.on: dict[type, Callable[[Any, float], list[Any]]] = {
+            Ready: self._on_ready, Ack: self._on_ack, Decline: c.on_decline, Exhausted: c.on_exhausted,
+            TrackerReport: c.on_tracker_report, Stopped: self._on_stopped, Heartbeat: self._on_heartbeat,
+            WorkerError: self._on_worker_error, Fatal: self._on_fatal, LinkLost: self._on_link_lost}
+
+    def run(self) -> None:
+        """Until the controller is done; a failure raises (``Failover``, ``CheckpointError``)."""
+        c, kill_after_ready = self.c, self.driver.KILL_AFTER_READY
+        while True:
+            now = time.monotonic()
+            if c.all_ready or not kill_after_ready:
+                self._chaos()
+            if c.done:
+                return
+            self._step(now)
+
+    def _chaos(self) -> None:
+        """Carry out the kills the plan says are due now (``chaos.plan.ChaosPlan.step``), and
+        log them: an armed kill when it is armed, its entry then saying how it came
+        (``<moment>/timeout``, ``<moment>/final``) once the driver kills it itself."""
+        d, c, group = self.driver, self.c, self.group
+        final = c.final_requested and not c.master.finished
+        kills = d.record.kills
+        for action in d.chaos.step(d.clock(), workers=len(group.conns), final=final):
+            if isinstance(action, Kill) and action.armed:
+                kills[-1]["moment"] = action.moment
+            else:
+                d.record.injected += 1
+                kills.append({"time": action.at, "worker": action.worker, "target": action.target.value,
+                              "moment": str(action.moment)})
+            if isinstance(action, Kill):
+                group.kill(action.worker, action.target)
+            elif action.moment.in_worker:  # the worker kills at the moment itself
+                self._send(action.worker, Die(action.moment.value, group.pid(action.worker, action.target)))
+
+    def _step(self, now: float) -> None:
         """One round of the driver loop: the controller's timers and REST requests, then what
         the workers sent (waiting at most until the job master's next deadline)."""
+        d, c, group, on = self.driver, self.c, self.group, self.on
         conns = group.conns
         if c.running:
-            self._do(c.tick(now, self._commands()), conns)
-            self._publish("RUNNING")
+            self._do(c.tick(now, d._commands()))
+            d._publish("RUNNING")
         deadline = c.next_deadline(now)
         timeout = 0.05 if deadline is None else min(0.05, max(0.0, deadline - now))
         live = [conn for w, conn in enumerate(conns) if w not in c.stopped]
         # wait() hands back some of the connections it was given (typeshed: any waitable)
         ready: list[Any] = wait(live, timeout=timeout) if live else []
-        liveness = self._liveness
+        liveness = self.liveness
         for conn in ready:
             w = conns.index(conn)
             try:
                 msg = conn.recv()
             except (EOFError, OSError) as exc:
-                raise Failover(self._death_report(conn, f"worker {w} died ({type(exc).__name__})")) from None
+                raise Failover(_death_report(conn, f"worker {w} died ({type(exc).__name__})")) from None
             handler = on.get(type(msg))
             if handler is None:
                 raise Failover(f"worker {w} sent {type(msg).__name__} on its control connection mid-attempt")
@@ -275,22 +294,22 @@ class ClusterDriver(Driver):
                 liveness.watch(w, received)
             else:
                 liveness.heard(w, received)
-            self._do(handler(msg, received), conns)
+            self._do(handler(msg, received))
         group.check(c.stopped, c.stop_sent)
-        self._check_liveness(group, c)
-        self._do(c.stop_workers(), conns)
-        self.collect(c.master)
+        self._check_liveness()
+        self._do(c.stop_workers())
+        d.collect(c.master)
 
-    def _check_liveness(self, group: WorkerGroup, c: AttemptController) -> None:
+    def _check_liveness(self) -> None:
         """Fail over when a watched worker has been silent for the heartbeat timeout. Unread
         messages on its connection count as life (this loop may have been busy, not it)."""
-        liveness = self._liveness
-        if c.stop_sent:
+        liveness = self.liveness
+        if self.c.stop_sent:
             liveness.forget_all()  # workers leave their loops: heartbeats end
             return
         now = time.monotonic()
         for silent in liveness.expired(now):
-            conn = group.conns[silent.worker]
+            conn = self.group.conns[silent.worker]
             try:
                 alive = conn.poll()
             except (EOFError, OSError):
@@ -298,40 +317,38 @@ class ClusterDriver(Driver):
             if alive and not silent.stuck:
                 liveness.heard(silent.worker, now)
                 continue
-            log.error("job %s: %s", self.pipeline.name, silent.reason)
+            log.error("job %s: %s", self.driver.pipeline.name, silent.reason)
             raise Failover(silent.reason)
 
-    # -- worker -> driver messages the driver handles itself (the rest go to the controller)
+    # -- worker -> driver messages the loop handles itself (the rest go to the controller)
     def _on_heartbeat(self, msg: Heartbeat, now: float) -> list[Any]:
-        self.record.meters.sample(msg.worker, msg.meters)
-        self._liveness.busy(msg.worker, now, msg.busy_for)
+        self.driver.record.meters.sample(msg.worker, msg.meters)
+        self.liveness.busy(msg.worker, now, msg.busy_for)
         return []
 
-    def _on_stopped(self, c: AttemptController, msg: Stopped, now: float) -> list[Any]:
-        self.record.meters.sample(msg.worker, msg.meters)  # the final counts, exact at the job's end
-        return c.on_stopped(msg, now)
+    def _on_stopped(self, msg: Stopped, now: float) -> list[Any]:
+        self.driver.record.meters.sample(msg.worker, msg.meters)  # the final counts, exact at the job's end
+        return self.c.on_stopped(msg, now)
 
-    def _on_ready(self, c: AttemptController, msg: Ready, now: float) -> list[Any]:
+    def _on_ready(self, msg: Ready, now: float) -> list[Any]:
+        d, c = self.driver, self.c
         out = c.on_ready(msg, now)
-        if c.all_ready and self.last_failure is not None:
-            self.record.recovery_seconds.append(self.clock() - self.last_failure)
+        if c.all_ready and d.last_failure is not None:
+            d.record.recovery_seconds.append(d.clock() - d.last_failure)
         return out
 
-    def _on_ack(self, c: AttemptController, msg: Ack, now: float) -> list[Any]:
-        c.bound(msg.info.epoch, msg.info.task, msg.info.captured_at)  # notification latency: trigger -> bound
-        return c.on_ack(msg, now)
+    def _on_ack(self, msg: Ack, now: float) -> list[Any]:
+        self.c.bound(msg.info.epoch, msg.info.task, msg.info.captured_at)  # notification latency: trigger -> bound
+        return self.c.on_ack(msg, now)
 
-    #: how long a lost link waits for its peer's own connection to show a death (a killed worker's
-    #: sockets all close at once; its peer's notice comes after)
-    LINK_LOST_GRACE = 1.0
-
-    def _on_link_lost(self, c: AttemptController, group: WorkerGroup, msg: LinkLost, now: float) -> list[Any]:
+    def _on_link_lost(self, msg: LinkLost, now: float) -> list[Any]:
         """A worker's link to a peer ended. After ``Stop`` peers leave: expected. Before it, a
         peer that died is reported as its death; a peer still alive means the network between
         two live workers failed (a reset or cut connection): fail over, naming both."""
+        c = self.c
         if c.stop_sent or msg.peer in c.stopped:
             return []
-        conn = group.conns[msg.peer]
+        conn = self.group.conns[msg.peer]
         end = time.monotonic() + self.LINK_LOST_GRACE
         try:
             while time.monotonic() < end:
@@ -343,7 +360,7 @@ class ClusterDriver(Driver):
             raise Failover(f"worker {msg.peer} died ({type(exc).__name__})") from None
         reason = (f"worker {msg.worker} lost its connection to worker {msg.peer} ({msg.reason}) while both are "
                   f"alive: the network between them failed")
-        log.error("job %s: %s", self.pipeline.name, reason)
+        log.error("job %s: %s", self.driver.pipeline.name, reason)
         raise Failover(reason)
 
     def _on_worker_error(self, msg: WorkerError, now: float) -> list[Any]:
@@ -353,31 +370,29 @@ class ClusterDriver(Driver):
         raise CheckpointError(msg.text.split(": ", 2)[-1].split("\n")[0])
 
     # -- driver -> worker
-    def _do(self, actions: list[Any], conns) -> None:
+    def _do(self, actions: list[Any]) -> None:
         """Send the controller's actions (``Trigger``, ``Neoss``, ``Stop``) to every worker."""
         for a in actions:
             if type(a) is CaptureFull:
                 continue  # the worker forced it itself before its Decline left (worker._writer)
-            self._send_all(conns, a)
+            for w in range(len(self.group.conns)):
+                self._send(w, a)
 
-    def _send_all(self, conns, msg) -> None:
-        for w in range(len(conns)):
-            self._send(conns, w, msg)
-
-    def _send(self, conns, w: int, msg) -> None:
+    def _send(self, w: int, msg: Any) -> None:
+        conn = self.group.conns[w]
         try:
-            conns[w].send(msg)
+            conn.send(msg)
         except OSError as exc:
-            raise Failover(self._death_report(conns[w], f"worker {w} unreachable ({type(exc).__name__})")) from None
+            raise Failover(_death_report(conn, f"worker {w} unreachable ({type(exc).__name__})")) from None
 
-    @staticmethod
-    def _death_report(conn, fallback: str) -> str:
-        """Why a worker is gone: the error it reported before dying, if it sent one."""
-        try:
-            while conn.poll():
-                msg = conn.recv()
-                if type(msg) in (WorkerError, Fatal):
-                    return msg.text
-        except (EOFError, OSError):
-            pass
-        return fallback
+
+def _death_report(conn, fallback: str) -> str:
+    """Why a worker is gone: the error it reported before dying, if it sent one."""
+    try:
+        while conn.poll():
+            msg = conn.recv()
+            if type(msg) in (WorkerError, Fatal):
+                return msg.text
+    except (EOFError, OSError):
+        pass
+    return fallback
