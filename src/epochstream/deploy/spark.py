@@ -40,7 +40,7 @@ import secrets
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import cloudpickle
 
@@ -279,7 +279,7 @@ class SparkGroup(WorkerGroup):
     def check(self, stopped: dict[int, int], stop_sent: bool) -> None:
         if self.job.done.is_set() and self.job.error and len(stopped) < len(self.conns):
             raise Failover(f"spark job failed: {self.job.error}")
-        self.driver.warm_spares()
+        self.driver.spares.check(time.monotonic())
 
     def pid(self, worker: int, target: KillTarget) -> int:
         py, jvm = self.pids[worker]
@@ -321,6 +321,44 @@ class SparkGroup(WorkerGroup):
         for c in self.conns:
             c.close()
         self.server.close()
+
+
+class _SpareSlots:
+    """The slots whose Python workers have imported epochstream: every slot there is at start,
+    not only the barrier stage's, so a spare executor's Python worker is warm when a lost
+    task's replacement lands on it (recovery after a Worker loss); and, while an attempt runs,
+    the slots the cluster has gained since (a Worker came back, a spare was added)."""
+
+    def __init__(self, sc, parallelism: int, slots: Callable[[], int | None], every: float) -> None:
+        self.sc = sc
+        self.parallelism = parallelism
+        #: the cluster's slots now (``SparkDriver.slots``)
+        self.slots = slots
+        #: seconds between two checks for gained slots
+        self.every = every
+        #: slots whose Python workers were warmed
+        self.warmed = max(1, slots() or parallelism)
+        self._next_check = 0.0
+        self._warmer: threading.Thread | None = None
+        try:
+            warm_up(sc, self.warmed)
+        except Exception as exc:  # an executor lost meanwhile: the attempt's launch reports and waits
+            log.warning("spark: could not warm up Python workers: %s", _spark_reason(exc))
+
+    def check(self, now: float) -> None:
+        """Warm the slots gained beyond the barrier stage's since the last check (at most every
+        ``every`` seconds, one warm-up job at a time), so the next lost task is placed on a ready one."""
+        if now < self._next_check or (self._warmer is not None and self._warmer.is_alive()):
+            return
+        self._next_check = now + self.every
+        slots = self.slots()
+        if slots is None:
+            return
+        spares = slots - self.parallelism
+        if slots > self.warmed and spares > 0:
+            log.info("spark: %d slots (was %d): warming %d spare slot(s)", slots, self.warmed, spares)
+            self._warmer = warm_spare_slots(self.sc, spares)
+        self.warmed = slots
 
 
 class SparkDriver(ClusterDriver):
@@ -369,33 +407,8 @@ class SparkDriver(ClusterDriver):
         #: the running attempt's wait for barrier slots (deploy.slots; every shortage of the run: the record's)
         self._slot_wait: SlotWait | None = None
         self._await_executors(p)
-        #: slots whose Python workers were warmed (``warm_spares``)
-        self._warmed_slots = max(1, self.slots() or p)
-        self._next_spare_check = 0.0
-        self._spare_warmer: threading.Thread | None = None
-        # every slot there is, not only p: a spare executor's Python worker is warm when a lost
-        # task's replacement lands on it (recovery after a Worker loss)
-        try:
-            warm_up(self.sc, self._warmed_slots)
-        except Exception as exc:  # an executor lost meanwhile: the attempt's launch reports and waits
-            log.warning("spark: could not warm up Python workers: %s", _spark_reason(exc))
-
-    def warm_spares(self) -> None:
-        """While an attempt runs: when the cluster has gained slots beyond the barrier stage's
-        (a Worker came back, a spare was added), warm their Python workers, so the next lost task
-        is placed on a ready one (checked every ``SPARE_CHECK`` seconds)."""
-        now = time.monotonic()
-        if now < self._next_spare_check or (self._spare_warmer is not None and self._spare_warmer.is_alive()):
-            return
-        self._next_spare_check = now + self.SPARE_CHECK
-        slots = self.slots()
-        if slots is None:
-            return
-        if slots > self._warmed_slots and slots > self.plan.parallelism:
-            log.info("spark: %d slots (was %d): warming %d spare slot(s)", slots, self._warmed_slots,
-                     slots - self.plan.parallelism)
-            self._spare_warmer = warm_spare_slots(self.sc, slots - self.plan.parallelism)
-        self._warmed_slots = slots
+        #: the Python workers of the cluster's slots, warmed at start and when slots are gained
+        self.spares = _SpareSlots(self.sc, p, self.slots, self.SPARE_CHECK)
 
     def _await_executors(self, p: int) -> None:
         """A new session's executors register over a few seconds: wait (at most
