@@ -145,7 +145,7 @@ class Driver:
 
         def failed(state: tenacity.RetryCallState) -> None:  # after every retryable failure
             exc = state.outcome.exception() if state.outcome else None  # set before `after` runs
-            reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+            reason = (exc.reason if isinstance(exc, Failover) else None) or f"{type(exc).__name__}: {exc}"
             if self.master is not None:  # savepoints in flight die with the attempt (a stop stays asked)
                 for req in self.master.savepoints.values():
                     req.fail(f"the job failed over before the savepoint completed: {reason.splitlines()[0]}")

@@ -90,7 +90,7 @@ class LocalDriver(ClusterDriver):
                          stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start,
                          job_id=job_id, lease=lease, allow_sources_from_start=allow_sources_from_start)
         self._ctx = mp.get_context("fork")
-        if getattr(pipeline.checkpoint, "state_backend_type", "hashmap") == "rocksdb" and rocksdb_used_here():
+        if pipeline.checkpoint.state_backend_type == "rocksdb" and rocksdb_used_here():
             raise ConfigurationError(
                 "state_backend_type='rocksdb' on the local driver, in a process that has already opened a RocksDB "
                 "DB (a simulator run, or a query of RocksDB state in this process): the local driver forks its "

@@ -590,7 +590,7 @@ class _SimFlow:
         self.counts = counts
         workers = range(run.plan.parallelism)
         pipeline = run.driver.pipeline
-        overtake = pipeline.mode == "unaligned" and getattr(pipeline, "aligned_timeout", None) is None
+        overtake = pipeline.mode == "unaligned" and pipeline.aligned_timeout is None
         pairs = [(a, b) for a in workers for b in workers if a != b]
         #: (sender, receiver) -> the sender's window of that link / the receiver's
         self.sending = {ab: SendWindow(limits.window, overtake) for ab in pairs}
