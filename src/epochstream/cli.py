@@ -623,6 +623,21 @@ def _chaos_failures(args, rng: random.Random, span: float):
         kill_targets=[rng.choice(targets) for _ in range(args.kills)] if targets else [])
 
 
+def _chaos_doc(report, chaos, args, work: str) -> dict[str, Any]:
+    """``chaos``'s report: the oracle's verdict, each kill with its recovery, the chaos run's fields."""
+    doc = report.to_json()
+    doc.update({
+        # kill i caused failover i (one kill per attempt); its recovery is failure -> all workers ready.
+        # Padded with None: the last kill may have no recovery (run ended or failed first), so not strict
+        "kills": [dict(k, recovery_seconds=rec) for k, rec in zip(
+            chaos.metrics.get("kills", []), chaos.metrics.get("recovery_seconds", []) + [None] * args.kills,
+            strict=False)]
+        if chaos else [],
+        **_chaos_fields(chaos, args, work),
+    })
+    return doc
+
+
 def _print_chaos(report, doc: dict[str, Any], work: str) -> None:
     """The text form of ``chaos``'s report (``--json`` prints ``doc``)."""
     verdict = "PASS" if report.ok else "FAIL"
@@ -692,17 +707,7 @@ def cmd_chaos(args) -> int:
     except JobFailedError as exc:
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    chaos = results.get("chaos")
-    doc = report.to_json()
-    doc.update({
-        # kill i caused failover i (one kill per attempt); its recovery is failure -> all workers ready.
-        # Padded with None: the last kill may have no recovery (run ended or failed first), so not strict
-        "kills": [dict(k, recovery_seconds=rec) for k, rec in zip(
-            chaos.metrics.get("kills", []), chaos.metrics.get("recovery_seconds", []) + [None] * args.kills,
-            strict=False)]
-        if chaos else [],
-        **_chaos_fields(chaos, args, work),
-    })
+    doc = _chaos_doc(report, results.get("chaos"), args, work)
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
