@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "epochstream"
 #: modules of epochstream whose docstrings hold ``>>>`` examples
 MODULES = (
     "epochstream.alignment.overtaking",
+    "epochstream.chaos.plan",
     "epochstream.deploy.restart",
     "epochstream.deploy.spark",
     "epochstream.graph.cycles",

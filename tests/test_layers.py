@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "epochstream"
-PROTOCOL = ("runtime", "alignment", "tracker", "loops", "snapshot")
+PROTOCOL = ("runtime", "alignment", "tracker", "loops", "snapshot", "chaos")
 IO_MODULES = {"time", "random", "threading", "socket", "multiprocessing", "asyncio", "subprocess", "os",
               "shutil", "tempfile", "datetime", "secrets", "io", "pathlib", "boto3", "pyspark"}
 #: package -> packages of epochstream it may import (besides itself), bottom layer first; the
@@ -25,12 +25,14 @@ ALLOWED = {
     "snapshot": {"runtime"},
     "tracker": {"runtime", "graph"},
     "loops": {"runtime", "graph"},
+    # which kills a chaos run injects and when (a plan the drivers carry out)
+    "chaos": set(),
     # graph: key groups and canonical keys (a keyed-state backend lays its keys out by key group)
     "backends": {"snapshot", "runtime", "graph"},
     # the dashboard, /metrics and the status line: documents from status dicts and manifests (the
     # servers that carry them are deploy's and the CLI's)
     "ui": {"graph", "tracker", "snapshot", "backends", "runtime"},
-    "deploy": {"graph", "runtime", "alignment", "tracker", "loops", "snapshot", "backends", "ui"},
+    "deploy": {"graph", "runtime", "alignment", "tracker", "loops", "snapshot", "chaos", "backends", "ui"},
     # PySpark's stateful operators: imports pyspark and pandas, so nothing below api/ imports it
     "pyspark": {"runtime", "graph"},
     "api": {"graph", "runtime", "deploy", "backends", "pyspark"},

@@ -203,5 +203,5 @@ def test_merged_segments_send_fewer_reports_and_commit_every_record_once(tmp_pat
         d.run(None, False, None)
         assert sorted(committed_output(tmp_path / str(merge) / "out")) == list(range(40))
         assert d.controller is not None and d.controller.master.coordinator.last_completed >= 5
-        runs[merge] = d.traffic.by_kind["report"].entries
+        runs[merge] = d.record.traffic.by_kind["report"].entries
     assert runs[True] < runs[False]

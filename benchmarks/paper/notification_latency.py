@@ -94,7 +94,7 @@ def measure_local(n_maps: int, mode: str, seconds: float, rate: float, workers: 
     sources = {c.id for c in driver.plan.chains if c.is_source}
     lat = sorted(s * 1000 for _e, t, s in driver.bound_latency if t[0] not in sources)
     return {"mode": mode, "graph_size": n_maps, "workers": workers, "rate_per_worker": rate, "samples": len(lat),
-            "epochs": len(driver.completed), "p50_ms": statistics.median(lat),
+            "epochs": len(driver.record.completed), "p50_ms": statistics.median(lat),
             "p99_ms": percentile(lat, 0.99), "max_ms": lat[-1]}
 
 

@@ -140,7 +140,7 @@ def measure(mode: str, workers: int, args, straggle: float = 0.0) -> dict:
         lat.append((fired - entered) * 1000)
         floor.append(_straggler_floor(driver.pause_log, entered) * 1000)
         over.append(lat[-1] - floor[-1])
-    traffic = driver.traffic.as_dict()["total"]
+    traffic = driver.record.traffic.as_dict()["total"]
     return {"mode": mode, "workers": workers, "stragglers": "on" if straggle else "off",
             "straggler_rate": straggle, "straggler_alpha": args.straggler_alpha,
             "straggler_min_ms": args.straggler_min * 1000, "window_s": args.window, "slack_s": args.slack,

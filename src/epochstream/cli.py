@@ -16,8 +16,11 @@ import random
 import sys
 import tempfile
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable
+
+from .chaos.kills import KillMoment, KillTarget
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 
@@ -28,6 +31,22 @@ class UsageError(ValueError):
 
 #: Flink's upper bound of max parallelism (key groups): ``KeyGroupRangeAssignment.UPPER_BOUND_MAX_PARALLELISM``
 MAX_PARALLELISM_BOUND = 32768
+
+
+def _choice_list(choices: type[StrEnum], what: str) -> Callable[[str], list[StrEnum]]:
+    """An argparse ``type``: a comma-separated list of ``choices``' values, checked at parse time
+    (usage error, exit 2), as ``choices=`` checks one value."""
+    values = [c.value for c in choices]
+
+    def parse(text: str) -> list[StrEnum]:
+        words = [w for w in text.split(",") if w]
+        bad = [w for w in words if w not in values]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0]!r} (one of {', '.join(values)})")
+        return [choices(w) for w in words]
+
+    parse.__name__ = f"{what} list"  # argparse names the type in its messages
+    return parse
 
 
 def _number(kind: type, low: float, high: float | None = None, low_open: bool = False) -> Callable[[str], Any]:
@@ -590,25 +609,63 @@ def _chaos_kafka(build, run, work, results: dict[str, Any], args) -> int:
     return EXIT_OK if report.ok else EXIT_VIOLATION
 
 
+def _chaos_failures(args, rng: random.Random, span: float):
+    """The chaos run's failures over ``span`` seconds (the failure-free run's length)."""
+    from .deploy.failures import FailureSchedule
+
+    if args.deployment == "sim":
+        return FailureSchedule.random(rng, args.kills, span)
+    # one kill per attempt: a kill whose time has passed waits for the next attempt
+    moments, targets = args.kill_moments or [], args.kill_targets or []
+    return FailureSchedule(
+        kill_times=sorted(rng.uniform(0.1 * span, 0.9 * span) for _ in range(args.kills)),
+        kill_moments=[rng.choice(moments) for _ in range(args.kills)] if moments else [],
+        kill_targets=[rng.choice(targets) for _ in range(args.kills)] if targets else [])
+
+
+def _chaos_doc(report, chaos, args, work: str) -> dict[str, Any]:
+    """``chaos``'s report: the oracle's verdict, each kill with its recovery, the chaos run's fields."""
+    doc = report.to_json()
+    doc.update({
+        # kill i caused failover i (one kill per attempt); its recovery is failure -> all workers ready.
+        # Padded with None: the last kill may have no recovery (run ended or failed first), so not strict
+        "kills": [dict(k, recovery_seconds=rec) for k, rec in zip(
+            chaos.metrics.get("kills", []), chaos.metrics.get("recovery_seconds", []) + [None] * args.kills,
+            strict=False)]
+        if chaos else [],
+        **_chaos_fields(chaos, args, work),
+    })
+    return doc
+
+
+def _print_chaos(report, doc: dict[str, Any], work: str) -> None:
+    """The text form of ``chaos``'s report (``--json`` prints ``doc``)."""
+    verdict = "PASS" if report.ok else "FAIL"
+    print(f"chaos {verdict}: {doc['restarts']} restarts after {doc['failures_injected']} injected failures, "
+          f"{doc['epochs_checked']} epochs checked")
+    print(f"  lost={report.lost} duplicated={report.duplicated} mismatched_state={report.mismatched_state} "
+          f"mismatched_epoch_output={report.mismatched_epoch_output} "
+          f"(committed {report.records_committed} of {report.records_expected} expected records)")
+    if report.compare == "recorded":
+        print(f"  inputs_lost={report.inputs_lost} inputs_duplicated={report.inputs_duplicated} "
+              f"order_differs={report.order_differs} (a different order than the failure-free run: allowed)")
+    for ex in report.examples[:10]:
+        print(f"  - {ex}")
+    for k in doc["kills"]:
+        rec = "-" if k["recovery_seconds"] is None else f"{k['recovery_seconds']:.2f}s"
+        print(f"  kill at {k['time']:.2f}s: worker {k['worker']} ({k['target']}, {k['moment']}), "
+              f"recovered in {rec}")
+    print(f"  work dir: {work}")
+
+
 def cmd_chaos(args) -> int:
     from .deploy.failures import JobFailedError
     from .deploy.restart import FixedDelayRestart
-    from .deploy.sim import FailureSchedule
     from .oracle import check_exactly_once
 
     build = _configured(load_pipeline_factory(args.pipeline), args)
-    moments = [m for m in (args.kill_moments or "").split(",") if m]
-    targets = [t for t in (args.kill_targets or "").split(",") if t]
-    if args.deployment == "sim" and (moments or targets):
+    if args.deployment == "sim" and (args.kill_moments or args.kill_targets):
         raise UsageError("--kill-moments and --kill-targets need --deployment local or spark")
-    from .deploy.worker import MOMENTS
-
-    for m in moments:
-        if m not in MOMENTS + ("commit",):
-            raise UsageError(f"--kill-moments: unknown moment {m!r} (one of {', '.join(MOMENTS + ('commit',))})")
-    for t in targets:
-        if t not in ("worker", "executor", "machine", "freeze"):
-            raise UsageError(f"--kill-targets: unknown target {t!r} (worker, executor, machine, freeze)")
     options = _spark_options(args)
     rng = random.Random(args.seed)
     horizon: dict[str, float] = {}
@@ -620,16 +677,7 @@ def cmd_chaos(args) -> int:
         if args.deployment != "sim":
             delay = min(delay, 0.2)
         p.restart_strategy = FixedDelayRestart(max(p.restart_attempts or 0, 2 * args.kills + 5), delay)
-        failures = None
-        if failing:
-            span = horizon["seconds"]
-            if args.deployment == "sim":
-                failures = FailureSchedule.random(rng, args.kills, span)
-            else:  # one kill per attempt: a kill whose time has passed waits for the next attempt
-                failures = FailureSchedule(
-                    kill_times=sorted(rng.uniform(0.1 * span, 0.9 * span) for _ in range(args.kills)),
-                    kill_moments=[rng.choice(moments) for _ in range(args.kills)] if moments else [],
-                    kill_targets=[rng.choice(targets) for _ in range(args.kills)] if targets else [])
+        failures = _chaos_failures(args, rng, horizon["seconds"]) if failing else None
         t0 = time.perf_counter()
         line = _status_line("chaos run" if failing else "failure-free run", args)
         live = {"on_start": line.on_start} if line is not None else {}
@@ -659,36 +707,11 @@ def cmd_chaos(args) -> int:
     except JobFailedError as exc:
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    chaos = results.get("chaos")
-    doc = report.to_json()
-    doc.update({
-        # kill i caused failover i (one kill per attempt); its recovery is failure -> all workers ready.
-        # Padded with None: the last kill may have no recovery (run ended or failed first), so not strict
-        "kills": [dict(k, recovery_seconds=rec) for k, rec in zip(
-            chaos.metrics.get("kills", []), chaos.metrics.get("recovery_seconds", []) + [None] * args.kills,
-            strict=False)]
-        if chaos else [],
-        **_chaos_fields(chaos, args, work),
-    })
+    doc = _chaos_doc(report, results.get("chaos"), args, work)
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
-        verdict = "PASS" if report.ok else "FAIL"
-        print(f"chaos {verdict}: {doc['restarts']} restarts after {doc['failures_injected']} injected failures, "
-              f"{doc['epochs_checked']} epochs checked")
-        print(f"  lost={report.lost} duplicated={report.duplicated} mismatched_state={report.mismatched_state} "
-              f"mismatched_epoch_output={report.mismatched_epoch_output} "
-              f"(committed {report.records_committed} of {report.records_expected} expected records)")
-        if report.compare == "recorded":
-            print(f"  inputs_lost={report.inputs_lost} inputs_duplicated={report.inputs_duplicated} "
-                  f"order_differs={report.order_differs} (a different order than the failure-free run: allowed)")
-        for ex in report.examples[:10]:
-            print(f"  - {ex}")
-        for k in doc["kills"]:
-            rec = "-" if k["recovery_seconds"] is None else f"{k['recovery_seconds']:.2f}s"
-            print(f"  kill at {k['time']:.2f}s: worker {k['worker']} ({k['target']}, {k['moment']}), "
-                  f"recovered in {rec}")
-        print(f"  work dir: {work}")
+        _print_chaos(report, doc, work)
     return EXIT_OK if report.ok else EXIT_VIOLATION
 
 
@@ -781,11 +804,11 @@ def build_parser() -> argparse.ArgumentParser:
     chaos = sub.add_parser("chaos", help="run with injected failures and check exactly-once against a failure-free run")
     _add_run_flags(chaos)
     chaos.add_argument("--kills", type=_number(int, 0), default=3, help="failures to inject (default 3)")
-    chaos.add_argument("--kill-moments", metavar="LIST",
+    chaos.add_argument("--kill-moments", metavar="LIST", type=_choice_list(KillMoment, "moment"),
                        help="local/spark: comma-separated protocol moments kills wait for, chosen at random per "
                             "kill: now, alignment, snapshot_write, sink_commit (a completed epoch reached the worker, "
                             "its sinks have not committed it), commit (default: now)")
-    chaos.add_argument("--kill-targets", metavar="LIST",
+    chaos.add_argument("--kill-targets", metavar="LIST", type=_choice_list(KillTarget, "target"),
                        help="local/spark: what a kill hits, chosen at random per kill: worker (its Python "
                             "process), executor (spark on local-cluster: the executor JVM), freeze (SIGSTOP the "
                             "worker: heartbeats time out) (default: worker)")

@@ -88,11 +88,9 @@ def run_pipeline(
                 f"pass restore='latest' (--restore latest) to resume, or use an empty directory"
             )
         t0 = time.perf_counter()
+        run = {"job_id": job_id, "lease": lease, "allow_sources_from_start": allow_sources_from_start}
         driver = _new_driver(pipeline, deployment, storage, seed, parallelism, sim, failures, savepoint_dir,
-                             stop_with_savepoint, options)
-        driver.job_id = job_id
-        driver.lease = lease
-        driver.allow_sources_from_start = allow_sources_from_start
+                             stop_with_savepoint, options, run)
         driver.run(restore, allow_non_restored_state, duration)
         return _result(pipeline, deployment, storage, driver, time.perf_counter() - t0)
     finally:
@@ -137,7 +135,9 @@ def _release_clients(pipeline) -> None:
 
 
 def _new_driver(pipeline, deployment: str, storage, seed: int, parallelism: int | None, sim: Any, failures: Any,
-                savepoint_dir: str | None, stop_with_savepoint: bool, options: dict[str, Any]) -> Driver:
+                savepoint_dir: str | None, stop_with_savepoint: bool, options: dict[str, Any],
+                run: dict[str, Any]) -> Driver:
+    """The deployment's driver; ``run``: the job id, the lease and ``allow_sources_from_start``."""
     driver: Driver
     if deployment == "sim":
         from .sim import SimDriver
@@ -145,64 +145,28 @@ def _new_driver(pipeline, deployment: str, storage, seed: int, parallelism: int 
         if options:
             raise TypeError(f"unknown option(s) for the sim driver: {sorted(options)}")
         driver = SimDriver(pipeline, storage, seed=seed, config=sim, failures=failures, parallelism=parallelism,
-                           savepoint_dir=savepoint_dir, stop_with_savepoint=stop_with_savepoint)
+                           savepoint_dir=savepoint_dir, stop_with_savepoint=stop_with_savepoint, **run)
     elif deployment == "local":
         from .local import LocalDriver
 
         driver = LocalDriver(pipeline, storage, seed=seed, failures=failures, parallelism=parallelism,
-                             savepoint_dir=savepoint_dir, stop_with_savepoint=stop_with_savepoint, **options)
+                             savepoint_dir=savepoint_dir, stop_with_savepoint=stop_with_savepoint, **options, **run)
     elif deployment == "spark":
         from .spark import SparkDriver
 
         driver = SparkDriver(pipeline, storage, seed=seed, failures=failures, parallelism=parallelism,
-                             savepoint_dir=savepoint_dir, stop_with_savepoint=stop_with_savepoint, **options)
+                             savepoint_dir=savepoint_dir, stop_with_savepoint=stop_with_savepoint, **options, **run)
     else:
         raise ValueError(f"unknown deployment {deployment!r}")
     return driver
 
 
-def _result(pipeline, deployment: str, storage, driver, seconds: float):
-    from ..ui.model import task_metrics
-    from .result import JobResult
-
+def _result(pipeline, deployment: str, storage, driver: Driver, seconds: float):
     latest = storage.list_checkpoints()
-    tasks = task_metrics(driver.meters.as_dict()) if hasattr(driver, "meters") else {}
-    return JobResult(
-        job=pipeline.name,
-        checkpoint_dir=str(storage.root),
-        completed_epochs=list(driver.completed),
-        latest_checkpoint=str(storage.checkpoint_dir(latest[-1])) if latest else None,
-        restarts=driver.restarts,
-        records_in=driver.records_in,
-        seconds=seconds,
-        metrics={
-            "epochs": driver.epoch_log,
-            "failovers": driver.failover_log,
-            "failures_injected": driver.injected,
-            "recovery_seconds": getattr(driver, "recovery_seconds", []),
-            "kills": getattr(driver, "kill_log", []),
-            "virtual_seconds": driver.now if deployment == "sim" else None,
-            # seconds from the start of the first attempt (after driver set-up such as Spark warm-up)
-            "run_seconds": driver.clock(),
-            "service_traffic": driver.traffic.as_dict(),
-            # per task: rows in and out, rates, busy / backpressured / idle ms/s (multi-process drivers)
-            "tasks": tasks,
-            # records sources dropped as late (max_out_of_orderness), replays counted again
-            "late_records_dropped": sum(t.get("late_records_dropped", 0) for t in tasks.values()),
-            # records from_json sent to its dead-letter output, replays counted again
-            "dead_letters": sum(t.get("dead_letters", 0) for t in tasks.values()),
-            "deployment": deployment,
-            "parallelism": driver.plan.parallelism,
-            "mode": pipeline.mode,
-            "batch_rows": pipeline.batch_rows,
-            "batch_linger": pipeline.batch_linger,
-            "job_id": driver.job_id,
-            # spark: every wait of an attempt for its barrier slots (deploy.slots)
-            "slot_waits": getattr(driver, "slot_waits", []),
-            # the simulator with flow control (SimConfig.flow): data envelopes that waited for
-            # credit, and source reads held back by backpressure, over every attempt
-            "sim_flow": ({"credit_waits": driver.credit_waits, "throttled_reads": driver.throttled_reads}
-                         if deployment == "sim" and driver.cfg.flow is not None else None),
-        },
-        savepoints=list(driver.savepoints_written),
+    return driver.record.result(
+        job=pipeline.name, checkpoint_dir=str(storage.root),
+        latest_checkpoint=str(storage.checkpoint_dir(latest[-1])) if latest else None, seconds=seconds,
+        run_seconds=driver.clock(), virtual_seconds=driver.clock() if deployment == "sim" else None,
+        about={"deployment": deployment, "parallelism": driver.plan.parallelism, "mode": pipeline.mode,
+               "batch_rows": pipeline.batch_rows, "batch_linger": pipeline.batch_linger, "job_id": driver.job_id},
     )

@@ -28,6 +28,7 @@ from .lease import FencedError, Lease, check_fence
 from .master import JobMaster
 from .persist import SinkStagingError
 from .restore import Restored, check_compatible, find_restore, recover, resolve_sources
+from .result import RunRecord
 from .slots import SlotsUnavailableError
 from .tracking import make_tracking, uses_event_time
 
@@ -50,7 +51,8 @@ class Driver:
     """
 
     def __init__(self, pipeline, storage, failures: FailureSchedule | None, parallelism: int | None,
-                 savepoint_dir: str | None = None, stop_with_savepoint: bool = False) -> None:
+                 savepoint_dir: str | None = None, stop_with_savepoint: bool = False, *, job_id: str | None = None,
+                 lease: Lease | None = None, allow_sources_from_start: bool = False) -> None:
         self.pipeline = pipeline
         self.plan = pipeline.plan(parallelism)
         if self.plan.loops and uses_event_time(pipeline):
@@ -60,8 +62,13 @@ class Driver:
                 f"{[lp.uid for lp in self.plan.loops]}: time cannot progress round a cycle yet"
             )
         self.storage = storage
-        #: Flink-style 32-hex job id, new for every run (never from a seeded generator)
-        self.job_id = secrets.token_hex(16)
+        #: Flink-style 32-hex job id: the lease holder's (``run_pipeline`` chooses it), or new
+        #: for a driver built directly (never from a seeded generator)
+        self.job_id = job_id or secrets.token_hex(16)
+        #: the run's lease on its checkpoint folder (``run_pipeline`` takes it); each attempt is recorded in it
+        self.lease = lease
+        #: a source with no offsets in the restored checkpoint may start from the beginning
+        self.allow_sources_from_start = allow_sources_from_start
         #: default target of savepoints (Flink's execution.checkpointing.savepoint-dir)
         self.savepoint_dir = str(location(savepoint_dir)) if savepoint_dir else None
         #: a stop asked for (at the end of ``duration`` or of bounded input, or over REST); with a
@@ -73,33 +80,22 @@ class Driver:
             self.stop_request = SavepointRequest(self.savepoint_dir, stop=True)
         #: a stop was asked while the job ran (REST): asked again after a failover until it completes
         self.stop_asked = False
-        #: savepoint folders written during the run
-        self.savepoints_written: list[str] = []
         self.master: JobMaster | None = None
-        #: a source with no offsets in the restored checkpoint may start from the beginning
-        self.allow_sources_from_start = False
         #: what the restore dropped and what started empty (``restore.check_compatible``)
         self.restore_notes: list[str] = []
-        #: the run's lease on its checkpoint folder (``run_pipeline`` takes it); each attempt is recorded in it
-        self.lease: Lease | None = None
         self.failures = failures or FailureSchedule()
-        self.restarts = 0
+        #: how often each fail point was reached (``FailureSchedule.fail_points`` counts occurrences)
         self.point_counts: dict[str, int] = {}
-        self.kills_done = 0
-        self.injected = 0  # failures actually injected (kills, fail points, write failures)
-        self.failover_log: list[dict[str, Any]] = []
-        self.epoch_log: list[dict[str, Any]] = []
-        self.completed: list[int] = []
-        self.records_in = 0
+        #: what the run has done: the status and ``JobResult`` read it
+        self.record = RunRecord()
         self.last_failure: float | None = None
-        self._next_delay: float | None = None
-        #: service messages of the whole run (markers, SND/RCV reports, promises, NEOSS)
-        self.traffic = ServiceTraffic()
+        #: unique file names per run (``attempt_id``), never from a seeded rng; set when the run starts
+        self.run_id = ""
 
     def fail_point(self, name: str) -> None:
         n = self.point_counts[name] = self.point_counts.get(name, 0) + 1
         if n in self.failures.fail_points.get(name, ()):
-            self.injected += 1
+            self.record.injected += 1
             raise InjectedFailure(f"injected crash at {name} (occurrence {n})")
 
     def clock(self) -> float:
@@ -113,7 +109,7 @@ class Driver:
         raise NotImplementedError
 
     def on_failover(self) -> None:
-        """Called after every counted failure (``restarts`` is up to date): publish it."""
+        """Called after every counted failure (``record.restarts`` is up to date): publish it."""
 
     def prepare(self, restore: str | None, allow_non_restored_state: bool) -> Restored | None:
         """Find and check what the run starts from (before anything is started or written)."""
@@ -134,10 +130,11 @@ class Driver:
     def run_prepared(self, restored: Restored | None, duration: float | None) -> None:
         """``run`` from what ``prepare`` returned, for a driver that called it already."""
         initial = restored
-        self.run_id = secrets.token_hex(4)  # unique file names per run, never from a seeded rng
+        self.run_id = secrets.token_hex(4)
         strategy = self.pipeline.restart_strategy
         failure_times: list[float] = []
-        current = {"restored": restored}
+        record = self.record
+        current: dict[str, Any] = {"restored": restored, "delay": None}  # the strategy's next delay
 
         def once() -> None:
             if self.lease is not None:  # from here on, writes of earlier attempts are refused
@@ -148,20 +145,20 @@ class Driver:
 
         def failed(state: tenacity.RetryCallState) -> None:  # after every retryable failure
             exc = state.outcome.exception() if state.outcome else None  # set before `after` runs
-            reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+            reason = (exc.reason if isinstance(exc, Failover) else None) or f"{type(exc).__name__}: {exc}"
             if self.master is not None:  # savepoints in flight die with the attempt (a stop stays asked)
                 for req in self.master.savepoints.values():
                     req.fail(f"the job failed over before the savepoint completed: {reason.splitlines()[0]}")
             self.last_failure = self.clock()
             failure_times.append(self.last_failure)
-            self.failover_log.append({"time": self.last_failure, "reason": reason})
+            record.failover_log.append({"time": self.last_failure, "reason": reason})
             log.warning("job %s failing over: %s", self.pipeline.name, reason.splitlines()[0])
-            self.restarts += 1
-            self._next_delay = strategy.decide(failure_times, self.last_failure)
+            record.restarts += 1
+            current["delay"] = strategy.decide(failure_times, self.last_failure)
             self.on_failover()
 
         def give_up(state: tenacity.RetryCallState) -> bool:
-            return self._next_delay is None
+            return current["delay"] is None
 
         def restore_latest(state: tenacity.RetryCallState) -> None:
             current["restored"] = find_restore(self.storage, "latest") or initial
@@ -170,7 +167,7 @@ class Driver:
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_retryable),
             stop=give_up,
-            wait=lambda state: self._next_delay or 0.0,
+            wait=lambda state: current["delay"] or 0.0,
             sleep=self.pause,
             after=failed,
             before_sleep=restore_latest,
@@ -180,27 +177,28 @@ class Driver:
             retrying(once)
         except tenacity.RetryError as err:
             exc = err.last_attempt.exception()
-            self.restarts -= 1  # the failure the strategy refused is not a restart
-            reason = self.failover_log[-1]["reason"]
+            record.restarts -= 1  # the failure the strategy refused is not a restart
+            reason = record.failover_log[-1]["reason"]
             raise JobFailedError(
-                f"job {self.pipeline.name!r} failed: {strategy.describe()} (restarts: {self.restarts}); "
+                f"job {self.pipeline.name!r} failed: {strategy.describe()} (restarts: {record.restarts}); "
                 f"last failure: {reason}"
             ) from exc
 
     def attempt_id(self) -> str:
         """The current attempt's id, ``<run id>.<restart>``: names its files and fences older attempts."""
-        return f"{self.run_id}.{self.restarts}"
+        return f"{self.run_id}.{self.record.restarts}"
 
     def collect(self, master: JobMaster) -> None:
         """Move what the job master finished into the run's record."""
+        record = self.record
         if master.completed:
-            self.completed.extend(master.completed)
+            record.completed.extend(master.completed)
             master.completed = []
         if master.epoch_log:
-            self.epoch_log.extend(master.epoch_log)
+            record.epoch_log.extend(master.epoch_log)
             master.epoch_log = []
         if master.written:
-            self.savepoints_written.extend(master.written)
+            record.savepoints.extend(master.written)
             master.written = []
 
     def new_master(self, restored: Restored | None, now: float, deployment: str,

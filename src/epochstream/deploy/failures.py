@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ..runtime.errors import EpochStreamError
+from ..chaos.plan import ChaosPlan
+from ..runtime.errors import ConfigurationError, EpochStreamError
 
 if TYPE_CHECKING:
     import random as _random
@@ -39,13 +40,21 @@ class FailureSchedule:
     fail_points: dict[str, set[int]] = field(default_factory=dict)
     write_failures: set[int] = field(default_factory=set)
     #: local and spark drivers, per kill in ``kill_times`` order (missing: "now", "worker"): the
-    #: protocol moment the kill waits for ("now", "alignment", "snapshot_write", "sink_commit",
-    #: "commit") and
-    #: what it kills ("worker": the worker's process; "executor": the Spark executor JVM;
-    #: "machine": the executor JVM and the standalone Worker that started it, a lost machine;
-    #: "freeze": SIGSTOP of the worker's process, alive but silent until heartbeats time out)
+    #: protocol moment the kill waits for (a ``chaos.kills.KillMoment``) and what it kills (a
+    #: ``chaos.kills.KillTarget``); the simulator kills at once, a worker
     kill_moments: list[str] = field(default_factory=list)
     kill_targets: list[str] = field(default_factory=list)
+
+    def chaos_plan(self, choose: Callable[[int], int], moment_timeout: float,
+                   moments: bool = True) -> ChaosPlan:
+        """The plan of this schedule's kills (``chaos.plan``); ``choose`` picks a victim among n
+        workers; ``moments`` False: every kill now, of a worker (the simulator's)."""
+        try:
+            return ChaosPlan(kill_times=self.kill_times, moments=self.kill_moments if moments else (),
+                             targets=self.kill_targets if moments else (), choose=choose,
+                             moment_timeout=moment_timeout)
+        except ValueError as exc:
+            raise ConfigurationError(f"FailureSchedule: {exc}") from None
 
     @classmethod
     def random(cls, rng: _random.Random, kills: int, horizon: float) -> "FailureSchedule":

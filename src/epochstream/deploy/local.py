@@ -21,9 +21,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..backends.rocksdb_checkpoint import used_here as rocksdb_used_here
+from ..chaos.kills import KillTarget
 from ..runtime.errors import ConfigurationError
 from .cluster import ClusterDriver, WorkerGroup
 from .failures import Failover
+from .lease import Lease
 from .worker import run_worker
 
 
@@ -49,9 +51,9 @@ class LocalGroup(WorkerGroup):
                     continue  # read what it sent before dying first (its error report)
                 raise Failover(f"worker {w} (pid {proc.pid}) died with exit code {proc.exitcode}")
 
-    def pid(self, worker: int, target: str) -> int:
-        if target != "worker":
-            raise ConfigurationError(f"the local driver can only kill worker processes, not {target!r}")
+    def pid(self, worker: int, target: KillTarget) -> int:
+        if target is not KillTarget.WORKER:
+            raise ConfigurationError(f"the local driver can only kill worker processes, not {target.value!r}")
         return self.procs[worker].pid
 
     def abort(self) -> None:
@@ -80,13 +82,15 @@ class LocalDriver(ClusterDriver):
 
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  savepoint_dir: str | None = None, stop_with_savepoint: bool = False, rest: bool = True,
-                 rest_port: int = 0, on_start=None, **options: Any) -> None:
+                 rest_port: int = 0, on_start=None, *, job_id: str | None = None, lease: Lease | None = None,
+                 allow_sources_from_start: bool = False, **options: Any) -> None:
         if options:
             raise TypeError(f"unknown option(s) for the local driver: {sorted(options)}")
         super().__init__(pipeline, storage, seed, failures, parallelism, savepoint_dir=savepoint_dir,
-                         stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start)
+                         stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start,
+                         job_id=job_id, lease=lease, allow_sources_from_start=allow_sources_from_start)
         self._ctx = mp.get_context("fork")
-        if getattr(pipeline.checkpoint, "state_backend_type", "hashmap") == "rocksdb" and rocksdb_used_here():
+        if pipeline.checkpoint.state_backend_type == "rocksdb" and rocksdb_used_here():
             raise ConfigurationError(
                 "state_backend_type='rocksdb' on the local driver, in a process that has already opened a RocksDB "
                 "DB (a simulator run, or a query of RocksDB state in this process): the local driver forks its "

@@ -32,13 +32,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..chaos.kills import KillMoment
 from ..runtime.messages import Marker, TaskId
 from ..runtime.meters import WorkerSample
 from ..snapshot.manifest import AckInfo
 
-#: protocol moments a ``Die`` may wait for in the worker ("commit" is the driver's own):
-#: "sink_commit" is after a ``Committed`` arrived and before the worker's sinks commit it
-MOMENTS = ("now", "alignment", "snapshot_write", "sink_commit")
+#: protocol moments a ``Die`` may wait for in the worker (``chaos.kills.KillMoment``; "commit" is the
+#: driver's own): "sink_commit" is after a ``Committed`` arrived and before the worker's sinks commit it
+MOMENTS = tuple(m.value for m in KillMoment if m.in_worker)
 
 
 class _Message:

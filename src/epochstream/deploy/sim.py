@@ -45,7 +45,7 @@ from ..runtime.messages import (
     TaskId,
     Watermark,
 )
-from ..runtime.meters import RunMeters, WorkerSample, task_key
+from ..runtime.meters import WorkerSample, task_key
 from ..runtime.task import Task
 from ..tracker.traffic import ServiceTraffic
 from .assembly import build_tasks
@@ -54,6 +54,7 @@ from .control import SavepointRequest
 from .driver import Driver
 from .failures import Failover, FailureSchedule
 from .flow import FlowLimits, Pressure, ReceiveWindow, SendWindow
+from .lease import Lease
 from .persist import StateWriteError, persist, writes_files
 from .protocol import (
     Ack,
@@ -68,6 +69,7 @@ from .protocol import (
     TrackerReport,
     Trigger,
 )
+from .result import SimFlowCounts
 from .tracking import Tracking, new_local_tracker
 
 __all__ = ["MARKER_BYTES", "FailureSchedule", "FlowLimits", "SimConfig", "SimDriver", "SimStalled"]
@@ -134,10 +136,14 @@ class SimConfig:
 class SimDriver(Driver):
     def __init__(self, pipeline, storage, seed: int = 0, config: SimConfig | None = None,
                  failures: FailureSchedule | None = None, parallelism: int | None = None,
-                 savepoint_dir: str | None = None, stop_with_savepoint: bool = False) -> None:
-        super().__init__(pipeline, storage, failures, parallelism, savepoint_dir, stop_with_savepoint)
+                 savepoint_dir: str | None = None, stop_with_savepoint: bool = False, *, job_id: str | None = None,
+                 lease: Lease | None = None, allow_sources_from_start: bool = False) -> None:
+        super().__init__(pipeline, storage, failures, parallelism, savepoint_dir, stop_with_savepoint,
+                         job_id=job_id, lease=lease, allow_sources_from_start=allow_sources_from_start)
         self.rng = random.Random(seed)
         self.seed = seed
+        #: worker kills at virtual times, at once (no protocol moments): the victim from the run's generator
+        self.chaos = self.failures.chaos_plan(self.rng.randrange, 0.0, moments=False)
         #: per worker, the generator of its straggler pauses: seeded from the run's seed and the worker alone,
         #: so runs with one seed pause the same workers at the same times whatever else they draw (the two
         #: modes of Figure 13a see the same pauses), and a restarted attempt goes on with the same stream
@@ -152,15 +158,11 @@ class SimDriver(Driver):
         self.tracking: Tracking | None = None
         self.controller: AttemptController | None = None
         self.tasks: dict[TaskId, Task] = {}
-        #: every task's rows in and out over the run (``runtime.meters``; no time shares: time is virtual)
-        self.meters = RunMeters()
         #: (worker, start, end) of every straggler pause drawn, every attempt (``SimConfig.straggler_rate``):
         #: benchmarks set a latency against the pauses that no protocol can hide
         self.pause_log: list[tuple[int, float, float]] = []
-        #: flow control over the run (``SimConfig.flow``): data envelopes that had to wait for credit,
-        #: and source reads held back by backpressure
-        self.credit_waits = 0
-        self.throttled_reads = 0
+        if self.cfg.flow is not None:  # flow control over the run: waits for credit, reads held back
+            self.record.sim_flow = SimFlowCounts()
 
     def clock(self) -> float:
         return self.now
@@ -171,22 +173,24 @@ class SimDriver(Driver):
 
     def attempt(self, restored, attempt: str, duration: float | None) -> None:
         self.attempt_traffic = ServiceTraffic()
+        self.chaos.new_attempt()
         run = None
         try:
             run = _SimAttempt(self, restored, attempt, duration)
             run.run()
         finally:  # a failed attempt's service messages were sent all the same
-            self.traffic.merge(self.attempt_traffic)
-            if run is not None:
-                self.meters.new_attempt()
-                self.meters.sample(0, WorkerSample(self.now, {task_key(tid): (t.records_in, t.records_out, 0.0, 0.0,
-                                                                              0.0, t.late_records, t.dead_letters)
-                                                                  for tid, t in run.tasks.items()}))
+            self.record.traffic.merge(self.attempt_traffic)
+            if run is not None:  # every task's rows in and out (no time shares: time is virtual)
+                meters = self.record.meters
+                meters.new_attempt()
+                meters.sample(0, WorkerSample(self.now, {task_key(tid): (t.records_in, t.records_out, 0.0, 0.0, 0.0,
+                                                                         t.late_records, t.dead_letters)
+                                                         for tid, t in run.tasks.items()}))
                 self.bound_latency.extend(run.controller.bound_latency)
                 self.controller = run.controller
 
     def _injected_write_failure(self) -> None:
-        self.injected += 1
+        self.record.injected += 1
         raise OSError("injected state write failure")
 
 
@@ -302,17 +306,13 @@ class _SimAttempt:
         return text if self.flow is None else f"{text}; {self.flow.describe()}"
 
     def _next_kill(self) -> float | None:
-        kill_times, done = self.driver.failures.kill_times, self.driver.kills_done
-        return kill_times[done] if done < len(kill_times) else None
+        return self.driver.chaos.next_due()
 
     def _kill_if_due(self) -> None:
         d = self.driver
-        due = self._next_kill()
-        if due is not None and due <= d.now:
-            d.kills_done += 1
-            d.injected += 1
-            worker = self.rng.randrange(self.plan.parallelism)
-            raise Failover(f"worker {worker} killed at t={d.now:.6f}")
+        for kill in d.chaos.step(d.now, workers=self.plan.parallelism, final=False):  # a Kill, now
+            d.record.injected += 1
+            raise Failover(f"worker {kill.worker} killed at t={d.now:.6f}")
 
     def _due_savepoints(self) -> list[SavepointRequest]:
         """``SimConfig.savepoints_at``: what ``epochstream savepoint`` would ask of a running job."""
@@ -476,7 +476,7 @@ class _SimAttempt:
             return
         task = self.tasks[tid]
         got = self._run_task(task, budget=self.rng.randint(1, self.batch), read_source=True)
-        self.driver.records_in += got
+        self.driver.record.records_in += got
         if task.source_has_more():
             self.push(max(self.busy[tid], self.driver.now + got / self.cfg.source_rate), self._on_read, tid)
 
@@ -584,9 +584,13 @@ class _SimFlow:
 
     def __init__(self, run: _SimAttempt, limits: FlowLimits) -> None:
         self.run = run
+        counts = run.driver.record.sim_flow
+        assert counts is not None, "SimDriver keeps the run's flow counts when SimConfig.flow is set"
+        #: the run's waits for credit and reads held back (every attempt)
+        self.counts = counts
         workers = range(run.plan.parallelism)
         pipeline = run.driver.pipeline
-        overtake = pipeline.mode == "unaligned" and getattr(pipeline, "aligned_timeout", None) is None
+        overtake = pipeline.mode == "unaligned" and pipeline.aligned_timeout is None
         pairs = [(a, b) for a in workers for b in workers if a != b]
         #: (sender, receiver) -> the sender's window of that link / the receiver's
         self.sending = {ab: SendWindow(limits.window, overtake) for ab in pairs}
@@ -606,7 +610,7 @@ class _SimFlow:
         queued = window.queue_data(envelope)
         self._pump(src, dst, at)
         if queued and window.data and window.data[-1] is queued:  # it waits for credit
-            self.run.driver.credit_waits += 1
+            self.counts.credit_waits += 1
 
     def _pump(self, src: int, dst: int, at: float) -> None:
         """Put on the wire whatever the link's window lets leave at ``at``."""
@@ -670,7 +674,7 @@ class _SimFlow:
         if not self.pressure[source[1]].throttled:
             return False
         self.parked[source[1]].add(source)
-        self.run.driver.throttled_reads += 1
+        self.counts.throttled_reads += 1
         return True
 
     def _wake(self, worker: int, at: float) -> None:

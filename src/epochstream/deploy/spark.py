@@ -40,14 +40,16 @@ import secrets
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import cloudpickle
 
 from ..backends.spark_session import delta_conf, uses_delta
+from ..chaos.kills import KillTarget
 from ..runtime.errors import ConfigurationError
 from .cluster import ClusterDriver, WorkerGroup
 from .failures import Failover
+from .lease import Lease
 from .net import MeshRoute, Server, connect, mesh
 from .protocol import Hello, WorkerError
 from .slots import SlotWait, spark_slot_message
@@ -277,19 +279,19 @@ class SparkGroup(WorkerGroup):
     def check(self, stopped: dict[int, int], stop_sent: bool) -> None:
         if self.job.done.is_set() and self.job.error and len(stopped) < len(self.conns):
             raise Failover(f"spark job failed: {self.job.error}")
-        self.driver.warm_spares()
+        self.driver.spares.check(time.monotonic())
 
-    def pid(self, worker: int, target: str) -> int:
+    def pid(self, worker: int, target: KillTarget) -> int:
         py, jvm = self.pids[worker]
-        if target == "worker":
+        if target is KillTarget.WORKER:
             return py
-        if target in ("executor", "machine"):
+        if target in (KillTarget.EXECUTOR, KillTarget.MACHINE):
             if self.driver.local_mode or jvm is None:
                 raise ConfigurationError(
-                    f"cannot kill the {target} of worker {worker} on master {self.driver.spark_master!r}: "
+                    f"cannot kill the {target.value} of worker {worker} on master {self.driver.spark_master!r}: "
                     f"in local mode the executor is the driver's own JVM; use local-cluster[W,C,M] or a standalone "
                     f"cluster to kill executors")
-            if target == "executor":
+            if target is KillTarget.EXECUTOR:
                 return jvm
             if self.driver.spark_master.startswith("local-cluster"):  # its Workers are threads of the driver's JVM
                 raise ConfigurationError("kill target 'machine' needs a standalone cluster (spark://host:port); on "
@@ -298,7 +300,7 @@ class SparkGroup(WorkerGroup):
             if daemon is None:
                 raise ConfigurationError(f"cannot find the process that started executor {jvm} of worker {worker}")
             return daemon
-        raise ConfigurationError(f"unknown kill target {target!r} (worker, executor, machine)")
+        raise ConfigurationError(f"unknown kill target {target.value!r} (worker, executor, machine)")
 
     def abort(self) -> None:
         t0 = time.monotonic()
@@ -321,6 +323,44 @@ class SparkGroup(WorkerGroup):
         self.server.close()
 
 
+class _SpareSlots:
+    """The slots whose Python workers have imported epochstream: every slot there is at start,
+    not only the barrier stage's, so a spare executor's Python worker is warm when a lost
+    task's replacement lands on it (recovery after a Worker loss); and, while an attempt runs,
+    the slots the cluster has gained since (a Worker came back, a spare was added)."""
+
+    def __init__(self, sc, parallelism: int, slots: Callable[[], int | None], every: float) -> None:
+        self.sc = sc
+        self.parallelism = parallelism
+        #: the cluster's slots now (``SparkDriver.slots``)
+        self.slots = slots
+        #: seconds between two checks for gained slots
+        self.every = every
+        #: slots whose Python workers were warmed
+        self.warmed = max(1, slots() or parallelism)
+        self._next_check = 0.0
+        self._warmer: threading.Thread | None = None
+        try:
+            warm_up(sc, self.warmed)
+        except Exception as exc:  # an executor lost meanwhile: the attempt's launch reports and waits
+            log.warning("spark: could not warm up Python workers: %s", _spark_reason(exc))
+
+    def check(self, now: float) -> None:
+        """Warm the slots gained beyond the barrier stage's since the last check (at most every
+        ``every`` seconds, one warm-up job at a time), so the next lost task is placed on a ready one."""
+        if now < self._next_check or (self._warmer is not None and self._warmer.is_alive()):
+            return
+        self._next_check = now + self.every
+        slots = self.slots()
+        if slots is None:
+            return
+        spares = slots - self.parallelism
+        if slots > self.warmed and spares > 0:
+            log.info("spark: %d slots (was %d): warming %d spare slot(s)", slots, self.warmed, spares)
+            self._warmer = warm_spare_slots(self.sc, spares)
+        self.warmed = slots
+
+
 class SparkDriver(ClusterDriver):
     deployment = "spark"
     KILL_AFTER_READY = True
@@ -334,12 +374,14 @@ class SparkDriver(ClusterDriver):
     def __init__(self, pipeline, storage, seed: int = 0, failures=None, parallelism: int | None = None,
                  spark=None, master: str | None = None, spark_conf: dict[str, str] | None = None,
                  connect_timeout: float = 300.0, savepoint_dir: str | None = None, stop_with_savepoint: bool = False,
-                 rest: bool = True, rest_port: int = 0, on_start=None, mesh_route: MeshRoute | None = None,
+                 rest: bool = True, rest_port: int = 0, on_start=None, mesh_route: MeshRoute | None = None, *,
+                 job_id: str | None = None, lease: Lease | None = None, allow_sources_from_start: bool = False,
                  **options: Any) -> None:
         if options:
             raise TypeError(f"unknown option(s) for the spark driver: {sorted(options)}")
         super().__init__(pipeline, storage, seed, failures, parallelism, savepoint_dir=savepoint_dir,
-                         stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start)
+                         stop_with_savepoint=stop_with_savepoint, rest=rest, rest_port=rest_port, on_start=on_start,
+                         job_id=job_id, lease=lease, allow_sources_from_start=allow_sources_from_start)
         if spark is None and uses_delta(pipeline):  # Delta's settings, so this session reads the job's tables
             spark_conf = {**delta_conf(), **(spark_conf or {})}
         self.spark = spark if spark is not None else spark_session(master, spark_conf)
@@ -362,37 +404,11 @@ class SparkDriver(ClusterDriver):
             raise ConfigurationError("barrier stages do not work with dynamic allocation: set "
                                      "spark.dynamicAllocation.enabled=false")
         self.host = self.sc.getConf().get("spark.driver.host", "127.0.0.1")
-        #: the running attempt's wait for barrier slots (deploy.slots); every shortage of the run
+        #: the running attempt's wait for barrier slots (deploy.slots; every shortage of the run: the record's)
         self._slot_wait: SlotWait | None = None
-        self.slot_waits: list[dict[str, Any]] = []
         self._await_executors(p)
-        #: slots whose Python workers were warmed (``warm_spares``)
-        self._warmed_slots = max(1, self.slots() or p)
-        self._next_spare_check = 0.0
-        self._spare_warmer: threading.Thread | None = None
-        # every slot there is, not only p: a spare executor's Python worker is warm when a lost
-        # task's replacement lands on it (recovery after a Worker loss)
-        try:
-            warm_up(self.sc, self._warmed_slots)
-        except Exception as exc:  # an executor lost meanwhile: the attempt's launch reports and waits
-            log.warning("spark: could not warm up Python workers: %s", _spark_reason(exc))
-
-    def warm_spares(self) -> None:
-        """While an attempt runs: when the cluster has gained slots beyond the barrier stage's
-        (a Worker came back, a spare was added), warm their Python workers, so the next lost task
-        is placed on a ready one (checked every ``SPARE_CHECK`` seconds)."""
-        now = time.monotonic()
-        if now < self._next_spare_check or (self._spare_warmer is not None and self._spare_warmer.is_alive()):
-            return
-        self._next_spare_check = now + self.SPARE_CHECK
-        slots = self.slots()
-        if slots is None:
-            return
-        if slots > self._warmed_slots and slots > self.plan.parallelism:
-            log.info("spark: %d slots (was %d): warming %d spare slot(s)", slots, self._warmed_slots,
-                     slots - self.plan.parallelism)
-            self._spare_warmer = warm_spare_slots(self.sc, slots - self.plan.parallelism)
-        self._warmed_slots = slots
+        #: the Python workers of the cluster's slots, warmed at start and when slots are gained
+        self.spares = _SpareSlots(self.sc, p, self.slots, self.SPARE_CHECK)
 
     def _await_executors(self, p: int) -> None:
         """A new session's executors register over a few seconds: wait (at most
@@ -465,7 +481,7 @@ class SparkDriver(ClusterDriver):
         finally:
             if wait.waiting:  # the run ends waiting: its record still shows the shortage
                 wait.slots_back(time.monotonic())
-            self.slot_waits.extend(wait.history)
+            self.record.slot_waits.extend(wait.history)
             self._slot_wait = None
 
     def _submit(self, restored, attempt: str, wait: SlotWait) -> SparkGroup | None:
