@@ -450,7 +450,8 @@ SECTIONS: tuple[Section, ...] = (
                               {"epoch_p99_ms": "epoch_p99_ms", "p99_ms": "p99_ms",
                                "same_load_p99_ms": "same_load_p99_ms"},
                               first=("guarantee", "latency_rate", "same_load_rate", "check")))
-              for name in ("kafka_json_pandas.csv", "kafka_json_pandas_100k.csv", "kafka_json_pandas_pyflink.csv")),
+              for name in ("kafka_json_pandas.csv", "kafka_json_pandas_transform.csv", "kafka_json_pandas_100k.csv",
+                           "kafka_json_pandas_pyflink.csv")),
         note="Paths: `arrow` is `from_kafka` (Arrow batches) -> `from_json`; `dicts` and `batches` feed the same "
              "records without Kafka (Python dicts from a collection; Arrow batches built by hand). Spark's "
              "Kafka sink is at-least-once; epochstream's is exactly-once. At 50% of epochstream's own rate the "
