@@ -49,6 +49,7 @@ _NO_TEARDOWN = textwrap.dedent("""
 """)
 CLI_NO_TEARDOWN = [sys.executable, "-c", _NO_TEARDOWN]
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
+EXIT_NOT_INJECTED = 4
 
 #: records of the small job: 500 ids over 5 keys
 SMALL_N, SMALL_KEYS = 500, 5
@@ -427,6 +428,7 @@ def test_chaos_sim_exactly_once(job, tmp_path, mode):
     assert doc["lost"] == doc["duplicated"] == doc["mismatched_state"] == doc["mismatched_epoch_output"] == 0
     assert doc["epochs_checked"] >= 1
     assert doc["records_committed"] == doc["records_expected"] == SMALL_N
+    assert doc["failures"]["requested"] == doc["failures"]["landed"] == doc["failures_injected"] == 3, doc["failures"]
 
 
 def test_chaos_sim_at_least_once_loses_nothing(job, tmp_path):
@@ -449,9 +451,31 @@ def test_chaos_local_with_five_real_kills(job, tmp_path):
     doc = chaos(job, tmp_path, "large", "--deployment", "local", "--kills", "5", "--seed", "3")
     assert doc["deployment"] == "local"
     assert doc["failures_injected"] >= 5, doc
+    assert doc["failures"]["kinds"] == [{"kind": "worker/now", "requested": 5, "landed": 5}], doc["failures"]
     assert doc["restarts"] >= 1 and len(doc["failovers"]) == doc["restarts"], doc
     assert doc["lost"] == doc["duplicated"] == doc["mismatched_state"] == doc["mismatched_epoch_output"] == 0
     assert doc["records_committed"] == doc["records_expected"] == 120_000
+
+
+@pytest.mark.parametrize("deployment", ["sim", "local"])
+def test_chaos_whose_kills_cannot_land_fails(job, tmp_path, deployment):
+    """A planted run: every kill is due after the job has ended. The oracle finds nothing
+    wrong, and chaos must still fail, naming the kills that did not land."""
+    work = tmp_path / "late"
+    proc = cli("chaos", f"{job}:small", "--deployment", deployment, "--kills", "2", "--seed", "1",
+               "--kill-window", "5,6", "--json", "--workdir", work, cwd=tmp_path, timeout=300)
+    assert proc.returncode == EXIT_NOT_INJECTED, (proc.returncode, proc.stdout, proc.stderr)
+    doc = as_json(proc)
+    assert doc["exactly_once"] is True and doc["ok"] is False
+    failures = doc["failures"]
+    assert failures["requested"] == 2 and failures["landed"] < 2, failures
+    assert any("did not land" in problem for problem in failures["problems"]), failures
+    assert "did not land" in proc.stderr
+
+
+def test_chaos_kill_window_is_checked(job, tmp_path):
+    proc = cli("chaos", f"{job}:small", "--deployment", "sim", "--kill-window", "0.9,0.1", cwd=tmp_path)
+    assert proc.returncode == EXIT_USAGE and "START < END" in proc.stderr
 
 
 # ---------------------------------------------------------------- bad input

@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "epochstream"
 MODULES = (
     "epochstream.alignment.overtaking",
     "epochstream.chaos.plan",
+    "epochstream.chaos.verdict",
     "epochstream.deploy.restart",
     "epochstream.deploy.spark",
     "epochstream.graph.cycles",

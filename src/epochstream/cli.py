@@ -23,6 +23,19 @@ from typing import Any, Callable
 from .chaos.kills import KillMoment, KillTarget
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
+#: chaos: the oracle found nothing, but failures asked for did not land or caused no failover
+EXIT_NOT_INJECTED = 4
+
+
+def _kill_window(text: str) -> tuple[float, float]:
+    """``--kill-window START,END``: two fractions, 0 <= START < END."""
+    try:
+        start, end = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START,END (two numbers), got {text!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"needs 0 <= START < END, got {text!r}")
+    return start, end
 
 
 class UsageError(ValueError):
@@ -563,6 +576,17 @@ def _writes_kafka(build) -> bool:
     return bool(kafka)
 
 
+def _chaos_verdict(results: dict[str, Any], args):
+    """Whether the chaos run's failures happened (``chaos.verdict``): each requested one landed
+    and each landed kill or crash caused a failover."""
+    from .chaos.verdict import judge
+
+    chaos, schedule = results.get("chaos"), results.get("schedule")
+    requested = schedule.requested(moments=args.deployment != "sim") if schedule is not None else []
+    landed = chaos.metrics.get("failures_landed", []) if chaos else []
+    return judge(requested, landed, failovers=len(chaos.metrics.get("failovers", [])) if chaos else 0)
+
+
 def _chaos_fields(chaos, args, work) -> dict[str, Any]:
     """What both chaos reports (Kafka topics or the oracle) say about the chaos run itself."""
     return {
@@ -591,34 +615,66 @@ def _chaos_kafka(build, run, work, results: dict[str, Any], args) -> int:
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_FAILED
     chaos = results.get("chaos")
+    verdict = _chaos_verdict(results, args)
     doc = report.to_json()
     doc.update({
         "restarts": chaos.restarts if chaos else 0,
         **_chaos_fields(chaos, args, work),
+        "exactly_once": report.ok, "failures": verdict.as_dict(), "ok": report.ok and verdict.ok,
     })
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
-        print(f"chaos {'PASS' if report.ok else 'FAIL'} (Kafka output at read_committed): {doc['restarts']} restarts "
+        print(f"chaos {'PASS' if doc['ok'] else 'FAIL'} (Kafka output at read_committed): {doc['restarts']} restarts "
               f"after {doc['failures_injected']} injected failures")
         print(f"  lost={report.lost} duplicated={report.duplicated} (committed {report.records_committed} of "
               f"{report.records_expected} expected records; {report.aborted_visible} aborted records visible at "
               f"read_uncommitted)")
         for ex in report.examples[:5]:
             print(f"  {ex}")
-    return EXIT_OK if report.ok else EXIT_VIOLATION
+        _print_failures(verdict)
+    return _chaos_exit(report.ok, verdict)
 
 
-def _chaos_failures(args, rng: random.Random, span: float):
-    """The chaos run's failures over ``span`` seconds (the failure-free run's length)."""
+def _chaos_exit(exactly_once: bool, verdict) -> int:
+    """A violation first; then a run whose failures did not happen proves nothing, and says so."""
+    if not exactly_once:
+        return EXIT_VIOLATION
+    if not verdict.ok:
+        for problem in verdict.problems:
+            print(f"epochstream: chaos: {problem}", file=sys.stderr)
+        return EXIT_NOT_INJECTED
+    return EXIT_OK
+
+
+def _print_failures(verdict) -> None:
+    """Requested and landed failures per kind, and what did not happen."""
+    kinds = ", ".join(f"{k.kind} {k.landed}/{k.requested}" for k in verdict.kinds) or "none"
+    print(f"  failures landed/requested: {kinds}; {verdict.failovers} failovers for {verdict.due_failovers} due")
+    for problem in verdict.problems:
+        print(f"  NOT INJECTED: {problem}")
+
+
+def _chaos_failures(args, rng: random.Random, reference):
+    """The chaos run's failures, kills within ``--kill-window`` of the failure-free run's length."""
     from .deploy.failures import FailureSchedule
 
-    if args.deployment == "sim":
-        return FailureSchedule.random(rng, args.kills, span)
-    # one kill per attempt: a kill whose time has passed waits for the next attempt
+    span = reference.metrics.get("virtual_seconds") or reference.metrics.get("run_seconds") or reference.seconds
+    sim = args.deployment == "sim"
+    start, end = args.kill_window or ((0.0, 1.0) if sim else (0.1, 0.9))
+    if sim:
+        return FailureSchedule.random(rng, args.kills, end * span, start=start * span,
+                                      epochs=len(reference.completed_epochs),
+                                      captures=reference.metrics.get("state_captures"))
+    # one kill per attempt: a kill whose time has passed waits for the next attempt. A kill is due at
+    # its fraction of the reference's seconds or of its epochs, whichever comes first: a chaos run
+    # faster than the reference (no cold start) still takes its kills before it ends
     moments, targets = args.kill_moments or [], args.kill_targets or []
+    fractions = sorted(rng.uniform(start, end) for _ in range(args.kills))
+    epochs = len(reference.completed_epochs)
     return FailureSchedule(
-        kill_times=sorted(rng.uniform(0.1 * span, 0.9 * span) for _ in range(args.kills)),
+        kill_times=[f * span for f in fractions],
+        kill_epochs=[max(1, int(f * epochs)) for f in fractions],
         kill_moments=[rng.choice(moments) for _ in range(args.kills)] if moments else [],
         kill_targets=[rng.choice(targets) for _ in range(args.kills)] if targets else [])
 
@@ -640,7 +696,7 @@ def _chaos_doc(report, chaos, args, work: str) -> dict[str, Any]:
 
 def _print_chaos(report, doc: dict[str, Any], work: str) -> None:
     """The text form of ``chaos``'s report (``--json`` prints ``doc``)."""
-    verdict = "PASS" if report.ok else "FAIL"
+    verdict = "PASS" if doc["ok"] else "FAIL"
     print(f"chaos {verdict}: {doc['restarts']} restarts after {doc['failures_injected']} injected failures, "
           f"{doc['epochs_checked']} epochs checked")
     print(f"  lost={report.lost} duplicated={report.duplicated} mismatched_state={report.mismatched_state} "
@@ -668,7 +724,6 @@ def cmd_chaos(args) -> int:
         raise UsageError("--kill-moments and --kill-targets need --deployment local or spark")
     options = _spark_options(args)
     rng = random.Random(args.seed)
-    horizon: dict[str, float] = {}
     results: dict[str, Any] = {}
 
     def run(p, chk: str, failing: bool):
@@ -677,8 +732,8 @@ def cmd_chaos(args) -> int:
         if args.deployment != "sim":
             delay = min(delay, 0.2)
         p.restart_strategy = FixedDelayRestart(max(p.restart_attempts or 0, 2 * args.kills + 5), delay)
-        failures = _chaos_failures(args, rng, horizon["seconds"]) if failing else None
-        t0 = time.perf_counter()
+        failures = _chaos_failures(args, rng, results["reference"]) if failing else None
+        results["schedule"] = failures if failing else results.get("schedule")
         line = _status_line("chaos run" if failing else "failure-free run", args)
         live = {"on_start": line.on_start} if line is not None else {}
         try:
@@ -688,9 +743,6 @@ def cmd_chaos(args) -> int:
             _close(line)
             raise
         _close(line, r)
-        if not failing:
-            horizon["seconds"] = r.metrics.get("virtual_seconds") or r.metrics.get("run_seconds") or (
-                time.perf_counter() - t0)
         results["chaos" if failing else "reference"] = r
         return r
 
@@ -707,12 +759,15 @@ def cmd_chaos(args) -> int:
     except JobFailedError as exc:
         print(f"epochstream: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    verdict = _chaos_verdict(results, args)
     doc = _chaos_doc(report, results.get("chaos"), args, work)
+    doc.update({"exactly_once": report.ok, "failures": verdict.as_dict(), "ok": report.ok and verdict.ok})
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
         _print_chaos(report, doc, work)
-    return EXIT_OK if report.ok else EXIT_VIOLATION
+        _print_failures(verdict)
+    return _chaos_exit(report.ok, verdict)
 
 
 def cmd_ui(args) -> int:
@@ -812,6 +867,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local/spark: what a kill hits, chosen at random per kill: worker (its Python "
                             "process), executor (spark on local-cluster: the executor JVM), freeze (SIGSTOP the "
                             "worker: heartbeats time out) (default: worker)")
+    chaos.add_argument("--kill-window", metavar="START,END", type=_kill_window,
+                       help="kill times drawn in [START, END) of the failure-free run's length (default 0.1,0.9; "
+                            "sim 0,1); a kill due after the chaos run has ended does not land, and chaos then "
+                            "exits 4")
     chaos.add_argument("--workdir", help="keep both runs' output and checkpoints here (--checkpoint-dir is the same)")
     chaos.add_argument("--compare", choices=("recorded", "strict"), default="recorded",
                        help="recorded (default): replay the reference in the order the committed epochs processed "

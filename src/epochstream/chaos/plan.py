@@ -1,6 +1,7 @@
 """``ChaosPlan``: which kill comes next, given the run's progress and the time.
 
-The plan holds the schedule (kill times in run seconds, with a moment and a target per kill)
+The plan holds the schedule (kill times in run seconds, and optionally a count of completed
+epochs that makes a kill due as well, whichever comes first; a moment and a target per kill)
 and where the run is in it; the driver tells it of attempts, of the final epoch being asked,
 of the job master's commit, and asks it each loop step for actions (``chaos.kills``) that it
 carries out with signals. Nothing here reads a clock or draws a random number: the victim
@@ -30,7 +31,9 @@ class ChaosPlan:
     is carried out at once (logged as ``<moment>/timeout``), and so is one still waiting when
     the attempt asks for its final epoch (``<moment>/final``): its moment may not come again
     (a final epoch need not hold any channel), and a kill counted as injected must happen. A
-    ``commit`` or ``sink_commit`` kill waits: the final epoch commits too.
+    ``commit`` or ``sink_commit`` kill waits: the final epoch commits too. No kill is started
+    once the attempt has asked for its final epoch: the job has no work left after it, and a
+    kill that cannot land before the job ends is reported as not landed (``chaos.verdict``).
 
     >>> plan = ChaosPlan(kill_times=[1.0], moments=["alignment"], choose=lambda n: n - 1)
     >>> plan.step(0.5, workers=2, final=False)
@@ -39,12 +42,25 @@ class ChaosPlan:
     [ArmKill(at=1.2, worker=1, target=<KillTarget.WORKER: 'worker'>, moment=<KillMoment.ALIGNMENT: 'alignment'>)]
     >>> [k.moment for k in plan.step(4.3, workers=2, final=False)], plan.done
     (['alignment/timeout'], 1)
+    >>> late = ChaosPlan(kill_times=[1.0], choose=lambda n: 0)
+    >>> late.step(2.0, workers=2, final=True), late.done
+    ([], 0)
+    >>> by_epochs = ChaosPlan(kill_times=[9.0], kill_epochs=[3], choose=lambda n: 0)
+    >>> by_epochs.step(0.5, workers=2, final=False, completed=2)
+    []
+    >>> [k.at for k in by_epochs.step(0.6, workers=2, final=False, completed=3)]
+    [0.6]
     """
 
-    def __init__(self, *, kill_times: Sequence[float], moments: Sequence[str] = (), targets: Sequence[str] = (),
-                 choose: Callable[[int], int], moment_timeout: float = 3.0) -> None:
+    def __init__(self, *, kill_times: Sequence[float], kill_epochs: Sequence[int] = (), moments: Sequence[str] = (),
+                 targets: Sequence[str] = (), choose: Callable[[int], int], moment_timeout: float = 3.0) -> None:
         #: per kill, in time order: when (run seconds), the moment it waits for, what it hits
         self.times = list(kill_times)
+        #: per kill (optional): due also once the run has completed this many epochs, so that a run
+        #: faster than the one its times were drawn from still takes its kills mid-run
+        self.epochs = list(kill_epochs)
+        if len(self.epochs) > len(self.times) or self.epochs != sorted(self.epochs):
+            raise ValueError(f"kill_epochs {self.epochs} must be in order, at most one per kill time")
         self.moments = [KillMoment(m) for m in moments]
         self.targets = [KillTarget(t) for t in targets]
         #: picks the victim among the attempt's n workers (the driver's seeded generator)
@@ -67,9 +83,17 @@ class ChaosPlan:
         """When the next kill is due (run seconds; None: none is left)."""
         return self.times[self.done] if self.done < len(self.times) else None
 
-    def step(self, now: float, *, workers: int, final: bool) -> list[KillAction]:
+    def due(self, now: float, completed: int) -> bool:
+        """The next kill is due: its time has come, or the run has completed its epochs."""
+        i = self.done
+        if i >= len(self.times):
+            return False
+        return now >= self.times[i] or (i < len(self.epochs) and completed >= self.epochs[i])
+
+    def step(self, now: float, *, workers: int, final: bool, completed: int = 0) -> list[KillAction]:
         """The actions due at ``now`` (run seconds) in an attempt of ``workers`` workers;
-        ``final``: the attempt has asked for its final epoch and it has not finished."""
+        ``final``: the attempt has asked for its final epoch and it has not finished;
+        ``completed``: epochs the run has completed."""
         armed = self._armed
         if armed is not None:
             final = final and not armed.moment.comes_with_final_epoch
@@ -80,7 +104,7 @@ class ChaosPlan:
                              armed=True)]
             return []
         i = self.done
-        if self._attempt_killed or i >= len(self.times) or now < self.times[i]:
+        if self._attempt_killed or final or not self.due(now, completed):
             return []
         self.done += 1
         self._attempt_killed = True

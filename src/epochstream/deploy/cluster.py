@@ -25,6 +25,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, Iterator
 
 from ..chaos.kills import Kill, KillTarget
+from ..chaos.verdict import kill_kind
 from ..snapshot.manifest import CheckpointError
 from ..tracker.traffic import ServiceTraffic
 from .attempt import AttemptController, CaptureFull
@@ -254,11 +255,12 @@ class _AttemptLoop:
         d, c, group = self.driver, self.c, self.group
         final = c.final_requested and not c.master.finished
         kills = d.record.kills
-        for action in d.chaos.step(d.clock(), workers=len(group.conns), final=final):
+        for action in d.chaos.step(d.clock(), workers=len(group.conns), final=final, completed=len(d.record.completed)):
             if isinstance(action, Kill) and action.armed:
                 kills[-1]["moment"] = action.moment
             else:
                 d.record.injected += 1
+                d.record.landed.append(kill_kind(action.target, action.moment))
                 kills.append({"time": action.at, "worker": action.worker, "target": action.target.value,
                               "moment": str(action.moment)})
             if isinstance(action, Kill):

@@ -96,6 +96,7 @@ class Driver:
         n = self.point_counts[name] = self.point_counts.get(name, 0) + 1
         if n in self.failures.fail_points.get(name, ()):
             self.record.injected += 1
+            self.record.landed.append(f"fail_point/{name}")
             raise InjectedFailure(f"injected crash at {name} (occurrence {n})")
 
     def clock(self) -> float:

@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from ..chaos.kills import KillMoment, KillTarget
 from ..chaos.plan import ChaosPlan
+from ..chaos.verdict import WRITE_FAILURE, kill_kind
 from ..runtime.errors import ConfigurationError, EpochStreamError
 
 if TYPE_CHECKING:
@@ -37,6 +39,9 @@ class FailureSchedule:
     """What goes wrong, and when. Occurrence numbers count from 1 over the whole run."""
 
     kill_times: list[float] = field(default_factory=list)
+    #: local and spark drivers (optional, per kill): due also once the run has completed this many
+    #: epochs, whichever comes first (chaos draws both from one fraction of a failure-free run)
+    kill_epochs: list[int] = field(default_factory=list)
     fail_points: dict[str, set[int]] = field(default_factory=dict)
     write_failures: set[int] = field(default_factory=set)
     #: local and spark drivers, per kill in ``kill_times`` order (missing: "now", "worker"): the
@@ -50,26 +55,49 @@ class FailureSchedule:
         """The plan of this schedule's kills (``chaos.plan``); ``choose`` picks a victim among n
         workers; ``moments`` False: every kill now, of a worker (the simulator's)."""
         try:
-            return ChaosPlan(kill_times=self.kill_times, moments=self.kill_moments if moments else (),
+            return ChaosPlan(kill_times=self.kill_times, kill_epochs=self.kill_epochs if moments else (),
+                             moments=self.kill_moments if moments else (),
                              targets=self.kill_targets if moments else (), choose=choose,
                              moment_timeout=moment_timeout)
         except ValueError as exc:
             raise ConfigurationError(f"FailureSchedule: {exc}") from None
 
+    def requested(self, moments: bool = True) -> list[str]:
+        """The kind of every failure asked for (``chaos.verdict``); ``moments`` False: the
+        simulator's, whose kills are all of a worker, at once."""
+        kinds = []
+        for i in range(len(self.kill_times)):
+            moment = self.kill_moments[i] if moments and i < len(self.kill_moments) else KillMoment.NOW
+            target = self.kill_targets[i] if moments and i < len(self.kill_targets) else KillTarget.WORKER
+            kinds.append(kill_kind(target, moment))
+        kinds += [f"fail_point/{name}" for name, occurrences in sorted(self.fail_points.items()) for _ in occurrences]
+        return kinds + [WRITE_FAILURE] * len(self.write_failures)
+
     @classmethod
-    def random(cls, rng: _random.Random, kills: int, horizon: float) -> "FailureSchedule":
-        """``kills`` failures spread over ``horizon`` virtual seconds, a mix of worker kills
-        and job-master crashes at fail points."""
+    def random(cls, rng: _random.Random, kills: int, horizon: float, *, start: float = 0.0,
+               epochs: int | None = None, captures: int | None = None) -> "FailureSchedule":
+        """``kills`` failures, a mix of worker kills in ``[start, horizon)`` virtual seconds,
+        job-master crashes at fail points and failed state writes. ``epochs`` and ``captures``
+        (a failure-free run's completed epochs and state captures) bound which occurrence of a
+        fail point and which capture is drawn, so that each one comes in a run at least as
+        long; the ``recovery`` point is drawn only beside another failure (it needs a recovery)."""
         sched = cls()
         points = ["before_manifest", "after_manifest", "mid_commit", "after_commit", "recovery"]
+        last_epoch = 4 if epochs is None else max(1, min(4, epochs))
+        last_capture = 20 if captures is None else max(1, min(20, captures))
         for _ in range(kills):
             r = rng.random()
             if r < 0.6:
-                sched.kill_times.append(rng.uniform(0, horizon))
+                sched.kill_times.append(rng.uniform(start, horizon))
             elif r < 0.9:
-                sched.fail_points.setdefault(rng.choice(points), set()).add(rng.randint(1, 4))
+                point = rng.choice(points)
+                occurrences = sched.fail_points.setdefault(point, set())
+                n = rng.randint(1, last_epoch)
+                occurrences.add(1 if point == "recovery" else n)
             else:
-                sched.write_failures.add(rng.randint(1, 20))
+                sched.write_failures.add(rng.randint(1, last_capture))
+        if "recovery" in sched.fail_points and len(sched.requested(moments=False)) == 1:
+            sched.fail_points = {"before_manifest": {1}}
         sched.kill_times.sort()
         return sched
 

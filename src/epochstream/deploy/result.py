@@ -66,6 +66,10 @@ class RunRecord:
     records_in: int = 0
     #: failures actually injected (kills, fail points, write failures)
     injected: int = 0
+    #: the simulator: state captures persisted, every attempt (``FailureSchedule.write_failures`` counts them)
+    captures: int = 0
+    #: the kind of every failure injected (``chaos.verdict``: ``worker/alignment``, ``fail_point/mid_commit``, ...)
+    landed: list[str] = field(default_factory=list)
     #: every chaos kill of the multi-process drivers: time, worker, target, moment
     kills: list[dict[str, Any]] = field(default_factory=list)
     #: seconds from each failure to every worker of the next attempt being ready
@@ -95,6 +99,8 @@ class RunRecord:
                 "epochs": self.epoch_log,
                 "failovers": self.failover_log,
                 "failures_injected": self.injected,
+                "failures_landed": self.landed,
+                "state_captures": self.captures,
                 "recovery_seconds": self.recovery_seconds,
                 "kills": self.kills,
                 "virtual_seconds": virtual_seconds,

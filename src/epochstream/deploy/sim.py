@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..backends.base import commits_in_subtasks
+from ..chaos.verdict import WRITE_FAILURE, kill_kind
 from ..runtime.messages import (
     Marker,
     Send,
@@ -150,7 +151,9 @@ class SimDriver(Driver):
         self.pause_rngs: dict[int, random.Random] = {}
         self.cfg = config or SimConfig()
         self.now = 0.0
-        self.writes = 0
+        #: capture ``n`` of ``failures.write_failures`` came (``record.captures`` counts them), and the
+        #: next one that writes a state file fails (a capture without keyed state writes none)
+        self.write_failure_due = False
         #: (epoch, task, seconds from the epoch's trigger to the task's bound), every attempt
         self.bound_latency: list[tuple[int, Any, float]] = []
         #: the last attempt's trAcker objects (None in the aligned modes), tasks and controller (benchmarks read
@@ -190,7 +193,9 @@ class SimDriver(Driver):
                 self.controller = run.controller
 
     def _injected_write_failure(self) -> None:
+        self.write_failure_due = False
         self.record.injected += 1
+        self.record.landed.append(WRITE_FAILURE)
         raise OSError("injected state write failure")
 
 
@@ -312,6 +317,7 @@ class _SimAttempt:
         d = self.driver
         for kill in d.chaos.step(d.now, workers=self.plan.parallelism, final=False):  # a Kill, now
             d.record.injected += 1
+            d.record.landed.append(kill_kind(kill.target, kill.moment))
             raise Failover(f"worker {kill.worker} killed at t={d.now:.6f}")
 
     def _due_savepoints(self) -> list[SavepointRequest]:
@@ -562,8 +568,9 @@ class _SimAttempt:
 
     def _on_persisted(self, capture: TaskCapture) -> None:
         d, c = self.driver, self.controller
-        d.writes += 1
-        inject = d._injected_write_failure if d.writes in d.failures.write_failures else None
+        d.record.captures += 1
+        d.write_failure_due = d.write_failure_due or d.record.captures in d.failures.write_failures
+        inject = d._injected_write_failure if d.write_failure_due else None
         try:
             info = persist(d.storage, d.pipeline.sinks, capture, self.attempt, inject)
         except StateWriteError as exc:
