@@ -31,9 +31,8 @@ class ChaosPlan:
     is carried out at once (logged as ``<moment>/timeout``), and so is one still waiting when
     the attempt asks for its final epoch (``<moment>/final``): its moment may not come again
     (a final epoch need not hold any channel), and a kill counted as injected must happen. A
-    ``commit`` or ``sink_commit`` kill waits: the final epoch commits too. No kill is started
-    once the attempt has asked for its final epoch: the job has no work left after it, and a
-    kill that cannot land before the job ends is reported as not landed (``chaos.verdict``).
+    ``commit`` or ``sink_commit`` kill waits: the final epoch commits too. A kill still due when
+    the job has ended did not land, and a chaos run reports it (``chaos.verdict``).
 
     >>> plan = ChaosPlan(kill_times=[1.0], moments=["alignment"], choose=lambda n: n - 1)
     >>> plan.step(0.5, workers=2, final=False)
@@ -42,9 +41,6 @@ class ChaosPlan:
     [ArmKill(at=1.2, worker=1, target=<KillTarget.WORKER: 'worker'>, moment=<KillMoment.ALIGNMENT: 'alignment'>)]
     >>> [k.moment for k in plan.step(4.3, workers=2, final=False)], plan.done
     (['alignment/timeout'], 1)
-    >>> late = ChaosPlan(kill_times=[1.0], choose=lambda n: 0)
-    >>> late.step(2.0, workers=2, final=True), late.done
-    ([], 0)
     >>> by_epochs = ChaosPlan(kill_times=[9.0], kill_epochs=[3], choose=lambda n: 0)
     >>> by_epochs.step(0.5, workers=2, final=False, completed=2)
     []
@@ -104,7 +100,7 @@ class ChaosPlan:
                              armed=True)]
             return []
         i = self.done
-        if self._attempt_killed or final or not self.due(now, completed):
+        if self._attempt_killed or not self.due(now, completed):
             return []
         self.done += 1
         self._attempt_killed = True
