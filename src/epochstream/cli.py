@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .chaos.kills import KillMoment, KillTarget
+from .runtime.modes import SnapshotMode
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 
@@ -92,7 +93,7 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
     """Wrap a factory so every pipeline it builds carries the command-line overrides."""
     from dataclasses import replace
 
-    from .api.pipeline import MODES, Pipeline
+    from .api.pipeline import Pipeline
     from .graph.keygroups import check_parallelism, default_max_parallelism
 
     def build():
@@ -102,9 +103,7 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise UsageError(f"{args.pipeline} returned {type(p).__name__} {shown}, not a Pipeline "
                              f"(the function must build and return an epochstream Pipeline)")
-        if args.mode:
-            if args.mode not in MODES:
-                raise UsageError(f"--mode must be one of {MODES}, got {args.mode!r}")
+        if args.mode:  # one of SnapshotMode's values (argparse checks the choice)
             p.mode = args.mode
         if args.parallelism is not None:
             p.parallelism = args.parallelism
@@ -138,8 +137,8 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
         if getattr(args, "buffer_debloat_target", None) is not None:
             p.buffer_debloat_target = args.buffer_debloat_target or None
         if getattr(args, "aligned_timeout", None) is not None:
-            if p.mode not in ("aligned", "unaligned"):
-                raise UsageError(f"--aligned-timeout needs --mode aligned or unaligned, not {p.mode!r}")
+            if not p.mode.implies.times_out_alignment:
+                raise UsageError(f"--aligned-timeout needs --mode aligned or unaligned, not '{p.mode}'")
             p.aligned_timeout = args.aligned_timeout
         if (getattr(args, "heartbeat_interval", None) or getattr(args, "heartbeat_timeout", None)
                 or getattr(args, "heartbeat_step_timeout", None)):
@@ -204,7 +203,7 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
                     help="epochs start aligned; a task whose epoch waits longer (from the first marker it sees "
                          "queued) switches to unaligned for that epoch (Flink's "
                          "execution.checkpointing.aligned-checkpoint-timeout; --mode aligned or unaligned)")
-    ap.add_argument("--mode", metavar="MODE",
+    ap.add_argument("--mode", metavar="MODE", choices=[m.value for m in SnapshotMode],
                     help="one of: aligned, tracker, unaligned, at-least-once (aligned: barrier alignment, the "
                          "default; tracker: trAcker firm bounds; unaligned: markers overtake queued records, "
                          "stored as channel state; all three exactly-once)")

@@ -62,6 +62,7 @@ from .recorded_order import read_orders, record_id, record_order
 from .runtime.columns import as_record_batch, from_rows, to_rows
 from .runtime.context import Context
 from .runtime.messages import END_OF_TIME
+from .runtime.modes import implications
 from .runtime.state import HeapKeyedState, OperatorStateBackend
 from .runtime.task import decode_channel_state
 from .runtime.timers import TimerService
@@ -779,14 +780,14 @@ def check_exactly_once(
         p.checkpoint.num_retained = 1_000_000
         logs: dict[str, str] = {}
         runnable = p
-        if compare == "recorded" and p.mode != "at-least-once":
+        if compare == "recorded" and implications(p.mode).exactly_once:
             runnable, logs = record_order(p, work / label / "out")
         results[label] = (p, logs, run(runnable, str(work / label / "chk"), failing))
     ref_p, ref_logs, _ = results["reference"]
     expected: dict[str, collections.Counter[Any]] | None = {
         uid: _sink_lines(sink, work / "reference" / "out" / uid) for uid, sink in ref_p.sinks.items()}
     chaos_p, chaos_logs, chaos_result = results["chaos"]
-    exactly_once = chaos_p.mode != "at-least-once"
+    exactly_once = implications(chaos_p.mode).exactly_once
     report = OracleReport(restarts=getattr(chaos_result, "restarts", 0), at_least_once=not exactly_once)
     bounded = _bounded(chaos_p) and whole_output
     if exactly_once and compare == "recorded":

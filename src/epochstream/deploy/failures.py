@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..chaos.plan import ChaosPlan
 from ..runtime.errors import ConfigurationError, EpochStreamError
+from ..snapshot.failpoints import COMMIT_POINTS
 
 if TYPE_CHECKING:
     import random as _random
@@ -61,7 +62,7 @@ class FailureSchedule:
         """``kills`` failures spread over ``horizon`` virtual seconds, a mix of worker kills
         and job-master crashes at fail points."""
         sched = cls()
-        points = ["before_manifest", "after_manifest", "mid_commit", "after_commit", "recovery"]
+        points = list(COMMIT_POINTS)
         for _ in range(kills):
             r = rng.random()
             if r < 0.6:

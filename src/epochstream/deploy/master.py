@@ -23,6 +23,7 @@ from ..backends.base import commits_in_subtasks
 from ..backends.objects import StorageAccessError
 from ..graph.plan import PhysicalPlan
 from ..runtime.messages import TaskId
+from ..runtime.modes import implications
 from ..snapshot.coordinator import (
     FINAL,
     SAVEPOINT,
@@ -35,6 +36,7 @@ from ..snapshot.coordinator import (
     JobFinished,
     TriggerEpoch,
 )
+from ..snapshot.failpoints import FailPointName
 from ..snapshot.manifest import AckInfo, CheckpointError, IncompleteChainError, ManifestBuilder
 from ..tracker.traffic import ServiceTraffic
 from ..ui.graph import job_graph
@@ -243,7 +245,7 @@ class JobMaster:
                 manifest["sinks"][uid]["delta"] = sink.manifest_entry(uid)
             elif commits_in_subtasks(sink):
                 manifest["sinks"][uid]["transactions"] = sink.manifest_entry(uid)
-        self.fail_point("before_manifest")
+        self.fail_point(FailPointName.BEFORE_MANIFEST)
         self.fence()
         try:
             self.storage.commit(manifest)
@@ -251,7 +253,7 @@ class JobMaster:
             raise  # credentials or permissions: no later epoch can do better
         except OSError as exc:
             return self.coordinator.manifest_failed(a.epoch, f"{type(exc).__name__}: {exc}", now)
-        self.fail_point("after_manifest")
+        self.fail_point(FailPointName.AFTER_MANIFEST)
         self.manifests[a.epoch] = manifest
         # a final epoch whose loop heads logged records in transit has not drained its loops:
         # the job goes on (another final epoch) until one cuts through empty loops
@@ -283,7 +285,7 @@ class JobMaster:
                 "source_offset": sum(sum(o.values()) for o in info.offsets.values()),
             }
         messages = {"triggers": self.trigger_messages, "acks": len(a.acks)}
-        if self.pipeline.mode == "tracker":
+        if implications(self.pipeline.mode).tracks:
             tally = self.traffic.by_epoch.get(a.epoch) if self.traffic is not None else None
             messages["tracker"] = tally.messages if tally else 0
         else:  # every channel carries exactly one marker per epoch
@@ -309,20 +311,20 @@ class JobMaster:
                 continue  # its subtasks commit, told by the driver (``MasterOutput.committed``)
             if getattr(self.sinks[uid], "epoch_transactions", False):
                 if not first:
-                    self.fail_point("mid_commit")
+                    self.fail_point(FailPointName.MID_COMMIT)
                 first = False
                 self.sinks[uid].commit_epoch(uid, epoch, entry["staged"])
                 continue
             for rel in entry["staged"]:
                 if not first:
-                    self.fail_point("mid_commit")
+                    self.fail_point(FailPointName.MID_COMMIT)
                 first = False
                 self.sinks[uid].commit([rel])
         commit_seconds = time.perf_counter() - t_commit
         for uid, src in self.offset_committers.items():
             if uid in manifest["sources"]:
                 src.epoch_completed(manifest["sources"][uid]["offsets"])
-        self.fail_point("after_commit")
+        self.fail_point(FailPointName.AFTER_COMMIT)
         self._take_savepoint(epoch, manifest)
         self.builder.completed(epoch, manifest)
         self.completed.append(epoch)

@@ -18,6 +18,7 @@ from ..backends import location, open_storage, scheme_of
 from ..backends.base import commits_in_subtasks
 from ..graph.kinds import OpKind
 from ..graph.plan import PhysicalPlan
+from ..snapshot.failpoints import FailPointName
 from ..snapshot.manifest import CheckpointError, source_splits
 from .failures import FailPoint, no_fail
 
@@ -201,10 +202,10 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
         roll_back_newer_output(sinks, restored)
     recover_state = getattr(storage, "recover_epoch", None)
     if restored is not None and recover_state is not None and restored.reader is None:
-        fail_point("recovery")
+        fail_point(FailPointName.RECOVERY)
         recover_state(restored.manifest, restored.root, fail_point)
     for uid, sink in sorted(sinks.items()):
-        fail_point("recovery")
+        fail_point(FailPointName.RECOVERY)
         entry = staged.get(uid, {})
         manifest = restored.manifest if restored else None
         if commits_in_subtasks(sink):
