@@ -384,8 +384,8 @@ class Reference:
                     kids.add(kid)
                 self._release(gate, kids)
                 return
-            if hasattr(fn, "process_batch"):  # batch-at-a-time keyed functions (the PySpark wrappers)
-                res = fn.process_batch(records, [key_fn(r) for r in records], ctx)
+            if hasattr(fn, "apply_batch"):  # batch-at-a-time keyed functions (the PySpark wrappers)
+                res = fn.apply_batch(records, [key_fn(r) for r in records], ctx)
                 # a wrapper's pandas output is one RecordBatch: rows of it, as the chain makes them
                 out = [] if res is None else res if type(res) is list else to_rows(res)
                 drain = getattr(fn, "drain_input", None)

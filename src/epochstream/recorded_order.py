@@ -102,7 +102,7 @@ class Recording:
 def recordable(fn: Any) -> bool:
     """Row-at-a-time keyed functions are recorded; batch and columnar ones process a whole
     batch per call, and the reference replays those in arrival order (strict)."""
-    return not (hasattr(fn, "process_batch") or getattr(fn, "columnar_keyed", False))
+    return not (hasattr(fn, "apply_batch") or getattr(fn, "columnar_keyed", False))
 
 
 def record_order(pipeline: Any, root: Any) -> tuple[Any, dict[str, str]]:

@@ -504,8 +504,8 @@ class ChainRuntime:
                     down(out, None)
 
             return op_process_columns
-        if hasattr(fn, "process_batch"):
-            return self._compile_process_batch(fn, ctx, key_of, label, down)
+        if hasattr(fn, "apply_batch"):
+            return self._compile_apply_batch(fn, ctx, key_of, label, down)
         process = fn.process
         prefetches = getattr(state, "prefetches", False)
         key_fn = node.inputs[0].key_fn if node.inputs else None
@@ -549,15 +549,15 @@ class ChainRuntime:
         return op_process
 
     @staticmethod
-    def _compile_process_batch(fn: Any, ctx: Context, key_of: Callable[[Any], Any], label: str, down: Push) -> Push:
-        """A keyed function that takes the whole batch (``process_batch(records, keys, ctx)``)
+    def _compile_apply_batch(fn: Any, ctx: Context, key_of: Callable[[Any], Any], label: str, down: Push) -> Push:
+        """A keyed function that takes the whole batch (``apply_batch(records, keys, ctx)``)
         and returns its output records; it sets the current key itself (the PySpark wrappers
         group a batch per key and call the user once per key). A function with
         ``takes_record_batches`` gets a RecordBatch as it came (keys None) and groups it itself."""
-        process_batch = fn.process_batch
+        apply_batch = fn.apply_batch
         whole = getattr(fn, "takes_record_batches", False)
 
-        def op_process_batch(records: Any, keys: list[Any] | None) -> None:
+        def op_apply_batch(records: Any, keys: list[Any] | None) -> None:
             if type(records) is not list:
                 if whole:
                     keys = None
@@ -567,13 +567,13 @@ class ChainRuntime:
             elif keys is None:
                 keys = [key_of(r) for r in records]
             try:
-                out = process_batch(records, keys, ctx)
+                out = apply_batch(records, keys, ctx)
             except Exception as exc:
                 raise UserFunctionError(f"process {label!r} failed", exc, key=ctx.key) from exc
             if out:
                 down(out, None)
 
-        return op_process_batch
+        return op_apply_batch
 
     # ------------------------------------------------------------ lifecycle
     def open(self, epoch: int) -> None:
