@@ -354,6 +354,7 @@ def _close(line, result=None) -> None:
 def cmd_checkpoints_list(args) -> int:
     from .backends import open_storage
     from .snapshot.manifest import CheckpointError
+    from .snapshot.manifest_view import ManifestView
 
     storage = open_storage(args.checkpoint_dir)
     if not storage.exists():
@@ -362,31 +363,31 @@ def cmd_checkpoints_list(args) -> int:
     rows = []
     for epoch in storage.list_checkpoints():
         try:
-            m, _root = storage.load_manifest(epoch)
+            m = ManifestView.of(storage.load_manifest(epoch)[0])
         except CheckpointError as exc:
             rows.append({"epoch": epoch, "path": str(storage.checkpoint_dir(epoch)), "status": "damaged",
                          "error": str(exc)})
             continue
-        files = [f for op in m["operators"].values() for f in op["files"]]
+        files = m.state_files
         rows.append({
             "epoch": epoch,
             "path": str(storage.checkpoint_dir(epoch)),
             "status": "completed",
-            "kind": m.get("kind"),
-            "job": m["job"],
-            "created_at": m.get("created_at"),
-            "parallelism": m["parallelism"],
-            "max_parallelism": m["max_parallelism"],
-            "mode": m.get("mode"),
+            "kind": m.kind,
+            "job": m.job,
+            "created_at": m.created_at,
+            "parallelism": m.parallelism,
+            "max_parallelism": m.max_parallelism,
+            "mode": m.mode,
             "state_files": len(files),
             # what the checkpoint refers to (shared SST files included), and what its epoch uploaded
-            "state_bytes": sum(f["bytes"] + sum(s["bytes"] for s in f.get("shared", ())) for f in files),
-            "uploaded_bytes": sum(f.get("new_bytes", f["bytes"]) for f in files),
-            "shared_sst_files": sum(len(f.get("shared", ())) for f in files),
-            "incremental_files": sum(1 for f in files if not f["full"]),
-            "staged_outputs": sum(len(s["staged"]) for s in m["sinks"].values()),
-            "sources": {u: s["offsets"] for u, s in m["sources"].items()},
-            "metrics": m.get("metrics", {}),
+            "state_bytes": sum(f.bytes + sum(s.bytes for s in f.shared) for f in files),
+            "uploaded_bytes": sum(f.written for f in files),
+            "shared_sst_files": sum(len(f.shared) for f in files),
+            "incremental_files": sum(1 for f in files if not f.full),
+            "staged_outputs": sum(len(s) for s in m.staged.values()),
+            "sources": {u: {str(k): v for k, v in s.offsets.items()} for u, s in m.sources.items()},
+            "metrics": dict(m.metrics),
         })
     if args.json:
         print(json.dumps({"checkpoint_dir": str(storage.root), "checkpoints": rows}, indent=1))

@@ -25,7 +25,7 @@ from ..runtime.messages import TaskId
 from ..runtime.modes import implications
 from ..runtime.task import Task, decode_channel_state
 from ..runtime.tracking import TaskTracking
-from ..snapshot.manifest import CheckpointError, channel_state_of, operator_state_parts, source_max_timestamps
+from ..snapshot.manifest import CheckpointError, channel_state_of, operator_state_parts
 from ..snapshot.rescale import redistribute
 from ..tracker.gate import FirmBoundGate
 from ..tracker.local import BatchIds, LocalTracker
@@ -51,9 +51,10 @@ def build_tasks(
     offsets: dict[str, dict[int, int]] = {}
     max_timestamps: dict[str, dict[int, float]] = {}
     if restored:
-        for uid, s in restored.manifest["sources"].items():
-            offsets[uid] = {int(k): int(v) for k, v in s["offsets"].items()}
-        max_timestamps = source_max_timestamps(restored.manifest)
+        for uid, s in restored.view.sources.items():
+            offsets[uid] = dict(s.offsets)
+            if s.max_timestamps:  # where each split's watermark resumes (bounded out-of-orderness)
+                max_timestamps[uid] = dict(s.max_timestamps)
     tasks: dict[TaskId, Task] = {}
     cfg = pipeline.checkpoint
     tracker_mode = implies.tracks
@@ -158,7 +159,7 @@ def _restore_chain(chain: ChainRuntime, restored: Restored, storage, parallelism
 
 def _operator_state(restored: Restored, uid: str, parallelism: int, subtask: int) -> dict[str, tuple[str, Any]]:
     """Operator state of ``uid`` for one new subtask, redistributed by each state's mode."""
-    old_p = int(restored.manifest["parallelism"])
+    old_p = restored.view.parallelism
     out = {}
     for name, (mode, parts) in operator_state_parts(restored.manifest, uid).items():
         try:

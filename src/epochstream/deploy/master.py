@@ -38,6 +38,7 @@ from ..snapshot.coordinator import (
 )
 from ..snapshot.failpoints import FailPointName
 from ..snapshot.manifest import AckInfo, CheckpointError, IncompleteChainError, ManifestBuilder
+from ..snapshot.manifest_view import ManifestView
 from ..tracker.traffic import ServiceTraffic
 from ..ui.graph import job_graph
 from .control import IN_PROGRESS, SavepointRequest
@@ -140,7 +141,7 @@ class JobMaster:
         self.drain_final = False
         #: sum of every source split's offset in the last committed (or restored) manifest: an
         #: epoch's ``records`` (input it covers) is its own sum minus this one
-        self.offsets_total = _offsets_total(restored.manifest) if restored else 0
+        self.offsets_total = _offsets_total(restored.view) if restored else 0
         #: the job graph as the dashboard draws it, kept in every manifest (``epochstream ui`` reads it)
         self.graph = job_graph(plan, pipeline.mode, tracking_segments(plan, pipeline))
         #: raises ``lease.FencedError`` once this attempt no longer holds the checkpoint folder
@@ -330,7 +331,7 @@ class JobMaster:
         self.completed.append(epoch)
         rec = self.coordinator.epochs[epoch]
         assert rec.completed_at is not None, "CommitEpoch follows manifest_written, which sets completed_at"
-        total = _offsets_total(manifest)
+        total = _offsets_total(ManifestView.of(manifest))
         records, self.offsets_total = total - self.offsets_total, total
         self.epoch_log.append({
             "epoch": epoch, "state": "completed", "kind": rec.kind, "created_at": manifest.get("created_at"),
@@ -387,6 +388,6 @@ def _readable_manifests(storage) -> list[dict[str, Any]]:
     return out
 
 
-def _offsets_total(manifest: dict[str, Any]) -> int:
+def _offsets_total(manifest: ManifestView) -> int:
     """Sum of every source split's offset in ``manifest`` (records read up to its cut)."""
-    return sum(int(o) for src in manifest.get("sources", {}).values() for o in src.get("offsets", {}).values())
+    return sum(sum(src.offsets.values()) for src in manifest.sources.values())
