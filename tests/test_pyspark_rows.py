@@ -103,9 +103,9 @@ def frames_seen(batches: list, input_schema) -> list:
     op.open(ctx)
     for b in batches:
         if isinstance(b, list):
-            assert op.process_batch(b, [op.key_of(r) for r in b], ctx) is None
+            assert op.apply_batch(b, [op.key_of(r) for r in b], ctx) is None
         else:
-            assert op.process_batch(b, None, ctx) is None
+            assert op.apply_batch(b, None, ctx) is None
     op.on_epoch_end(1, ctx)
     return calls
 

@@ -2,7 +2,7 @@
 event time and GroupState, driven through the runtime's own interface.
 
 ``Harness`` builds what a task builds for a keyed operator (``HeapKeyedState``,
-``Context``, the operator's ``open``) and calls ``process_batch`` and ``on_epoch_end``
+``Context``, the operator's ``open``) and calls ``apply_batch`` and ``on_epoch_end``
 as ``ChainRuntime`` does, with a clock the test moves. Differential tests against Spark
 itself are in ``test_pyspark_differential.py``; exactly-once, rescaling and the drivers
 in ``test_pyspark_exactly_once.py``.
@@ -60,9 +60,9 @@ class Harness:
         what the operator kept, as event time makes it run them before a timer fires."""
         recs = list(records)
         if self.source == "arrow":
-            out = rows_of(self.op.process_batch(pa.RecordBatch.from_pylist(recs), None, self.ctx))
+            out = rows_of(self.op.apply_batch(pa.RecordBatch.from_pylist(recs), None, self.ctx))
         else:
-            out = rows_of(self.op.process_batch(recs, [self.op.key_of(r) for r in recs], self.ctx))
+            out = rows_of(self.op.apply_batch(recs, [self.op.key_of(r) for r in recs], self.ctx))
         return out + rows_of(self.op.drain_input(self.ctx))
 
     def bound(self) -> list[dict]:
@@ -197,13 +197,13 @@ class Spy(StatefulProcessor):
 
 
 def feed_batches(h: Harness, batches: list[list[dict]], kinds: list[str]) -> list[dict]:
-    """``process_batch`` per batch (as the chain hands them over, no drain between)."""
+    """``apply_batch`` per batch (as the chain hands them over, no drain between)."""
     out: list[dict] = []
     for recs, kind in zip(batches, kinds, strict=True):
         if kind == "arrow":
-            out += rows_of(h.op.process_batch(pa.RecordBatch.from_pylist(recs), None, h.ctx))
+            out += rows_of(h.op.apply_batch(pa.RecordBatch.from_pylist(recs), None, h.ctx))
         else:
-            out += rows_of(h.op.process_batch(recs, [h.op.key_of(r) for r in recs], h.ctx))
+            out += rows_of(h.op.apply_batch(recs, [h.op.key_of(r) for r in recs], h.ctx))
     return out
 
 
@@ -1070,7 +1070,7 @@ def test_pandas_output_leaves_as_one_record_batch_per_micro_batch(micro_batch):
     h = Harness(lambda c: TransformWithState(Echo(), "k string, id long", "none", "k", clock=c,
                                              micro_batch=micro_batch))
     recs = [{"k": "ab"[i % 2], "id": i} for i in range(6)]
-    out = h.op.process_batch(recs, [h.op.key_of(r) for r in recs], h.ctx)
+    out = h.op.apply_batch(recs, [h.op.key_of(r) for r in recs], h.ctx)
     if micro_batch == "epoch":
         assert out is None
         out = h.op.on_epoch_end(1, h.ctx)
@@ -1184,7 +1184,7 @@ def test_initial_state_seeds_each_key_once_before_its_rows():
     backend = OperatorStateBackend("op", 0)
     ctx = Context(state, 0, 1, "op", None, backend)
     op.open(ctx)
-    assert rows_of(op.process_batch([{"k": "a"}], [("a",)], ctx)) == [{"k": "a", "n": 16}]
+    assert rows_of(op.apply_batch([{"k": "a"}], [("a",)], ctx)) == [{"k": "a", "n": 16}]
     assert state.as_dict()["n"][("b",)] == ((20,), None) and state.as_dict()["$timers"][("b",)] == (10**13,)
     # opened again with its operator state restored (a failover): not seeded again
     again = TransformWithState(Seeded(), "k string, n long", "processingtime", "k", clock=Clock(), initial_state=seeds)
@@ -1223,7 +1223,7 @@ def test_late_rows_are_judged_against_the_watermark_as_of_the_previous_epochs_st
     op.open(ctx)
 
     def feed(k, t):  # a micro-batch: kept, then run (as before a timer fires)
-        return rows_of(op.process_batch([{"k": k, "t": t}], [(k,)], ctx)) + rows_of(op.drain_input(ctx))
+        return rows_of(op.apply_batch([{"k": k, "t": t}], [(k,)], ctx)) + rows_of(op.drain_input(ctx))
 
     assert feed("a", 1_000) == [{"k": "a", "t": 1_000, "wm": 0}]
     fired: list = []

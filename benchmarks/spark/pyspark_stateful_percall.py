@@ -67,7 +67,7 @@ def bound_cpu(func, keys: int, rows: int, epochs: int, profile: bool = False) ->
             batch = pa.record_batch({"id": ids, "k": pc.subtract(ids, pc.multiply(pc.divide(ids, keys), keys))})
             pos += rows
             t0, c0 = time.perf_counter(), time.thread_time()
-            op.process_batch(batch, None, ctx)
+            op.apply_batch(batch, None, ctx)
             out = op.on_epoch_end(e, ctx)
             walls.append(time.perf_counter() - t0)
             cpus.append(time.thread_time() - c0)

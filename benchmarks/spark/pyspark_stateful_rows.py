@@ -63,7 +63,7 @@ def _subtask(op):
 def _feed(op, ctx, batches: list) -> None:
     """The runtime batches as the chain hands them over: dict rows with their keys, or RecordBatches."""
     for b in batches:
-        op.process_batch(b, [(r["k"],) for r in b] if isinstance(b, list) else None, ctx)
+        op.apply_batch(b, [(r["k"],) for r in b] if isinstance(b, list) else None, ctx)
 
 
 def convert(keys: int = 1000, rows: int = 200_000, repeats: int = 3) -> None:
@@ -145,7 +145,7 @@ def percall(workload: str, keys: int = 1000, rows: int = 200_000, epochs: int = 
                                  "v": pc.bit_wise_and(ids, 127)})
         c0 = time.thread_time()
         for i in range(0, rows, 65536):
-            op.process_batch(batch.slice(i, 65536), None, ctx)
+            op.apply_batch(batch.slice(i, 65536), None, ctx)
         out = op.on_epoch_end(e, ctx)
         if e:
             cpus.append(time.thread_time() - c0)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .chaos.kills import KillMoment, KillTarget
+from .runtime.modes import SnapshotMode
 
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 #: chaos: the oracle found nothing, but failures asked for did not land or caused no failover
@@ -105,7 +106,7 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
     """Wrap a factory so every pipeline it builds carries the command-line overrides."""
     from dataclasses import replace
 
-    from .api.pipeline import MODES, Pipeline
+    from .api.pipeline import Pipeline
     from .graph.keygroups import check_parallelism, default_max_parallelism
 
     def build():
@@ -115,9 +116,7 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise UsageError(f"{args.pipeline} returned {type(p).__name__} {shown}, not a Pipeline "
                              f"(the function must build and return an epochstream Pipeline)")
-        if args.mode:
-            if args.mode not in MODES:
-                raise UsageError(f"--mode must be one of {MODES}, got {args.mode!r}")
+        if args.mode:  # one of SnapshotMode's values (argparse checks the choice)
             p.mode = args.mode
         if args.parallelism is not None:
             p.parallelism = args.parallelism
@@ -151,8 +150,8 @@ def _configured(factory: Callable[[], Any], args) -> Callable[[], Any]:
         if getattr(args, "buffer_debloat_target", None) is not None:
             p.buffer_debloat_target = args.buffer_debloat_target or None
         if getattr(args, "aligned_timeout", None) is not None:
-            if p.mode not in ("aligned", "unaligned"):
-                raise UsageError(f"--aligned-timeout needs --mode aligned or unaligned, not {p.mode!r}")
+            if not p.mode.implies.times_out_alignment:
+                raise UsageError(f"--aligned-timeout needs --mode aligned or unaligned, not '{p.mode}'")
             p.aligned_timeout = args.aligned_timeout
         if (getattr(args, "heartbeat_interval", None) or getattr(args, "heartbeat_timeout", None)
                 or getattr(args, "heartbeat_step_timeout", None)):
@@ -217,7 +216,7 @@ def _add_run_flags(ap: argparse.ArgumentParser) -> None:
                     help="epochs start aligned; a task whose epoch waits longer (from the first marker it sees "
                          "queued) switches to unaligned for that epoch (Flink's "
                          "execution.checkpointing.aligned-checkpoint-timeout; --mode aligned or unaligned)")
-    ap.add_argument("--mode", metavar="MODE",
+    ap.add_argument("--mode", metavar="MODE", choices=[m.value for m in SnapshotMode],
                     help="one of: aligned, tracker, unaligned, at-least-once (aligned: barrier alignment, the "
                          "default; tracker: trAcker firm bounds; unaligned: markers overtake queued records, "
                          "stored as channel state; all three exactly-once)")
@@ -368,6 +367,7 @@ def _close(line, result=None) -> None:
 def cmd_checkpoints_list(args) -> int:
     from .backends import open_storage
     from .snapshot.manifest import CheckpointError
+    from .snapshot.manifest_view import ManifestView
 
     storage = open_storage(args.checkpoint_dir)
     if not storage.exists():
@@ -376,31 +376,31 @@ def cmd_checkpoints_list(args) -> int:
     rows = []
     for epoch in storage.list_checkpoints():
         try:
-            m, _root = storage.load_manifest(epoch)
+            m = ManifestView.of(storage.load_manifest(epoch)[0])
         except CheckpointError as exc:
             rows.append({"epoch": epoch, "path": str(storage.checkpoint_dir(epoch)), "status": "damaged",
                          "error": str(exc)})
             continue
-        files = [f for op in m["operators"].values() for f in op["files"]]
+        files = m.state_files
         rows.append({
             "epoch": epoch,
             "path": str(storage.checkpoint_dir(epoch)),
             "status": "completed",
-            "kind": m.get("kind"),
-            "job": m["job"],
-            "created_at": m.get("created_at"),
-            "parallelism": m["parallelism"],
-            "max_parallelism": m["max_parallelism"],
-            "mode": m.get("mode"),
+            "kind": m.kind,
+            "job": m.job,
+            "created_at": m.created_at,
+            "parallelism": m.parallelism,
+            "max_parallelism": m.max_parallelism,
+            "mode": m.mode,
             "state_files": len(files),
             # what the checkpoint refers to (shared SST files included), and what its epoch uploaded
-            "state_bytes": sum(f["bytes"] + sum(s["bytes"] for s in f.get("shared", ())) for f in files),
-            "uploaded_bytes": sum(f.get("new_bytes", f["bytes"]) for f in files),
-            "shared_sst_files": sum(len(f.get("shared", ())) for f in files),
-            "incremental_files": sum(1 for f in files if not f["full"]),
-            "staged_outputs": sum(len(s["staged"]) for s in m["sinks"].values()),
-            "sources": {u: s["offsets"] for u, s in m["sources"].items()},
-            "metrics": m.get("metrics", {}),
+            "state_bytes": sum(f.bytes + sum(s.bytes for s in f.shared) for f in files),
+            "uploaded_bytes": sum(f.written for f in files),
+            "shared_sst_files": sum(len(f.shared) for f in files),
+            "incremental_files": sum(1 for f in files if not f.full),
+            "staged_outputs": sum(len(s) for s in m.staged.values()),
+            "sources": {u: {str(k): v for k, v in s.offsets.items()} for u, s in m.sources.items()},
+            "metrics": dict(m.metrics),
         })
     if args.json:
         print(json.dumps({"checkpoint_dir": str(storage.root), "checkpoints": rows}, indent=1))

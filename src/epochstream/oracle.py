@@ -62,9 +62,11 @@ from .recorded_order import read_orders, record_id, record_order
 from .runtime.columns import as_record_batch, from_rows, to_rows
 from .runtime.context import Context
 from .runtime.messages import END_OF_TIME
+from .runtime.modes import implications
 from .runtime.state import HeapKeyedState, OperatorStateBackend
 from .runtime.task import decode_channel_state
 from .runtime.timers import TimerService
+from .runtime.traits import OperatorTraits
 from .runtime.watermarks import LateRecord, SplitWatermarks
 
 if TYPE_CHECKING:  # the sinks module imports backends, which the oracle loads only when it reads output
@@ -125,6 +127,8 @@ class Reference:
         self.sinks: dict[str, list[Any]] = {n.uid: [] for n in self.nodes.values() if n.kind == OpKind.SINK}
         self.states: dict[str, HeapKeyedState] = {}
         self.fns: dict[int, tuple[Any, Context]] = {}
+        #: per keyed node id: what its function can do (``runtime.traits``), read once
+        self.traits: dict[int, OperatorTraits] = {}
         event_time = any(getattr(n.payload, "timestamp", None) is not None
                          for n in self.nodes.values() if n.kind == OpKind.SOURCE)
         self.slack = pipeline.tracker.time_slack
@@ -137,8 +141,9 @@ class Reference:
             if n.kind == OpKind.PROCESS:
                 state = HeapKeyedState(n.uid, lambda k: 0, (0, 0))
                 fn = copy.deepcopy(n.payload)
+                traits = self.traits[n.id] = OperatorTraits.of(fn)
                 timers = None
-                if event_time and getattr(fn, "uses_event_time", False):
+                if event_time and traits.uses_event_time:
                     timers = self.timers[n.id] = TimerService(state)
                 # one subtask: operator state is there for functions that use it, and not checked
                 ctx = Context(state, 0, 1, n.uid, timers, OperatorStateBackend(n.uid, 0))
@@ -334,7 +339,7 @@ class Reference:
 
     def _apply(self, node: Node, records: Any, edge: int) -> None:
         kind = node.kind
-        if kind == OpKind.MAP_BATCHES and getattr(node.payload, "takes_any_records", False):
+        if kind == OpKind.MAP_BATCHES and OperatorTraits.of(node.payload).takes_any_records:
             res = node.payload(records)  # from_json, side-output splitters: records as they come
             for part in res if type(res) is tuple else (res,):
                 if part is not None and len(part):
@@ -348,7 +353,7 @@ class Reference:
                 for consumer, i in self.consumers[node.id]:
                     self._work.append((consumer, out, i))
             return
-        if kind == OpKind.PROCESS and getattr(self.fns[node.id][0], "columnar_keyed", False):
+        if kind == OpKind.PROCESS and self.traits[node.id].columnar_keyed:
             fn, ctx = self.fns[node.id]
             out = fn.apply(records, self.states[uid_of(node)].keys, ctx, node.uid)
             if out is not None:
@@ -383,11 +388,12 @@ class Reference:
                     kids.add(kid)
                 self._release(gate, kids)
                 return
-            if hasattr(fn, "process_batch"):  # batch-at-a-time keyed functions (the PySpark wrappers)
-                res = fn.process_batch(records, [key_fn(r) for r in records], ctx)
+            traits = self.traits[node.id]
+            if traits.applies_batches:  # batch-at-a-time keyed functions (the PySpark wrappers)
+                res = fn.apply_batch(records, [key_fn(r) for r in records], ctx)
                 # a wrapper's pandas output is one RecordBatch: rows of it, as the chain makes them
                 out = [] if res is None else res if type(res) is list else to_rows(res)
-                drain = getattr(fn, "drain_input", None)
+                drain = fn.drain_input if traits.drains_input else None
                 if drain is not None:  # it keeps input for one call per key per epoch: run it now
                     res = drain(ctx)
                     out += [] if res is None else res if type(res) is list else to_rows(res)
@@ -779,14 +785,14 @@ def check_exactly_once(
         p.checkpoint.num_retained = 1_000_000
         logs: dict[str, str] = {}
         runnable = p
-        if compare == "recorded" and p.mode != "at-least-once":
+        if compare == "recorded" and implications(p.mode).exactly_once:
             runnable, logs = record_order(p, work / label / "out")
         results[label] = (p, logs, run(runnable, str(work / label / "chk"), failing))
     ref_p, ref_logs, _ = results["reference"]
     expected: dict[str, collections.Counter[Any]] | None = {
         uid: _sink_lines(sink, work / "reference" / "out" / uid) for uid, sink in ref_p.sinks.items()}
     chaos_p, chaos_logs, chaos_result = results["chaos"]
-    exactly_once = chaos_p.mode != "at-least-once"
+    exactly_once = implications(chaos_p.mode).exactly_once
     report = OracleReport(restarts=getattr(chaos_result, "restarts", 0), at_least_once=not exactly_once)
     bounded = _bounded(chaos_p) and whole_output
     if exactly_once and compare == "recorded":

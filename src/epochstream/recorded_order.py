@@ -33,6 +33,7 @@ from typing import Any
 
 from .graph.kinds import OpKind
 from .graph.plan import Edge, Node, uid_of
+from .runtime.traits import OperatorTraits
 
 #: suffix of the uid of an operator's order log sink (``~`` cannot be produced by ``safe_name``
 #: collisions: it is not percent-encoded and no default uid contains it)
@@ -102,7 +103,8 @@ class Recording:
 def recordable(fn: Any) -> bool:
     """Row-at-a-time keyed functions are recorded; batch and columnar ones process a whole
     batch per call, and the reference replays those in arrival order (strict)."""
-    return not (hasattr(fn, "process_batch") or getattr(fn, "columnar_keyed", False))
+    traits = OperatorTraits.of(fn)
+    return not (traits.applies_batches or traits.columnar_keyed)
 
 
 def record_order(pipeline: Any, root: Any) -> tuple[Any, dict[str, str]]:

@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from .graph.keygroups import assign_to_key_group, operator_index_for_key_group
 from .snapshot.manifest import CheckpointError
+from .snapshot.manifest_view import ManifestView
 
 __all__ = ["query", "query_df", "ALL"]
 
@@ -80,13 +81,13 @@ def _open(where: Any, epoch: int | None, storage=None):
 
 
 def _rows(storage, manifest: dict[str, Any], root: Any, operator: str, key: Any, state: str | None):
-    entry = manifest["operators"].get(operator)
-    if entry is None:
+    view = ManifestView.of(manifest)
+    if operator not in view.operators:
         raise CheckpointError(
-            f"operator uid {operator!r} has no keyed state in epoch {manifest['epoch']} of job {manifest['job']!r} "
-            f"(operators with state: {sorted(manifest['operators']) or 'none'})"
+            f"operator uid {operator!r} has no keyed state in epoch {view.epoch} of job {view.job!r} "
+            f"(operators with state: {sorted(view.operators) or 'none'})"
         )
-    m = int(manifest["max_parallelism"])
+    m = view.max_parallelism
     groups = None
     if key is not ALL:
         kg = assign_to_key_group(key, m)
@@ -135,15 +136,16 @@ def query(checkpoint_dir: Any, operator_uid: str, key: Any = ALL, epoch: int | N
             break
         except CheckpointError:
             # the newest epoch may have been retired (retention) between listing and reading: read the new newest
-            if epoch is not None or attempt == 2 or int(manifest["epoch"]) in store.list_checkpoints():
+            if epoch is not None or attempt == 2 or ManifestView.of(manifest).epoch in store.list_checkpoints():
                 raise
-    p, m = int(manifest["parallelism"]), int(manifest["max_parallelism"])
+    view = ManifestView.of(manifest)
+    p, m = view.parallelism, view.max_parallelism
     items = sorted(latest.items(), key=lambda kv: (kv[0][0], kv[1][0], repr(kv[0][1])))
     n = len(items)
     values = [pickle.loads(v[3]) for _, v in items]
     typed = _typed(manifest["operators"][operator_uid], items, operator_uid)
     return pa.table({
-        "epoch": pa.array([int(manifest["epoch"])] * n, pa.int64()),
+        "epoch": pa.array([view.epoch] * n, pa.int64()),
         "operator": pa.array([operator_uid] * n, pa.string()),
         "state": pa.array([s for (s, _k), _ in items], pa.string()),
         "key_group": pa.array([v[0] for _, v in items], pa.int32()),

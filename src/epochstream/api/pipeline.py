@@ -13,9 +13,10 @@ from ..deploy.slots import DEFAULT_SLOT_WAIT_TIMEOUT
 from ..graph.kinds import OpKind
 from ..graph.plan import FORWARD, HASH, REBALANCE, ColumnKey, Edge, Node, PhysicalPlan, build_plan, uid_of
 from ..runtime.batching import DEFAULT_BATCH_ROWS, BatchPolicy
+from ..runtime.modes import MODE_NAMES, SnapshotMode
 from ..runtime.sources import CollectionSource, GeneratorSource, Source
 
-MODES = ("aligned", "at-least-once", "tracker", "unaligned")
+MODES = MODE_NAMES
 _UNSET = object()
 DEPLOYMENTS = ("sim", "local", "spark")
 
@@ -519,8 +520,6 @@ class Pipeline:
         buffer_debloat_target: float | None = DEFAULT_DEBLOAT_TARGET,
         aligned_timeout: float | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.name = name
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
@@ -559,6 +558,17 @@ class Pipeline:
         self._nodes: dict[int, Node] = {}
 
     @property
+    def mode(self) -> SnapshotMode:
+        """How epochs end and are snapshotted (``runtime.modes``); set from its name or a member."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self._mode = SnapshotMode(mode)
+
+    @property
     def buffer_debloat_target(self) -> float | None:
         """Seconds of work the data in flight may hold (None: bounded by message counts only)."""
         return self._buffer_debloat_target
@@ -580,8 +590,8 @@ class Pipeline:
         if seconds is not None:
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
                 raise ValueError(f"aligned_timeout must be a number of seconds >= 0 or None, got {seconds!r}")
-            if self.mode not in ("aligned", "unaligned"):
-                raise ValueError(f"aligned_timeout needs mode 'aligned' or 'unaligned', not {self.mode!r}")
+            if not self.mode.implies.times_out_alignment:
+                raise ValueError(f"aligned_timeout needs mode 'aligned' or 'unaligned', not '{self.mode}'")
         self._aligned_timeout = None if seconds is None else float(seconds)
 
     @property

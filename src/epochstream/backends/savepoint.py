@@ -24,7 +24,8 @@ import datetime as _dt
 import pickle
 from typing import Any, Iterable
 
-from ..snapshot.manifest import FORMAT_VERSION, CheckpointError, StateFileRef, encode_manifest
+from ..snapshot.manifest import FORMAT_VERSION, CheckpointError, encode_manifest
+from ..snapshot.manifest_view import ManifestView
 from . import location, open_object_storage, open_storage
 from .base import Row
 from .objects import METADATA, ObjectExistsError
@@ -155,19 +156,20 @@ def list_savepoints(directory: Any) -> list[dict[str, Any]]:
             if name.startswith(PREFIX):
                 rows.append({"path": str(folder), "status": "damaged", "error": str(exc)})
             continue
-        files = [StateFileRef.from_json(f) for op in m["operators"].values() for f in op["files"]]
+        view = ManifestView.of(m)
+        files = view.state_files
         rows.append({
             "path": str(folder),
             "status": "completed",
-            "job": m["job"],
-            "job_id": m.get("job_id"),
-            "epoch": m["epoch"],
-            "created_at": m.get("savepoint", {}).get("created_at") or m.get("created_at"),
-            "parallelism": m["parallelism"],
-            "max_parallelism": m["max_parallelism"],
-            "mode": m.get("mode"),
-            "operators": sorted(m["operators"]),
-            "sources": sorted(m["sources"]),
+            "job": view.job,
+            "job_id": view.job_id,
+            "epoch": view.epoch,
+            "created_at": m.get("savepoint", {}).get("created_at") or view.created_at,
+            "parallelism": view.parallelism,
+            "max_parallelism": view.max_parallelism,
+            "mode": view.mode,
+            "operators": sorted(view.operators),
+            "sources": sorted(view.sources),
             "state_files": len(files),
             "state_bytes": sum(f.bytes for f in files),
         })

@@ -22,9 +22,10 @@ from ..runtime.context import Context
 from ..runtime.errors import ProtocolError
 from ..runtime.gate import Gate
 from ..runtime.messages import TaskId
+from ..runtime.modes import implications
 from ..runtime.task import Task, decode_channel_state
 from ..runtime.tracking import TaskTracking
-from ..snapshot.manifest import CheckpointError, channel_state_of, operator_state_parts, source_max_timestamps
+from ..snapshot.manifest import CheckpointError, channel_state_of, operator_state_parts
 from ..snapshot.rescale import redistribute
 from ..tracker.gate import FirmBoundGate
 from ..tracker.local import BatchIds, LocalTracker
@@ -45,17 +46,18 @@ def build_tasks(
     """The tasks of one worker (or all, if ``worker`` is None), with restored state.
 
     In trAcker mode ``trackers`` maps each worker to its local tracker."""
-    exactly_once = pipeline.mode != "at-least-once"
+    implies = implications(pipeline.mode)
     start_epoch = restored.epoch + 1 if restored else 1
     offsets: dict[str, dict[int, int]] = {}
     max_timestamps: dict[str, dict[int, float]] = {}
     if restored:
-        for uid, s in restored.manifest["sources"].items():
-            offsets[uid] = {int(k): int(v) for k, v in s["offsets"].items()}
-        max_timestamps = source_max_timestamps(restored.manifest)
+        for uid, s in restored.view.sources.items():
+            offsets[uid] = dict(s.offsets)
+            if s.max_timestamps:  # where each split's watermark resumes (bounded out-of-orderness)
+                max_timestamps[uid] = dict(s.max_timestamps)
     tasks: dict[TaskId, Task] = {}
     cfg = pipeline.checkpoint
-    tracker_mode = pipeline.mode == "tracker"
+    tracker_mode = implies.tracks
     #: aligned with a timeout (``Pipeline.aligned_timeout``): epochs start aligned, go unaligned on time-out
     timeout = getattr(pipeline, "aligned_timeout", None)
     event_time = uses_event_time(pipeline)
@@ -91,11 +93,11 @@ def build_tasks(
             out_segment = {ch: seg_of[plan.channels[ch].dst[0]] for chans in plan.outputs[tid] for ch in chans}
             tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(ids_seed(attempt, tid)),
                                     slack)
-        elif (pipeline.mode == "unaligned" or timeout is not None) and gate_factory is None \
+        elif (implies.overtakes or timeout is not None) and gate_factory is None \
                 and not plan.chains[tid[0]].is_loop_head:
             gate = UnalignedGate(plan.inputs[tid], last_completed=start_epoch - 1, aligned_timeout=timeout)
         else:
-            gate = (gate_factory or (lambda chans: BarrierAligner(chans, exactly_once)))(plan.inputs[tid])
+            gate = (gate_factory or (lambda chans: BarrierAligner(chans, implies.exactly_once)))(plan.inputs[tid])
             if isinstance(gate, BarrierAligner):
                 gate.reset(start_epoch - 1)
         kind = LoopHeadTask if plan.chains[tid[0]].is_loop_head else Task
@@ -114,7 +116,7 @@ def _restore_channel_state(task: Task, restored: Restored, mode: str) -> None:
     blob = channel_state_of(restored.manifest, task.id)
     if not blob:
         return
-    if mode == "tracker":
+    if implications(mode).tracks:
         raise CheckpointError(
             f"{restored.path} is an unaligned snapshot with channel state (task {task.id}); trAcker mode cannot "
             f"replay it: restore it with mode 'unaligned' or 'aligned', then switch modes from a later checkpoint")
@@ -157,7 +159,7 @@ def _restore_chain(chain: ChainRuntime, restored: Restored, storage, parallelism
 
 def _operator_state(restored: Restored, uid: str, parallelism: int, subtask: int) -> dict[str, tuple[str, Any]]:
     """Operator state of ``uid`` for one new subtask, redistributed by each state's mode."""
-    old_p = int(restored.manifest["parallelism"])
+    old_p = restored.view.parallelism
     out = {}
     for name, (mode, parts) in operator_state_parts(restored.manifest, uid).items():
         try:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 
 from ..chaos.kills import Kill, KillTarget
 from ..chaos.verdict import kill_kind
+from ..snapshot.failpoints import FailPointName
 from ..snapshot.manifest import CheckpointError
 from ..tracker.traffic import ServiceTraffic
 from .attempt import AttemptController, CaptureFull
@@ -178,7 +179,7 @@ class ClusterDriver(Driver):
 
     # -- chaos (the plan says which kill is due: ``chaos.plan``; the worker group carries it out)
     def fail_point(self, name: str) -> None:
-        if name == "mid_commit" and self._group is not None:
+        if name == FailPointName.MID_COMMIT and self._group is not None:
             kill = self.chaos.at_commit(self.clock())  # logged when it was armed, as it reads now
             if kill is not None:
                 self._group.kill(kill.worker, kill.target)

@@ -19,6 +19,7 @@ import tenacity
 
 from ..backends import location
 from ..runtime.errors import ConfigurationError, EpochStreamError
+from ..runtime.modes import implications
 from ..snapshot.manifest import CheckpointError
 from ..tracker.traffic import ServiceTraffic
 from .attempt import AttemptController
@@ -217,7 +218,7 @@ class Driver:
         """One attempt's job master, trAcker agent (tracker mode) and controller. ``workers``:
         the workers that report over control connections (None: the simulator's tasks)."""
         tracking = (make_tracking(self.plan, restored, traffic, self.pipeline, attempt)
-                    if self.pipeline.mode == "tracker" else None)
+                    if implications(self.pipeline.mode).tracks else None)
         master = self.new_master(restored, now, deployment, traffic=traffic, workers=workers)
         if tracking is not None:
             master.explain_timeout = tracking.undrained_loops

@@ -18,6 +18,7 @@ from ..chaos.kills import KillMoment, KillTarget
 from ..chaos.plan import ChaosPlan
 from ..chaos.verdict import WRITE_FAILURE, kill_kind
 from ..runtime.errors import ConfigurationError, EpochStreamError
+from ..snapshot.failpoints import COMMIT_POINTS, FailPointName
 
 if TYPE_CHECKING:
     import random as _random
@@ -82,7 +83,7 @@ class FailureSchedule:
         fail point and which capture is drawn, so that each one comes in a run at least as
         long; the ``recovery`` point is drawn only beside another failure (it needs a recovery)."""
         sched = cls()
-        points = ["before_manifest", "after_manifest", "mid_commit", "after_commit", "recovery"]
+        points = list(COMMIT_POINTS)
         last_epoch = 4 if epochs is None else max(1, min(4, epochs))
         last_capture = 20 if captures is None else max(1, min(20, captures))
         for _ in range(kills):
@@ -93,11 +94,11 @@ class FailureSchedule:
                 point = rng.choice(points)
                 occurrences = sched.fail_points.setdefault(point, set())
                 n = rng.randint(1, last_epoch)
-                occurrences.add(1 if point == "recovery" else n)
+                occurrences.add(1 if point is FailPointName.RECOVERY else n)
             else:
                 sched.write_failures.add(rng.randint(1, last_capture))
-        if "recovery" in sched.fail_points and len(sched.requested(moments=False)) == 1:
-            sched.fail_points = {"before_manifest": {1}}
+        if FailPointName.RECOVERY in sched.fail_points and len(sched.requested(moments=False)) == 1:
+            sched.fail_points = {FailPointName.BEFORE_MANIFEST: {1}}
         sched.kill_times.sort()
         return sched
 

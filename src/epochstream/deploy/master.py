@@ -23,6 +23,7 @@ from ..backends.base import commits_in_subtasks
 from ..backends.objects import StorageAccessError
 from ..graph.plan import PhysicalPlan
 from ..runtime.messages import TaskId
+from ..runtime.modes import implications
 from ..snapshot.coordinator import (
     FINAL,
     SAVEPOINT,
@@ -35,7 +36,9 @@ from ..snapshot.coordinator import (
     JobFinished,
     TriggerEpoch,
 )
+from ..snapshot.failpoints import FailPointName
 from ..snapshot.manifest import AckInfo, CheckpointError, IncompleteChainError, ManifestBuilder
+from ..snapshot.manifest_view import ManifestView
 from ..tracker.traffic import ServiceTraffic
 from ..ui.graph import job_graph
 from .control import IN_PROGRESS, SavepointRequest
@@ -138,7 +141,7 @@ class JobMaster:
         self.drain_final = False
         #: sum of every source split's offset in the last committed (or restored) manifest: an
         #: epoch's ``records`` (input it covers) is its own sum minus this one
-        self.offsets_total = _offsets_total(restored.manifest) if restored else 0
+        self.offsets_total = _offsets_total(restored.view) if restored else 0
         #: the job graph as the dashboard draws it, kept in every manifest (``epochstream ui`` reads it)
         self.graph = job_graph(plan, pipeline.mode, tracking_segments(plan, pipeline))
         #: raises ``lease.FencedError`` once this attempt no longer holds the checkpoint folder
@@ -243,7 +246,7 @@ class JobMaster:
                 manifest["sinks"][uid]["delta"] = sink.manifest_entry(uid)
             elif commits_in_subtasks(sink):
                 manifest["sinks"][uid]["transactions"] = sink.manifest_entry(uid)
-        self.fail_point("before_manifest")
+        self.fail_point(FailPointName.BEFORE_MANIFEST)
         self.fence()
         try:
             self.storage.commit(manifest)
@@ -251,7 +254,7 @@ class JobMaster:
             raise  # credentials or permissions: no later epoch can do better
         except OSError as exc:
             return self.coordinator.manifest_failed(a.epoch, f"{type(exc).__name__}: {exc}", now)
-        self.fail_point("after_manifest")
+        self.fail_point(FailPointName.AFTER_MANIFEST)
         self.manifests[a.epoch] = manifest
         # a final epoch whose loop heads logged records in transit has not drained its loops:
         # the job goes on (another final epoch) until one cuts through empty loops
@@ -283,7 +286,7 @@ class JobMaster:
                 "source_offset": sum(sum(o.values()) for o in info.offsets.values()),
             }
         messages = {"triggers": self.trigger_messages, "acks": len(a.acks)}
-        if self.pipeline.mode == "tracker":
+        if implications(self.pipeline.mode).tracks:
             tally = self.traffic.by_epoch.get(a.epoch) if self.traffic is not None else None
             messages["tracker"] = tally.messages if tally else 0
         else:  # every channel carries exactly one marker per epoch
@@ -309,26 +312,26 @@ class JobMaster:
                 continue  # its subtasks commit, told by the driver (``MasterOutput.committed``)
             if getattr(self.sinks[uid], "epoch_transactions", False):
                 if not first:
-                    self.fail_point("mid_commit")
+                    self.fail_point(FailPointName.MID_COMMIT)
                 first = False
                 self.sinks[uid].commit_epoch(uid, epoch, entry["staged"])
                 continue
             for rel in entry["staged"]:
                 if not first:
-                    self.fail_point("mid_commit")
+                    self.fail_point(FailPointName.MID_COMMIT)
                 first = False
                 self.sinks[uid].commit([rel])
         commit_seconds = time.perf_counter() - t_commit
         for uid, src in self.offset_committers.items():
             if uid in manifest["sources"]:
                 src.epoch_completed(manifest["sources"][uid]["offsets"])
-        self.fail_point("after_commit")
+        self.fail_point(FailPointName.AFTER_COMMIT)
         self._take_savepoint(epoch, manifest)
         self.builder.completed(epoch, manifest)
         self.completed.append(epoch)
         rec = self.coordinator.epochs[epoch]
         assert rec.completed_at is not None, "CommitEpoch follows manifest_written, which sets completed_at"
-        total = _offsets_total(manifest)
+        total = _offsets_total(ManifestView.of(manifest))
         records, self.offsets_total = total - self.offsets_total, total
         self.epoch_log.append({
             "epoch": epoch, "state": "completed", "kind": rec.kind, "created_at": manifest.get("created_at"),
@@ -385,6 +388,6 @@ def _readable_manifests(storage) -> list[dict[str, Any]]:
     return out
 
 
-def _offsets_total(manifest: dict[str, Any]) -> int:
+def _offsets_total(manifest: ManifestView) -> int:
     """Sum of every source split's offset in ``manifest`` (records read up to its cut)."""
-    return sum(int(o) for src in manifest.get("sources", {}).values() for o in src.get("offsets", {}).values())
+    return sum(sum(src.offsets.values()) for src in manifest.sources.values())

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ..backends import location, open_storage, scheme_of
 from ..backends.base import commits_in_subtasks
 from ..graph.kinds import OpKind
 from ..graph.plan import PhysicalPlan
-from ..snapshot.manifest import CheckpointError, source_splits
+from ..snapshot.failpoints import FailPointName
+from ..snapshot.manifest import CheckpointError
+from ..snapshot.manifest_view import ManifestView
 from .failures import FailPoint, no_fail
 
 log = logging.getLogger("epochstream")
@@ -34,6 +37,11 @@ class Restored:
     path: Any
     #: the storage that reads it, if not the job's own (a savepoint in another store, e.g. S3)
     reader: Any = None
+
+    @cached_property
+    def view(self) -> ManifestView:
+        """The manifest's fields, typed (read once; the manifest was validated when loaded)."""
+        return ManifestView.of(self.manifest)
 
 
 def find_restore(storage, restore: str | None) -> Restored | None:
@@ -51,7 +59,8 @@ def find_restore(storage, restore: str | None) -> Restored | None:
             reader = open_storage(str(location(restore).parent))
         found = (reader or storage).load_manifest(restore)
     manifest, root = found
-    epoch = int(manifest["epoch"])
+    view = ManifestView.of(manifest)
+    epoch = view.epoch
     newer = [e for e in storage.list_checkpoints() if e > epoch]
     if restore != "latest" and newer and root.resolve() == storage.root.resolve():
         raise CheckpointError(
@@ -59,7 +68,9 @@ def find_restore(storage, restore: str | None) -> Restored | None:
             f"{newer[:5]} that new epochs would overwrite; restore it into a new checkpoint dir "
             f"(checkpoint_dir=NEW, restore='{root / f'chk-{epoch}'}')"
         )
-    return Restored(epoch, manifest, root, root if manifest.get("self_contained") else root / f"chk-{epoch}", reader)
+    restored = Restored(epoch, manifest, root, root if view.self_contained else root / f"chk-{epoch}", reader)
+    restored.view = view  # the cached property, read once
+    return restored
 
 
 def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non_restored_state: bool,
@@ -77,31 +88,31 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
     output committed up to the checkpoint (a renamed uid does exactly that): refused unless
     ``allow_sources_from_start``. Returns what the restore drops and what starts empty,
     one line each (also logged as warnings)."""
-    m = restored.manifest
-    what = "savepoint" if m.get("kind") == "savepoint" else "checkpoint"
+    m = restored.view
+    what = "savepoint" if m.is_savepoint else "checkpoint"
     where = f"{what} {restored.path}"
-    other_job = m["job"] != pipeline.name
-    origin = f" (a {what} of job {m['job']!r}{', id ' + m['job_id'] if m.get('job_id') else ''}; this job is " \
+    other_job = m.job != pipeline.name
+    origin = f" (a {what} of job {m.job!r}{', id ' + m.job_id if m.job_id else ''}; this job is " \
              f"{pipeline.name!r})" if other_job else ""
-    if int(m["max_parallelism"]) != plan.max_parallelism:
+    if m.max_parallelism != plan.max_parallelism:
         raise CheckpointError(
-            f"{where} was taken with max_parallelism {m['max_parallelism']}, the job now has "
+            f"{where} was taken with max_parallelism {m.max_parallelism}, the job now has "
             f"{plan.max_parallelism}: max parallelism fixes the key groups and cannot change once state exists; "
-            f"restore with max_parallelism={m['max_parallelism']} (--max-parallelism {m['max_parallelism']}) "
+            f"restore with max_parallelism={m.max_parallelism} (--max-parallelism {m.max_parallelism}) "
             f"at any parallelism up to it"
         )
-    if m.get("channel_state") and int(m["parallelism"]) != plan.parallelism:
+    if m.has_channel_state and m.parallelism != plan.parallelism:
         raise CheckpointError(
             f"{where} is an unaligned snapshot holding channel state (records in flight at the cut, "
-            f"{m['metrics'].get('channel_state_records', '?')} records) taken at parallelism {m['parallelism']}; "
+            f"{m.metrics.get('channel_state_records', '?')} records) taken at parallelism {m.parallelism}; "
             f"channel state is kept per input channel and cannot be moved to parallelism {plan.parallelism}. "
-            f"Restore it at parallelism {m['parallelism']} (--parallelism {m['parallelism']}), take a savepoint "
+            f"Restore it at parallelism {m.parallelism} (--parallelism {m.parallelism}), take a savepoint "
             f"(savepoints and stops with savepoint are aligned in every mode and hold no channel state) and "
             f"restore that savepoint at "
             f"parallelism {plan.parallelism}"
         )
     nodes = {n.uid: n for n in plan.nodes.values() if n.uid}
-    held = {**{uid: OpKind.PROCESS for uid in m["operators"]}, **{uid: OpKind.SOURCE for uid in m["sources"]}}
+    held = {**{uid: OpKind.PROCESS for uid in m.operators}, **{uid: OpKind.SOURCE for uid in m.sources}}
     # a loop head keeps its log as keyed state, like a keyed process
     kind_of = {uid: OpKind.PROCESS if n.kind == OpKind.LOOP_HEAD else n.kind for uid, n in nodes.items()}
     wrong = sorted(f"{uid!r} ({kind} in the {what}, {nodes[uid].kind} in the pipeline)"
@@ -121,26 +132,26 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
         log.warning("restoring %s into job %r: operators matched by uid", where, pipeline.name)
     notes = []
     for uid in unknown:  # allowed by allow_non_restored_state, or refused above
-        states = sorted(m["operators"].get(uid, {}).get("states", {})) or \
-            sorted(m["operators"].get(uid, {}).get("operator_state", {}))
+        op = m.operators.get(uid)
+        states = (op.states or op.operator_states) if op is not None else ()
         what_state = f"state {', '.join(repr(s) for s in states)}" if states else (
-            "source offsets" if uid in m["sources"] else "state")
+            "source offsets" if uid in m.sources else "state")
         notes.append(f"dropping {what_state} of operator {uid!r} (not in the pipeline)")
     stateful = sorted(uid for uid, n in nodes.items() if kind_of[uid] == OpKind.PROCESS and uid not in held)
     notes.extend(f"operator {uid!r} has no state in the {what}: it starts empty" for uid in stateful)
-    fresh = sorted(uid for uid in pipeline.sources if uid not in m["sources"])
+    fresh = sorted(uid for uid in pipeline.sources if uid not in m.sources)
     if fresh and pipeline.sinks and not allow_sources_from_start:
         raise CheckpointError(
-            f"{where}: source(s) {fresh} have no offsets in the {what} (it has {sorted(m['sources'])}): they would "
+            f"{where}: source(s) {fresh} have no offsets in the {what} (it has {sorted(m.sources)}): they would "
             f"start from the beginning and replay their whole input into sinks {sorted(pipeline.sinks)} that already "
-            f"hold the output committed up to epoch {m['epoch']}. If a source's uid was renamed, give it back its "
+            f"hold the output committed up to epoch {m.epoch}. If a source's uid was renamed, give it back its "
             f"old uid; to replay on purpose pass allow_sources_from_start=True (--allow-sources-from-start)"
         )
     notes.extend(f"source {uid!r} has no offsets in the {what}: it starts from the beginning" for uid in fresh)
     for note in notes:
         log.warning("restore from %s: %s", where, note)
     for uid, src in pipeline.sources.items():
-        splits = source_splits(m, uid)
+        splits = m.source_splits(uid)
         _adopt(src, m, uid)
         if splits is not None and src.grows and splits > src.num_splits:
             src.discover(0.0, force=True)  # partitions created since the pipeline was built
@@ -154,13 +165,13 @@ def check_compatible(plan: PhysicalPlan, pipeline, restored: Restored, allow_non
     return notes
 
 
-def _adopt(src: Any, manifest: dict[str, Any], uid: str) -> None:
+def _adopt(src: Any, manifest: ManifestView, uid: str) -> None:
     """Let a source see the split ids the checkpoint holds offsets for (a Kafka source reads an
     older checkpoint's ids as they were written: ``KafkaSource.adopt_checkpoint``)."""
     adopt = getattr(src, "adopt_checkpoint", None)
-    entry = manifest.get("sources", {}).get(uid)
+    entry = manifest.sources.get(uid)
     if adopt is not None and entry is not None:
-        adopt(entry.get("offsets", {}).keys())
+        adopt(entry.offsets.keys())
 
 
 def resolve_sources(plan: PhysicalPlan, pipeline, restored: Restored | None) -> None:
@@ -170,8 +181,8 @@ def resolve_sources(plan: PhysicalPlan, pipeline, restored: Restored | None) -> 
     another parallelism reassigns them with their offsets."""
     for uid, src in pipeline.sources.items():
         if restored:
-            _adopt(src, restored.manifest, uid)
-        want = source_splits(restored.manifest, uid) if restored else None
+            _adopt(src, restored.view, uid)
+        want = restored.view.source_splits(uid) if restored else None
         if want is None:
             want = plan.parallelism if src.elastic else src.num_splits
         if src.grows and want > src.num_splits:
@@ -201,20 +212,20 @@ def recover(storage, sinks: dict[str, Any], restored: Restored | None, fail_poin
         roll_back_newer_output(sinks, restored)
     recover_state = getattr(storage, "recover_epoch", None)
     if restored is not None and recover_state is not None and restored.reader is None:
-        fail_point("recovery")
+        fail_point(FailPointName.RECOVERY)
         recover_state(restored.manifest, restored.root, fail_point)
     for uid, sink in sorted(sinks.items()):
-        fail_point("recovery")
+        fail_point(FailPointName.RECOVERY)
         entry = staged.get(uid, {})
         manifest = restored.manifest if restored else None
         if commits_in_subtasks(sink):
-            sink.start(uid, job or (manifest["job"] if manifest else "job"), manifest)
+            sink.start(uid, job or (restored.view.job if restored else "job"), manifest)
             slots = entry.get("transactions", {}).get("slots")
             sink.recover(uid, entry.get("staged", []), epoch=restored.epoch if restored else None,
-                         previous=int(manifest["parallelism"]) if manifest else 0, parallelism=parallelism,
+                         previous=restored.view.parallelism if restored else 0, parallelism=parallelism,
                          slots=slots)
         elif getattr(sink, "epoch_transactions", False):
-            sink.start(uid, job or (manifest["job"] if manifest else "job"), manifest)
+            sink.start(uid, job or (restored.view.job if restored else "job"), manifest)
             delta_epoch = restored.epoch if restored is not None and entry.get("delta") else None
             sink.recover(uid, entry.get("staged", []), epoch=delta_epoch)
         else:

@@ -47,6 +47,7 @@ from ..runtime.messages import (
     Watermark,
 )
 from ..runtime.meters import WorkerSample, task_key
+from ..runtime.modes import implications
 from ..runtime.task import Task
 from ..tracker.traffic import ServiceTraffic
 from .assembly import build_tasks
@@ -597,7 +598,7 @@ class _SimFlow:
         self.counts = counts
         workers = range(run.plan.parallelism)
         pipeline = run.driver.pipeline
-        overtake = pipeline.mode == "unaligned" and pipeline.aligned_timeout is None
+        overtake = implications(pipeline.mode).overtakes and pipeline.aligned_timeout is None
         pairs = [(a, b) for a in workers for b in workers if a != b]
         #: (sender, receiver) -> the sender's window of that link / the receiver's
         self.sending = {ab: SendWindow(limits.window, overtake) for ab in pairs}

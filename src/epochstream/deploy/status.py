@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable
 
 from ..snapshot.manifest import CheckpointError
+from ..snapshot.manifest_view import ManifestView
 from ..tracker.traffic import ServiceTraffic
 from ..ui.app import Dashboard
 from ..ui.graph import job_graph
@@ -153,12 +154,12 @@ class StatusPublisher:
         rows = []
         for epoch in self.storage.list_checkpoints():
             try:
-                m, _root = self.storage.load_manifest(epoch)
+                m = ManifestView.of(self.storage.load_manifest(epoch)[0])
             except CheckpointError as exc:
                 rows.append({"epoch": epoch, "status": "damaged", "error": str(exc)})
                 continue
-            rows.append({"epoch": epoch, "status": "completed", "kind": m.get("kind"),
-                         "path": str(self.storage.checkpoint_dir(epoch)), "created_at": m.get("created_at"),
-                         "parallelism": m["parallelism"], "metrics": m.get("metrics", {})})
+            rows.append({"epoch": epoch, "status": "completed", "kind": m.kind,
+                         "path": str(self.storage.checkpoint_dir(epoch)), "created_at": m.created_at,
+                         "parallelism": m.parallelism, "metrics": dict(m.metrics)})
         done = [r for r in rows if r["status"] == "completed"]
         return {"counts": {"completed": len(done)}, "latest": done[-1] if done else None, "checkpoints": rows}

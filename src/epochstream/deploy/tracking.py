@@ -17,6 +17,7 @@ from typing import Any, Hashable, Mapping
 from ..graph.kinds import OpKind
 from ..graph.plan import PhysicalPlan
 from ..runtime.messages import TaskId
+from ..runtime.traits import OperatorTraits
 from ..tracker.agent import TrackingAgent
 from ..tracker.local import LocalTracker
 from ..tracker.messages import NEOSS
@@ -69,7 +70,7 @@ def firing_segments(plan: PhysicalPlan, seg_of: Mapping[Hashable, int]) -> dict[
     """Segments with an operator that declares event-time use -> their processes (tasks)."""
     firing: dict[int, list[TaskId]] = {}
     for c in plan.chains:
-        if any(getattr(plan.nodes[n].payload, "uses_event_time", False) for n in c.nodes
+        if any(OperatorTraits.of(plan.nodes[n].payload).uses_event_time for n in c.nodes
                if plan.nodes[n].kind == OpKind.PROCESS):
             firing.setdefault(seg_of[c.id], [])
     for c in plan.chains:

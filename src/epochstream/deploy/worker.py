@@ -53,6 +53,7 @@ from ..runtime.columns import from_ipc, to_ipc
 from ..runtime.errors import ProtocolError
 from ..runtime.messages import Batch, Marker, Send, Snapshot, SourceExhausted, Watermark
 from ..runtime.meters import LoopTimes, WorkerSample, task_key
+from ..runtime.modes import implications
 from ..snapshot.manifest import CheckpointError
 from .assembly import build_tasks
 from .flow import DEFAULT_TARGET, ROWS_EVERY, WINDOW, Debloater, Pressure, ReceiveWindow, SendWindow
@@ -239,7 +240,8 @@ class WorkerLoop:
         self.step_began: float | None = None
         self._pulse_stop = threading.Event()
         self.peers = peers
-        self.tracker = new_local_tracker(pipeline, index, time.monotonic()) if pipeline.mode == "tracker" else None
+        implies = implications(pipeline.mode)
+        self.tracker = new_local_tracker(pipeline, index, time.monotonic()) if implies.tracks else None
         self.tasks = build_tasks(pipeline, plan, index, storage, restored,
                                  trackers={index: self.tracker} if self.tracker else None, attempt=attempt)
         #: chain id -> this worker's task of it (NEOSS for a segment goes to its chains' tasks)
@@ -253,7 +255,7 @@ class WorkerLoop:
         self.channel_dst = {c.id: c.dst for c in plan.channels}
         self.outbox: dict[int, list] = {p: [] for p in peers}
         #: unaligned mode: markers overtake the data a link queues for credit (``alignment.overtaking``)
-        overtake = pipeline.mode == "unaligned" and getattr(pipeline, "aligned_timeout", None) is None
+        overtake = implies.overtakes and getattr(pipeline, "aligned_timeout", None) is None
         self.links = {p: PeerLink(c, overtake=overtake) for p, c in peers.items()}
         #: per peer, the data envelopes delivered and not yet credited back
         self.receiving = {p: ReceiveWindow() for p in peers}

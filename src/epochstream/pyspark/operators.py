@@ -190,7 +190,7 @@ class _Rows:
 class _Keyed:
     """Shared by both operators: key columns, input conversion, event time and watermark.
 
-    Columnar input. The chain hands ``process_batch`` a RecordBatch as it came
+    Columnar input. The chain hands ``apply_batch`` a RecordBatch as it came
     (``takes_record_batches``) instead of making rows of it: it is grouped by the key columns
     with Arrow and each key's rows reach the user as a pandas DataFrame
     (``schema.pandas_groups``). Row input (dicts, Rows, tuples) becomes Arrow once per run
@@ -207,7 +207,7 @@ class _Keyed:
     ``"batch"`` runs each runtime batch at once.
     """
 
-    #: the chain passes RecordBatches to ``process_batch`` whole (keys: None)
+    #: the chain passes RecordBatches to ``apply_batch`` whole (keys: None)
     takes_record_batches = True
 
     #: whether the operator's timers are event-time timers (each operator sets it from its mode)
@@ -647,14 +647,14 @@ class TransformWithState(_Keyed):
         out.extend(self._micro_batch([self._segment([value], [key])], ctx))
         return self._emit(out)
 
-    def process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
+    def apply_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
         """One input batch. ``micro_batch="epoch"``: kept for the epoch's calls (nothing out
         unless ``max_rows_per_trigger`` rows wait); ``"batch"``: its calls run now. Output:
         records, or one RecordBatch of the output schema in pandas mode (the frames the user
         yielded, concatenated; records when the schema has a map)."""
-        return self._guard("handleInputRows", self._process_batch, records, keys, ctx)
+        return self._guard("handleInputRows", self._apply_batch, records, keys, ctx)
 
-    def _process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
+    def _apply_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
         if self.micro_batch == "batch":
             return self._emit(self._micro_batch([self._segment(records, keys)], ctx))
         if self._buffer(records, keys):
@@ -879,14 +879,14 @@ class ApplyInPandasWithState(_Keyed):
         out.extend(self._micro_batch([self._segment([value], [key])], ctx))
         return concat_output(out, self._arrow_out, self._columnar_out)
 
-    def process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
+    def apply_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
         """One input batch. ``micro_batch="epoch"``: kept for the epoch's calls (nothing out
         unless ``max_rows_per_trigger`` rows wait); ``"batch"``: its calls run now. Output: one
         RecordBatch of the output schema (the frames the function yielded, concatenated;
         records when the schema has a map)."""
-        return self._guard(self.label, self._process_batch, records, keys, ctx)
+        return self._guard(self.label, self._apply_batch, records, keys, ctx)
 
-    def _process_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
+    def _apply_batch(self, records: Any, keys: list[Any] | None, ctx) -> Any:
         if self.micro_batch == "batch":
             out = self._micro_batch([self._segment(records, keys)], ctx)
         elif self._buffer(records, keys):

@@ -44,6 +44,7 @@ from .errors import SchemaError, UserFunctionError
 from .messages import END_OF_TIME, Batch, KeyedCapture, SinkCapture
 from .state import HeapKeyedState, KeyedStateBackend, KeyedStateFactory, OperatorStateBackend
 from .timers import TimerService
+from .traits import OperatorTraits
 
 #: a batch of records (a list, or an Arrow RecordBatch) and their keys (or None) into an operator
 Push = Callable[[Any, "list[Any] | None"], None]
@@ -190,6 +191,8 @@ class ChainRuntime:
         #: ``from_json`` sent to its dead-letter output; replays count again)
         self.counters: dict[str, int] = {}
         self.functions: list[tuple[Any, Any]] = []  # (user fn, ctx) to open/close
+        #: per keyed operator uid: what its function can do, read once when it is compiled
+        self.traits: dict[str, OperatorTraits] = {}
         self.contexts: list[Any] = []
         #: keyed functions with an ``on_epoch_end`` hook: (fn, ctx, downstream push, label)
         self._epoch_hooks: list[tuple[Any, Any, Push, str]] = []
@@ -426,7 +429,7 @@ class ChainRuntime:
                     raise UserFunctionError(f"sink {label!r} could not take records", exc) from exc
 
             return op_sink
-        if kind == OpKind.MAP_BATCHES and getattr(fn, "takes_any_records", False):
+        if kind == OpKind.MAP_BATCHES and OperatorTraits.of(fn).takes_any_records:
             return self._compile_any_records(fn, label, push)
         if kind == OpKind.MAP_BATCHES:
             where = f"map_batches {label!r}"
@@ -484,7 +487,8 @@ class ChainRuntime:
         self.states[uid] = state
         op_state = self.operator_states[uid] = OperatorStateBackend(uid, self.subtask)
         fn = copy.deepcopy(node.payload)  # one instance per subtask, as Flink deserializes one each
-        timers = TimerService(state) if self.event_time and getattr(fn, "uses_event_time", False) else None
+        traits = self.traits[uid] = OperatorTraits.of(fn)
+        timers = TimerService(state) if self.event_time and traits.uses_event_time else None
         ctx = self._context_factory(state, self.subtask, self.plan.parallelism, uid, timers, op_state)
         if timers is not None:
             self.timed.append((fn, ctx, timers, down, uid))
@@ -493,9 +497,9 @@ class ChainRuntime:
         keyslot = state.keys
         key_of = _required_key_fn(node.inputs[0].key_fn if node.inputs else None, uid)
         label = uid
-        if hasattr(fn, "on_epoch_end"):
+        if traits.ends_epochs:
             self._epoch_hooks.append((fn, ctx, down, label))
-        if getattr(fn, "columnar_keyed", False):
+        if traits.columnar_keyed:
             apply = fn.apply
 
             def op_process_columns(records: Any, keys: list[Any] | None) -> None:
@@ -504,8 +508,8 @@ class ChainRuntime:
                     down(out, None)
 
             return op_process_columns
-        if hasattr(fn, "process_batch"):
-            return self._compile_process_batch(fn, ctx, key_of, label, down)
+        if traits.applies_batches:
+            return self._compile_apply_batch(fn, traits.takes_record_batches, ctx, key_of, label, down)
         process = fn.process
         prefetches = getattr(state, "prefetches", False)
         key_fn = node.inputs[0].key_fn if node.inputs else None
@@ -549,15 +553,15 @@ class ChainRuntime:
         return op_process
 
     @staticmethod
-    def _compile_process_batch(fn: Any, ctx: Context, key_of: Callable[[Any], Any], label: str, down: Push) -> Push:
-        """A keyed function that takes the whole batch (``process_batch(records, keys, ctx)``)
+    def _compile_apply_batch(fn: Any, whole: bool, ctx: Context, key_of: Callable[[Any], Any], label: str,
+                             down: Push) -> Push:
+        """A keyed function that takes the whole batch (``apply_batch(records, keys, ctx)``)
         and returns its output records; it sets the current key itself (the PySpark wrappers
-        group a batch per key and call the user once per key). A function with
-        ``takes_record_batches`` gets a RecordBatch as it came (keys None) and groups it itself."""
-        process_batch = fn.process_batch
-        whole = getattr(fn, "takes_record_batches", False)
+        group a batch per key and call the user once per key). ``whole`` (``takes_record_batches``):
+        it gets a RecordBatch as it came (keys None) and groups it itself."""
+        apply_batch = fn.apply_batch
 
-        def op_process_batch(records: Any, keys: list[Any] | None) -> None:
+        def op_apply_batch(records: Any, keys: list[Any] | None) -> None:
             if type(records) is not list:
                 if whole:
                     keys = None
@@ -567,13 +571,13 @@ class ChainRuntime:
             elif keys is None:
                 keys = [key_of(r) for r in records]
             try:
-                out = process_batch(records, keys, ctx)
+                out = apply_batch(records, keys, ctx)
             except Exception as exc:
                 raise UserFunctionError(f"process {label!r} failed", exc, key=ctx.key) from exc
             if out:
                 down(out, None)
 
-        return op_process_batch
+        return op_apply_batch
 
     # ------------------------------------------------------------ lifecycle
     def open(self, epoch: int) -> None:
@@ -593,7 +597,7 @@ class ChainRuntime:
             # a function that keeps input for one call per key (the PySpark wrappers' epoch
             # micro-batch) runs it before event time moves: the timers that data registers
             # below the new watermark fire now, and every timer follows the data before it
-            drain = getattr(fn, "drain_input", None)
+            drain = fn.drain_input if self.traits[uid].drains_input else None
             if drain is not None and timers.advances(watermark):
                 try:
                     drained = drain(ctx)

@@ -352,21 +352,6 @@ def _check_shape(m: dict[str, Any]) -> None:
             raise TypeError(f"sink {uid!r}: staged must be a list of paths")
 
 
-def source_splits(m: dict[str, Any], uid: str) -> int | None:
-    """How many splits source ``uid`` had in a (validated) manifest; None if it has no entry."""
-    src = m["sources"].get(uid)
-    if src is None:
-        return None
-    return int(src.get("splits", len(src["offsets"])))
-
-
-def source_max_timestamps(m: dict[str, Any]) -> dict[str, dict[int, float]]:
-    """Source uid -> split -> newest timestamp read, from a (validated) manifest: where each
-    split's watermark resumes (bounded out-of-orderness; empty for other sources)."""
-    return {uid: {int(k): float(v) for k, v in src["max_timestamps"].items()}
-            for uid, src in m["sources"].items() if src.get("max_timestamps")}
-
-
 def operator_state_parts(m: dict[str, Any], uid: str) -> dict[str, tuple[str, dict[int, bytes]]]:
     """Operator state of ``uid`` in a manifest: name -> (mode, old subtask -> pickled value)."""
     out = {}

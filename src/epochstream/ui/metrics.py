@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..runtime.modes import SnapshotMode
 from ..tracker.traffic import NEOSS_KIND, PROMISE, REPORT
 from .model import BACKPRESSURE_LEVELS
 
@@ -70,7 +71,7 @@ class JobCollector(Collector):
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(P + name, doc, value=float(value or 0))
-        tracker = job["mode"] == "tracker"
+        tracker = job["mode"] == SnapshotMode.TRACKER
         per_task: list[tuple[str, str, str, Callable[[Any], float], bool]] = [
             ("checkpointAlignmentTime", "Milliseconds the task aligned barriers for the last completed epoch",
              "alignment_seconds", _ms, not tracker),

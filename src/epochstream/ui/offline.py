@@ -14,6 +14,7 @@ from typing import Any
 
 from ..backends import open_storage
 from ..snapshot.manifest import CheckpointError
+from ..snapshot.manifest_view import ManifestView
 from .app import Dashboard
 from .model import dashboard
 
@@ -24,22 +25,22 @@ def checkpoint_rows(storage) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for epoch in storage.list_checkpoints():
         try:
-            m, _root = storage.load_manifest(epoch)
+            m = ManifestView.of(storage.load_manifest(epoch)[0])
         except CheckpointError as exc:
             rows.append({"epoch": epoch, "status": "damaged", "error": str(exc)})
             continue
         except OSError:  # discarded (retention) between the listing and the read
             continue
-        files = [f for op in m["operators"].values() for f in op["files"]]
-        metrics = m.get("metrics", {})
+        files = m.state_files
+        metrics = m.metrics
         rows.append({
-            "epoch": epoch, "status": "completed", "kind": m.get("kind"), "path": str(storage.checkpoint_dir(epoch)),
-            "created_at": m.get("created_at"),
-            "incremental": any(not f.get("full", True) for f in files),
-            "state_bytes": sum(int(f.get("bytes", 0)) for f in files),
+            "epoch": epoch, "status": "completed", "kind": m.kind, "path": str(storage.checkpoint_dir(epoch)),
+            "created_at": m.created_at,
+            "incremental": any(not f.full for f in files),
+            "state_bytes": sum(f.bytes for f in files),
             "bytes": metrics.get("bytes", 0), "files": len(files),
             "duration_seconds": metrics.get("trigger_to_manifest_seconds"),
-            "staged_outputs": sum(len(s.get("staged", [])) for s in m.get("sinks", {}).values()),
+            "staged_outputs": sum(len(s) for s in m.staged.values()),
         })
     return rows
 

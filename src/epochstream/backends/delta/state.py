@@ -52,6 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ...runtime.types import TypeInformation
+from ...snapshot.failpoints import FailPointName
 from ...snapshot.manifest import CheckpointError, StateFileRef
 from .. import spark_session
 from ..base import Row
@@ -281,7 +282,7 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
                     self._owed.pop(table, None)
                 self._lock.notify_all()
             if fail_point is not None:
-                fail_point("mid_commit")
+                fail_point(FailPointName.MID_COMMIT)
         for uid, entry in sorted(manifest.get("delta", {}).get("state", {}).items()):
             table = str(root / entry["table"])
             if compact and uid in versions and str(root) == str(self.root) and self._due.pop(table, False):
@@ -319,12 +320,12 @@ class DeltaCheckpointStorage(ObjectCheckpointStorage):
         when there was nothing to do or the table moved on (a rollback, a foreign commit).
         """
         if fail_point is not None:
-            fail_point("before_compaction")
+            fail_point(FailPointName.BEFORE_COMPACTION)
         plan = changelog.plan(table, app_id)
         if plan is None:
             return None
         if fail_point is not None:
-            fail_point("compaction")  # the folded file is written, not committed: Delta ignores it
+            fail_point(FailPointName.COMPACTION)  # the folded file is written, not committed: Delta ignores it
         with self._lock:
             generation = self._generation
             if not self._lock.wait_for(lambda: table not in self._owed or self._generation != generation,
