@@ -54,6 +54,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from .alignment.channel_state import decode_channel_state
 from .graph.cycles import back_edges
 from .graph.keygroups import assign_key_to_operator, canonical_key
 from .graph.kinds import OpKind
@@ -63,7 +64,6 @@ from .runtime.columns import as_record_batch, from_rows, to_rows
 from .runtime.context import Context
 from .runtime.messages import END_OF_TIME
 from .runtime.state import HeapKeyedState, OperatorStateBackend
-from .runtime.task import decode_channel_state
 from .runtime.timers import TimerService
 from .runtime.watermarks import LateRecord, SplitWatermarks
 
