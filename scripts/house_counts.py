@@ -25,6 +25,9 @@ SRC = ROOT / "src" / "epochstream"
 #: (module under src/epochstream, class name, its base in this table or None)
 CLASSES = (
     ("runtime/task.py", "Task", None),
+    ("runtime/task.py", "SourceTask", "Task"),
+    ("runtime/task.py", "ConsumingTask", "Task"),
+    ("alignment/channel_state.py", "ChannelStateRecorder", None),
     ("deploy/worker.py", "WorkerLoop", None),
     ("deploy/worker.py", "PeerLink", None),
     ("deploy/driver.py", "Driver", None),

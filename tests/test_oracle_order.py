@@ -22,7 +22,7 @@ from epochstream.oracle import check_exactly_once
 from epochstream.recorded_order import Recording, record_id
 from epochstream.runtime.messages import Batch
 from epochstream.runtime.reader import SplitReader
-from epochstream.runtime.task import Task
+from epochstream.runtime.task import ConsumingTask
 from pipelines import SOURCE_RATE as RATE
 from pipelines import sim_run, union_chain, without_fsync
 
@@ -114,7 +114,7 @@ def _drop_a_record_on_replay(mp) -> None:
 def _apply_an_update_twice(mp) -> None:
     """After every restore, one batch reaching a keyed task is processed twice."""
     flag = _after_restore(mp)
-    real = Task.receive
+    real = ConsumingTask.receive
     done: set[int] = {0}
 
     def receive(self, channel, message):
@@ -124,7 +124,7 @@ def _apply_an_update_twice(mp) -> None:
             done.add(flag["restored"])
             real(self, channel, message)
 
-    mp.setattr(Task, "receive", receive)
+    mp.setattr(ConsumingTask, "receive", receive)
 
 
 def _commit_aborted_epochs(mp) -> None:

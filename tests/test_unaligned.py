@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epochstream.alignment.channel_state import ChannelStateRecorder, decode_channel_state
 from epochstream.alignment.unaligned import UnalignedGate
 from epochstream.backends.local import LocalCheckpointStorage
 from epochstream.deploy.assembly import build_tasks
@@ -23,7 +24,7 @@ from epochstream.deploy.sim import FailureSchedule, SimConfig
 from epochstream.oracle import check_exactly_once
 from epochstream.runtime.errors import ProtocolError, StateSerializationError
 from epochstream.runtime.messages import Batch, Marker, Snapshot
-from epochstream.runtime.task import Task, decode_channel_state
+from epochstream.runtime.task import ConsumingTask
 from epochstream.snapshot.manifest import CheckpointError
 from pipelines import SOURCE_RATE, running_count, sim_run, union_chain
 from test_alignment import build, decode, emitted, kbatch, sent
@@ -266,12 +267,12 @@ def test_channel_state_of_a_changed_graph_is_a_checkpoint_error_with_the_way_out
 
 def _kills_after_channel_state(tmp_path, replay):
     """The oracle over a run whose kills restore checkpoints holding channel state; ``replay``
-    stands in for ``Task.restore_channel_state``."""
+    stands in for ``ConsumingTask.restore_channel_state``."""
     def run(p, chk, failing):
         if not failing:
             return sim_run(p, chk, seed=1, source_rate=SOURCE_RATE)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(Task, "restore_channel_state", replay)
+            mp.setattr(ConsumingTask, "restore_channel_state", replay)
             # virtual seconds: the first epochs complete by ~3 ms, each holding channel state
             return sim_run(p, chk, seed=1, failures=FailureSchedule(kill_times=[0.0035, 0.006], write_failures={4}),
                            source_rate=SOURCE_RATE)
@@ -284,7 +285,7 @@ def test_kills_while_channel_state_is_written_and_replayed_stay_exactly_once(tmp
     """Kills (one soon after a restore) and a failed write: restores replay channel state (spied)
     and the run is still exactly-once."""
     replayed: list[int] = []
-    real = Task.restore_channel_state
+    real = ConsumingTask.restore_channel_state
 
     def spy(self, entries):
         replayed.append(sum(len(r) for _c, r, _k, _w in entries if r is not None))
@@ -420,13 +421,13 @@ def _cut_messages_under_kills(tmp_path, seed=4, record_cost=2e-5):
 
 def test_kills_with_cut_messages_in_channel_state_stay_exactly_once(tmp_path, monkeypatch):
     cut: list[int] = []
-    real = Task._record_cursor
+    real = ChannelStateRecorder._record_cursor
 
     def spy(self):
-        cut.append(len(self._cursor[1].records) - self._cursor[2])
+        cut.append(len(self.cursor[1].records) - self.cursor[2])
         return real(self)
 
-    monkeypatch.setattr(Task, "_record_cursor", spy)
+    monkeypatch.setattr(ChannelStateRecorder, "_record_cursor", spy)
     report = _cut_messages_under_kills(tmp_path)
     assert report.ok and report.lost == report.duplicated == 0, report.to_json()
     assert report.restarts >= 2 and report.channel_state_records > 0, report.to_json()
@@ -435,7 +436,7 @@ def test_kills_with_cut_messages_in_channel_state_stay_exactly_once(tmp_path, mo
 
 def test_the_oracle_sees_a_cut_message_left_out_of_channel_state(tmp_path, monkeypatch):
     """Sabotage: the rest of a cut message is marked recorded but not stored; restores lose it."""
-    monkeypatch.setattr(Task, "_record_cursor", lambda self: setattr(self, "_cursor_recorded", True))
+    monkeypatch.setattr(ChannelStateRecorder, "_record_cursor", lambda self: setattr(self, "_cursor_recorded", True))
     report = _cut_messages_under_kills(tmp_path)
     assert not report.ok, report.to_json()
 
@@ -553,7 +554,7 @@ def test_a_marker_carrying_what_it_overtook_completes_the_capture_at_once(tmp_pa
 def test_a_cut_takes_rows_and_their_keys_from_lists_and_arrow_batches():
     import pyarrow as pa
 
-    from epochstream.runtime.task import _rows
+    from epochstream.alignment.channel_state import rows as _rows
 
     rows = Batch(1, [("a", 1), ("b", 2), ("c", 3)], ["a", "b", "c"])
     assert _rows(rows, 1, 3) == ([("b", 2), ("c", 3)], ["b", "c"])
@@ -589,14 +590,14 @@ def test_kills_restoring_watermarks_in_channel_state_keep_event_time_exact(tmp_p
     rng = random.Random(5)
     schedule = FailureSchedule(kill_times=sorted(rng.uniform(0, 0.02) for _ in range(rng.randint(1, 3))))
     replayed: list[int] = []
-    real = Task.restore_channel_state
+    real = ConsumingTask.restore_channel_state
 
     def spy(self, entries):
         replayed.extend(w for _c, r, _k, w in entries if r is None)
         return real(self, entries)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Task, "restore_channel_state", spy)
+        mp.setattr(ConsumingTask, "restore_channel_state", spy)
         p = session_pipeline(which="tws", parallelism=2, mode="unaligned", out=tmp_path / "out")
         pyspark_sim_run(p, tmp_path / "chk", seed=5, failures=schedule)
     assert replayed, "no restore replayed a watermark: the scenario tests nothing"

@@ -54,6 +54,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from .alignment.channel_state import decode_channel_state
 from .graph.cycles import back_edges
 from .graph.keygroups import assign_key_to_operator, canonical_key
 from .graph.kinds import OpKind
@@ -64,7 +65,6 @@ from .runtime.context import Context
 from .runtime.messages import END_OF_TIME
 from .runtime.modes import implications
 from .runtime.state import HeapKeyedState, OperatorStateBackend
-from .runtime.task import decode_channel_state
 from .runtime.timers import TimerService
 from .runtime.traits import OperatorTraits
 from .runtime.watermarks import LateRecord, SplitWatermarks

@@ -11,19 +11,20 @@ its ``TaskTracking`` in trAcker mode).
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from ..alignment import BarrierAligner, UnalignedGate
+from ..alignment.channel_state import ChannelStateRecorder, decode_channel_state
 from ..backends.rocksdb_state import keyed_state_factory
 from ..graph.plan import PhysicalPlan
 from ..loops.task import LoopHeadTask
 from ..runtime.chain import ChainRuntime
 from ..runtime.context import Context
 from ..runtime.errors import ProtocolError
-from ..runtime.gate import Gate
+from ..runtime.gate import Gate, Overtaking
 from ..runtime.messages import TaskId
 from ..runtime.modes import implications
-from ..runtime.task import Task, decode_channel_state
+from ..runtime.task import ConsumingTask, SourceTask, Task, TaskConfig
 from ..runtime.tracking import TaskTracking
 from ..snapshot.manifest import CheckpointError, channel_state_of, operator_state_parts
 from ..snapshot.rescale import redistribute
@@ -67,7 +68,7 @@ def build_tasks(
         seg_of, cyclic = segmentation.segment_of, segmentation.cyclic
         merged = {c for seg in segmentation.segments if len(seg) > 1 and not segmentation.cyclic[seg_of[seg[0]]]
                   for c in seg}
-        #: stateless chains process records of any epoch at once (``Task.pass_through``)
+        #: stateless chains process records of any epoch at once (``ConsumingTask.pass_through``)
         pass_through = pipeline.tracker.pass_through and not event_time
     keyed_state = keyed_state_factory(cfg)  # hashmap (None) or rocksdb
     for tid in plan.tasks:
@@ -93,22 +94,40 @@ def build_tasks(
             out_segment = {ch: seg_of[plan.channels[ch].dst[0]] for chans in plan.outputs[tid] for ch in chans}
             tracking = TaskTracking(trackers[tid[1]], seg_of[tid[0]], out_segment, BatchIds(ids_seed(attempt, tid)),
                                     slack)
-        elif (implies.overtakes or timeout is not None) and gate_factory is None \
-                and not plan.chains[tid[0]].is_loop_head:
+        elif gates_overtake(pipeline.mode, timeout) and gate_factory is None and not plan.chains[tid[0]].is_loop_head:
             gate = UnalignedGate(plan.inputs[tid], last_completed=start_epoch - 1, aligned_timeout=timeout)
         else:
             gate = (gate_factory or (lambda chans: BarrierAligner(chans, implies.exactly_once)))(plan.inputs[tid])
             if isinstance(gate, BarrierAligner):
                 gate.reset(start_epoch - 1)
-        kind = LoopHeadTask if plan.chains[tid[0]].is_loop_head else Task
-        task = tasks[tid] = kind(plan, tid, chain, gate, start_epoch, cfg.incremental, cfg.full_every, offsets,
-                                 tracking, None if tracker_mode else slack, getattr(pipeline, "batching", None),
-                                 max_timestamps)
-        if tracker_mode and not gate.exactly_once:
-            task.pass_through()
+        config = TaskConfig(start_epoch=start_epoch, incremental=cfg.incremental, full_every=cfg.full_every,
+                            source_offsets=offsets, tracking=tracking, event_time_slack=None if tracker_mode else slack,
+                            batching=getattr(pipeline, "batching", None), source_max_timestamps=max_timestamps)
+        task = tasks[tid] = _task(plan, tid, chain, gate, config)
         if restored:
             _restore_channel_state(task, restored, pipeline.mode)
     return tasks
+
+
+def gates_overtake(mode: str, aligned_timeout: float | None) -> bool:
+    """Do a job's gates take markers early (``UnalignedGate``: unaligned, or aligned with a
+    timeout)? Loop heads aside, which align on their phantom channel."""
+    return implications(mode).overtakes or aligned_timeout is not None
+
+
+def _task(plan: PhysicalPlan, tid: TaskId, chain: ChainRuntime, gate: Gate, config: TaskConfig) -> Task:
+    """The task of ``tid``'s role: it reads a source, or it consumes (a loop head, or any other
+    chain; with a channel-state recorder when its gate overtakes, passing through in trAcker
+    mode when its gate is soft)."""
+    spec = plan.chains[tid[0]]
+    if spec.is_source:
+        return SourceTask(plan, tid, chain, config)
+    recorder = ChannelStateRecorder(cast(Overtaking, gate), tid) if gate.overtakes else None
+    kind = LoopHeadTask if spec.is_loop_head else ConsumingTask
+    task = kind(plan, tid, chain, gate, config, recorder)
+    if config.tracking is not None and not gate.exactly_once:
+        task.pass_through()
+    return task
 
 
 def _restore_channel_state(task: Task, restored: Restored, mode: str) -> None:

@@ -48,9 +48,9 @@ from ..runtime.messages import (
 )
 from ..runtime.meters import WorkerSample, task_key
 from ..runtime.modes import implications
-from ..runtime.task import Task
+from ..runtime.task import ConsumingTask, Task
 from ..tracker.traffic import ServiceTraffic
-from .assembly import build_tasks
+from .assembly import build_tasks, gates_overtake
 from .attempt import MARKER_BYTES, AttemptController, CaptureFull
 from .control import SavepointRequest
 from .driver import Driver
@@ -218,6 +218,9 @@ class _SimAttempt:
         self.tasks = build_tasks(d.pipeline, self.plan, None, d.storage, restored, trackers=self.trackers,
                                  attempt=attempt)
         d.tasks = self.tasks  # the last attempt's tasks (benchmarks read their logs)
+        #: the gates overtake: a step draws a row budget (``_on_step``) for a task that takes markers
+        #: early and for a source, whose step without a read leaves it unused (a seed's schedule keeps it)
+        self.sources_draw = gates_overtake(d.pipeline.mode, d.pipeline.aligned_timeout)
         self.savepoints_at = sorted(d.now + t for t in self.cfg.savepoints_at)
         self.batch = self.cfg.source_batch or d.pipeline.batch_rows
         #: per task, the flush deadline a ``_on_linger`` event is queued for
@@ -307,7 +310,8 @@ class _SimAttempt:
 
     def _waiting(self) -> str:
         """What waits now: tasks with input, and with flow control its links and workers."""
-        busy = sorted(str(tid) for tid, t in self.tasks.items() if t.has_input() or t.held)
+        busy = sorted(str(tid) for tid, t in self.tasks.items()
+                      if t.has_input() or (isinstance(t, ConsumingTask) and t.held))
         text = f"tasks with input or held messages: {', '.join(busy) or 'none'}"
         return text if self.flow is None else f"{text}; {self.flow.describe()}"
 
@@ -468,8 +472,9 @@ class _SimAttempt:
         self.step_scheduled.discard(tid)
         task = self.tasks[tid]
         # one message per step; an unaligned task gets a row budget drawn per step instead, so
-        # messages are cut at random rows and markers overtake their rest (``Task._continue``)
-        budget = self.rng.randint(1, max(1, self.batch // 2)) if task.overtakes else 1
+        # messages are cut at random rows and markers overtake their rest (``ConsumingTask._continue``)
+        draws = task.overtakes or (task.is_source and self.sources_draw)
+        budget = self.rng.randint(1, max(1, self.batch // 2)) if draws else 1
         self._run_task(task, budget=budget, read_source=False)
         if task.has_input():
             self.schedule_step(tid)
@@ -563,8 +568,9 @@ class _SimAttempt:
         for chains, epoch in notes:
             for cid in chains:
                 dst = (cid, w)
-                self.tasks[dst].on_neoss(epoch)
-                if self.tasks[dst].neoss:
+                task = self.tasks[dst]
+                task.on_neoss(epoch)
+                if isinstance(task, ConsumingTask) and task.neoss:
                     self.schedule_step(dst)
 
     def _on_persisted(self, capture: TaskCapture) -> None:
@@ -605,7 +611,8 @@ class _SimFlow:
         self.receiving = {ab: ReceiveWindow(limits.window) for ab in pairs}
         self.pressure = {w: Pressure(limits.high, limits.low, limits.hold) for w in workers}
         self.peers = {w: [b for b in workers if b != w] for w in workers}
-        self.consumers = {w: [t for t in run.tasks.values() if not t.is_source and t.id[1] == w] for w in workers}
+        self.consumers = {w: [t for t in run.tasks.values() if isinstance(t, ConsumingTask) and t.id[1] == w]
+                          for w in workers}
         #: per worker, its sources whose next read waits for the backpressure to end
         self.parked: dict[int, set[TaskId]] = {w: set() for w in workers}
         #: per link, data envelopes on the wire, and credit on its way back

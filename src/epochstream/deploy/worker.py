@@ -54,6 +54,7 @@ from ..runtime.errors import ProtocolError
 from ..runtime.messages import Batch, Marker, Send, Snapshot, SourceExhausted, Watermark
 from ..runtime.meters import LoopTimes, WorkerSample, task_key
 from ..runtime.modes import implications
+from ..runtime.task import ConsumingTask, SourceTask
 from ..snapshot.manifest import CheckpointError
 from .assembly import build_tasks
 from .flow import DEFAULT_TARGET, ROWS_EVERY, WINDOW, Debloater, Pressure, ReceiveWindow, SendWindow
@@ -248,8 +249,8 @@ class WorkerLoop:
         self.task_of_chain = {tid[0]: t for tid, t in self.tasks.items()}
         self.markers_sent = 0
         self.watermarks_sent = 0
-        self.sources = [t for t in self.tasks.values() if t.is_source]
-        self.others = [t for t in self.tasks.values() if not t.is_source]
+        self.sources = [t for t in self.tasks.values() if isinstance(t, SourceTask)]
+        self.others = [t for t in self.tasks.values() if isinstance(t, ConsumingTask)]
         #: tasks the coordinator's triggers go to: sources and, in the aligned modes, loop heads
         self.triggered = [t for t in self.tasks.values() if t.takes_triggers]
         self.channel_dst = {c.id: c.dst for c in plan.channels}
@@ -266,7 +267,7 @@ class WorkerLoop:
         self.debloat = Debloater(target, pipeline.batch_rows) if target and self.others else None
         #: sizes a consuming step by time (``STEP_SECONDS``): the debloater, or with debloating
         #: off a meter of its own where tasks overtake (unaligned tasks cut messages at the step
-        #: budget, ``Task._continue``, so that is how long a marker waits for the work in hand)
+        #: budget, ``ConsumingTask._continue``, so that is how long a marker waits for the work in hand)
         overtaking = any(t.overtakes for t in self.others)
         self.step_meter = self.debloat or (Debloater(DEFAULT_TARGET, pipeline.batch_rows) if overtaking else None)
         self._first_budget = FIRST_CUT if overtaking else STEP_BUDGET

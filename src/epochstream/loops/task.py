@@ -1,4 +1,4 @@
-"""The loop head's task: a ``runtime.task.Task`` whose input is the phantom channel.
+"""The loop head's task: a ``runtime.task.ConsumingTask`` whose input is the phantom channel.
 
 In the aligned modes (exactly-once and at-least-once) the head is not aligned: its only
 input is the phantom channel, and waiting there for a marker it sent itself would close
@@ -26,15 +26,15 @@ from typing import Any
 
 from ..runtime.messages import Batch, Marker, Send, Snapshot, TaskAction, TaskCapture
 from ..runtime.state import ValueState, ValueStateDescriptor
-from ..runtime.task import Task
+from ..runtime.task import ConsumingTask
 from .head import LoopHead
 
 #: the state (of the head's uid) holding the log of in-transit records
 LOG_STATE = "in_transit"
 
 
-class LoopHeadTask(Task):
-    """A ``Task`` that, in the aligned modes, runs Algorithm 7 instead of consuming through its gate."""
+class LoopHeadTask(ConsumingTask):
+    """A ``ConsumingTask`` that, in the aligned modes, runs Algorithm 7 instead of consuming through its gate."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -99,7 +99,7 @@ class LoopHeadTask(Task):
         if logged:
             self._state.keys.key = self._own_key
             self._log.update(logged)
-        keyed, sinks, ops = self.chain.capture(epoch, self.incremental, self.full_every)
+        keyed, sinks, ops = self.chain.capture(epoch, self.config.incremental, self.config.full_every)
         nbytes = sum(len(v) for kc in keyed if kc.operator_uid == self.uid for _kg, _k, _n, v in kc.rows if v)
         actions.append(Snapshot(TaskCapture(self.id, epoch, keyed, sinks, captured_at=now, operator_state=ops,
                                             loop_log_records=len(logged), loop_log_bytes=nbytes)))

@@ -1,6 +1,6 @@
 """The epoch gate: what a task with input channels may process now, and when an epoch ends.
 
-Theory of operation. A consuming task (``runtime.task.Task``) keeps one FIFO mailbox of
+Theory of operation. A consuming task (``runtime.task.ConsumingTask``) keeps one FIFO mailbox of
 (channel, message). For every message it takes out it asks its gate ``admits``; a refused
 message is set aside (held, in arrival order) and goes back to the head of the mailbox
 when the gate ends an epoch. The gate ends epochs in one of two ways, one per mode:
@@ -18,13 +18,14 @@ the other entry     ``on_neoss`` raises ``ProtocolError``        ``on_marker`` r
 A third gate, ``alignment.UnalignedGate`` (unaligned mode), refuses nothing and
 ``overtakes``: the task scans its mailbox for markers and hands each to ``on_marker`` ahead
 of the records queued before it; the first marker n starts epoch n's snapshot at once, and
-the records still "before marker n" become its channel state (``Task._overtake``).
+the records still "before marker n" become its channel state (``ConsumingTask._overtake``, which asks the task's
+``alignment.channel_state.ChannelStateRecorder``).
 
 So the task never asks which mode it is in: markers go to ``on_marker``, notifications to
 ``on_neoss``, and a message the mode never carries is the gate's protocol error. The gate
 only decides; the task holds the messages, snapshots and forwards.
 
-Invariant both keep (checked by ``Task.check_invariants``): ``open_epoch`` is the epoch of
+Invariant both keep (checked by ``ConsumingTask.check_invariants``): ``open_epoch`` is the epoch of
 the records the task processes now, and nothing is held unless ``holding``.
 """
 

@@ -174,7 +174,7 @@ class TaskCapture:
     #: a loop head's log of in-transit records (records, pickled bytes); 0 elsewhere
     loop_log_records: int = 0
     loop_log_bytes: int = 0
-    #: unaligned mode: the channel state (``runtime.task.decode_channel_state``; b"": none),
+    #: unaligned mode: the channel state (``alignment.channel_state.decode_channel_state``; b"": none),
     #: its records and bytes
     channel_state: bytes = b""
     channel_state_records: int = 0

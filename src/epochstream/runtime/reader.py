@@ -14,7 +14,7 @@ out of the promise (``runtime.watermarks``). A RecordBatch whose event time is a
 with numpy over that column, with the row path's arithmetic, and cut into zero-copy slices
 (``_column_runs``); other batches are labelled as rows.
 
-Pure: no actions, no time. ``runtime.task.Task`` pushes the runs into its chain, counts
+Pure: no actions, no time. ``runtime.task.SourceTask`` pushes the runs into its chain, counts
 them, and turns a grown time promise into a watermark or a tracker promise.
 """
 

@@ -137,7 +137,7 @@ class AckInfo:
     loop_log_bytes: int = 0
     #: operator uid -> state name -> declared type (JSON, ``runtime.types``); "" for the key's
     types: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: unaligned mode: the task's channel state (pickled, ``runtime.task.decode_channel_state``)
+    #: unaligned mode: the task's channel state (pickled, ``alignment.channel_state.decode_channel_state``)
     channel_state: builtins.bytes = b""
     channel_state_records: int = 0
     channel_state_bytes: int = 0

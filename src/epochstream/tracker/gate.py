@@ -33,7 +33,7 @@ tracker mode, so ``on_marker`` raises ``ProtocolError``. ``blocked`` and
 ``is_blocked(channel)`` (always False: the gate is per epoch, not per channel) remain for
 callers that knew the aligner.
 
-How ``runtime.task.Task`` uses it: a ``Batch`` the gate does not admit is held; a NEOSS
+How ``runtime.task.ConsumingTask`` uses it: a ``Batch`` the gate does not admit is held; a NEOSS
 is buffered and applied at the start of the next ``step``: every epoch ``on_neoss``
 returns is snapshotted in order (no marker forwarded), then held records go back to the
 head of the mailbox in arrival order.
