@@ -273,9 +273,13 @@ def _kills_after_channel_state(tmp_path, replay):
             return sim_run(p, chk, seed=1, source_rate=SOURCE_RATE)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ConsumingTask, "restore_channel_state", replay)
-            # virtual seconds: the first epochs complete by ~3 ms, each holding channel state
-            return sim_run(p, chk, seed=1, failures=FailureSchedule(kill_times=[0.0035, 0.006], write_failures={4}),
-                           source_rate=SOURCE_RATE)
+            # virtual seconds: the first epochs complete by ~3 ms, each holding channel state; the
+            # 9th capture comes after both kills, and it (or the next with keyed state) fails its write
+            result = sim_run(p, chk, seed=1, failures=FailureSchedule(kill_times=[0.0035, 0.006], write_failures={9}),
+                             source_rate=SOURCE_RATE)
+            assert result.metrics["failures_landed"] == ["worker/now", "worker/now", "write_failure"], \
+                result.metrics["failovers"]
+            return result
 
     build = partial(union_chain, mode="unaligned", parallelism=2, batch_size=1, interval=0.0003, emit_ids=True)
     return check_exactly_once(build, run, tmp_path)
