@@ -108,6 +108,26 @@ def test_manifests_record_event_time_and_it_grows(mode, tmp_path):
     assert seen[-1] == END_OF_TIME  # the final epoch comes after every window fired
 
 
+def test_unaligned_epochs_record_subtasks_whose_timers_have_not_fired(tmp_path):
+    """A marker overtakes watermarks, so an early unaligned epoch can cut one subtask of an
+    event-time operator before any watermark reached it while another subtask fired timers
+    past the first window. The manifest records the first at label -1 (nothing complete), so
+    the operator's event time is the lowest of all its subtasks' and the oracle's reference
+    keeps the timers that subtask still held. No failure is needed: every epoch is checked."""
+
+    def run(p, chk, failing):
+        return sim_run(p, chk, seed=1)
+
+    report = check_exactly_once(partial(BUILDERS["q8"], parallelism=2, mode="unaligned", batch_linger=0.0005,
+                                        interval=0.0012), run, tmp_path)
+    assert report.ok, report.to_json()
+    storage = LocalCheckpointStorage(tmp_path / "chaos" / "chk")
+    cuts = [storage.load_manifest(e)[0]["operators"]["q8"] for e in storage.list_checkpoints()]
+    assert all(len(op["event_time_subtasks"]) == 2 for op in cuts)
+    # the case itself: one subtask at -1 next to one that fired its window-end timers (at 10)
+    assert any(op["event_time"] == -1 and max(op["event_time_subtasks"].values()) >= 10 for op in cuts), cuts
+
+
 @pytest.mark.parametrize("backend", ["hashmap", "rocksdb"])
 @pytest.mark.parametrize("mode", MODES)
 def test_key_expiry_drops_the_state_of_closed_auctions(mode, backend, tmp_path):
@@ -209,6 +229,20 @@ def test_timers_fire_in_timestamp_order_below_the_watermark(kind, tmp_path):
     timers.advance(9, 10.0, lambda ts: fired.append((ts, state.keys.key)))
     assert sorted(fired[1:]) == [(5.0, "a"), (5.0, "c")]
     assert state.as_dict() == {} and state.event_time == 9
+
+
+@pytest.mark.parametrize("kind", ["hashmap", "rocksdb"])
+def test_a_timer_service_captures_label_minus_one_until_timers_fire(kind, tmp_path):
+    """None means an operator without event time; one with timers that has fired nothing
+    says so (-1), and a restored label stays."""
+    state = _backend(kind, tmp_path)
+    assert state.capture(1, incremental=False).event_time is None
+    TimerService(state)
+    assert state.capture(2, incremental=False).event_time == -1
+    restored = _backend(kind, tmp_path)
+    restored.event_time = 7
+    TimerService(restored)
+    assert restored.event_time == 7
 
 
 @pytest.mark.parametrize("kind", ["hashmap", "rocksdb"])

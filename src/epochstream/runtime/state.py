@@ -253,7 +253,8 @@ class HeapKeyedState:
         #: epochs whose captures rebuild the state: [last full, increments...]
         self.chain: list[int] = []
         self.force_full = True
-        #: newest time label whose timers fired here (None: the operator has no event time)
+        #: newest time label whose timers fired here (None: the operator has no event time; -1:
+        #: no label is complete yet, set by its ``TimerService``)
         self.event_time: int | None = None
         #: the materialisation in progress, spread over captures (``capture``)
         self._round: _Round | None = None

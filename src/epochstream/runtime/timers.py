@@ -37,6 +37,8 @@ class TimerService:
 
     def __init__(self, state: KeyedStateBackend, enabled: bool = True) -> None:
         self._state = state
+        if state.event_time is None:  # an operator with event time: no label is complete yet
+            state.event_time = -1
         self._keys = state.keys
         self._timers = state.handle(MapStateDescriptor(TIMERS))
         self._heap: list[tuple[float, int, Any]] = []
